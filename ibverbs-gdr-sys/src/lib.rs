@@ -1,0 +1,1 @@
+//! Raw bindings to libibverbs and librdmacm (placeholder).

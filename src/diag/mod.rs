@@ -1,0 +1,1 @@
+//! Diagnostics: what the doctor example prints, as data.

@@ -1,0 +1,171 @@
+//! The crate's one error type.
+//!
+//! Variants that callers branch on are promoted (`LibraryUnavailable`, `NoDevice`,
+//! `NoRdmaSubsystem`, `Unsupported`, `FallbackRefused`, `InvalidArgument`); every other failure
+//! names the C operation that failed and keeps the raw code as its `source`.
+
+use std::path::PathBuf;
+
+use crate::path::{Cause, Path};
+
+/// `Result` with [`Error`].
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// A raw CUDA driver error, as cudarc reports it.
+pub use cudarc::driver::DriverError as CudaDriverError;
+
+/// Everything that can go wrong in gpudirect.
+///
+/// Messages are lowercase, carry no trailing period and say what to do.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// A shared library could not be opened; `tried` lists every name or path attempted.
+    #[error("{name} is not available (tried {}): {hint}", tried.join(", "))]
+    LibraryUnavailable {
+        /// The library, e.g. `libcufile.so.0`.
+        name: &'static str,
+        /// Every name or path that was tried, with the loader's message for each.
+        tried: Vec<String>,
+        /// What to do about it.
+        hint: String,
+    },
+
+    /// A library loaded but lacks a symbol (usually: it is older than the call needs).
+    #[error("{library} has no symbol {symbol}: {hint}")]
+    SymbolUnavailable {
+        /// The library the symbol was looked up in.
+        library: &'static str,
+        /// The missing symbol.
+        symbol: &'static str,
+        /// What to do about it (which version introduced the symbol).
+        hint: String,
+    },
+
+    /// No device of the kind asked for exists (no CUDA GPU, no RDMA device, bad ordinal).
+    #[error("no {what}: {detail}")]
+    NoDevice {
+        /// What was looked for, e.g. `"CUDA GPU"`, `"CUDA GPU with ordinal 3"`, `"RDMA device"`.
+        what: String,
+        /// Why, and what to do.
+        detail: String,
+    },
+
+    /// The running kernel has no RDMA subsystem (`ibv_get_device_list` failed with ENOSYS).
+    #[error("this kernel has no RDMA subsystem (ibv_get_device_list: {source}): load ib_core/ib_uverbs and a NIC or Soft-RoCE (rdma_rxe) driver")]
+    NoRdmaSubsystem {
+        /// The raw errno from libibverbs.
+        #[source]
+        source: std::io::Error,
+    },
+
+    /// The operation cannot be done on this machine, for the cause given.
+    #[error("{what} is not supported here: {cause}")]
+    Unsupported {
+        /// The operation or feature.
+        what: String,
+        /// Why not, and what would fix it.
+        cause: Cause,
+    },
+
+    /// The [`FallbackPolicy`](crate::FallbackPolicy) is `Deny` and the operation would not take a
+    /// direct path. Nothing was transferred.
+    #[error("refused to fall back to {path}: {cause} (fallback policy is deny; unset GPUDIRECT_REQUIRE_DIRECT or allow fallback to proceed)")]
+    FallbackRefused {
+        /// The path the transfer would have taken.
+        path: Path,
+        /// Why it would not have been direct.
+        cause: Cause,
+    },
+
+    /// A caller-supplied argument is wrong; nothing was done.
+    #[error("invalid argument: {0}")]
+    InvalidArgument(String),
+
+    /// A CUDA driver call failed.
+    #[error("{op} failed: {source}")]
+    Cuda {
+        /// The driver function, e.g. `"cuCtxEnablePeerAccess"`.
+        op: &'static str,
+        /// The raw `CUresult`.
+        #[source]
+        source: CudaDriverError,
+    },
+
+    /// A cuFile call returned a cuFile status.
+    #[error("{op} failed: {source}")]
+    CuFile {
+        /// The cuFile function, e.g. `"cuFileHandleRegister"`.
+        op: &'static str,
+        /// The raw status, decoded.
+        #[source]
+        source: crate::storage::CuFileStatus,
+    },
+
+    /// A verbs or rdma_cm call failed with an errno.
+    #[error("{op} failed: {source}")]
+    Verbs {
+        /// The libibverbs / librdmacm function, e.g. `"ibv_reg_dmabuf_mr"`.
+        op: &'static str,
+        /// The errno.
+        #[source]
+        source: std::io::Error,
+    },
+
+    /// A work request completed with an error status.
+    #[error("work request {wr_id} completed with {status}")]
+    WorkCompletion {
+        /// The work request id given when posting.
+        wr_id: u64,
+        /// The decoded completion status.
+        status: crate::rdma::WcStatus,
+    },
+
+    /// An operating-system call on a file or socket failed.
+    #[error("{op}{} failed: {source}", path.as_ref().map(|p| format!(" on {}", p.display())).unwrap_or_default())]
+    Io {
+        /// The call, e.g. `"pread"`, `"open"`.
+        op: &'static str,
+        /// The file involved, when there is one.
+        path: Option<PathBuf>,
+        /// The errno.
+        #[source]
+        source: std::io::Error,
+    },
+
+    /// A setting was given after the point where the library still honours it.
+    #[error("{setting} must be set before {before}: {hint}")]
+    TooLate {
+        /// The setting.
+        setting: &'static str,
+        /// The event after which it is ignored (e.g. `"cuFileDriverOpen"`).
+        before: &'static str,
+        /// What to do.
+        hint: &'static str,
+    },
+}
+
+impl Error {
+    /// Wraps a CUDA driver error with the name of the failing call.
+    pub(crate) fn cuda(op: &'static str, source: CudaDriverError) -> Self {
+        Error::Cuda { op, source }
+    }
+
+    /// Wraps an errno from an OS call.
+    pub(crate) fn io(op: &'static str, path: Option<PathBuf>, source: std::io::Error) -> Self {
+        Error::Io { op, path, source }
+    }
+
+    /// True for errors that mean "the hardware or library is not here", as opposed to a
+    /// failure of something that is: programs use it to decide to fall back quietly.
+    pub fn is_absence(&self) -> bool {
+        matches!(
+            self,
+            Error::LibraryUnavailable { .. }
+                | Error::SymbolUnavailable { .. }
+                | Error::NoDevice { .. }
+                | Error::NoRdmaSubsystem { .. }
+                | Error::Unsupported { .. }
+        )
+    }
+}

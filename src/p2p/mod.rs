@@ -1,0 +1,1 @@
+//! GPU↔GPU peer-to-peer: topology, peer access, peer copies that report their path.
