@@ -28,8 +28,12 @@ fn probe() -> &'static Probe {
     PROBE.get_or_init(|| {
         // SAFETY: is_culib_present only dlopens candidate names and drops the handles.
         if !unsafe { sys::is_culib_present() } {
-            let mut tried = cudarc::get_lib_name_candidates("cuda");
-            tried.dedup();
+            let mut tried: Vec<String> = Vec::new();
+            for name in cudarc::get_lib_name_candidates("cuda") {
+                if !tried.contains(&name) {
+                    tried.push(name);
+                }
+            }
             return Probe::Missing { tried };
         }
         // libcuda is loadable, so cudarc's own loader will not panic. cuDriverGetVersion has
