@@ -441,7 +441,10 @@ mod tests {
         let err = Library::load_first(["/nonexistent/a.so", "/nonexistent/b.so"]).unwrap_err();
         assert_eq!(err.tried.len(), 2);
         let msg = err.to_string();
-        assert!(msg.contains("/nonexistent/a.so") && msg.contains("/nonexistent/b.so"), "{msg}");
+        assert!(
+            msg.contains("/nonexistent/a.so") && msg.contains("/nonexistent/b.so"),
+            "{msg}"
+        );
         assert!(msg.contains(LIBRARY_ENV), "{msg}");
     }
 }

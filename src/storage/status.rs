@@ -180,22 +180,58 @@ fn common_entry(code: i32) -> Option<Entry> {
 fn entry_1_15(code: i32) -> Option<Entry> {
     const RETRY: Option<&str> = Some("retry later");
     Some(match code {
-        5039 => e("CU_FILE_INTERNAL_BATCH_SETUP_ERROR", "internal batch setup error", RETRY),
-        5040 => e("CU_FILE_INTERNAL_BATCH_SUBMIT_ERROR", "internal batch submit error", RETRY),
-        5041 => e("CU_FILE_INTERNAL_BATCH_GETSTATUS_ERROR", "internal batch get-status error", RETRY),
-        5042 => e("CU_FILE_INTERNAL_BATCH_CANCEL_ERROR", "internal batch cancel error", RETRY),
+        5039 => e(
+            "CU_FILE_INTERNAL_BATCH_SETUP_ERROR",
+            "internal batch setup error",
+            RETRY,
+        ),
+        5040 => e(
+            "CU_FILE_INTERNAL_BATCH_SUBMIT_ERROR",
+            "internal batch submit error",
+            RETRY,
+        ),
+        5041 => e(
+            "CU_FILE_INTERNAL_BATCH_GETSTATUS_ERROR",
+            "internal batch get-status error",
+            RETRY,
+        ),
+        5042 => e(
+            "CU_FILE_INTERNAL_BATCH_CANCEL_ERROR",
+            "internal batch cancel error",
+            RETRY,
+        ),
         5043 => e("CU_FILE_NOMEM_ERROR", "cuFile is out of memory", RETRY),
         5044 => e("CU_FILE_IO_ERROR", "cuFile io error", None),
-        5045 => e("CU_FILE_INTERNAL_BUF_REGISTER_ERROR", "internal buffer registration error", None),
-        5046 => e("CU_FILE_HASH_OPR_ERROR", "internal hash operation error", None),
-        5047 => e("CU_FILE_INVALID_CONTEXT_ERROR", "invalid cuda context", Some("make the buffer's context current on the calling thread")),
-        5048 => e("CU_FILE_NVFS_INTERNAL_DRIVER_ERROR", "nvidia-fs internal driver error", Some("check dmesg for nvidia-fs errors")),
+        5045 => e(
+            "CU_FILE_INTERNAL_BUF_REGISTER_ERROR",
+            "internal buffer registration error",
+            None,
+        ),
+        5046 => e(
+            "CU_FILE_HASH_OPR_ERROR",
+            "internal hash operation error",
+            None,
+        ),
+        5047 => e(
+            "CU_FILE_INVALID_CONTEXT_ERROR",
+            "invalid cuda context",
+            Some("make the buffer's context current on the calling thread"),
+        ),
+        5048 => e(
+            "CU_FILE_NVFS_INTERNAL_DRIVER_ERROR",
+            "nvidia-fs internal driver error",
+            Some("check dmesg for nvidia-fs errors"),
+        ),
         5049 => e(
             "CU_FILE_BATCH_NOCOMPAT_ERROR",
             "batch io needs compatibility mode, which is off",
             Some("set properties.allow_compat_mode to true or use a gds-capable file"),
         ),
-        5050 => e("CU_FILE_IO_MAX_ERROR", "end-of-table sentinel (not a real error)", None),
+        5050 => e(
+            "CU_FILE_IO_MAX_ERROR",
+            "end-of-table sentinel (not a real error)",
+            None,
+        ),
         _ => return None,
     })
 }
@@ -203,7 +239,11 @@ fn entry_1_15(code: i32) -> Option<Entry> {
 /// Codes 5039 and up as cuFile 1.14 and earlier define them.
 fn entry_1_14(code: i32) -> Option<Entry> {
     match code {
-        5039 => Some(e("CU_FILE_IO_MAX_ERROR", "end-of-table sentinel (not a real error)", None)),
+        5039 => Some(e(
+            "CU_FILE_IO_MAX_ERROR",
+            "end-of-table sentinel (not a real error)",
+            None,
+        )),
         _ => None,
     }
 }
@@ -344,7 +384,11 @@ impl fmt::Display for CuFileStatus {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match lookup(self.code, self.version) {
             Some(entry) => {
-                write!(f, "cuFile {} ({}): {}", entry.name, self.code, entry.message)?;
+                write!(
+                    f,
+                    "cuFile {} ({}): {}",
+                    entry.name, self.code, entry.message
+                )?;
                 if let Some(cu) = self.cuda_error() {
                     write!(f, " ({})", CudaResultName(cu))?;
                 }
@@ -419,7 +463,10 @@ impl IoReturn {
             IoReturn::Os(std::io::Error::from_raw_os_error(errno()))
         } else if ret < -(CUFILEOP_BASE_ERR as isize) {
             // cuFile codes fit an i32 by construction; saturate anything stranger.
-            let code = i32::try_from(-(ret as i64)).unwrap_or(i32::MAX);
+            let code = (ret as i64)
+                .checked_neg()
+                .and_then(|c| i32::try_from(c).ok())
+                .unwrap_or(i32::MAX);
             IoReturn::CuFile(CuFileStatus::new(code))
         } else {
             IoReturn::Os(std::io::Error::from_raw_os_error(-(ret as i32)))
@@ -500,7 +547,10 @@ mod tests {
         assert!(s.starts_with("cuFile "), "{s}");
         assert!(!s.ends_with('.'), "{s}");
         assert!(!s.contains('\n'), "{s}");
-        assert!(!s.contains("CuFileStatus {"), "Display must not print Debug: {s}");
+        assert!(
+            !s.contains("CuFileStatus {"),
+            "Display must not print Debug: {s}"
+        );
     }
 
     #[test]
@@ -513,7 +563,10 @@ mod tests {
             assert!(msg.starts_with(|c: char| c.is_lowercase()), "{msg}");
             let text = s.to_string();
             assert_lowercase_line(&text);
-            assert!(text.contains(name) && text.contains(&code.to_string()), "{text}");
+            assert!(
+                text.contains(name) && text.contains(&code.to_string()),
+                "{text}"
+            );
             // Newer libraries keep the same table.
             assert_eq!(CuFileStatus::for_version(code, 1200).name(), Some(name));
         }
@@ -535,7 +588,10 @@ mod tests {
             let s = CuFileStatus::for_version(code, 1140);
             assert_eq!(s.name(), None, "{code} does not exist in 1.14");
             let text = s.to_string();
-            assert!(text.contains(&code.to_string()) && text.contains("cuFile 1.14"), "{text}");
+            assert!(
+                text.contains(&code.to_string()) && text.contains("cuFile 1.14"),
+                "{text}"
+            );
         }
     }
 
@@ -547,7 +603,10 @@ mod tests {
             assert_eq!(s.name(), None);
             assert_eq!(s.message(), None);
             let text = s.to_string();
-            assert!(text.starts_with(&format!("cuFile status {code} ")), "{text}");
+            assert!(
+                text.starts_with(&format!("cuFile status {code} ")),
+                "{text}"
+            );
             assert!(text.contains("cuFile 1.15"), "{text}");
         }
         let s = CuFileStatus::from_parts(5032, 0, None);
@@ -579,23 +638,41 @@ mod tests {
         assert!(s.contains("libcuda"), "{s}");
         assert_eq!(CuFileStatus::for_version(5022, 1150).fix(), None);
         for code in 5039..=5043 {
-            assert!(CuFileStatus::for_version(code, 1150).is_retryable(), "{code}");
+            assert!(
+                CuFileStatus::for_version(code, 1150).is_retryable(),
+                "{code}"
+            );
         }
         assert!(CuFileStatus::for_version(0, 1150).is_success());
     }
 
     #[test]
     fn ssize_returns_decode_by_the_rule() {
-        assert!(matches!(IoReturn::decode(0, || panic!()), IoReturn::Bytes(0)));
-        assert!(matches!(IoReturn::decode(4097, || panic!()), IoReturn::Bytes(4097)));
-        assert!(matches!(IoReturn::decode(isize::MAX, || panic!()), IoReturn::Bytes(n) if n == isize::MAX as usize));
+        assert!(matches!(
+            IoReturn::decode(0, || panic!()),
+            IoReturn::Bytes(0)
+        ));
+        assert!(matches!(
+            IoReturn::decode(4097, || panic!()),
+            IoReturn::Bytes(4097)
+        ));
+        assert!(
+            matches!(IoReturn::decode(isize::MAX, || panic!()), IoReturn::Bytes(n) if n == isize::MAX as usize)
+        );
         // -1: errno, read only then.
         match IoReturn::decode(-1, || libc::EBADF) {
             IoReturn::Os(e) => assert_eq!(e.raw_os_error(), Some(libc::EBADF)),
             other => panic!("{other:?}"),
         }
         // Other small negatives: -errno.
-        for errno in [libc::EIO, libc::EINVAL, libc::EFAULT, libc::ENOSPC, 4999, 5000] {
+        for errno in [
+            libc::EIO,
+            libc::EINVAL,
+            libc::EFAULT,
+            libc::ENOSPC,
+            4999,
+            5000,
+        ] {
             match IoReturn::decode(-(errno as isize), || panic!("errno must not be read")) {
                 IoReturn::Os(e) => assert_eq!(e.raw_os_error(), Some(errno)),
                 other => panic!("{errno}: {other:?}"),
@@ -625,6 +702,9 @@ mod tests {
             IoReturn::Os(e) => assert_eq!(e.raw_os_error(), Some(libc::EIO)),
             other => panic!("{other:?}"),
         }
-        assert!(matches!(IoReturn::decode_event(usize::MAX), IoReturn::Os(_)));
+        assert!(matches!(
+            IoReturn::decode_event(usize::MAX),
+            IoReturn::Os(_)
+        ));
     }
 }

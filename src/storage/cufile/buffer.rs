@@ -1,0 +1,164 @@
+//! Device pointers as cuFile wants them, and registered buffers (`cuFileBufRegister`).
+
+use std::ffi::c_void;
+use std::sync::Arc;
+
+use cudarc::driver::{sys as cu, CudaSlice, CudaView, CudaViewMut};
+
+use super::{result, Driver};
+use crate::error::{Error, Result};
+
+/// The allocation containing `ptr`: `(base, size in bytes)` (`cuMemGetAddressRange`).
+///
+/// cuFile wants the allocation (or registered) base plus an offset, not an interior pointer.
+/// Only called with pointers of live cudarc buffers, whose context exists, so libcuda is loaded.
+pub(crate) fn allocation_range(ptr: cu::CUdeviceptr) -> Result<(cu::CUdeviceptr, usize)> {
+    let mut base: cu::CUdeviceptr = 0;
+    let mut size: usize = 0;
+    // SAFETY: both out-pointers are valid; a cudarc buffer exists, so libcuda is loaded and
+    // initialised (crate::cuda's door was passed to create its context).
+    let rc = unsafe { cu::cuMemGetAddressRange_v2(&mut base, &mut size, ptr) };
+    crate::cuda::check("cuMemGetAddressRange", rc)?;
+    Ok((base, size))
+}
+
+/// A device buffer registered with cuFile (`cuFileBufRegister`) for the life of this value.
+///
+/// Owns the [`CudaSlice`] so the memory cannot be freed while registered. The registration
+/// covers the whole allocation that holds the slice (its base, as cuFile requires), in bytes.
+/// IO through [`CuFileHandle`](super::CuFileHandle) into any view of it uses the registration
+/// automatically (cuFile then skips its bounce buffers when the GDS path is active).
+///
+/// Dropping it calls `cuFileBufDeregister` (failures are logged, never panic), then frees the
+/// slice.
+#[derive(Debug)]
+pub struct RegisteredBuffer {
+    // Field order: deregistration happens in Drop's body, then `slice` is freed.
+    base: cu::CUdeviceptr,
+    registered_len: usize,
+    driver: Arc<Driver>,
+    slice: Option<CudaSlice<u8>>,
+}
+
+impl RegisteredBuffer {
+    /// Registers `slice`'s allocation with cuFile (`cuFileBufRegister`, flags 0).
+    ///
+    /// Errors: `CU_FILE_MEMORY_ALREADY_REGISTERED`, `CU_FILE_GPU_MEMORY_PINNING_FAILED` (budget:
+    /// [`DriverProperties::max_device_pinned_mem_kb`](super::DriverProperties::max_device_pinned_mem_kb)),
+    /// CUDA errors — all as [`Error::CuFile`].
+    pub fn register(driver: Arc<Driver>, slice: CudaSlice<u8>) -> Result<Self> {
+        if slice.is_empty() {
+            return Err(Error::InvalidArgument(
+                "cannot register an empty buffer with cuFile: allocate at least one byte".into(),
+            ));
+        }
+        let stream = Arc::clone(slice.stream());
+        stream
+            .context()
+            .bind_to_thread()
+            .map_err(|e| Error::cuda("cuCtxSetCurrent", e))?;
+        // Finish pending work (e.g. the allocation itself, stream-ordered) before pinning.
+        stream
+            .synchronize()
+            .map_err(|e| Error::cuda("cuStreamSynchronize", e))?;
+        let ptr = {
+            let (p, _sync) = cudarc::driver::DevicePtr::device_ptr(&slice, &stream);
+            p
+        };
+        let (base, len) = allocation_range(ptr)?;
+        // SAFETY: `base..base+len` is the live allocation holding `slice`, which this value owns
+        // until after cuFileBufDeregister in Drop.
+        unsafe { result::buf_register(driver.lib(), base as *const c_void, len, 0) }?;
+        Ok(RegisteredBuffer {
+            base,
+            registered_len: len,
+            driver,
+            slice: Some(slice),
+        })
+    }
+
+    /// Allocates `len` bytes on `stream`'s device and registers them.
+    pub fn alloc(
+        driver: Arc<Driver>,
+        stream: &Arc<cudarc::driver::CudaStream>,
+        len: usize,
+    ) -> Result<Self> {
+        // SAFETY: the bytes are uninitialised device memory; reading them before a write
+        // returns unspecified values but is not undefined behaviour for u8.
+        let slice = unsafe { stream.alloc::<u8>(len) }.map_err(|e| Error::cuda("cuMemAlloc", e))?;
+        Self::register(driver, slice)
+    }
+
+    /// The registered base address.
+    pub fn base(&self) -> u64 {
+        self.base
+    }
+
+    /// Bytes registered (the whole allocation, at least [`len`](Self::len)).
+    pub fn registered_len(&self) -> usize {
+        self.registered_len
+    }
+
+    /// Length of the owned slice in bytes.
+    pub fn len(&self) -> usize {
+        self.slice().len()
+    }
+
+    /// True for an empty slice (never: registration refuses it).
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The owned slice.
+    pub fn slice(&self) -> &CudaSlice<u8> {
+        self.slice.as_ref().expect("slice is present until drop")
+    }
+
+    /// The owned slice, mutably (for kernels and copies).
+    pub fn slice_mut(&mut self) -> &mut CudaSlice<u8> {
+        self.slice.as_mut().expect("slice is present until drop")
+    }
+
+    /// A view of the whole buffer.
+    pub fn as_view(&self) -> CudaView<'_, u8> {
+        self.slice().as_view()
+    }
+
+    /// A mutable view of the whole buffer (pass it to `CuFileHandle::read`).
+    pub fn as_view_mut(&mut self) -> CudaViewMut<'_, u8> {
+        self.slice_mut().as_view_mut()
+    }
+
+    /// Deregisters and returns the slice; a failed `cuFileBufDeregister` gives the buffer back.
+    pub fn into_inner(mut self) -> std::result::Result<CudaSlice<u8>, Box<(Self, Error)>> {
+        match self.deregister() {
+            Ok(()) => Ok(self.slice.take().expect("slice is present until drop")),
+            Err(e) => Err(Box::new((self, e))),
+        }
+    }
+
+    fn deregister(&mut self) -> Result<()> {
+        if self.base == 0 {
+            return Ok(());
+        }
+        if let Some(s) = self.slice.as_ref() {
+            // cuFile requires no IO in flight; sync IO is complete on return, and the stream
+            // may still hold kernels touching the memory, which is harmless for deregistration.
+            let _ = s.context().bind_to_thread();
+        }
+        // SAFETY: `base` was registered by `register` and has not been deregistered (set to 0
+        // after success). Synchronous IO has completed; stream and batch IO guards borrow the
+        // buffer, so none is in flight while `&mut self` exists.
+        unsafe { result::buf_deregister(self.driver.lib(), self.base as *const c_void) }?;
+        self.base = 0;
+        Ok(())
+    }
+}
+
+impl Drop for RegisteredBuffer {
+    fn drop(&mut self) {
+        if let Err(e) = self.deregister() {
+            tracing::warn!(error = %e, "cuFileBufDeregister failed; the pinned mapping leaks");
+        }
+    }
+}

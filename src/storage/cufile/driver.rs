@@ -1,0 +1,609 @@
+//! The process-wide cuFile driver: opened once, configured before opening, never closed.
+
+use std::ffi::OsString;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+
+use cufile_sys as sys;
+
+use super::result;
+use crate::error::{Error, Result};
+use crate::storage::status::{self, CuFileStatus};
+
+bitflags::bitflags! {
+    /// `nvfs.dstatusflags` (`CUfileDriverStatusFlags`): the storage kinds the nvidia-fs driver
+    /// supports. Unknown bits of newer releases are kept.
+    #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+    pub struct FsSupport: u32 {
+        /// DDN Lustre (`CU_FILE_LUSTRE_SUPPORTED`).
+        const LUSTRE = 1 << 0;
+        /// WekaFS.
+        const WEKAFS = 1 << 1;
+        /// NFS.
+        const NFS = 1 << 2;
+        /// IBM Spectrum Scale (GPFS).
+        const GPFS = 1 << 3;
+        /// Local NVMe.
+        const NVME = 1 << 4;
+        /// NVMe over Fabrics.
+        const NVMEOF = 1 << 5;
+        /// SCSI.
+        const SCSI = 1 << 6;
+        /// ScaleFlux computational storage.
+        const SCALEFLUX_CSD = 1 << 7;
+        /// NVMesh block devices.
+        const NVMESH = 1 << 8;
+        /// BeeGFS.
+        const BEEGFS = 1 << 9;
+        /// NVMe through the kernel's PCI P2PDMA (deprecated in newer headers).
+        const NVME_P2P = 1 << 11;
+        /// ScaTeFS.
+        const SCATEFS = 1 << 12;
+        /// virtiofs (cuFile 1.19+).
+        const VIRTIOFS = 1 << 13;
+        /// PanFS (cuFile 1.19+).
+        const PANFS = 1 << 14;
+        const _ = !0;
+    }
+}
+
+bitflags::bitflags! {
+    /// `nvfs.dcontrolflags` (`CUfileDriverControlFlags`): the driver's active controls.
+    #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+    pub struct ControlFlags: u32 {
+        /// `CU_FILE_USE_POLL_MODE`: small IOs poll instead of sleeping.
+        const USE_POLL_MODE = 1 << 0;
+        /// `CU_FILE_ALLOW_COMPAT_MODE`: cuFile may fall back to its POSIX path.
+        const ALLOW_COMPAT_MODE = 1 << 1;
+        const _ = !0;
+    }
+}
+
+bitflags::bitflags! {
+    /// `fflags` (`CUfileFeatureFlags`): library features.
+    #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+    pub struct FeatureFlags: u32 {
+        /// Dynamic routing across PCIe bridges.
+        const DYN_ROUTING = 1 << 0;
+        /// Batch IO.
+        const BATCH_IO = 1 << 1;
+        /// Stream-ordered IO.
+        const STREAMS = 1 << 2;
+        /// Parallel IO.
+        const PARALLEL_IO = 1 << 3;
+        /// PCI P2PDMA (1.15+ headers).
+        const P2P = 1 << 4;
+        const _ = !0;
+    }
+}
+
+/// `CUfileDrvProps_t`, decoded. Sizes are as cuFile reports them, in KiB; the `*_bytes`
+/// accessors convert.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DriverProperties {
+    nvfs_major: u32,
+    nvfs_minor: u32,
+    poll_threshold_kb: usize,
+    max_direct_io_kb: usize,
+    fs_support: FsSupport,
+    control: ControlFlags,
+    features: FeatureFlags,
+    max_device_cache_kb: u32,
+    per_buffer_cache_kb: u32,
+    max_device_pinned_mem_kb: u32,
+    max_batch_io_size: u32,
+    max_batch_io_timeout_ms: u32,
+}
+
+impl DriverProperties {
+    /// Decodes the raw struct.
+    pub fn from_raw(p: &sys::CUfileDrvProps_t) -> Self {
+        DriverProperties {
+            nvfs_major: p.nvfs.major_version,
+            nvfs_minor: p.nvfs.minor_version,
+            poll_threshold_kb: p.nvfs.poll_thresh_size,
+            max_direct_io_kb: p.nvfs.max_direct_io_size,
+            fs_support: FsSupport::from_bits_retain(p.nvfs.dstatusflags),
+            control: ControlFlags::from_bits_retain(p.nvfs.dcontrolflags),
+            features: FeatureFlags::from_bits_retain(p.fflags),
+            max_device_cache_kb: p.max_device_cache_size,
+            per_buffer_cache_kb: p.per_buffer_cache_size,
+            max_device_pinned_mem_kb: p.max_device_pinned_mem_size,
+            max_batch_io_size: p.max_batch_io_size,
+            max_batch_io_timeout_ms: p.max_batch_io_timeout_msecs,
+        }
+    }
+
+    /// The nvidia-fs kernel driver's version, `None` when it is not loaded (cuFile reports 0.0).
+    pub fn nvfs_version(&self) -> Option<(u32, u32)> {
+        self.nvfs_loaded()
+            .then_some((self.nvfs_major, self.nvfs_minor))
+    }
+
+    /// True when the nvidia-fs kernel driver is loaded (version other than 0.0).
+    pub fn nvfs_loaded(&self) -> bool {
+        self.nvfs_major != 0 || self.nvfs_minor != 0
+    }
+
+    /// Storage kinds nvidia-fs supports (`nvfs.dstatusflags`).
+    pub fn fs_support(&self) -> FsSupport {
+        self.fs_support
+    }
+
+    /// Active controls (`nvfs.dcontrolflags`).
+    pub fn control(&self) -> ControlFlags {
+        self.control
+    }
+
+    /// Library features (`fflags`).
+    pub fn features(&self) -> FeatureFlags {
+        self.features
+    }
+
+    /// True when cuFile may use its compatibility (POSIX) path.
+    pub fn compat_mode_allowed(&self) -> bool {
+        self.control.contains(ControlFlags::ALLOW_COMPAT_MODE)
+    }
+
+    /// Poll-mode threshold in KiB (`nvfs.poll_thresh_size`).
+    pub fn poll_threshold_kb(&self) -> usize {
+        self.poll_threshold_kb
+    }
+
+    /// Largest request sent to nvidia-fs, in KiB (`nvfs.max_direct_io_size`).
+    pub fn max_direct_io_kb(&self) -> usize {
+        self.max_direct_io_kb
+    }
+
+    /// Largest request sent to nvidia-fs, in bytes.
+    pub fn max_direct_io_bytes(&self) -> usize {
+        self.max_direct_io_kb.saturating_mul(1024)
+    }
+
+    /// Per-GPU device memory for cuFile's bounce buffers, in KiB.
+    pub fn max_device_cache_kb(&self) -> u32 {
+        self.max_device_cache_kb
+    }
+
+    /// Size of one bounce buffer, in KiB.
+    pub fn per_buffer_cache_kb(&self) -> u32 {
+        self.per_buffer_cache_kb
+    }
+
+    /// Budget of pinned GPU memory for `cuFileBufRegister`, in KiB.
+    pub fn max_device_pinned_mem_kb(&self) -> u32 {
+        self.max_device_pinned_mem_kb
+    }
+
+    /// Budget of pinned GPU memory for `cuFileBufRegister`, in bytes.
+    pub fn max_device_pinned_mem_bytes(&self) -> u64 {
+        u64::from(self.max_device_pinned_mem_kb) * 1024
+    }
+
+    /// Largest batch (`cuFileBatchIOSetUp`'s `nr`).
+    pub fn max_batch_io_size(&self) -> u32 {
+        self.max_batch_io_size
+    }
+
+    /// Batch IO timeout in milliseconds.
+    pub fn max_batch_io_timeout_ms(&self) -> u32 {
+        self.max_batch_io_timeout_ms
+    }
+}
+
+/// Where cuFile writes its log (`cufile.log`, by default into the working directory).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum LogTarget {
+    /// `CUFILE_LOGFILE_PATH` if the user set it, else a file in the temporary directory
+    /// (`gpudirect-cufile-<pid>.log`). The default.
+    TempDir,
+    /// This file.
+    File(PathBuf),
+    /// Whatever cuFile does on its own (the working directory unless configured).
+    CuFileDefault,
+}
+
+/// One setting staged by the builder, applied before `cuFileDriverOpen`.
+#[derive(Debug, Clone)]
+enum Setting {
+    PollMode { poll: bool, threshold_kb: usize },
+    MaxDirectIoKb(usize),
+    MaxCacheKb(usize),
+    MaxPinnedMemKb(usize),
+    SizeT { param: u32, value: usize },
+    Bool { param: u32, value: bool },
+    Str { param: u32, value: String },
+}
+
+impl Setting {
+    fn name(&self) -> &'static str {
+        match self {
+            Setting::PollMode { .. } => "poll mode (cuFileDriverSetPollMode)",
+            Setting::MaxDirectIoKb(_) => "max direct io size (cuFileDriverSetMaxDirectIOSize)",
+            Setting::MaxCacheKb(_) => "max cache size (cuFileDriverSetMaxCacheSize)",
+            Setting::MaxPinnedMemKb(_) => "max pinned memory (cuFileDriverSetMaxPinnedMemSize)",
+            Setting::SizeT { .. } => "a size parameter (cuFileSetParameterSizeT)",
+            Setting::Bool { .. } => "a bool parameter (cuFileSetParameterBool)",
+            Setting::Str { .. } => "a string parameter (cuFileSetParameterString)",
+        }
+    }
+
+    fn apply(&self, lib: &sys::Library) -> Result<()> {
+        match self {
+            Setting::PollMode { poll, threshold_kb } => {
+                result::driver_set_poll_mode(lib, *poll, *threshold_kb)
+            }
+            Setting::MaxDirectIoKb(kb) => result::driver_set_max_direct_io_size(lib, *kb),
+            Setting::MaxCacheKb(kb) => result::driver_set_max_cache_size(lib, *kb),
+            Setting::MaxPinnedMemKb(kb) => result::driver_set_max_pinned_mem_size(lib, *kb),
+            Setting::SizeT { param, value } => result::set_parameter_size_t(lib, *param, *value),
+            Setting::Bool { param, value } => result::set_parameter_bool(lib, *param, *value),
+            Setting::Str { param, value } => {
+                result::set_parameter_string(lib, *param, &result::c_string("parameter", value)?)
+            }
+        }
+    }
+}
+
+const TOO_LATE_HINT: &str =
+    "configure the driver with Driver::builder() before anything opens it (the first Driver::open or cuFile call)";
+
+/// Settings cuFile honours only before its driver opens (`Driver::builder()`).
+#[derive(Debug, Clone)]
+#[must_use]
+pub struct DriverBuilder {
+    settings: Vec<Setting>,
+    log: LogTarget,
+    force_compat: bool,
+}
+
+impl Default for DriverBuilder {
+    fn default() -> Self {
+        DriverBuilder {
+            settings: Vec::new(),
+            log: LogTarget::TempDir,
+            force_compat: false,
+        }
+    }
+}
+
+impl DriverBuilder {
+    /// Poll (instead of sleeping) for IOs up to `threshold_kb` KiB (`cuFileDriverSetPollMode`).
+    pub fn poll_mode(mut self, poll: bool, threshold_kb: usize) -> Self {
+        self.settings.push(Setting::PollMode { poll, threshold_kb });
+        self
+    }
+
+    /// Largest request sent to nvidia-fs, in KiB (`cuFileDriverSetMaxDirectIOSize`).
+    pub fn max_direct_io_size_kb(mut self, kb: usize) -> Self {
+        self.settings.push(Setting::MaxDirectIoKb(kb));
+        self
+    }
+
+    /// Per-GPU bounce-buffer memory, in KiB (`cuFileDriverSetMaxCacheSize`).
+    pub fn max_cache_size_kb(mut self, kb: usize) -> Self {
+        self.settings.push(Setting::MaxCacheKb(kb));
+        self
+    }
+
+    /// Budget of pinned GPU memory for registered buffers, in KiB
+    /// (`cuFileDriverSetMaxPinnedMemSize`).
+    pub fn max_pinned_mem_size_kb(mut self, kb: usize) -> Self {
+        self.settings.push(Setting::MaxPinnedMemKb(kb));
+        self
+    }
+
+    /// Any `size_t` parameter (`cuFileSetParameterSizeT`, cuFile 1.14+), e.g.
+    /// `cufile_sys::CUFILE_PARAM_EXECUTION_MAX_IO_THREADS`.
+    pub fn parameter_size_t(
+        mut self,
+        param: sys::CUFileSizeTConfigParameter_t,
+        value: usize,
+    ) -> Self {
+        self.settings.push(Setting::SizeT { param, value });
+        self
+    }
+
+    /// Any `bool` parameter (`cuFileSetParameterBool`, cuFile 1.14+), e.g.
+    /// `cufile_sys::CUFILE_PARAM_PROPERTIES_ALLOW_COMPAT_MODE`.
+    pub fn parameter_bool(mut self, param: sys::CUFileBoolConfigParameter_t, value: bool) -> Self {
+        if param == sys::CUFILE_PARAM_FORCE_COMPAT_MODE {
+            self.force_compat = value;
+        }
+        self.settings.push(Setting::Bool { param, value });
+        self
+    }
+
+    /// Any string parameter (`cuFileSetParameterString`, cuFile 1.14+), e.g.
+    /// `cufile_sys::CUFILE_PARAM_LOGGING_LEVEL`.
+    pub fn parameter_string(
+        mut self,
+        param: sys::CUFileStringConfigParameter_t,
+        value: impl Into<String>,
+    ) -> Self {
+        self.settings.push(Setting::Str {
+            param,
+            value: value.into(),
+        });
+        self
+    }
+
+    /// Sends all IO through cuFile's compatibility (POSIX) path
+    /// (`CUFILE_PARAM_FORCE_COMPAT_MODE`).
+    pub fn force_compat_mode(self, on: bool) -> Self {
+        self.parameter_bool(sys::CUFILE_PARAM_FORCE_COMPAT_MODE, on)
+    }
+
+    /// Where cuFile's log goes (default: [`LogTarget::TempDir`], never the working directory).
+    pub fn log(mut self, target: LogTarget) -> Self {
+        self.log = target;
+        self
+    }
+
+    /// True when the builder stages any driver setting (the log target is not one: it is an
+    /// environment variable read at open).
+    fn has_settings(&self) -> bool {
+        !self.settings.is_empty()
+    }
+
+    /// Opens the driver with these settings (`cuFileDriverOpen`), or returns the process's open
+    /// driver when there are no settings. Settings given after the driver is open are
+    /// [`Error::TooLate`], never silently ignored.
+    ///
+    /// Before any call into cuFile's driver this checks, through [`crate::cuda`], that libcuda
+    /// loads and a CUDA device exists; without them it returns that typed error and does not
+    /// call `cuFileDriverOpen` (cuFile 1.15 would write `cufile.log` into the working directory
+    /// and fail with 5033; 1.20 spins at 100% CPU).
+    pub fn open(self) -> Result<Arc<Driver>> {
+        let mut slot = DRIVER.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(d) = slot.as_ref() {
+            if let Some(s) = self.settings.first() {
+                return Err(Error::TooLate {
+                    setting: s.name(),
+                    before: "cuFileDriverOpen",
+                    hint: TOO_LATE_HINT,
+                });
+            }
+            return Ok(Arc::clone(d));
+        }
+        let lib = result::lib()?;
+        let version = result::get_version(lib)?;
+        status::set_loaded_version(version);
+        // Our check, before anything that needs libcuda.
+        crate::cuda::device_count()?;
+
+        if self.has_settings() && result::use_count(lib).unwrap_or(0) > 0 {
+            return Err(Error::TooLate {
+                setting: self.settings[0].name(),
+                before: "cuFileDriverOpen",
+                hint: TOO_LATE_HINT,
+            });
+        }
+        for s in &self.settings {
+            s.apply(lib).map_err(|e| match e {
+                Error::CuFile { source, .. }
+                    if source.code() == CuFileStatus::DRIVER_ALREADY_OPEN =>
+                {
+                    Error::TooLate {
+                        setting: s.name(),
+                        before: "cuFileDriverOpen",
+                        hint: TOO_LATE_HINT,
+                    }
+                }
+                other => other,
+            })?;
+        }
+        let log_file = direct_log(&self.log);
+        // SAFETY: crate::cuda::device_count() succeeded above: libcuda loads and a device exists.
+        unsafe { result::driver_open(lib) }?;
+        // SAFETY: as above.
+        let raw = unsafe { result::driver_get_properties(lib) }?;
+        let force_compat = self.force_compat
+            || std::env::var("CUFILE_FORCE_COMPAT_MODE")
+                .map(|v| v.eq_ignore_ascii_case("true") || v == "1")
+                .unwrap_or(false);
+        let p2pdma =
+            result::get_parameter_bool(lib, sys::CUFILE_PARAM_USE_PCIP2PDMA).unwrap_or(false);
+        let driver = Arc::new(Driver {
+            lib,
+            version,
+            properties: DriverProperties::from_raw(&raw),
+            force_compat,
+            p2pdma,
+            log_file,
+        });
+        *slot = Some(Arc::clone(&driver));
+        Ok(driver)
+    }
+}
+
+/// Points cuFile's log away from the working directory (unless asked not to) by setting
+/// `CUFILE_LOGFILE_PATH`, which libcufile reads at `cuFileDriverOpen` (verified on 1.15.1.6;
+/// the `CUFILE_PARAM_ENV_LOGFILE_PATH` parameter did not move the log there).
+fn direct_log(target: &LogTarget) -> Option<PathBuf> {
+    const VAR: &str = "CUFILE_LOGFILE_PATH";
+    let path = match target {
+        LogTarget::CuFileDefault => return std::env::var_os(VAR).map(PathBuf::from),
+        LogTarget::File(p) => p.clone(),
+        LogTarget::TempDir => match std::env::var_os(VAR).filter(|v| !v.is_empty()) {
+            Some(user) => return Some(PathBuf::from(user)),
+            None => {
+                std::env::temp_dir().join(format!("gpudirect-cufile-{}.log", std::process::id()))
+            }
+        },
+    };
+    // set_var races with getenv on other threads; it runs once, under the driver lock, right
+    // before cuFileDriverOpen (the only reader that matters), which is as safe as it gets
+    // without an API that cuFile honours.
+    std::env::set_var(VAR, OsString::from(path.as_os_str()));
+    Some(path)
+}
+
+static DRIVER: Mutex<Option<Arc<Driver>>> = Mutex::new(None);
+
+/// The open cuFile driver of this process.
+///
+/// There is one per process, shared through `Arc`; every [`CuFileHandle`](super::CuFileHandle)
+/// and [`RegisteredBuffer`](super::RegisteredBuffer) holds it.
+///
+/// **The driver is never closed** — not in `Drop`, not at exit. `cuFileDriverClose` calls into
+/// CUDA, and at process exit CUDA may already be torn down: KvikIO and cuDF segfaulted that way
+/// (rapidsai/kvikio#159, #497; NVIDIA/cudf#17121) and now deliberately leak the driver, as
+/// gpudirect does. The operating system reclaims everything at exit.
+///
+/// `fork()` after the driver is open is undefined behaviour in the child (cuFile's API
+/// reference).
+#[derive(Debug)]
+pub struct Driver {
+    lib: &'static sys::Library,
+    version: i32,
+    properties: DriverProperties,
+    force_compat: bool,
+    p2pdma: bool,
+    log_file: Option<PathBuf>,
+}
+
+impl Driver {
+    /// Settings for the driver, applied before it opens.
+    pub fn builder() -> DriverBuilder {
+        DriverBuilder::default()
+    }
+
+    /// The process's driver, opened on first call (`cuFileDriverOpen`) with default settings;
+    /// idempotent. See [`DriverBuilder::open`] for the checks made first.
+    pub fn open() -> Result<Arc<Driver>> {
+        DriverBuilder::default().open()
+    }
+
+    /// The already open driver, if any (never opens).
+    pub fn get() -> Option<Arc<Driver>> {
+        DRIVER.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    /// The driver's properties as read right after opening (`cuFileDriverGetProperties`).
+    pub fn properties(&self) -> &DriverProperties {
+        &self.properties
+    }
+
+    /// The library's version, `1000*major + 10*minor` (`cuFileGetVersion`; 1150 for 1.15).
+    pub fn version(&self) -> i32 {
+        self.version
+    }
+
+    /// True when the nvidia-fs kernel driver is loaded.
+    pub fn nvfs_loaded(&self) -> bool {
+        self.properties.nvfs_loaded()
+    }
+
+    /// True when cuFile is configured to use the kernel's PCI P2PDMA
+    /// (`CUFILE_PARAM_USE_PCIP2PDMA`), a GPUDirect path without nvidia-fs.
+    pub fn p2pdma_enabled(&self) -> bool {
+        self.p2pdma
+    }
+
+    /// True when compatibility mode was forced (builder or `CUFILE_FORCE_COMPAT_MODE`).
+    pub fn compat_forced(&self) -> bool {
+        self.force_compat
+    }
+
+    /// Where cuFile writes its log, when gpudirect knows.
+    pub fn log_file(&self) -> Option<&std::path::Path> {
+        self.log_file.as_deref()
+    }
+
+    /// The driver's use count in this process (`cuFileUseCount`).
+    pub fn use_count(&self) -> Result<i64> {
+        result::use_count(self.lib)
+    }
+
+    /// Reads the properties again (`cuFileDriverGetProperties`).
+    pub fn refresh_properties(&self) -> Result<DriverProperties> {
+        // SAFETY: the driver is open, so libcuda was checked before.
+        let raw = unsafe { result::driver_get_properties(self.lib) }?;
+        Ok(DriverProperties::from_raw(&raw))
+    }
+
+    /// A `size_t` parameter's live value (`cuFileGetParameterSizeT`, 1.14+).
+    pub fn parameter_size_t(&self, param: sys::CUFileSizeTConfigParameter_t) -> Result<usize> {
+        result::get_parameter_size_t(self.lib, param)
+    }
+
+    /// A `bool` parameter's live value (`cuFileGetParameterBool`, 1.14+).
+    pub fn parameter_bool(&self, param: sys::CUFileBoolConfigParameter_t) -> Result<bool> {
+        result::get_parameter_bool(self.lib, param)
+    }
+
+    /// A string parameter's live value (`cuFileGetParameterString`, 1.14+).
+    pub fn parameter_string(&self, param: sys::CUFileStringConfigParameter_t) -> Result<String> {
+        result::get_parameter_string(self.lib, param)
+    }
+
+    /// The settable range of a `size_t` parameter (`cuFileGetParameterMinMaxValue`, 1.15+).
+    pub fn parameter_range(
+        &self,
+        param: sys::CUFileSizeTConfigParameter_t,
+    ) -> Result<(usize, usize)> {
+        result::get_parameter_min_max(self.lib, param)
+    }
+
+    /// The BAR1 size of GPU `ordinal` in KiB (`cuFileGetBARSizeInKB`, 1.15+).
+    pub fn bar_size_kb(&self, ordinal: usize) -> Result<usize> {
+        result::get_bar_size_kb(self.lib, ordinal as i32)
+    }
+
+    /// True when the loaded library exports `symbol` (e.g. `"cuFileReadv"`).
+    pub fn has_symbol(&self, symbol: &str) -> bool {
+        !self.lib.missing_symbols().contains(&symbol)
+    }
+
+    pub(crate) fn lib(&self) -> &'static sys::Library {
+        self.lib
+    }
+}
+
+/// The loaded libcufile's version (`cuFileGetVersion`, `1000*major + 10*minor`) without opening
+/// the driver; needs neither libcuda nor a GPU.
+pub fn library_version() -> Result<i32> {
+    let lib = result::lib()?;
+    let v = result::get_version(lib)?;
+    status::set_loaded_version(v);
+    Ok(v)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn properties_decode_flags_and_units() {
+        // SAFETY: all-zero is a valid CUfileDrvProps_t.
+        let mut raw: sys::CUfileDrvProps_t = unsafe { std::mem::zeroed() };
+        let p = DriverProperties::from_raw(&raw);
+        assert!(!p.nvfs_loaded());
+        assert_eq!(p.nvfs_version(), None);
+        raw.nvfs.major_version = 2;
+        raw.nvfs.minor_version = 26;
+        raw.nvfs.max_direct_io_size = 16384;
+        raw.nvfs.dstatusflags = (1 << 4) | (1 << 2) | (1 << 20);
+        raw.nvfs.dcontrolflags = 0b10;
+        raw.fflags = 0b110;
+        raw.max_device_pinned_mem_size = 33_554_432;
+        raw.max_batch_io_size = 128;
+        let p = DriverProperties::from_raw(&raw);
+        assert_eq!(p.nvfs_version(), Some((2, 26)));
+        assert!(p.fs_support().contains(FsSupport::NVME | FsSupport::NFS));
+        assert_eq!(
+            p.fs_support().bits() & (1 << 20),
+            1 << 20,
+            "unknown bits are kept"
+        );
+        assert!(p.compat_mode_allowed());
+        assert!(!p.control().contains(ControlFlags::USE_POLL_MODE));
+        assert!(p
+            .features()
+            .contains(FeatureFlags::BATCH_IO | FeatureFlags::STREAMS));
+        assert_eq!(p.max_direct_io_bytes(), 16 << 20);
+        assert_eq!(p.max_device_pinned_mem_bytes(), 32 << 30);
+        assert_eq!(p.max_batch_io_size(), 128);
+    }
+}

@@ -1,0 +1,557 @@
+//! Files registered with cuFile (`cuFileHandleRegister`), synchronous IO, and the path report.
+
+use std::ffi::c_void;
+use std::fs::File;
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::{FileTypeExt, MetadataExt, OpenOptionsExt};
+use std::path::{Path as FsPath, PathBuf};
+use std::sync::Arc;
+
+use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut};
+use cufile_sys as sys;
+
+use super::buffer::allocation_range;
+use super::{result, Driver};
+use crate::error::{Error, Result};
+use crate::path::{Cause, Path, PathReport};
+use crate::storage::status::CuFileStatus;
+
+/// Largest request per cuFile call: Linux moves at most 2 GiB − 4 KiB per read/write, which
+/// bounds cuFile's POSIX path too.
+pub const MAX_IO_PER_CALL: usize = (1 << 31) - 4096;
+
+/// A registered cuFile handle plus the file it belongs to. Shared (`Arc`) with in-flight
+/// stream-ordered and batch IO, so the registration outlives every operation that uses it.
+pub(crate) struct HandleInner {
+    // Drop order: deregister (Drop body), then `file` closes, then `driver` is released.
+    pub(crate) fh: sys::CUfileHandle_t,
+    file: File,
+    pub(crate) driver: Arc<Driver>,
+}
+
+// SAFETY: `fh` is an opaque cuFile handle; NVIDIA's API reference states that all cuFile APIs
+// are thread-safe, so the handle may be used and deregistered from any thread.
+unsafe impl Send for HandleInner {}
+// SAFETY: as above; `HandleInner` has no interior mutability of its own.
+unsafe impl Sync for HandleInner {}
+
+impl Drop for HandleInner {
+    fn drop(&mut self) {
+        // SAFETY: `fh` was returned by cuFileHandleRegister and is deregistered only here; all
+        // IO that used it holds this `Arc` and has completed (sync IO) or been synchronised by
+        // its guard's Drop before releasing it.
+        unsafe { result::handle_deregister(self.driver.lib(), self.fh) };
+    }
+}
+
+/// How to open a file for [`CuFileHandle::open`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OpenMode {
+    /// Read only.
+    Read,
+    /// Read and write, creating the file if needed (not truncating).
+    ReadWrite,
+    /// Read and write, creating or truncating.
+    Create,
+}
+
+/// A file registered with cuFile (`cuFileHandleRegister`); deregistered on drop
+/// (`cuFileHandleDeregister`), then the owned [`File`] closes.
+///
+/// IO is synchronous and ordered against the buffer's cudarc stream: each call first
+/// synchronises that stream (so kernels that produced or will read the buffer are done), and on
+/// return the bytes are in place (cuFile's sync calls complete before returning). cuFile is not
+/// ordered with any stream by itself.
+pub struct CuFileHandle {
+    inner: Arc<HandleInner>,
+    path: PathBuf,
+    report: PathReport,
+    o_direct: bool,
+}
+
+impl std::fmt::Debug for CuFileHandle {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CuFileHandle")
+            .field("path", &self.path)
+            .field("o_direct", &self.o_direct)
+            .field("report", &self.report)
+            .finish_non_exhaustive()
+    }
+}
+
+impl CuFileHandle {
+    /// Registers an open file with cuFile (`cuFileHandleRegister`) and decides the path its IO
+    /// will take. `path` names the file in errors and reports.
+    ///
+    /// The file may or may not be opened with `O_DIRECT` (cuFile 1.7+ opens its own O_DIRECT
+    /// descriptor when needed); [`CuFileHandle::open`] tries O_DIRECT first.
+    ///
+    /// Errors: a directory, FIFO or other non-regular file → [`Error::InvalidArgument`] (no
+    /// cuFile call); a refused registration → [`Error::CuFile`] with op
+    /// `"cuFileHandleRegister"` — [`classify_registration_failure`] names its cause (on
+    /// containers: udev data missing).
+    pub fn register(driver: Arc<Driver>, file: File, path: &FsPath) -> Result<CuFileHandle> {
+        Self::register_inner(driver, file, path, None)
+    }
+
+    /// Opens `path` (with O_DIRECT when the filesystem allows it, otherwise without, recording
+    /// [`Cause::ODirectRefused`]) and registers it.
+    pub fn open(driver: Arc<Driver>, path: &FsPath, mode: OpenMode) -> Result<CuFileHandle> {
+        let mut opts = std::fs::OpenOptions::new();
+        match mode {
+            OpenMode::Read => opts.read(true),
+            OpenMode::ReadWrite => opts.read(true).write(true).create(true),
+            OpenMode::Create => opts.read(true).write(true).create(true).truncate(true),
+        };
+        let mut direct = opts.clone();
+        direct.custom_flags(libc::O_DIRECT);
+        match direct.open(path) {
+            Ok(f) => Self::register_inner(driver, f, path, None),
+            Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {
+                let f = opts
+                    .open(path)
+                    .map_err(|e| Error::io("open", Some(path.to_path_buf()), e))?;
+                Self::register_inner(driver, f, path, Some(e.to_string()))
+            }
+            Err(e) => Err(Error::io("open", Some(path.to_path_buf()), e)),
+        }
+    }
+
+    fn register_inner(
+        driver: Arc<Driver>,
+        file: File,
+        path: &FsPath,
+        o_direct_refused: Option<String>,
+    ) -> Result<CuFileHandle> {
+        let meta = file
+            .metadata()
+            .map_err(|e| Error::io("fstat", Some(path.to_path_buf()), e))?;
+        let ft = meta.file_type();
+        if !ft.is_file() {
+            let kind = if ft.is_dir() {
+                "a directory"
+            } else if ft.is_fifo() {
+                "a fifo"
+            } else if ft.is_socket() {
+                "a socket"
+            } else if ft.is_block_device() || ft.is_char_device() {
+                "a device node"
+            } else {
+                "not a regular file"
+            };
+            return Err(Error::InvalidArgument(format!(
+                "{} is {kind}: cuFile registers regular files only",
+                path.display()
+            )));
+        }
+        let fd = file.as_raw_fd();
+        // SAFETY: F_GETFL on a descriptor we own has no side effects.
+        let flags = unsafe { libc::fcntl(fd, libc::F_GETFL) };
+        let o_direct = flags >= 0 && flags & libc::O_DIRECT != 0;
+        // SAFETY: the driver is open (an Arc<Driver> exists only after cuFileDriverOpen
+        // succeeded); `fd` stays open inside `HandleInner` until after deregistration.
+        let fh =
+            unsafe { result::handle_register(driver.lib(), fd) }.map_err(|e| with_path(e, path))?;
+        let report = decide_path(&driver, path, meta.dev(), o_direct_refused);
+        Ok(CuFileHandle {
+            inner: Arc::new(HandleInner { fh, file, driver }),
+            path: path.to_path_buf(),
+            report,
+            o_direct,
+        })
+    }
+
+    /// The path this handle's IO takes, decided at registration from the driver's properties,
+    /// the filesystem and the open flags. Per-call truth comes from cuFile's statistics
+    /// ([`super::Stats`]), which are process-wide.
+    pub fn path_report(&self) -> &PathReport {
+        &self.report
+    }
+
+    /// The file's path as given at registration.
+    pub fn path(&self) -> &FsPath {
+        &self.path
+    }
+
+    /// The owned file.
+    pub fn file(&self) -> &File {
+        &self.inner.file
+    }
+
+    /// True when the owned descriptor is open with O_DIRECT.
+    pub fn is_o_direct(&self) -> bool {
+        self.o_direct
+    }
+
+    /// The driver this handle is registered with.
+    pub fn driver(&self) -> &Arc<Driver> {
+        &self.inner.driver
+    }
+
+    #[allow(dead_code)] // used by the stream-ordered and batch IO guards
+    pub(crate) fn inner(&self) -> &Arc<HandleInner> {
+        &self.inner
+    }
+
+    /// Reads up to `dst.len()` bytes from `file_offset` into device memory (`cuFileRead`,
+    /// looped over short transfers and split at [`MAX_IO_PER_CALL`]). Returns the bytes read:
+    /// fewer than asked only at end of file, 0 at or past it (as `pread`). A zero-length `dst`
+    /// returns 0 without calling cuFile.
+    ///
+    /// Ordering: `dst`'s stream is synchronised first; the bytes are in place on return.
+    pub fn read<D: DevicePtrMut<u8>>(&self, dst: &mut D, file_offset: u64) -> Result<usize> {
+        let len = dst.len();
+        if len == 0 {
+            return Ok(0);
+        }
+        check_range(file_offset, len)?;
+        let stream: Arc<CudaStream> = Arc::clone(dst.stream());
+        let (ptr, sync) = dst.device_ptr_mut(&stream);
+        let done = self.sync_io(false, &stream, ptr, len, file_offset, false);
+        drop(sync);
+        done
+    }
+
+    /// Like [`read`](Self::read) but fails unless exactly `dst.len()` bytes were read: a file
+    /// that ends first gives [`Error::Io`] with `ErrorKind::UnexpectedEof`.
+    pub fn read_exact<D: DevicePtrMut<u8>>(&self, dst: &mut D, file_offset: u64) -> Result<()> {
+        let len = dst.len();
+        if len == 0 {
+            return Ok(());
+        }
+        check_range(file_offset, len)?;
+        let stream: Arc<CudaStream> = Arc::clone(dst.stream());
+        let (ptr, sync) = dst.device_ptr_mut(&stream);
+        let done = self.sync_io(false, &stream, ptr, len, file_offset, true);
+        drop(sync);
+        done.map(|_| ())
+    }
+
+    /// Writes `src` at `file_offset` (`cuFileWrite`, looped over short transfers). Returns the
+    /// bytes written, always `src.len()` on success. Not durable until `file().sync_data()`.
+    ///
+    /// Ordering: `src`'s stream is synchronised first, so kernels that produced it are done.
+    pub fn write<S: DevicePtr<u8>>(&self, src: &S, file_offset: u64) -> Result<usize> {
+        let len = src.len();
+        if len == 0 {
+            return Ok(0);
+        }
+        check_range(file_offset, len)?;
+        let stream: Arc<CudaStream> = Arc::clone(src.stream());
+        let (ptr, sync) = src.device_ptr(&stream);
+        let done = self.sync_io(true, &stream, ptr, len, file_offset, true);
+        drop(sync);
+        done
+    }
+
+    /// Positional read, the same as [`read`](Self::read) (every cuFile call is positional; the
+    /// name matches `pread(2)` for readers coming from POSIX).
+    pub fn pread<D: DevicePtrMut<u8>>(&self, dst: &mut D, file_offset: u64) -> Result<usize> {
+        self.read(dst, file_offset)
+    }
+
+    /// Positional write, the same as [`write`](Self::write).
+    pub fn pwrite<S: DevicePtr<u8>>(&self, src: &S, file_offset: u64) -> Result<usize> {
+        self.write(src, file_offset)
+    }
+
+    fn sync_io(
+        &self,
+        write: bool,
+        stream: &CudaStream,
+        ptr: cudarc::driver::sys::CUdeviceptr,
+        len: usize,
+        file_offset: u64,
+        exact: bool,
+    ) -> Result<usize> {
+        let op = if write { "cuFileWrite" } else { "cuFileRead" };
+        stream
+            .context()
+            .bind_to_thread()
+            .map_err(|e| Error::cuda("cuCtxSetCurrent", e))?;
+        stream
+            .synchronize()
+            .map_err(|e| Error::cuda("cuStreamSynchronize", e))?;
+        let (base, _) = allocation_range(ptr)?;
+        let buf_offset = ptr - base;
+        let lib = self.inner.driver.lib();
+        let mut done = 0usize;
+        while done < len {
+            let n = (len - done).min(MAX_IO_PER_CALL);
+            let foff = (file_offset + done as u64) as i64;
+            let boff = (buf_offset + done as u64) as i64;
+            // SAFETY: `base + boff .. + n` lies inside the live allocation behind `ptr` (the
+            // caller's view of `len` bytes, borrowed for this call); the context is current;
+            // the stream was synchronised so no kernel touches the bytes concurrently; the
+            // handle is registered (owned by `inner`).
+            let got = unsafe {
+                if write {
+                    result::write(lib, self.inner.fh, base as *const c_void, n, foff, boff)
+                } else {
+                    result::read(lib, self.inner.fh, base as *mut c_void, n, foff, boff)
+                }
+            }
+            .map_err(|e| with_path(e, &self.path))?;
+            if got == 0 {
+                break;
+            }
+            done += got.min(n);
+        }
+        if exact && done < len {
+            return Err(Error::io(
+                op,
+                Some(self.path.clone()),
+                std::io::Error::new(
+                    std::io::ErrorKind::UnexpectedEof,
+                    format!(
+                        "{} {done} of {len} bytes at offset {file_offset}: the file ends first",
+                        if write { "wrote" } else { "read" }
+                    ),
+                ),
+            ));
+        }
+        Ok(done)
+    }
+}
+
+fn check_range(file_offset: u64, len: usize) -> Result<()> {
+    let end = file_offset.checked_add(len as u64);
+    if end.is_none_or(|e| e > i64::MAX as u64) {
+        return Err(Error::InvalidArgument(format!(
+            "file offset {file_offset} + {len} bytes exceeds the largest file offset (i64::MAX)"
+        )));
+    }
+    Ok(())
+}
+
+fn with_path(e: Error, path: &FsPath) -> Error {
+    match e {
+        Error::Io {
+            op,
+            path: None,
+            source,
+        } => Error::Io {
+            op,
+            path: Some(path.to_path_buf()),
+            source,
+        },
+        other => other,
+    }
+}
+
+// ---- Path decision and failure classification --------------------------------------------------
+
+/// The name of the filesystem holding `path` (`statfs` magic), e.g. `"ext4"`, `"overlay"`.
+pub fn filesystem_type(path: &FsPath) -> Option<String> {
+    use std::os::unix::ffi::OsStrExt;
+    let c = std::ffi::CString::new(path.as_os_str().as_bytes()).ok()?;
+    // SAFETY: all-zero is a valid statfs.
+    let mut st: libc::statfs = unsafe { std::mem::zeroed() };
+    // SAFETY: `c` is NUL-terminated; `st` is a valid out-pointer.
+    if unsafe { libc::statfs(c.as_ptr(), &mut st) } != 0 {
+        return None;
+    }
+    Some(fs_name(st.f_type as i64))
+}
+
+/// Names a `statfs` magic number.
+fn fs_name(magic: i64) -> String {
+    let name = match magic as u32 {
+        0xEF53 => "ext4",
+        0x5846_5342 => "xfs",
+        0x9123_683E => "btrfs",
+        0x0102_1994 => "tmpfs",
+        0x8584_58f6 => "ramfs",
+        0x794c_7630 => "overlay",
+        0x6969 => "nfs",
+        0x6573_5546 => "fuse",
+        0x2fc1_2fc1 => "zfs",
+        0x0BD0_0BD0 => "lustre",
+        0x1983_0326 => "beegfs",
+        0x4750_4653 => "gpfs",
+        0x7371_7368 => "squashfs",
+        0x0102_1997 => "9p",
+        0xFF53_4D42 => "cifs",
+        0xFE53_4D42 => "smb2",
+        0x6a65_6a62 => "virtiofs",
+        0x9fa0 => "proc",
+        0x6265_6572 => "sysfs",
+        0x1373 => "devtmpfs",
+        0x4d44 => "vfat",
+        0x5346_544e => "ntfs",
+        0xF2F5_2010 => "f2fs",
+        _ => return format!("unknown filesystem (statfs magic {magic:#x})"),
+    };
+    name.to_string()
+}
+
+/// Filesystems on which cuFile can do GPUDirect (with nvidia-fs or P2PDMA).
+fn gds_capable_fs(fs: &str) -> bool {
+    matches!(
+        fs,
+        "ext4" | "xfs" | "nfs" | "lustre" | "beegfs" | "gpfs" | "virtiofs"
+    ) || fs.starts_with("wekafs")
+}
+
+fn udev_record(dev: u64) -> (String, PathBuf) {
+    let (maj, min) = (libc::major(dev), libc::minor(dev));
+    let device = format!("{maj}:{min}");
+    let record = PathBuf::from(format!("/run/udev/data/b{device}"));
+    (device, record)
+}
+
+fn decide_path(
+    driver: &Driver,
+    path: &FsPath,
+    dev: u64,
+    o_direct_refused: Option<String>,
+) -> PathReport {
+    let fs = filesystem_type(path).unwrap_or_else(|| "unknown".into());
+    if driver.compat_forced() {
+        return PathReport::fallback(
+            Path::CuFileCompat,
+            Cause::ForcedByConfig {
+                setting: "cuFile force_compat_mode (CUFILE_FORCE_COMPAT_MODE)".into(),
+            },
+        );
+    }
+    if !driver.nvfs_loaded() && !driver.p2pdma_enabled() {
+        return PathReport::fallback(Path::CuFileCompat, Cause::NoNvidiaFs);
+    }
+    if !gds_capable_fs(&fs) {
+        return PathReport::fallback(Path::CuFileCompat, Cause::FilesystemUnsupported { fs });
+    }
+    if let Some(reason) = o_direct_refused {
+        return PathReport::fallback(Path::CuFileCompat, Cause::ODirectRefused { reason });
+    }
+    let _ = dev;
+    PathReport::direct(Path::Gds)
+}
+
+/// Names the cause of a failed [`CuFileHandle::register`] (or open) of `file`.
+///
+/// Checks, in order: a missing nvidia-fs where cuFile requires it (status 5001); O_DIRECT
+/// refused (`EINVAL` from `open`, or status 5019/5020); a filesystem cuFile cannot use (virtual
+/// filesystems — tmpfs, overlay, fuse, … — or status 5008); missing udev data for the file's
+/// block device (`/run/udev/data/b<major>:<minor>` absent — cuFile's usual failure in
+/// containers, reported as an internal error); otherwise [`Cause::CuFileRegistrationFailed`]
+/// with the error's text.
+pub fn classify_registration_failure(err: &Error, file: &FsPath) -> Cause {
+    let code = match err {
+        Error::CuFile { source, .. } => Some(source.code()),
+        _ => None,
+    };
+    if code == Some(CuFileStatus::DRIVER_NOT_INITIALIZED) {
+        return Cause::NoNvidiaFs;
+    }
+    if let Error::Io { source, .. } = err {
+        if source.raw_os_error() == Some(libc::EINVAL) {
+            return Cause::ODirectRefused {
+                reason: source.to_string(),
+            };
+        }
+    }
+    if matches!(
+        code,
+        Some(CuFileStatus::INVALID_FILE_OPEN_FLAG | CuFileStatus::DIO_NOT_SET)
+    ) {
+        return Cause::ODirectRefused {
+            reason: err.to_string(),
+        };
+    }
+    let meta = std::fs::metadata(file).ok();
+    let fs = filesystem_type(file);
+    if let (Some(meta), Some(fs)) = (meta.as_ref(), fs.as_ref()) {
+        let (maj, _) = (libc::major(meta.dev()), libc::minor(meta.dev()));
+        // Major 0: an anonymous device (tmpfs, overlay, fuse, …) has no block device for
+        // cuFile to look up.
+        let virtual_fs = maj == 0
+            && !matches!(
+                fs.as_str(),
+                "nfs" | "lustre" | "beegfs" | "gpfs" | "virtiofs"
+            );
+        if virtual_fs || code == Some(CuFileStatus::IO_NOT_SUPPORTED) {
+            return Cause::FilesystemUnsupported { fs: fs.clone() };
+        }
+        if maj != 0 {
+            let (device, record) = udev_record(meta.dev());
+            if !record.exists() {
+                return Cause::UdevDataMissing { device };
+            }
+        }
+    }
+    Cause::CuFileRegistrationFailed {
+        reason: err.to_string(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn fs_names() {
+        assert_eq!(fs_name(0xEF53), "ext4");
+        assert_eq!(fs_name(0x0102_1994), "tmpfs");
+        assert_eq!(fs_name(0x794c_7630), "overlay");
+        assert!(fs_name(0x1234).contains("0x1234"));
+        assert!(gds_capable_fs("ext4") && gds_capable_fs("xfs"));
+        assert!(!gds_capable_fs("tmpfs") && !gds_capable_fs("overlay"));
+    }
+
+    #[test]
+    fn classifier_names_causes() {
+        let dir = std::env::temp_dir();
+        let f = dir.join(format!("gpudirect-classify-{}", std::process::id()));
+        std::fs::write(&f, b"x").unwrap();
+        let nvfs = Error::CuFile {
+            op: "cuFileHandleRegister",
+            source: CuFileStatus::for_version(5001, 1150),
+        };
+        assert_eq!(classify_registration_failure(&nvfs, &f), Cause::NoNvidiaFs);
+        let flags = Error::CuFile {
+            op: "cuFileHandleRegister",
+            source: CuFileStatus::for_version(5019, 1150),
+        };
+        assert!(matches!(
+            classify_registration_failure(&flags, &f),
+            Cause::ODirectRefused { .. }
+        ));
+        let einval = Error::io(
+            "open",
+            Some(f.clone()),
+            std::io::Error::from_raw_os_error(libc::EINVAL),
+        );
+        assert!(matches!(
+            classify_registration_failure(&einval, &f),
+            Cause::ODirectRefused { .. }
+        ));
+        // An internal error: the answer depends on where the temp dir lives, and each answer
+        // must be consistent with the machine.
+        let internal = Error::CuFile {
+            op: "cuFileHandleRegister",
+            source: CuFileStatus::for_version(5030, 1150),
+        };
+        let meta = std::fs::metadata(&f).unwrap();
+        let fs = filesystem_type(&f).unwrap();
+        let cause = classify_registration_failure(&internal, &f);
+        let maj = libc::major(meta.dev());
+        match &cause {
+            Cause::FilesystemUnsupported { fs: got } => {
+                assert_eq!(got, &fs);
+                assert_eq!(maj, 0, "{cause:?}");
+            }
+            Cause::UdevDataMissing { device } => {
+                assert_eq!(device, &format!("{}:{}", maj, libc::minor(meta.dev())));
+                assert!(!std::path::Path::new(&format!("/run/udev/data/b{device}")).exists());
+            }
+            Cause::CuFileRegistrationFailed { reason } => {
+                assert!(reason.contains("5030"), "{reason}");
+                let (_, rec) = udev_record(meta.dev());
+                assert!(rec.exists(), "{cause:?}");
+            }
+            other => panic!("unexpected cause {other:?}"),
+        }
+        std::fs::remove_file(&f).unwrap();
+    }
+}

@@ -1,0 +1,33 @@
+//! The safe cuFile (GPUDirect Storage) layer over `cufile_sys`.
+//!
+//! - [`Driver`]: the process-wide driver (`Arc`), configured by [`Driver::builder`] before it
+//!   opens, never closed (see its docs for why).
+//! - [`CuFileHandle`]: a registered file that owns its [`std::fs::File`]; synchronous
+//!   read/write into cudarc device buffers; a [`PathReport`](crate::PathReport) saying whether
+//!   IO goes direct ([`Path::Gds`](crate::Path::Gds)) or through cuFile's compatibility mode,
+//!   and why.
+//! - [`RegisteredBuffer`]: a device buffer registered with cuFile for its lifetime.
+//!
+//! Every C call goes through the private `result` module; statuses decode through
+//! [`CuFileStatus`](crate::storage::CuFileStatus).
+//!
+//! Before the driver opens, gpudirect checks that libcuda loads and a GPU exists (through
+//! [`crate::cuda`]): without them cuFile misbehaves (5033 plus a `cufile.log` in the working
+//! directory in 1.15, a 100% CPU spin in 1.20), so gpudirect returns the typed CUDA error
+//! instead and never calls `cuFileDriverOpen`. cuFile's log goes to the temporary directory by
+//! default ([`LogTarget`]).
+
+mod buffer;
+mod driver;
+mod file_handle;
+#[allow(dead_code)] // batch, stream and stats wrappers land next
+pub(crate) mod result;
+
+pub use buffer::RegisteredBuffer;
+pub use driver::{
+    library_version, ControlFlags, Driver, DriverBuilder, DriverProperties, FeatureFlags,
+    FsSupport, LogTarget,
+};
+pub use file_handle::{
+    classify_registration_failure, filesystem_type, CuFileHandle, OpenMode, MAX_IO_PER_CALL,
+};
