@@ -10,6 +10,7 @@ use crate::error::{Error, Result};
 /// The kind of link a direct GPU↔GPU path runs over.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
 #[non_exhaustive]
+#[allow(clippy::enum_variant_names)] // NvLink is the product name
 pub enum Link {
     /// NVLink, with the number of links between the two GPUs when known.
     NvLink {
