@@ -1,0 +1,306 @@
+//! File descriptors and the raw POSIX loops the engine runs on them.
+
+use std::fs::File;
+use std::io;
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::{FileTypeExt, OpenOptionsExt};
+use std::path::{Path as FsPath, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use crate::error::{Error, Result};
+use crate::storage::config::{DIRECT_ALIGN, MAX_IO_PER_CALL};
+
+/// How a file is opened.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct OpenMode {
+    pub write: bool,
+    pub create: bool,
+    pub truncate: bool,
+}
+
+/// The two descriptors of one file: buffered (always) and O_DIRECT (when the filesystem
+/// accepts it), both on the same inode.
+#[derive(Debug)]
+pub(crate) struct Fds {
+    pub buffered: File,
+    pub direct: Option<File>,
+    /// Why O_DIRECT is unavailable, when it is.
+    pub direct_refused: Option<String>,
+    /// Set when an O_DIRECT call failed with EINVAL at run time: stop trying.
+    pub direct_broken: AtomicBool,
+    pub path: PathBuf,
+    pub writable: bool,
+}
+
+impl Fds {
+    /// Opens `path` (regular files only: directories, FIFOs, sockets and devices are an
+    /// [`Error::InvalidArgument`]; a FIFO is opened non-blocking so the check cannot hang).
+    pub fn open(path: &FsPath, mode: OpenMode) -> Result<Fds> {
+        let mut oo = std::fs::OpenOptions::new();
+        oo.read(true)
+            .write(mode.write)
+            .create(mode.create)
+            .truncate(mode.truncate)
+            .custom_flags(libc::O_NONBLOCK | libc::O_CLOEXEC);
+        if mode.create {
+            oo.mode(0o644);
+        }
+        let buffered = match oo.open(path) {
+            Ok(f) => f,
+            Err(e) if e.raw_os_error() == Some(libc::EISDIR) => {
+                return Err(not_regular(path, "a directory"))
+            }
+            Err(e) => return Err(Error::io("open", Some(path.to_path_buf()), e)),
+        };
+        let ft = buffered
+            .metadata()
+            .map_err(|e| Error::io("fstat", Some(path.to_path_buf()), e))?
+            .file_type();
+        if !ft.is_file() {
+            let what = if ft.is_dir() {
+                "a directory"
+            } else if ft.is_fifo() {
+                "a FIFO"
+            } else if ft.is_socket() {
+                "a socket"
+            } else if ft.is_block_device() || ft.is_char_device() {
+                "a device node"
+            } else {
+                "not a regular file"
+            };
+            return Err(not_regular(path, what));
+        }
+        clear_nonblock(&buffered, path)?;
+        let (direct, direct_refused) = match open_direct(&buffered, path, mode.write) {
+            Ok(f) => (Some(f), None),
+            Err(e) => (None, Some(e.to_string())),
+        };
+        Ok(Fds {
+            buffered,
+            direct,
+            direct_refused,
+            direct_broken: AtomicBool::new(false),
+            path: path.to_path_buf(),
+            writable: mode.write,
+        })
+    }
+
+    /// The O_DIRECT descriptor, unless unavailable or broken.
+    pub fn direct(&self) -> Option<&File> {
+        if self.direct_broken.load(Ordering::Relaxed) {
+            None
+        } else {
+            self.direct.as_ref()
+        }
+    }
+
+    /// Current file size (`fstat`).
+    pub fn size(&self) -> Result<u64> {
+        self.buffered
+            .metadata()
+            .map(|m| m.len())
+            .map_err(|e| self.err("fstat", e))
+    }
+
+    pub fn err(&self, op: &'static str, e: io::Error) -> Error {
+        Error::io(op, Some(self.path.clone()), e)
+    }
+}
+
+fn not_regular(path: &FsPath, what: &str) -> Error {
+    Error::InvalidArgument(format!(
+        "{} is {what}, not a regular file: pass the path of a regular file",
+        path.display()
+    ))
+}
+
+fn clear_nonblock(f: &File, path: &FsPath) -> Result<()> {
+    let fd = f.as_raw_fd();
+    // SAFETY: fcntl on an fd we own; F_GETFL/F_SETFL take no pointers.
+    unsafe {
+        let fl = libc::fcntl(fd, libc::F_GETFL);
+        if fl < 0 || libc::fcntl(fd, libc::F_SETFL, fl & !libc::O_NONBLOCK) < 0 {
+            return Err(Error::io(
+                "fcntl",
+                Some(path.to_path_buf()),
+                io::Error::last_os_error(),
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// Reopens the same inode with O_DIRECT (through /proc/self/fd, so a renamed or replaced path
+/// cannot give another file; through the path when /proc is missing).
+fn open_direct(f: &File, path: &FsPath, write: bool) -> io::Result<File> {
+    let mut oo = std::fs::OpenOptions::new();
+    oo.read(true)
+        .write(write)
+        .custom_flags(libc::O_DIRECT | libc::O_CLOEXEC);
+    let proc = PathBuf::from(format!("/proc/self/fd/{}", f.as_raw_fd()));
+    let d = match oo.open(&proc) {
+        Ok(d) => d,
+        Err(e) if e.raw_os_error() == Some(libc::ENOENT) => oo.open(path)?,
+        Err(e) => return Err(e),
+    };
+    // The reopened descriptor must be the same file.
+    use std::os::unix::fs::MetadataExt;
+    let (a, b) = (f.metadata()?, d.metadata()?);
+    if a.dev() != b.dev() || a.ino() != b.ino() {
+        return Err(io::Error::other("the path now names another file"));
+    }
+    Ok(d)
+}
+
+/// `pread` until `len` bytes or end of file; EINTR retried. Returns the bytes read (short only
+/// at end of file).
+///
+/// # Safety
+/// `buf` must be valid for writes of `len` bytes for the duration of the call.
+pub(crate) unsafe fn pread_full(
+    fd: &File,
+    buf: *mut u8,
+    len: usize,
+    off: u64,
+) -> io::Result<usize> {
+    let mut done = 0usize;
+    while done < len {
+        let n = (len - done).min(MAX_IO_PER_CALL);
+        let pos = off + done as u64;
+        if pos > i64::MAX as u64 {
+            return Err(io::Error::from_raw_os_error(libc::EOVERFLOW));
+        }
+        // SAFETY: the caller guarantees buf[..len] is writable; done + n <= len.
+        let r = unsafe { libc::pread(fd.as_raw_fd(), buf.add(done).cast(), n, pos as libc::off_t) };
+        if r < 0 {
+            let e = io::Error::last_os_error();
+            if e.kind() == io::ErrorKind::Interrupted {
+                continue;
+            }
+            return Err(e);
+        }
+        if r == 0 {
+            break;
+        }
+        done += r as usize;
+        // An O_DIRECT read that stops short of an aligned count is at end of file.
+        if (r as usize) < n && (r as usize) % DIRECT_ALIGN != 0 && is_direct(fd) {
+            break;
+        }
+    }
+    Ok(done)
+}
+
+fn is_direct(fd: &File) -> bool {
+    // SAFETY: F_GETFL takes no pointer.
+    let fl = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_GETFL) };
+    fl >= 0 && fl & libc::O_DIRECT != 0
+}
+
+/// `pwrite` all `len` bytes; EINTR retried; a zero-byte write is an error.
+///
+/// # Safety
+/// `buf` must be valid for reads of `len` bytes for the duration of the call.
+pub(crate) unsafe fn pwrite_full(
+    fd: &File,
+    buf: *const u8,
+    len: usize,
+    off: u64,
+) -> io::Result<()> {
+    let mut done = 0usize;
+    while done < len {
+        let n = (len - done).min(MAX_IO_PER_CALL);
+        let pos = off + done as u64;
+        // SAFETY: the caller guarantees buf[..len] is readable; done + n <= len.
+        let r =
+            unsafe { libc::pwrite(fd.as_raw_fd(), buf.add(done).cast(), n, pos as libc::off_t) };
+        if r < 0 {
+            let e = io::Error::last_os_error();
+            if e.kind() == io::ErrorKind::Interrupted {
+                continue;
+            }
+            return Err(e);
+        }
+        if r == 0 {
+            return Err(io::Error::new(
+                io::ErrorKind::WriteZero,
+                "pwrite wrote 0 bytes",
+            ));
+        }
+        done += r as usize;
+    }
+    Ok(())
+}
+
+/// Preallocates `[off, off + len)` (`fallocate` mode 0) so parallel O_DIRECT writes are
+/// overwrites of allocated blocks, which filesystems run concurrently. Best effort.
+pub(crate) fn preallocate(fd: &File, off: u64, len: u64) {
+    if len == 0 {
+        return;
+    }
+    // SAFETY: fallocate on an fd we own, no pointers.
+    let r = unsafe { libc::fallocate(fd.as_raw_fd(), 0, off as libc::off_t, len as libc::off_t) };
+    if r != 0 {
+        tracing::debug!(err = %io::Error::last_os_error(), "fallocate failed; writing without preallocation");
+    }
+}
+
+/// The fraction of `[off, off + len)` found in the page cache, from up to `samples` pages
+/// spread over the range (`mmap` + `mincore`, no page is touched). `None` when the range
+/// cannot be mapped.
+pub(crate) fn cached_fraction(fd: &File, off: u64, len: u64, samples: usize) -> Option<f64> {
+    if len == 0 {
+        return Some(1.0);
+    }
+    let page = page_size() as u64;
+    let map_off = off / page * page;
+    let map_len = (off + len - map_off).div_ceil(page) * page;
+    // SAFETY: a fresh shared read-only mapping of our fd; unmapped below; never dereferenced.
+    let p = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            map_len as usize,
+            libc::PROT_READ,
+            libc::MAP_SHARED,
+            fd.as_raw_fd(),
+            map_off as libc::off_t,
+        )
+    };
+    if p == libc::MAP_FAILED {
+        return None;
+    }
+    let pages = map_len / page;
+    let n = (samples as u64).clamp(1, pages);
+    let mut resident = 0u64;
+    let mut asked = 0u64;
+    for i in 0..n {
+        let pg = i * pages / n;
+        let mut v = 0u8;
+        // SAFETY: the address is page-aligned inside our mapping; `v` receives one byte for
+        // one page.
+        let r = unsafe {
+            libc::mincore(
+                p.cast::<u8>().add((pg * page) as usize).cast(),
+                page as usize,
+                &mut v,
+            )
+        };
+        if r == 0 {
+            asked += 1;
+            resident += u64::from(v & 1);
+        }
+    }
+    // SAFETY: unmapping exactly the mapping created above.
+    unsafe { libc::munmap(p, map_len as usize) };
+    (asked > 0).then(|| resident as f64 / asked as f64)
+}
+
+pub(crate) fn page_size() -> usize {
+    // SAFETY: sysconf takes no pointer.
+    let p = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
+    if p > 0 {
+        p as usize
+    } else {
+        4096
+    }
+}

@@ -1,0 +1,126 @@
+//! What each worker owns across jobs: two bounce buffers and, per CUDA context it served, a
+//! stream with one event per buffer.
+
+use std::sync::Arc;
+
+use cudarc::driver::{sys, CudaContext, CudaEvent, CudaStream};
+
+use super::bounce::BounceBuf;
+use crate::error::{Error, Result};
+
+/// A worker's stream and buffer events in one CUDA context.
+pub(crate) struct Lane {
+    pub ctx: Arc<CudaContext>,
+    pub stream: Arc<CudaStream>,
+    /// `events[i]` is recorded after the last copy that used bounce buffer `i`.
+    pub events: [CudaEvent; 2],
+    /// Whether `events[i]` guards a copy not yet waited for.
+    pub busy: [bool; 2],
+}
+
+impl Lane {
+    fn new(ctx: &Arc<CudaContext>) -> Result<Lane> {
+        let stream = ctx
+            .new_stream()
+            .map_err(|e| Error::cuda("cuStreamCreate", e))?;
+        let ev = || {
+            ctx.new_event(Some(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING))
+                .map_err(|e| Error::cuda("cuEventCreate", e))
+        };
+        Ok(Lane {
+            ctx: ctx.clone(),
+            stream,
+            events: [ev()?, ev()?],
+            busy: [false; 2],
+        })
+    }
+
+    /// Waits until bounce buffer `i` is free of in-flight copies.
+    pub fn wait_slot(&mut self, i: usize) -> Result<()> {
+        if self.busy[i] {
+            self.events[i]
+                .synchronize()
+                .map_err(|e| Error::cuda("cuEventSynchronize", e))?;
+            self.busy[i] = false;
+        }
+        Ok(())
+    }
+
+    /// Marks bounce buffer `i` as used by the copies enqueued so far.
+    pub fn record_slot(&mut self, i: usize) -> Result<()> {
+        self.events[i]
+            .record(&self.stream)
+            .map_err(|e| Error::cuda("cuEventRecord", e))?;
+        self.busy[i] = true;
+        Ok(())
+    }
+
+    /// Waits for every copy on the lane's stream.
+    pub fn drain(&mut self) -> Result<()> {
+        let r = self
+            .stream
+            .synchronize()
+            .map_err(|e| Error::cuda("cuStreamSynchronize", e));
+        if r.is_ok() {
+            self.busy = [false; 2];
+        }
+        r
+    }
+}
+
+/// State a worker keeps between jobs.
+pub(crate) struct WorkerState {
+    /// Index of the worker in its pool.
+    #[allow(dead_code)]
+    pub id: usize,
+    pub slots: [Option<BounceBuf>; 2],
+    pub lanes: Vec<Lane>,
+}
+
+impl WorkerState {
+    pub fn new(id: usize) -> Self {
+        WorkerState {
+            id,
+            slots: [None, None],
+            lanes: Vec::new(),
+        }
+    }
+
+    /// Makes bounce buffer `i` at least `size` bytes (and page-locked when `register`).
+    pub fn ensure_slot(&mut self, i: usize, size: usize, register: bool) -> Result<()> {
+        let fits = matches!(&self.slots[i], Some(b) if b.len() >= size && (b.is_registered() || !register));
+        if !fits {
+            // Never replace a buffer a copy may still read: lanes are drained at job end.
+            self.slots[i] = None;
+            let mut b = BounceBuf::new(size)?;
+            if register {
+                b.register()?;
+            }
+            self.slots[i] = Some(b);
+        }
+        Ok(())
+    }
+
+    /// Pointer to bounce buffer `i` (after [`ensure_slot`](Self::ensure_slot)).
+    pub fn slot_ptr(&self, i: usize) -> *mut u8 {
+        self.slots[i]
+            .as_ref()
+            .map(|b| b.ptr())
+            .unwrap_or(std::ptr::null_mut())
+    }
+
+    /// The lane for `ctx`, created on first use; binds `ctx` to the calling thread.
+    pub fn lane(&mut self, ctx: &Arc<CudaContext>) -> Result<usize> {
+        ctx.bind_to_thread()
+            .map_err(|e| Error::cuda("cuCtxSetCurrent", e))?;
+        if let Some(i) = self
+            .lanes
+            .iter()
+            .position(|l| Arc::ptr_eq(&l.ctx, ctx) || l.ctx.cu_ctx() == ctx.cu_ctx())
+        {
+            return Ok(i);
+        }
+        self.lanes.push(Lane::new(ctx)?);
+        Ok(self.lanes.len() - 1)
+    }
+}

@@ -1,0 +1,807 @@
+//! [`GpuFile`]: the file you read into and write from GPU (or host) memory, on the fastest
+//! path the machine allows, with every call reporting the path its bytes took.
+
+use std::path::Path as FsPath;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+
+use cudarc::driver::{
+    CudaSlice, CudaStream, CudaView, CudaViewMut, DevicePtr, DevicePtrMut, DeviceSlice,
+};
+use serde::Serialize;
+
+use super::config::{CompatMode, ODirect, StorageConfig};
+use super::engine::io::{self, Fds, OpenMode};
+use super::engine::plan::{plan, Dir};
+use super::engine::{self, Job, Target};
+use crate::error::{Error, Result};
+use crate::path::{Cause, FallbackPolicy, Path, PathReport};
+
+/// Reads smaller than this never use O_DIRECT under [`ODirect::Auto`].
+const AUTO_DIRECT_MIN: usize = 1 << 20;
+/// Pages sampled to decide whether a range is cold (see [`ODirect::Auto`]).
+const RESIDENCY_SAMPLES: usize = 64;
+
+/// Which implementation moves a [`GpuFile`]'s device bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Default)]
+pub enum Backend {
+    /// Decided by [`CompatMode`] (`GPUDIRECT_COMPAT_MODE`, default AUTO): cuFile when it moves
+    /// bytes by DMA, else gpudirect's engine.
+    #[default]
+    Auto,
+    /// gpudirect's parallel engine, always.
+    Engine,
+    /// cuFile, always, including cuFile's own compatibility path; opening fails when cuFile
+    /// cannot register the file. Useful to test cuFile itself.
+    CuFile,
+}
+
+/// What one transfer did.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct IoReport {
+    /// Bytes moved. Less than asked only for reads that reach end of file.
+    pub bytes: usize,
+    /// The path the bytes took and, for a fallback, why.
+    pub path: PathReport,
+    /// Whether any byte went through O_DIRECT (gpudirect's engine only).
+    pub odirect: bool,
+}
+
+impl std::fmt::Display for IoReport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{} bytes via {}", self.bytes, self.path)?;
+        if self.odirect {
+            f.write_str(" with O_DIRECT")?;
+        }
+        Ok(())
+    }
+}
+
+/// Device memory a read can land in: [`CudaSlice<u8>`] and [`CudaViewMut<u8>`].
+pub trait DeviceDst {
+    /// A mutable view of the whole buffer.
+    fn as_dst(&mut self) -> CudaViewMut<'_, u8>;
+}
+
+impl DeviceDst for CudaSlice<u8> {
+    fn as_dst(&mut self) -> CudaViewMut<'_, u8> {
+        self.as_view_mut()
+    }
+}
+
+impl DeviceDst for CudaViewMut<'_, u8> {
+    fn as_dst(&mut self) -> CudaViewMut<'_, u8> {
+        self.slice_mut(..)
+    }
+}
+
+/// Device memory a write can come from: [`CudaSlice<u8>`], [`CudaView<u8>`],
+/// [`CudaViewMut<u8>`].
+pub trait DeviceSrc {
+    /// A view of the whole buffer.
+    fn as_src(&self) -> CudaView<'_, u8>;
+}
+
+impl DeviceSrc for CudaSlice<u8> {
+    fn as_src(&self) -> CudaView<'_, u8> {
+        self.as_view()
+    }
+}
+
+impl DeviceSrc for CudaView<'_, u8> {
+    fn as_src(&self) -> CudaView<'_, u8> {
+        self.slice(..)
+    }
+}
+
+impl DeviceSrc for CudaViewMut<'_, u8> {
+    fn as_src(&self) -> CudaView<'_, u8> {
+        self.as_view()
+    }
+}
+
+/// How to open a [`GpuFile`]; from [`GpuFile::options`]. Unset engine settings come from the
+/// environment (see [`config`](super::config)).
+#[derive(Debug, Clone, Default)]
+pub struct GpuFileOptions {
+    write: bool,
+    create: bool,
+    truncate: bool,
+    backend: Backend,
+    compat_mode: Option<CompatMode>,
+    threads: Option<usize>,
+    task_size: Option<usize>,
+    bounce_size: Option<usize>,
+    odirect_read: Option<ODirect>,
+    odirect_write: Option<ODirect>,
+    numa_pin: Option<bool>,
+    fallback: Option<FallbackPolicy>,
+    device: Option<usize>,
+    durable: bool,
+}
+
+impl GpuFileOptions {
+    /// Open for writing too.
+    pub fn write(mut self, yes: bool) -> Self {
+        self.write = yes;
+        self
+    }
+    /// Create the file if missing (implies `write`).
+    pub fn create(mut self, yes: bool) -> Self {
+        self.create = yes;
+        self.write |= yes;
+        self
+    }
+    /// Truncate to zero length on open (implies `write`).
+    pub fn truncate(mut self, yes: bool) -> Self {
+        self.truncate = yes;
+        self.write |= yes;
+        self
+    }
+    /// Which implementation moves device bytes (default [`Backend::Auto`]).
+    pub fn backend(mut self, b: Backend) -> Self {
+        self.backend = b;
+        self
+    }
+    /// The mode [`Backend::Auto`] follows (default: `GPUDIRECT_COMPAT_MODE`, else AUTO).
+    pub fn compat_mode(mut self, m: CompatMode) -> Self {
+        self.compat_mode = Some(m);
+        self
+    }
+    /// Engine worker threads (default: `GPUDIRECT_NTHREADS`, else one per CPU of the GPU's
+    /// NUMA node, 4 to 64).
+    pub fn threads(mut self, n: usize) -> Self {
+        self.threads = Some(n.max(1));
+        self
+    }
+    /// Bytes per task (rounded up to 4 KiB; default `GPUDIRECT_TASK_SIZE`, else 4 MiB).
+    pub fn task_size(mut self, n: usize) -> Self {
+        self.task_size = Some(super::config::round_size(n));
+        self
+    }
+    /// Bytes per pinned bounce buffer (rounded up to 4 KiB; default `GPUDIRECT_BOUNCE_SIZE`,
+    /// else 4 MiB).
+    pub fn bounce_size(mut self, n: usize) -> Self {
+        self.bounce_size = Some(super::config::round_size(n));
+        self
+    }
+    /// O_DIRECT for reads and writes (default `GPUDIRECT_ODIRECT*`, else [`ODirect::Auto`]).
+    pub fn odirect(mut self, m: ODirect) -> Self {
+        self.odirect_read = Some(m);
+        self.odirect_write = Some(m);
+        self
+    }
+    /// O_DIRECT for reads only.
+    pub fn odirect_read(mut self, m: ODirect) -> Self {
+        self.odirect_read = Some(m);
+        self
+    }
+    /// O_DIRECT for writes only.
+    pub fn odirect_write(mut self, m: ODirect) -> Self {
+        self.odirect_write = Some(m);
+        self
+    }
+    /// Pin workers to the GPU's NUMA node (default `GPUDIRECT_NUMA_PIN`, else on).
+    pub fn numa_pin(mut self, yes: bool) -> Self {
+        self.numa_pin = Some(yes);
+        self
+    }
+    /// What a device transfer does when it would not take a direct path (default
+    /// [`FallbackPolicy::global`]). Host-memory transfers have no direct path and ignore it.
+    pub fn fallback(mut self, p: FallbackPolicy) -> Self {
+        self.fallback = Some(p);
+        self
+    }
+    /// Accept only buffers of this device; others are an [`Error::InvalidArgument`]
+    /// (default: any device).
+    pub fn device(mut self, ordinal: usize) -> Self {
+        self.device = Some(ordinal);
+        self
+    }
+    /// `fsync` after every write, so a write that returns is on stable storage.
+    pub fn durable(mut self, yes: bool) -> Self {
+        self.durable = yes;
+        self
+    }
+
+    /// Opens `path` and decides the backend for device transfers.
+    ///
+    /// Errors: [`Error::InvalidArgument`] for anything but a regular file (directory, FIFO,
+    /// socket, device node) or an unparsable `GPUDIRECT_*` variable; [`Error::Io`] when
+    /// `open` fails; with [`Backend::CuFile`] or mode OFF, the cuFile error or
+    /// [`Error::Unsupported`] with its cause.
+    pub fn open(self, path: impl AsRef<FsPath>) -> Result<GpuFile> {
+        let path = path.as_ref();
+        let mut cfg = StorageConfig::from_env()?;
+        if let Some(m) = self.compat_mode {
+            cfg.compat_mode = m;
+            cfg.compat_source = Some(format!("CompatMode::{m:?} (GpuFileOptions::compat_mode)"));
+        }
+        if self.threads.is_some() {
+            cfg.threads = self.threads;
+        }
+        if let Some(n) = self.task_size {
+            cfg.task_size = n;
+        }
+        if let Some(n) = self.bounce_size {
+            cfg.bounce_size = n;
+        }
+        if let Some(m) = self.odirect_read {
+            cfg.odirect_read = m;
+        }
+        if let Some(m) = self.odirect_write {
+            cfg.odirect_write = m;
+        }
+        if let Some(p) = self.numa_pin {
+            cfg.numa_pin = p;
+        }
+        let fds = Fds::open(
+            path,
+            OpenMode {
+                write: self.write,
+                create: self.create,
+                truncate: self.truncate,
+            },
+        )?;
+        let (cufile, report) = decide_backend(self.backend, &cfg, path, self.write)?;
+        Ok(GpuFile {
+            fds: Arc::new(fds),
+            cufile,
+            report,
+            cfg,
+            policy: self.fallback.unwrap_or_else(FallbackPolicy::global),
+            device: self.device,
+            durable: self.durable,
+            warned: AtomicBool::new(false),
+        })
+    }
+}
+
+/// A file opened for transfers to and from GPU (and host) memory.
+///
+/// The backend for device transfers is chosen once, at open (see [`Backend`] and
+/// [`CompatMode`]), and reported by [`GpuFile::path_report`] and in every [`IoReport`].
+///
+/// # Ordering
+/// Device transfers synchronize the buffer's stream before the first byte moves and return
+/// when every byte is in place (device memory for reads, the file for writes; `durable`
+/// adds `fsync`). No copy is in flight after a call returns.
+///
+/// # End of file
+/// A read stops at end of file and reports the bytes it moved ([`IoReport::bytes`]); bytes of
+/// the buffer past that are left as they were. A read at or past end of file moves 0 bytes.
+/// [`GpuFile::read_exact_to_device`] turns a short read into an error.
+///
+/// # Thread safety
+/// `GpuFile` is `Send + Sync`; concurrent calls are allowed (the engine runs one transfer at a
+/// time per worker pool, each on every worker).
+pub struct GpuFile {
+    fds: Arc<Fds>,
+    cufile: Option<Box<dyn cufile_glue::CuFileIo>>,
+    report: PathReport,
+    cfg: StorageConfig,
+    policy: FallbackPolicy,
+    device: Option<usize>,
+    durable: bool,
+    warned: AtomicBool,
+}
+
+impl std::fmt::Debug for GpuFile {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("GpuFile")
+            .field("path", &self.fds.path)
+            .field("writable", &self.fds.writable)
+            .field("report", &self.report)
+            .field("config", &self.cfg)
+            .finish()
+    }
+}
+
+fn forced(setting: String) -> PathReport {
+    PathReport::fallback(Path::Posix, Cause::ForcedByConfig { setting })
+}
+
+/// Chooses cuFile or the engine for device transfers (see [`Backend`]).
+fn decide_backend(
+    backend: Backend,
+    cfg: &StorageConfig,
+    path: &FsPath,
+    write: bool,
+) -> Result<(Option<Box<dyn cufile_glue::CuFileIo>>, PathReport)> {
+    match backend {
+        Backend::Engine => Ok((None, forced("Backend::Engine".into()))),
+        Backend::CuFile => {
+            let h = cufile_glue::open(path, write)?;
+            let r = h.report();
+            Ok((Some(h), r))
+        }
+        Backend::Auto => match cfg.compat_mode {
+            CompatMode::On => Ok((
+                None,
+                forced(
+                    cfg.compat_source
+                        .clone()
+                        .unwrap_or_else(|| "GPUDIRECT_COMPAT_MODE=ON".into()),
+                ),
+            )),
+            CompatMode::Off => match cufile_glue::open(path, write) {
+                Ok(h) => {
+                    let r = h.report();
+                    Ok((Some(h), r))
+                }
+                Err(e) => Err(Error::Unsupported {
+                    what: format!(
+                        "cuFile for {} ({} requires it)",
+                        path.display(),
+                        cfg.compat_source
+                            .as_deref()
+                            .unwrap_or("GPUDIRECT_COMPAT_MODE=OFF")
+                    ),
+                    cause: cufile_glue::cause_of(&e, path),
+                }),
+            },
+            CompatMode::Auto => match cufile_glue::open(path, write) {
+                Ok(h) => {
+                    let r = h.report();
+                    if r.path == Path::Gds {
+                        Ok((Some(h), r))
+                    } else {
+                        let cause = r.cause.clone().unwrap_or(Cause::NoNvidiaFs);
+                        Ok((None, PathReport::fallback(Path::Posix, cause)))
+                    }
+                }
+                Err(e) => Ok((
+                    None,
+                    PathReport::fallback(Path::Posix, cufile_glue::cause_of(&e, path)),
+                )),
+            },
+        },
+    }
+}
+
+fn check_range(off: u64, len: usize) -> Result<()> {
+    match off.checked_add(len as u64) {
+        Some(end) if end <= i64::MAX as u64 => Ok(()),
+        _ => Err(Error::InvalidArgument(format!(
+            "file offset {off} + length {len} passes the largest file offset (2^63 - 1): use a smaller offset"
+        ))),
+    }
+}
+
+impl GpuFile {
+    /// Options for opening (read-only by default).
+    pub fn options() -> GpuFileOptions {
+        GpuFileOptions::default()
+    }
+
+    /// Opens an existing file for reading, settings from the environment.
+    pub fn open(path: impl AsRef<FsPath>) -> Result<GpuFile> {
+        Self::options().open(path)
+    }
+
+    /// Creates (or truncates) a file for writing and reading.
+    pub fn create(path: impl AsRef<FsPath>) -> Result<GpuFile> {
+        Self::options().create(true).truncate(true).open(path)
+    }
+
+    /// The file's path as opened.
+    pub fn path(&self) -> &FsPath {
+        &self.fds.path
+    }
+
+    /// The file's current size in bytes (`fstat`).
+    pub fn len(&self) -> Result<u64> {
+        self.fds.size()
+    }
+
+    /// True when the file is empty.
+    pub fn is_empty(&self) -> Result<bool> {
+        Ok(self.len()? == 0)
+    }
+
+    /// The settings in force for this file.
+    pub fn config(&self) -> &StorageConfig {
+        &self.cfg
+    }
+
+    /// The path device transfers take, decided at open, and why when it is not direct.
+    pub fn path_report(&self) -> &PathReport {
+        &self.report
+    }
+
+    /// Worker threads the engine uses for this file's transfers to `device` (`None`: host
+    /// memory).
+    pub fn engine_threads(&self, device: Option<usize>) -> Result<usize> {
+        let pin = self.cfg.numa_pin && device.is_some();
+        Ok(engine::engine(device, self.cfg.threads, pin)?.threads())
+    }
+
+    /// True when device transfers go through cuFile (its DMA path or, with
+    /// [`Backend::CuFile`], its compat path).
+    pub fn uses_cufile(&self) -> bool {
+        self.cufile.is_some()
+    }
+
+    /// Why O_DIRECT is unavailable for this file, if it is.
+    pub fn odirect_refused(&self) -> Option<&str> {
+        self.fds.direct_refused.as_deref()
+    }
+
+    /// `fsync`: flushes written data and metadata to stable storage.
+    pub fn sync_all(&self) -> Result<()> {
+        self.fds
+            .buffered
+            .sync_all()
+            .map_err(|e| self.fds.err("fsync", e))
+    }
+
+    fn engine_report(&self) -> PathReport {
+        self.report.clone()
+    }
+
+    fn check_policy(&self) -> Result<()> {
+        if self.policy == FallbackPolicy::Warn && self.warned.swap(true, Ordering::Relaxed) {
+            return Ok(());
+        }
+        self.policy.check(&self.report)
+    }
+
+    fn check_device(&self, ordinal: usize) -> Result<()> {
+        match self.device {
+            Some(d) if d != ordinal => Err(Error::InvalidArgument(format!(
+                "the buffer is on GPU {ordinal} but {} was opened for GPU {d}: pass a buffer of GPU {d} or open without GpuFileOptions::device",
+                self.fds.path.display()
+            ))),
+            _ => Ok(()),
+        }
+    }
+
+    fn check_writable(&self) -> Result<()> {
+        if self.fds.writable {
+            Ok(())
+        } else {
+            Err(Error::InvalidArgument(format!(
+                "{} was opened read-only: open it with GpuFile::create or GpuFile::options().write(true)",
+                self.fds.path.display()
+            )))
+        }
+    }
+
+    fn read_direct(&self, off: u64, n: usize) -> bool {
+        let Some(d) = self.fds.direct() else {
+            return false;
+        };
+        match self.cfg.odirect_read {
+            ODirect::Off => false,
+            ODirect::On => true,
+            ODirect::Auto => {
+                n >= AUTO_DIRECT_MIN
+                    && io::cached_fraction(d, off, n as u64, RESIDENCY_SAMPLES)
+                        .is_some_and(|f| f < 0.5)
+            }
+        }
+    }
+
+    fn write_direct(&self) -> bool {
+        self.fds.direct().is_some() && self.cfg.odirect_write != ODirect::Off
+    }
+
+    /// Bytes a read of `len` at `off` can move before end of file.
+    fn readable(&self, off: u64, len: usize) -> Result<usize> {
+        let size = self.fds.size()?;
+        Ok(if off >= size {
+            0
+        } else {
+            len.min((size - off).min(usize::MAX as u64) as usize)
+        })
+    }
+
+    /// Reads from `file_offset` into all of `dst` (or up to end of file).
+    ///
+    /// Synchronizes `dst`'s stream first; returns when the bytes are in device memory.
+    /// Errors: [`Error::FallbackRefused`] (policy `Deny` and no direct path; nothing moved),
+    /// [`Error::InvalidArgument`] (offset overflow, buffer of another device than
+    /// [`GpuFileOptions::device`]), [`Error::Io`], [`Error::Cuda`], cuFile errors.
+    pub fn read_to_device<D: DeviceDst + ?Sized>(
+        &self,
+        dst: &mut D,
+        file_offset: u64,
+    ) -> Result<IoReport> {
+        let mut view = dst.as_dst();
+        let len = view.len();
+        check_range(file_offset, len)?;
+        let stream = view.stream().clone();
+        let ctx = stream.context().clone();
+        self.check_device(ctx.ordinal())?;
+        self.check_policy()?;
+        if let Some(cf) = &self.cufile {
+            let bytes = if len == 0 {
+                0
+            } else {
+                cf.read(&mut view, file_offset)?
+            };
+            return Ok(IoReport {
+                bytes,
+                path: cf.report(),
+                odirect: false,
+            });
+        }
+        let n = self.readable(file_offset, len)?;
+        if n == 0 {
+            return Ok(IoReport {
+                bytes: 0,
+                path: self.engine_report(),
+                odirect: false,
+            });
+        }
+        let engine = engine::engine(Some(ctx.ordinal()), self.cfg.threads, self.cfg.numa_pin)?;
+        let piece = self.cfg.piece_size();
+        let tasks = plan(
+            file_offset,
+            n,
+            piece,
+            Dir::Read,
+            self.read_direct(file_offset, n),
+        );
+        let (dptr, _record) = view.device_ptr_mut(&stream);
+        stream
+            .synchronize()
+            .map_err(|e| Error::cuda("cuStreamSynchronize", e))?;
+        // SAFETY: dptr..dptr+len is `dst`'s device memory in `ctx`, exclusively borrowed for
+        // this call; every task lies within [0, n) with n <= len; Engine::run returns only
+        // after all copies completed.
+        let job = unsafe { Job::new(&self.fds, tasks, piece, Target::DevRead { ctx, dptr }) };
+        let (bytes, odirect) = engine.run(job)?;
+        Ok(IoReport {
+            bytes,
+            path: self.engine_report(),
+            odirect,
+        })
+    }
+
+    /// [`read_to_device`](Self::read_to_device) that fills all of `dst` or fails with an
+    /// [`Error::Io`] of kind `UnexpectedEof`.
+    pub fn read_exact_to_device<D: DeviceDst + ?Sized>(
+        &self,
+        dst: &mut D,
+        file_offset: u64,
+    ) -> Result<IoReport> {
+        let want = dst.as_dst().len();
+        let r = self.read_to_device(dst, file_offset)?;
+        if r.bytes < want {
+            return Err(self.eof(file_offset, want, r.bytes));
+        }
+        Ok(r)
+    }
+
+    fn eof(&self, off: u64, want: usize, got: usize) -> Error {
+        self.fds.err(
+            "read_exact",
+            std::io::Error::new(
+                std::io::ErrorKind::UnexpectedEof,
+                format!("wanted {want} bytes at offset {off}, the file ends after {got}: read less or at a smaller offset"),
+            ),
+        )
+    }
+
+    /// Writes all of `src` at `file_offset`, extending the file as needed.
+    ///
+    /// Synchronizes `src`'s stream first; returns when the bytes are in the file (and on
+    /// stable storage with [`GpuFileOptions::durable`]). On error the range's contents are
+    /// unspecified (the file may already be extended to its end).
+    pub fn write_from_device<S: DeviceSrc + ?Sized>(
+        &self,
+        src: &S,
+        file_offset: u64,
+    ) -> Result<IoReport> {
+        let view = src.as_src();
+        let len = view.len();
+        self.check_writable()?;
+        check_range(file_offset, len)?;
+        let stream = view.stream().clone();
+        let ctx = stream.context().clone();
+        self.check_device(ctx.ordinal())?;
+        self.check_policy()?;
+        let rep = if let Some(cf) = &self.cufile {
+            let bytes = if len == 0 {
+                0
+            } else {
+                cf.write(&view, file_offset)?
+            };
+            IoReport {
+                bytes,
+                path: cf.report(),
+                odirect: false,
+            }
+        } else if len == 0 {
+            IoReport {
+                bytes: 0,
+                path: self.engine_report(),
+                odirect: false,
+            }
+        } else {
+            let engine = engine::engine(Some(ctx.ordinal()), self.cfg.threads, self.cfg.numa_pin)?;
+            let piece = self.cfg.piece_size();
+            let direct = self.write_direct();
+            self.prepare_write(direct, file_offset, len)?;
+            let tasks = plan(file_offset, len, piece, Dir::Write, direct);
+            let (dptr, _record) = view.device_ptr(&stream);
+            stream
+                .synchronize()
+                .map_err(|e| Error::cuda("cuStreamSynchronize", e))?;
+            // SAFETY: dptr..dptr+len is `src`'s device memory in `ctx`, borrowed for this
+            // call; tasks lie within [0, len); Engine::run returns after all copies completed.
+            let job = unsafe { Job::new(&self.fds, tasks, piece, Target::DevWrite { ctx, dptr }) };
+            let (bytes, odirect) = engine.run(job)?;
+            IoReport {
+                bytes,
+                path: self.engine_report(),
+                odirect,
+            }
+        };
+        if self.durable {
+            self.sync_all()?;
+        }
+        Ok(rep)
+    }
+
+    fn prepare_write(&self, direct: bool, off: u64, len: usize) -> Result<()> {
+        if direct && off + len as u64 > self.fds.size()? {
+            io::preallocate(&self.fds.buffered, off, len as u64);
+        }
+        Ok(())
+    }
+
+    fn host_report() -> PathReport {
+        PathReport::fallback(Path::Posix, Cause::HostMemory)
+    }
+
+    /// Reads from `file_offset` into `buf` (host memory) with the parallel engine; stops at end
+    /// of file. The fallback policy does not apply (host memory has no direct path).
+    pub fn pread_host(&self, buf: &mut [u8], file_offset: u64) -> Result<IoReport> {
+        check_range(file_offset, buf.len())?;
+        let n = self.readable(file_offset, buf.len())?;
+        if n == 0 {
+            return Ok(IoReport {
+                bytes: 0,
+                path: Self::host_report(),
+                odirect: false,
+            });
+        }
+        let engine = engine::engine(None, self.cfg.threads, false)?;
+        let piece = self.cfg.task_size;
+        let tasks = plan(
+            file_offset,
+            n,
+            piece,
+            Dir::Read,
+            self.read_direct(file_offset, n),
+        );
+        // SAFETY: buf is exclusively borrowed for the call and holds len >= n bytes; tasks lie
+        // within [0, n).
+        let job = unsafe { Job::new(&self.fds, tasks, piece, Target::HostRead(buf.as_mut_ptr())) };
+        let (bytes, odirect) = engine.run(job)?;
+        Ok(IoReport {
+            bytes,
+            path: Self::host_report(),
+            odirect,
+        })
+    }
+
+    /// Writes all of `buf` (host memory) at `file_offset` with the parallel engine.
+    pub fn pwrite_host(&self, buf: &[u8], file_offset: u64) -> Result<IoReport> {
+        self.check_writable()?;
+        check_range(file_offset, buf.len())?;
+        let mut odirect = false;
+        if !buf.is_empty() {
+            let engine = engine::engine(None, self.cfg.threads, false)?;
+            let piece = self.cfg.task_size;
+            let direct = self.write_direct();
+            self.prepare_write(direct, file_offset, buf.len())?;
+            let tasks = plan(file_offset, buf.len(), piece, Dir::Write, direct);
+            // SAFETY: buf is borrowed for the call; tasks lie within [0, len).
+            let job = unsafe { Job::new(&self.fds, tasks, piece, Target::HostWrite(buf.as_ptr())) };
+            odirect = engine.run(job)?.1;
+        }
+        if self.durable {
+            self.sync_all()?;
+        }
+        Ok(IoReport {
+            bytes: buf.len(),
+            path: Self::host_report(),
+            odirect,
+        })
+    }
+}
+
+/// Reads a whole file into a new device buffer on `stream`: the three-line quick start.
+///
+/// ```no_run
+/// # fn main() -> gpudirect::Result<()> {
+/// let stream = gpudirect::cuda::context(0)?.default_stream();
+/// let (buf, report) = gpudirect::storage::read_to_gpu("weights.bin", &stream)?;
+/// println!("{} bytes to the GPU via {}", buf.len(), report.path);
+/// # Ok(()) }
+/// ```
+///
+/// Errors as [`GpuFile::open`] and [`GpuFile::read_to_device`]; a file that shrinks while it
+/// is read is an [`Error::Io`] of kind `UnexpectedEof`.
+pub fn read_to_gpu(
+    path: impl AsRef<FsPath>,
+    stream: &Arc<CudaStream>,
+) -> Result<(CudaSlice<u8>, IoReport)> {
+    crate::cuda::driver_version()?;
+    let f = GpuFile::open(path)?;
+    let size = f.len()?;
+    let size = usize::try_from(size).map_err(|_| {
+        Error::InvalidArgument("the file is larger than this platform's address space".into())
+    })?;
+    if size == 0 {
+        let buf = stream
+            .null::<u8>()
+            .map_err(|e| Error::cuda("cuMemAlloc", e))?;
+        return Ok((
+            buf,
+            IoReport {
+                bytes: 0,
+                path: f.report.clone(),
+                odirect: false,
+            },
+        ));
+    }
+    // SAFETY: every byte is written by the read below, or the buffer is dropped on error.
+    let mut buf = unsafe { stream.alloc::<u8>(size) }.map_err(|e| Error::cuda("cuMemAlloc", e))?;
+    let r = f.read_to_device(&mut buf, 0)?;
+    if r.bytes < size {
+        return Err(f.eof(0, size, r.bytes));
+    }
+    Ok((buf, r))
+}
+
+/// Where [`GpuFile`] meets the cuFile layer (`storage::cufile`).
+mod cufile_glue {
+    use super::*;
+
+    /// The operations a [`GpuFile`] needs from a registered cuFile handle.
+    pub(crate) trait CuFileIo: Send + Sync {
+        fn read(&self, dst: &mut CudaViewMut<'_, u8>, off: u64) -> Result<usize>;
+        fn write(&self, src: &CudaView<'_, u8>, off: u64) -> Result<usize>;
+        fn report(&self) -> PathReport;
+    }
+
+    use crate::storage::cufile::{classify_registration_failure, CuFileHandle, Driver, OpenMode};
+
+    struct Handle(CuFileHandle);
+
+    impl CuFileIo for Handle {
+        fn read(&self, dst: &mut CudaViewMut<'_, u8>, off: u64) -> Result<usize> {
+            self.0.read(dst, off)
+        }
+        fn write(&self, src: &CudaView<'_, u8>, off: u64) -> Result<usize> {
+            self.0.write(src, off)
+        }
+        fn report(&self) -> PathReport {
+            self.0.path_report().clone()
+        }
+    }
+
+    /// Opens the driver and registers `path` with cuFile (the file already exists: `GpuFile`
+    /// created or truncated it).
+    pub(crate) fn open(path: &FsPath, write: bool) -> Result<Box<dyn CuFileIo>> {
+        let driver = Driver::open()?;
+        let mode = if write { OpenMode::ReadWrite } else { OpenMode::Read };
+        Ok(Box::new(Handle(CuFileHandle::open(driver, path, mode)?)))
+    }
+
+    /// The cause to report when cuFile could not be used.
+    pub(crate) fn cause_of(e: &Error, path: &FsPath) -> Cause {
+        match e {
+            Error::Unsupported { cause, .. } => cause.clone(),
+            Error::LibraryUnavailable { .. } | Error::SymbolUnavailable { .. } | Error::NoDevice { .. } => {
+                Cause::CuFileUnavailable { reason: e.to_string() }
+            }
+            other => classify_registration_failure(other, path),
+        }
+    }
+
+}
