@@ -789,7 +789,11 @@ mod cufile_glue {
     /// created or truncated it).
     pub(crate) fn open(path: &FsPath, write: bool) -> Result<Box<dyn CuFileIo>> {
         let driver = Driver::open()?;
-        let mode = if write { OpenMode::ReadWrite } else { OpenMode::Read };
+        let mode = if write {
+            OpenMode::ReadWrite
+        } else {
+            OpenMode::Read
+        };
         Ok(Box::new(Handle(CuFileHandle::open(driver, path, mode)?)))
     }
 
@@ -797,11 +801,12 @@ mod cufile_glue {
     pub(crate) fn cause_of(e: &Error, path: &FsPath) -> Cause {
         match e {
             Error::Unsupported { cause, .. } => cause.clone(),
-            Error::LibraryUnavailable { .. } | Error::SymbolUnavailable { .. } | Error::NoDevice { .. } => {
-                Cause::CuFileUnavailable { reason: e.to_string() }
-            }
+            Error::LibraryUnavailable { .. }
+            | Error::SymbolUnavailable { .. }
+            | Error::NoDevice { .. } => Cause::CuFileUnavailable {
+                reason: e.to_string(),
+            },
             other => classify_registration_failure(other, path),
         }
     }
-
 }
