@@ -1,11 +1,46 @@
 //! GPUDirect RDMA: verbs, GPU memory regions (dma-buf and peermem), the GDR probe.
+//!
+//! The verbs layer wraps rdma-core's libibverbs (loaded at run time through
+//! [`ibverbs-gdr-sys`](crate::ffi::ibverbs)) in owned types whose parents are held by `Arc`:
+//! [`Context`] → [`ProtectionDomain`] → [`MemoryRegion`] / [`QueuePair`] (which also holds its
+//! [`CompletionQueue`]s). Connecting two processes: [`connect`] (TCP exchange of
+//! [`ConnectionRecord`]s) or [`cm`] (librdmacm).
+//!
+//! ```no_run
+//! use gpudirect::rdma::*;
+//! let ctx = Context::open_first()?;
+//! let pd = ProtectionDomain::new(&ctx)?;
+//! let cq = CompletionQueue::new(&ctx, 256)?;
+//! let mut a = QueuePair::new(&pd, &cq, &cq, &QpOptions::default())?;
+//! let mut b = QueuePair::new(&pd, &cq, &cq, &QpOptions::default())?;
+//! let access = AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE | AccessFlags::REMOTE_READ;
+//! let src = pd.register_host(vec![42u8; 4096], access)?;
+//! let dst = pd.register_host(vec![0u8; 4096], access)?;
+//! let (ra, rb) = (a.local_record(None), b.local_record(Some(dst.remote())));
+//! a.connect(&rb)?;
+//! b.connect(&ra)?;
+//! a.write(&src, 0..4096, rb.remote())?;
+//! assert_eq!(dst.as_slice(), src.as_slice());
+//! # Ok::<(), gpudirect::Error>(())
+//! ```
 
-/// A work-completion status (`enum ibv_wc_status`), kept as a number.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct WcStatus(pub u32);
+mod context;
+mod cq;
+mod device;
+mod mr;
+mod pd;
+mod qp;
+mod result;
+mod wc;
 
-impl std::fmt::Display for WcStatus {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "work completion status {}", self.0)
-    }
-}
+pub use context::{
+    Context, DeviceAttributes, Gid, GidEntry, GidType, LinkLayer, Mtu, PortAttributes, PortState,
+};
+pub use cq::{CompletionChannel, CompletionQueue};
+pub use device::{devices, DeviceInfo, Transport, Verbs};
+pub use mr::{AccessFlags, HostMemory, MemoryRegion, RemoteMemory, Sge};
+pub use pd::ProtectionDomain;
+pub use qp::{
+    ConnectOptions, ConnectionRecord, QpOptions, QpState, QueuePair, HELPER_WR_ID_BIT,
+};
+pub use wc::{WcOpcode, WcStatus, WorkCompletion};

@@ -1,0 +1,281 @@
+//! Completion queues (`ibv_create_cq`) and completion channels (`ibv_create_comp_channel`).
+
+use std::collections::VecDeque;
+use std::fmt;
+use std::os::fd::{AsRawFd, RawFd};
+use std::ptr::NonNull;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use ibverbs_gdr_sys as sys;
+
+use super::context::Context;
+use super::result;
+use super::wc::WorkCompletion;
+use crate::error::{Error, Result};
+
+/// A completion channel (`struct ibv_comp_channel`): a file descriptor that becomes readable
+/// when a CQ attached to it, armed with [`CompletionQueue::req_notify`], gets a completion.
+/// Use its fd with poll/epoll for event-driven waiting.
+pub struct CompletionChannel {
+    raw: NonNull<sys::ibv_comp_channel>,
+    ctx: Arc<Context>,
+}
+
+// SAFETY: verbs are thread-safe (rdma-core libibverbs.md).
+unsafe impl Send for CompletionChannel {}
+// SAFETY: see Send.
+unsafe impl Sync for CompletionChannel {}
+
+impl fmt::Debug for CompletionChannel {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("CompletionChannel")
+            .field("fd", &self.as_raw_fd())
+            .finish()
+    }
+}
+
+impl CompletionChannel {
+    /// Creates a channel (`ibv_create_comp_channel`).
+    pub fn new(ctx: &Arc<Context>) -> Result<Arc<CompletionChannel>> {
+        // SAFETY: the context is live (we hold an Arc).
+        let raw = unsafe { result::create_comp_channel(ctx.lib(), ctx.as_ptr()) }?;
+        Ok(Arc::new(CompletionChannel {
+            raw,
+            ctx: ctx.clone(),
+        }))
+    }
+
+    /// Makes `ibv_get_cq_event` on this channel non-blocking (`O_NONBLOCK` on the fd), for use
+    /// with an event loop.
+    pub fn set_nonblocking(&self, on: bool) -> Result<()> {
+        let fd = self.as_raw_fd();
+        // SAFETY: fcntl on an fd this channel owns.
+        let flags = unsafe { libc::fcntl(fd, libc::F_GETFL) };
+        if flags < 0 {
+            return Err(Error::io("fcntl", None, std::io::Error::last_os_error()));
+        }
+        let new = if on {
+            flags | libc::O_NONBLOCK
+        } else {
+            flags & !libc::O_NONBLOCK
+        };
+        // SAFETY: as above.
+        if unsafe { libc::fcntl(fd, libc::F_SETFL, new) } < 0 {
+            return Err(Error::io("fcntl", None, std::io::Error::last_os_error()));
+        }
+        Ok(())
+    }
+}
+
+impl AsRawFd for CompletionChannel {
+    fn as_raw_fd(&self) -> RawFd {
+        // SAFETY: the channel is live while `self` is; `fd` is never changed by libibverbs.
+        unsafe { self.raw.as_ref().fd }
+    }
+}
+
+impl Drop for CompletionChannel {
+    fn drop(&mut self) {
+        // SAFETY: every CQ on this channel holds an Arc of it, so none is left; destroyed once.
+        if let Err(e) = unsafe { result::destroy_comp_channel(self.ctx.lib(), self.raw) } {
+            tracing::warn!(error = %e, "ibv_destroy_comp_channel failed");
+        }
+    }
+}
+
+/// A completion queue (`struct ibv_cq`). Queue pairs hold an `Arc` of their CQs.
+///
+/// Completions that a waiting helper (e.g. [`QueuePair::write`](super::QueuePair::write))
+/// reads but that belong to someone else are kept and returned by the next [`poll`](Self::poll).
+pub struct CompletionQueue {
+    raw: NonNull<sys::ibv_cq>,
+    backlog: Mutex<VecDeque<WorkCompletion>>,
+    channel: Option<Arc<CompletionChannel>>,
+    ctx: Arc<Context>,
+}
+
+// SAFETY: verbs are thread-safe (rdma-core libibverbs.md); the backlog is behind a Mutex.
+unsafe impl Send for CompletionQueue {}
+// SAFETY: see Send.
+unsafe impl Sync for CompletionQueue {}
+
+impl fmt::Debug for CompletionQueue {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("CompletionQueue")
+            .field("capacity", &self.capacity())
+            .field("channel", &self.channel)
+            .finish()
+    }
+}
+
+impl CompletionQueue {
+    /// Creates a CQ with room for at least `cqe` completions (`ibv_create_cq`).
+    pub fn new(ctx: &Arc<Context>, cqe: u32) -> Result<Arc<CompletionQueue>> {
+        Self::create(ctx, cqe, None)
+    }
+
+    /// Creates a CQ attached to a completion channel, for event-driven waiting.
+    pub fn with_channel(
+        ctx: &Arc<Context>,
+        cqe: u32,
+        channel: &Arc<CompletionChannel>,
+    ) -> Result<Arc<CompletionQueue>> {
+        Self::create(ctx, cqe, Some(channel.clone()))
+    }
+
+    fn create(
+        ctx: &Arc<Context>,
+        cqe: u32,
+        channel: Option<Arc<CompletionChannel>>,
+    ) -> Result<Arc<CompletionQueue>> {
+        let cqe = i32::try_from(cqe.max(1))
+            .map_err(|_| Error::InvalidArgument("CQ size must fit in an int".into()))?;
+        let ch = channel
+            .as_ref()
+            .map_or(std::ptr::null_mut(), |c| c.raw.as_ptr());
+        // SAFETY: the context and channel are live (we hold Arcs).
+        let raw = unsafe { result::create_cq(ctx.lib(), ctx.as_ptr(), cqe, ch, 0) }?;
+        Ok(Arc::new(CompletionQueue {
+            raw,
+            backlog: Mutex::new(VecDeque::new()),
+            channel,
+            ctx: ctx.clone(),
+        }))
+    }
+
+    /// The number of entries the provider allocated (≥ the size asked for).
+    pub fn capacity(&self) -> u32 {
+        // SAFETY: the CQ is live; `cqe` is set at creation.
+        unsafe { self.raw.as_ref().cqe.max(0) as u32 }
+    }
+
+    /// The completion channel, if any.
+    pub fn channel(&self) -> Option<&Arc<CompletionChannel>> {
+        self.channel.as_ref()
+    }
+
+    pub(crate) fn as_ptr(&self) -> NonNull<sys::ibv_cq> {
+        self.raw
+    }
+
+    pub(crate) fn context(&self) -> &Arc<Context> {
+        &self.ctx
+    }
+
+    /// Reads up to `out.len()` completions without blocking (`ibv_poll_cq`); returns how many
+    /// were written. Error statuses are returned as completions: check
+    /// [`WorkCompletion::ok`].
+    pub fn poll(&self, out: &mut [WorkCompletion]) -> Result<usize> {
+        let mut n = 0;
+        {
+            let mut b = self.backlog.lock().unwrap_or_else(|p| p.into_inner());
+            while n < out.len() {
+                match b.pop_front() {
+                    Some(wc) => {
+                        out[n] = wc;
+                        n += 1;
+                    }
+                    None => break,
+                }
+            }
+        }
+        if n == out.len() {
+            return Ok(n);
+        }
+        let want = (out.len() - n).min(64);
+        // SAFETY: ibv_wc is plain C data; all-zero is valid.
+        let mut raw: [sys::ibv_wc; 64] = unsafe { std::mem::zeroed() };
+        // SAFETY: the CQ is live while `self` is.
+        let got = unsafe { result::poll_cq(self.raw, &mut raw[..want]) }?;
+        for r in &raw[..got] {
+            out[n] = WorkCompletion::from_raw(r);
+            n += 1;
+        }
+        Ok(n)
+    }
+
+    /// Waits (busy-polling, then yielding) for the completion of `wr_id`, keeping others for
+    /// later [`poll`](Self::poll) calls. `Ok(None)` on timeout.
+    pub(crate) fn wait_for(&self, wr_id: u64, timeout: Duration) -> Result<Option<WorkCompletion>> {
+        let start = Instant::now();
+        let mut spins = 0u32;
+        loop {
+            {
+                let mut b = self.backlog.lock().unwrap_or_else(|p| p.into_inner());
+                if let Some(i) = b.iter().position(|w| w.wr_id == wr_id) {
+                    return Ok(b.remove(i));
+                }
+            }
+            // SAFETY: ibv_wc is plain C data; all-zero is valid.
+            let mut raw: [sys::ibv_wc; 16] = unsafe { std::mem::zeroed() };
+            // SAFETY: the CQ is live while `self` is.
+            let got = unsafe { result::poll_cq(self.raw, &mut raw) }?;
+            let mut found = None;
+            if got > 0 {
+                let mut b = self.backlog.lock().unwrap_or_else(|p| p.into_inner());
+                for r in &raw[..got] {
+                    let wc = WorkCompletion::from_raw(r);
+                    if wc.wr_id == wr_id && found.is_none() {
+                        found = Some(wc);
+                    } else {
+                        b.push_back(wc);
+                    }
+                }
+            }
+            if found.is_some() {
+                return Ok(found);
+            }
+            if start.elapsed() >= timeout {
+                return Ok(None);
+            }
+            spins += 1;
+            if spins > 1000 {
+                std::thread::sleep(Duration::from_micros(50));
+            } else {
+                std::hint::spin_loop();
+            }
+        }
+    }
+
+    /// Arms the CQ (`ibv_req_notify_cq`): the next completion (or the next solicited one)
+    /// raises an event on the channel.
+    pub fn req_notify(&self, solicited_only: bool) -> Result<()> {
+        // SAFETY: the CQ is live while `self` is.
+        unsafe { result::req_notify_cq(self.raw, solicited_only) }
+    }
+
+    /// Blocks until the channel reports an event for this CQ (`ibv_get_cq_event`), and
+    /// acknowledges it (`ibv_ack_cq_events`). Arm the CQ with [`req_notify`](Self::req_notify)
+    /// first, then poll after this returns, and re-arm. With a non-blocking channel, returns
+    /// [`Error::Verbs`] with `EAGAIN` when no event is pending.
+    pub fn wait_event(&self) -> Result<()> {
+        let ch = self.channel.as_ref().ok_or_else(|| {
+            Error::InvalidArgument(
+                "this CQ has no completion channel: create it with CompletionQueue::with_channel"
+                    .into(),
+            )
+        })?;
+        // SAFETY: the channel is live (we hold an Arc).
+        let cq = unsafe { result::get_cq_event(self.ctx.lib(), ch.raw) }?;
+        let cq = NonNull::new(cq).unwrap_or(self.raw);
+        // SAFETY: the event names a CQ of this channel; ack exactly the one event we got.
+        unsafe { result::ack_cq_events(self.ctx.lib(), cq, 1) };
+        if cq != self.raw {
+            return Err(Error::InvalidArgument(
+                "the completion channel is shared: the event belonged to another CQ; wait on the channel's CQs from one place".into(),
+            ));
+        }
+        Ok(())
+    }
+}
+
+impl Drop for CompletionQueue {
+    fn drop(&mut self) {
+        // SAFETY: every QP using this CQ holds an Arc of it, so none is left; destroyed once.
+        // All events obtained by wait_event were acknowledged there.
+        if let Err(e) = unsafe { result::destroy_cq(self.ctx.lib(), self.raw) } {
+            tracing::warn!(error = %e, "ibv_destroy_cq failed");
+        }
+    }
+}

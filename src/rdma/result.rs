@@ -1,0 +1,431 @@
+//! The thin private result layer over ibverbs-gdr-sys: one `unsafe fn` per C call, turning the
+//! raw return (NULL + errno, an errno, a negative count) into [`Result`]. Safe types call only
+//! these.
+
+use std::ffi::c_void;
+use std::io;
+use std::ptr::NonNull;
+
+use ibverbs_gdr_sys as sys;
+use sys::Ibverbs;
+
+use crate::error::{Error, Result};
+
+/// The hint attached to a missing libibverbs.
+pub(crate) const IBVERBS_HINT: &str =
+    "install rdma-core's user-space verbs library (apt-get install libibverbs1 ibverbs-providers) or set GPUDIRECT_IBVERBS_LIB to its path";
+
+/// Converts a loader error into the crate's error.
+pub(crate) fn unavailable(e: sys::LoadError, hint: &str) -> Error {
+    Error::LibraryUnavailable {
+        name: e.library,
+        tried: e.tried,
+        hint: hint.to_string(),
+    }
+}
+
+/// The process-wide libibverbs.
+pub(crate) fn ibverbs() -> Result<&'static Ibverbs> {
+    Ibverbs::get().map_err(|e| unavailable(e, IBVERBS_HINT))
+}
+
+/// A symbol of the table, or `SymbolUnavailable`.
+macro_rules! sym {
+    ($lib:expr, $name:ident) => {
+        $lib.$name.ok_or_else(|| $crate::error::Error::SymbolUnavailable {
+            library: "libibverbs.so.1",
+            symbol: stringify!($name),
+            hint: "update rdma-core (libibverbs1) to a release that has it".into(),
+        })?
+    };
+}
+
+fn errno() -> io::Error {
+    io::Error::last_os_error()
+}
+
+fn clear_errno() {
+    // SAFETY: this thread's errno slot is always valid on Linux.
+    unsafe { *libc::__errno_location() = 0 };
+}
+
+/// An error from a call that returned NULL; errno 0 (a provider that forgot to set it) becomes
+/// EIO so the error never reads "success".
+fn null_err(op: &'static str) -> Error {
+    let e = errno();
+    let e = if e.raw_os_error() == Some(0) {
+        io::Error::from_raw_os_error(libc::EIO)
+    } else {
+        e
+    };
+    Error::Verbs { op, source: e }
+}
+
+/// An error from a call that returns an errno (0 = success).
+pub(crate) fn rc(op: &'static str, code: i32) -> Result<()> {
+    match code {
+        0 => Ok(()),
+        // Some providers return -errno or -1 with errno set; normalise.
+        -1 => Err(Error::Verbs {
+            op,
+            source: errno(),
+        }),
+        c => Err(Error::Verbs {
+            op,
+            source: io::Error::from_raw_os_error(c.abs()),
+        }),
+    }
+}
+
+fn nonnull<T>(op: &'static str, p: *mut T) -> Result<NonNull<T>> {
+    NonNull::new(p).ok_or_else(|| null_err(op))
+}
+
+/// `ibv_get_device_list`: the list and its length. The list must be freed with
+/// [`free_device_list`].
+pub(crate) unsafe fn get_device_list(lib: &Ibverbs) -> Result<(NonNull<*mut sys::ibv_device>, usize)> {
+    let f = sym!(lib, ibv_get_device_list);
+    let mut n = 0;
+    clear_errno();
+    // SAFETY: `n` is a valid out-pointer.
+    let p = unsafe { f(&mut n) };
+    let p = nonnull("ibv_get_device_list", p)?;
+    Ok((p, n.max(0) as usize))
+}
+
+/// `ibv_free_device_list`.
+pub(crate) unsafe fn free_device_list(lib: &Ibverbs, list: NonNull<*mut sys::ibv_device>) {
+    if let Some(f) = lib.ibv_free_device_list {
+        // SAFETY: `list` came from ibv_get_device_list (caller).
+        unsafe { f(list.as_ptr()) }
+    }
+}
+
+/// `ibv_get_device_guid` (network byte order in C; returned in host order).
+pub(crate) unsafe fn get_device_guid(lib: &Ibverbs, dev: *mut sys::ibv_device) -> u64 {
+    match lib.ibv_get_device_guid {
+        // SAFETY: `dev` is an entry of a live device list (caller).
+        Some(f) => u64::from_be(unsafe { f(dev) }),
+        None => 0,
+    }
+}
+
+/// `ibv_open_device`.
+pub(crate) unsafe fn open_device(
+    lib: &Ibverbs,
+    dev: *mut sys::ibv_device,
+) -> Result<NonNull<sys::ibv_context>> {
+    let f = sym!(lib, ibv_open_device);
+    clear_errno();
+    // SAFETY: `dev` is an entry of a live device list (caller).
+    nonnull("ibv_open_device", unsafe { f(dev) })
+}
+
+/// `ibv_close_device`.
+pub(crate) unsafe fn close_device(lib: &Ibverbs, ctx: NonNull<sys::ibv_context>) -> Result<()> {
+    let f = sym!(lib, ibv_close_device);
+    // SAFETY: `ctx` is a live context with no remaining children (caller).
+    rc("ibv_close_device", unsafe { f(ctx.as_ptr()) })
+}
+
+/// `ibv_query_device`.
+pub(crate) unsafe fn query_device(
+    lib: &Ibverbs,
+    ctx: NonNull<sys::ibv_context>,
+) -> Result<sys::ibv_device_attr> {
+    let f = sym!(lib, ibv_query_device);
+    // SAFETY: ibv_device_attr is plain C data; all-zero is a valid value.
+    let mut attr: sys::ibv_device_attr = unsafe { std::mem::zeroed() };
+    // SAFETY: `ctx` is live (caller), `attr` a valid out-pointer.
+    rc("ibv_query_device", unsafe { f(ctx.as_ptr(), &mut attr) })?;
+    Ok(attr)
+}
+
+/// `ibv_query_port` (the header's macro, through the sys crate's equivalent).
+pub(crate) unsafe fn query_port(
+    lib: &Ibverbs,
+    ctx: NonNull<sys::ibv_context>,
+    port: u8,
+) -> Result<sys::ibv_port_attr> {
+    // SAFETY: ibv_port_attr is plain C data; all-zero is a valid value.
+    let mut attr: sys::ibv_port_attr = unsafe { std::mem::zeroed() };
+    // SAFETY: `ctx` is live (caller), `attr` a valid out-pointer.
+    rc("ibv_query_port", unsafe {
+        lib.ibv_query_port(ctx.as_ptr(), port, &mut attr)
+    })?;
+    Ok(attr)
+}
+
+/// `ibv_query_gid_ex`.
+pub(crate) unsafe fn query_gid_ex(
+    lib: &Ibverbs,
+    ctx: NonNull<sys::ibv_context>,
+    port: u8,
+    index: u32,
+) -> Result<sys::ibv_gid_entry> {
+    // SAFETY: ibv_gid_entry is plain C data; all-zero is a valid value.
+    let mut e: sys::ibv_gid_entry = unsafe { std::mem::zeroed() };
+    // SAFETY: `ctx` is live (caller), `e` a valid out-pointer.
+    rc("ibv_query_gid_ex", unsafe {
+        lib.ibv_query_gid_ex(ctx.as_ptr(), port.into(), index, &mut e, 0)
+    })?;
+    Ok(e)
+}
+
+/// `ibv_query_gid_table`.
+pub(crate) unsafe fn query_gid_table(
+    lib: &Ibverbs,
+    ctx: NonNull<sys::ibv_context>,
+    max: usize,
+) -> Result<Vec<sys::ibv_gid_entry>> {
+    // SAFETY: ibv_gid_entry is plain C data; all-zero is a valid value.
+    let mut v: Vec<sys::ibv_gid_entry> = vec![unsafe { std::mem::zeroed() }; max];
+    // SAFETY: `ctx` is live (caller), `v` holds `max` writable entries.
+    let n = unsafe { lib.ibv_query_gid_table(ctx.as_ptr(), v.as_mut_ptr(), max, 0) };
+    if n < 0 {
+        return Err(Error::Verbs {
+            op: "ibv_query_gid_table",
+            source: io::Error::from_raw_os_error((-n) as i32),
+        });
+    }
+    v.truncate(n as usize);
+    Ok(v)
+}
+
+/// `ibv_query_gid` (the IB-era call, no GID type).
+pub(crate) unsafe fn query_gid(
+    lib: &Ibverbs,
+    ctx: NonNull<sys::ibv_context>,
+    port: u8,
+    index: i32,
+) -> Result<[u8; 16]> {
+    let f = sym!(lib, ibv_query_gid);
+    // SAFETY: ibv_gid is a plain 16-byte union.
+    let mut g: sys::ibv_gid = unsafe { std::mem::zeroed() };
+    // SAFETY: `ctx` is live (caller), `g` a valid out-pointer.
+    rc("ibv_query_gid", unsafe { f(ctx.as_ptr(), port, index, &mut g) })?;
+    // SAFETY: every bit pattern is a valid [u8; 16].
+    Ok(unsafe { g.raw })
+}
+
+/// `ibv_alloc_pd`.
+pub(crate) unsafe fn alloc_pd(
+    lib: &Ibverbs,
+    ctx: NonNull<sys::ibv_context>,
+) -> Result<NonNull<sys::ibv_pd>> {
+    let f = sym!(lib, ibv_alloc_pd);
+    clear_errno();
+    // SAFETY: `ctx` is live (caller).
+    nonnull("ibv_alloc_pd", unsafe { f(ctx.as_ptr()) })
+}
+
+/// `ibv_dealloc_pd`.
+pub(crate) unsafe fn dealloc_pd(lib: &Ibverbs, pd: NonNull<sys::ibv_pd>) -> Result<()> {
+    let f = sym!(lib, ibv_dealloc_pd);
+    // SAFETY: `pd` is live and unused (caller).
+    rc("ibv_dealloc_pd", unsafe { f(pd.as_ptr()) })
+}
+
+/// `ibv_reg_mr` (the header's macro, through the sys crate's equivalent).
+pub(crate) unsafe fn reg_mr(
+    lib: &Ibverbs,
+    pd: NonNull<sys::ibv_pd>,
+    addr: *mut c_void,
+    len: usize,
+    access: u32,
+) -> Result<NonNull<sys::ibv_mr>> {
+    clear_errno();
+    // SAFETY: forwarded from the caller (memory stays mapped until dereg).
+    nonnull("ibv_reg_mr", unsafe {
+        lib.ibv_reg_mr(pd.as_ptr(), addr, len, access)
+    })
+}
+
+/// `ibv_reg_dmabuf_mr` (rdma-core ≥ 34).
+pub(crate) unsafe fn reg_dmabuf_mr(
+    lib: &Ibverbs,
+    pd: NonNull<sys::ibv_pd>,
+    offset: u64,
+    len: usize,
+    iova: u64,
+    fd: i32,
+    access: u32,
+) -> Result<NonNull<sys::ibv_mr>> {
+    let f = lib.ibv_reg_dmabuf_mr.ok_or_else(|| Error::SymbolUnavailable {
+        library: "libibverbs.so.1",
+        symbol: "ibv_reg_dmabuf_mr",
+        hint: "dma-buf registration needs rdma-core >= 34: update libibverbs1".into(),
+    })?;
+    clear_errno();
+    // SAFETY: forwarded from the caller (fd is a dma-buf it keeps open as long as needed).
+    nonnull("ibv_reg_dmabuf_mr", unsafe {
+        f(pd.as_ptr(), offset, len, iova, fd, access as i32)
+    })
+}
+
+/// `ibv_dereg_mr`.
+pub(crate) unsafe fn dereg_mr(lib: &Ibverbs, mr: NonNull<sys::ibv_mr>) -> Result<()> {
+    let f = sym!(lib, ibv_dereg_mr);
+    // SAFETY: `mr` is live (caller).
+    rc("ibv_dereg_mr", unsafe { f(mr.as_ptr()) })
+}
+
+/// `ibv_create_comp_channel`.
+pub(crate) unsafe fn create_comp_channel(
+    lib: &Ibverbs,
+    ctx: NonNull<sys::ibv_context>,
+) -> Result<NonNull<sys::ibv_comp_channel>> {
+    let f = sym!(lib, ibv_create_comp_channel);
+    clear_errno();
+    // SAFETY: `ctx` is live (caller).
+    nonnull("ibv_create_comp_channel", unsafe { f(ctx.as_ptr()) })
+}
+
+/// `ibv_destroy_comp_channel`.
+pub(crate) unsafe fn destroy_comp_channel(
+    lib: &Ibverbs,
+    ch: NonNull<sys::ibv_comp_channel>,
+) -> Result<()> {
+    let f = sym!(lib, ibv_destroy_comp_channel);
+    // SAFETY: `ch` is live with no CQ left on it (caller).
+    rc("ibv_destroy_comp_channel", unsafe { f(ch.as_ptr()) })
+}
+
+/// `ibv_create_cq`.
+pub(crate) unsafe fn create_cq(
+    lib: &Ibverbs,
+    ctx: NonNull<sys::ibv_context>,
+    cqe: i32,
+    channel: *mut sys::ibv_comp_channel,
+    comp_vector: i32,
+) -> Result<NonNull<sys::ibv_cq>> {
+    let f = sym!(lib, ibv_create_cq);
+    clear_errno();
+    // SAFETY: `ctx` is live; `channel` NULL or live (caller).
+    nonnull("ibv_create_cq", unsafe {
+        f(ctx.as_ptr(), cqe, std::ptr::null_mut(), channel, comp_vector)
+    })
+}
+
+/// `ibv_destroy_cq`.
+pub(crate) unsafe fn destroy_cq(lib: &Ibverbs, cq: NonNull<sys::ibv_cq>) -> Result<()> {
+    let f = sym!(lib, ibv_destroy_cq);
+    // SAFETY: `cq` is live, no QP uses it (caller).
+    rc("ibv_destroy_cq", unsafe { f(cq.as_ptr()) })
+}
+
+/// `ibv_poll_cq`: the number of completions written.
+pub(crate) unsafe fn poll_cq(cq: NonNull<sys::ibv_cq>, wc: &mut [sys::ibv_wc]) -> Result<usize> {
+    let n = wc.len().min(i32::MAX as usize) as i32;
+    // SAFETY: `cq` is live (caller); `wc` holds `n` writable entries.
+    let r = unsafe { sys::ibv_poll_cq(cq.as_ptr(), n, wc.as_mut_ptr()) };
+    if r < 0 {
+        return Err(Error::Verbs {
+            op: "ibv_poll_cq",
+            source: io::Error::from_raw_os_error(if r == -1 { libc::EIO } else { -r }),
+        });
+    }
+    Ok(r as usize)
+}
+
+/// `ibv_req_notify_cq`.
+pub(crate) unsafe fn req_notify_cq(cq: NonNull<sys::ibv_cq>, solicited_only: bool) -> Result<()> {
+    // SAFETY: `cq` is live (caller).
+    rc("ibv_req_notify_cq", unsafe {
+        sys::ibv_req_notify_cq(cq.as_ptr(), solicited_only as i32)
+    })
+}
+
+/// `ibv_get_cq_event`: blocks (unless the channel fd is non-blocking) for the next event.
+pub(crate) unsafe fn get_cq_event(
+    lib: &Ibverbs,
+    ch: NonNull<sys::ibv_comp_channel>,
+) -> Result<*mut sys::ibv_cq> {
+    let f = sym!(lib, ibv_get_cq_event);
+    let mut cq = std::ptr::null_mut();
+    let mut cq_ctx = std::ptr::null_mut();
+    // SAFETY: `ch` is live (caller); out-pointers valid.
+    let r = unsafe { f(ch.as_ptr(), &mut cq, &mut cq_ctx) };
+    if r != 0 {
+        return Err(Error::Verbs {
+            op: "ibv_get_cq_event",
+            source: errno(),
+        });
+    }
+    Ok(cq)
+}
+
+/// `ibv_ack_cq_events`.
+pub(crate) unsafe fn ack_cq_events(lib: &Ibverbs, cq: NonNull<sys::ibv_cq>, n: u32) {
+    if let Some(f) = lib.ibv_ack_cq_events {
+        // SAFETY: `cq` is live (caller).
+        unsafe { f(cq.as_ptr(), n) }
+    }
+}
+
+/// `ibv_create_qp`.
+pub(crate) unsafe fn create_qp(
+    lib: &Ibverbs,
+    pd: NonNull<sys::ibv_pd>,
+    attr: &mut sys::ibv_qp_init_attr,
+) -> Result<NonNull<sys::ibv_qp>> {
+    let f = sym!(lib, ibv_create_qp);
+    clear_errno();
+    // SAFETY: `pd` and the CQs named in `attr` are live (caller).
+    nonnull("ibv_create_qp", unsafe { f(pd.as_ptr(), attr) })
+}
+
+/// `ibv_modify_qp`.
+pub(crate) unsafe fn modify_qp(
+    lib: &Ibverbs,
+    qp: NonNull<sys::ibv_qp>,
+    attr: &mut sys::ibv_qp_attr,
+    mask: u32,
+) -> Result<()> {
+    let f = sym!(lib, ibv_modify_qp);
+    // SAFETY: `qp` is live (caller); `attr` valid.
+    rc("ibv_modify_qp", unsafe { f(qp.as_ptr(), attr, mask as i32) })
+}
+
+/// `ibv_query_qp`: the attributes and the init attributes.
+pub(crate) unsafe fn query_qp(
+    lib: &Ibverbs,
+    qp: NonNull<sys::ibv_qp>,
+    mask: u32,
+) -> Result<sys::ibv_qp_attr> {
+    let f = sym!(lib, ibv_query_qp);
+    // SAFETY: plain C data; all-zero is valid.
+    let mut attr: sys::ibv_qp_attr = unsafe { std::mem::zeroed() };
+    // SAFETY: plain C data; all-zero is valid.
+    let mut init: sys::ibv_qp_init_attr = unsafe { std::mem::zeroed() };
+    // SAFETY: `qp` is live (caller); out-pointers valid.
+    rc("ibv_query_qp", unsafe {
+        f(qp.as_ptr(), &mut attr, mask as i32, &mut init)
+    })?;
+    Ok(attr)
+}
+
+/// `ibv_destroy_qp`.
+pub(crate) unsafe fn destroy_qp(lib: &Ibverbs, qp: NonNull<sys::ibv_qp>) -> Result<()> {
+    let f = sym!(lib, ibv_destroy_qp);
+    // SAFETY: `qp` is live (caller).
+    rc("ibv_destroy_qp", unsafe { f(qp.as_ptr()) })
+}
+
+/// `ibv_post_send`.
+pub(crate) unsafe fn post_send(qp: NonNull<sys::ibv_qp>, wr: &mut sys::ibv_send_wr) -> Result<()> {
+    let mut bad = std::ptr::null_mut();
+    // SAFETY: forwarded from the caller (WR and its buffers valid until completion).
+    rc("ibv_post_send", unsafe {
+        sys::ibv_post_send(qp.as_ptr(), wr, &mut bad)
+    })
+}
+
+/// `ibv_post_recv`.
+pub(crate) unsafe fn post_recv(qp: NonNull<sys::ibv_qp>, wr: &mut sys::ibv_recv_wr) -> Result<()> {
+    let mut bad = std::ptr::null_mut();
+    // SAFETY: forwarded from the caller (WR and its buffers valid until completion).
+    rc("ibv_post_recv", unsafe {
+        sys::ibv_post_recv(qp.as_ptr(), wr, &mut bad)
+    })
+}

@@ -1,0 +1,263 @@
+//! Work completions: [`WcStatus`] and [`WcOpcode`] decoding (numbers kept, never Rust enums
+//! over C values) and [`WorkCompletion`], the owned copy of an `ibv_wc`.
+
+use std::fmt;
+
+use ibverbs_gdr_sys as sys;
+
+use crate::error::{Error, Result};
+
+/// A work-completion status (`enum ibv_wc_status`), kept as its number so a status this crate
+/// does not know (a newer rdma-core) still prints and compares.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub struct WcStatus(pub u32);
+
+/// Every status of rdma-core 44: (value, C name, what it means and what to do).
+const STATUSES: &[(u32, &str, &str)] = &[
+    (sys::IBV_WC_SUCCESS, "IBV_WC_SUCCESS", "success"),
+    (sys::IBV_WC_LOC_LEN_ERR, "IBV_WC_LOC_LEN_ERR", "local length error: the message exceeds the posted receive buffer or the port's maximum message size"),
+    (sys::IBV_WC_LOC_QP_OP_ERR, "IBV_WC_LOC_QP_OP_ERR", "local QP operation error: the work request is inconsistent with the QP (check opcode, SGE count and inline size)"),
+    (sys::IBV_WC_LOC_EEC_OP_ERR, "IBV_WC_LOC_EEC_OP_ERR", "local EE context operation error (RD transport)"),
+    (sys::IBV_WC_LOC_PROT_ERR, "IBV_WC_LOC_PROT_ERR", "local protection error: an SGE is outside its memory region or the lkey/PD does not match"),
+    (sys::IBV_WC_WR_FLUSH_ERR, "IBV_WC_WR_FLUSH_ERR", "work request flushed: the QP is in the error state (look for the first failed completion)"),
+    (sys::IBV_WC_MW_BIND_ERR, "IBV_WC_MW_BIND_ERR", "memory window bind error"),
+    (sys::IBV_WC_BAD_RESP_ERR, "IBV_WC_BAD_RESP_ERR", "bad response: the responder returned an unexpected transport opcode"),
+    (sys::IBV_WC_LOC_ACCESS_ERR, "IBV_WC_LOC_ACCESS_ERR", "local access error: the local memory region lacks LOCAL_WRITE for an incoming read response or receive"),
+    (sys::IBV_WC_REM_INV_REQ_ERR, "IBV_WC_REM_INV_REQ_ERR", "remote invalid request: the responder rejected the request (message too long, or the remote QP lacks the access flag)"),
+    (sys::IBV_WC_REM_ACCESS_ERR, "IBV_WC_REM_ACCESS_ERR", "remote access error: the rkey, address range or access flags of the remote memory region do not allow this operation"),
+    (sys::IBV_WC_REM_OP_ERR, "IBV_WC_REM_OP_ERR", "remote operation error: the responder could not complete the operation (e.g. its receive buffer is too small)"),
+    (sys::IBV_WC_RETRY_EXC_ERR, "IBV_WC_RETRY_EXC_ERR", "transport retry counter exceeded: the remote QP does not answer (wrong GID/LID, remote down, or RoCE traffic dropped)"),
+    (sys::IBV_WC_RNR_RETRY_EXC_ERR, "IBV_WC_RNR_RETRY_EXC_ERR", "receiver-not-ready retry counter exceeded: the remote side posted no receive in time"),
+    (sys::IBV_WC_LOC_RDD_VIOL_ERR, "IBV_WC_LOC_RDD_VIOL_ERR", "local RDD violation (RD transport)"),
+    (sys::IBV_WC_REM_INV_RD_REQ_ERR, "IBV_WC_REM_INV_RD_REQ_ERR", "remote invalid RD request (RD transport)"),
+    (sys::IBV_WC_REM_ABORT_ERR, "IBV_WC_REM_ABORT_ERR", "remote aborted the operation"),
+    (sys::IBV_WC_INV_EECN_ERR, "IBV_WC_INV_EECN_ERR", "invalid EE context number (RD transport)"),
+    (sys::IBV_WC_INV_EEC_STATE_ERR, "IBV_WC_INV_EEC_STATE_ERR", "invalid EE context state (RD transport)"),
+    (sys::IBV_WC_FATAL_ERR, "IBV_WC_FATAL_ERR", "fatal error: the device hit an unrecoverable error (check dmesg)"),
+    (sys::IBV_WC_RESP_TIMEOUT_ERR, "IBV_WC_RESP_TIMEOUT_ERR", "response timeout"),
+    (sys::IBV_WC_GENERAL_ERR, "IBV_WC_GENERAL_ERR", "general error (provider specific; see vendor_err)"),
+    (sys::IBV_WC_TM_ERR, "IBV_WC_TM_ERR", "tag matching error"),
+    (sys::IBV_WC_TM_RNDV_INCOMPLETE, "IBV_WC_TM_RNDV_INCOMPLETE", "tag matching rendezvous incomplete"),
+];
+
+impl WcStatus {
+    /// `IBV_WC_SUCCESS`.
+    pub const SUCCESS: WcStatus = WcStatus(sys::IBV_WC_SUCCESS);
+    /// `IBV_WC_LOC_PROT_ERR`.
+    pub const LOC_PROT_ERR: WcStatus = WcStatus(sys::IBV_WC_LOC_PROT_ERR);
+    /// `IBV_WC_WR_FLUSH_ERR`.
+    pub const WR_FLUSH_ERR: WcStatus = WcStatus(sys::IBV_WC_WR_FLUSH_ERR);
+    /// `IBV_WC_REM_INV_REQ_ERR`.
+    pub const REM_INV_REQ_ERR: WcStatus = WcStatus(sys::IBV_WC_REM_INV_REQ_ERR);
+    /// `IBV_WC_REM_ACCESS_ERR`.
+    pub const REM_ACCESS_ERR: WcStatus = WcStatus(sys::IBV_WC_REM_ACCESS_ERR);
+    /// `IBV_WC_REM_OP_ERR`.
+    pub const REM_OP_ERR: WcStatus = WcStatus(sys::IBV_WC_REM_OP_ERR);
+    /// `IBV_WC_RETRY_EXC_ERR`.
+    pub const RETRY_EXC_ERR: WcStatus = WcStatus(sys::IBV_WC_RETRY_EXC_ERR);
+    /// `IBV_WC_RNR_RETRY_EXC_ERR`.
+    pub const RNR_RETRY_EXC_ERR: WcStatus = WcStatus(sys::IBV_WC_RNR_RETRY_EXC_ERR);
+
+    /// Every status rdma-core 44 defines.
+    pub fn all() -> impl Iterator<Item = WcStatus> {
+        STATUSES.iter().map(|s| WcStatus(s.0))
+    }
+
+    fn entry(self) -> Option<&'static (u32, &'static str, &'static str)> {
+        STATUSES.iter().find(|s| s.0 == self.0)
+    }
+
+    /// The C name, e.g. `"IBV_WC_REM_ACCESS_ERR"`; `None` for a number this crate does not know.
+    pub fn name(self) -> Option<&'static str> {
+        self.entry().map(|e| e.1)
+    }
+
+    /// What the status means and what to do, lowercase.
+    pub fn message(self) -> &'static str {
+        self.entry()
+            .map(|e| e.2)
+            .unwrap_or("unknown work completion status (newer rdma-core?)")
+    }
+
+    /// True for `IBV_WC_SUCCESS`.
+    pub fn is_success(self) -> bool {
+        self == Self::SUCCESS
+    }
+}
+
+impl fmt::Display for WcStatus {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.name() {
+            Some(n) => write!(f, "{} ({n}, {})", self.message(), self.0),
+            None => write!(f, "unknown work completion status {}", self.0),
+        }
+    }
+}
+
+impl std::error::Error for WcStatus {}
+
+/// A work-completion opcode (`enum ibv_wc_opcode`), kept as its number.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub struct WcOpcode(pub u32);
+
+impl WcOpcode {
+    /// `IBV_WC_SEND`.
+    pub const SEND: WcOpcode = WcOpcode(sys::IBV_WC_SEND);
+    /// `IBV_WC_RDMA_WRITE`.
+    pub const RDMA_WRITE: WcOpcode = WcOpcode(sys::IBV_WC_RDMA_WRITE);
+    /// `IBV_WC_RDMA_READ`.
+    pub const RDMA_READ: WcOpcode = WcOpcode(sys::IBV_WC_RDMA_READ);
+    /// `IBV_WC_RECV`.
+    pub const RECV: WcOpcode = WcOpcode(sys::IBV_WC_RECV);
+    /// `IBV_WC_RECV_RDMA_WITH_IMM`: a remote RDMA write with immediate landed.
+    pub const RECV_RDMA_WITH_IMM: WcOpcode = WcOpcode(sys::IBV_WC_RECV_RDMA_WITH_IMM);
+
+    /// The C name, `None` when unknown.
+    pub fn name(self) -> Option<&'static str> {
+        Some(match self.0 {
+            sys::IBV_WC_SEND => "IBV_WC_SEND",
+            sys::IBV_WC_RDMA_WRITE => "IBV_WC_RDMA_WRITE",
+            sys::IBV_WC_RDMA_READ => "IBV_WC_RDMA_READ",
+            sys::IBV_WC_COMP_SWAP => "IBV_WC_COMP_SWAP",
+            sys::IBV_WC_FETCH_ADD => "IBV_WC_FETCH_ADD",
+            sys::IBV_WC_BIND_MW => "IBV_WC_BIND_MW",
+            sys::IBV_WC_LOCAL_INV => "IBV_WC_LOCAL_INV",
+            sys::IBV_WC_TSO => "IBV_WC_TSO",
+            sys::IBV_WC_ATOMIC_WRITE => "IBV_WC_ATOMIC_WRITE",
+            sys::IBV_WC_RECV => "IBV_WC_RECV",
+            sys::IBV_WC_RECV_RDMA_WITH_IMM => "IBV_WC_RECV_RDMA_WITH_IMM",
+            _ => return None,
+        })
+    }
+
+    /// True for receive-side completions (`opcode & IBV_WC_RECV`, as the header suggests).
+    pub fn is_recv(self) -> bool {
+        self.0 & sys::IBV_WC_RECV != 0
+    }
+}
+
+impl fmt::Display for WcOpcode {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.name() {
+            Some(n) => f.write_str(n),
+            None => write!(f, "opcode {}", self.0),
+        }
+    }
+}
+
+/// One completed work request: an owned copy of `struct ibv_wc`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct WorkCompletion {
+    /// The id given when posting.
+    pub wr_id: u64,
+    /// The status.
+    pub status: WcStatus,
+    /// The operation (valid for successful completions only, per the verbs spec).
+    pub opcode: WcOpcode,
+    /// Provider-specific error detail.
+    pub vendor_err: u32,
+    /// Bytes received (receive completions).
+    pub byte_len: u32,
+    /// The immediate value of a SEND/RDMA write with immediate, host byte order.
+    pub imm_data: Option<u32>,
+    /// The local QP number.
+    pub qp_num: u32,
+}
+
+impl WorkCompletion {
+    pub(crate) fn from_raw(wc: &sys::ibv_wc) -> Self {
+        let imm = if wc.wc_flags & sys::IBV_WC_WITH_IMM != 0 {
+            // SAFETY: IBV_WC_WITH_IMM says the union holds imm_data (network byte order).
+            Some(u32::from_be(unsafe { wc.__bindgen_anon_1.imm_data }))
+        } else {
+            None
+        };
+        WorkCompletion {
+            wr_id: wc.wr_id,
+            status: WcStatus(wc.status),
+            opcode: WcOpcode(wc.opcode),
+            vendor_err: wc.vendor_err,
+            byte_len: wc.byte_len,
+            imm_data: imm,
+            qp_num: wc.qp_num,
+        }
+    }
+
+    /// `Ok(self)` for a successful completion, [`Error::WorkCompletion`] otherwise.
+    pub fn ok(self) -> Result<Self> {
+        if self.status.is_success() {
+            Ok(self)
+        } else {
+            Err(Error::WorkCompletion {
+                wr_id: self.wr_id,
+                status: self.status,
+            })
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_status_has_a_unique_name_and_lowercase_message() {
+        let all: Vec<_> = WcStatus::all().collect();
+        assert_eq!(all.len(), 24);
+        for (i, s) in all.iter().enumerate() {
+            assert_eq!(s.0 as usize, i, "statuses are contiguous from 0 in rdma-core 44");
+            let name = s.name().unwrap();
+            assert!(name.starts_with("IBV_WC_"), "{name}");
+            let m = s.message();
+            assert!(m.chars().next().unwrap().is_lowercase(), "{m}");
+            assert!(!m.ends_with('.'), "{m}");
+            assert!(s.to_string().contains(name));
+        }
+        let mut names: Vec<_> = all.iter().map(|s| s.name().unwrap()).collect();
+        names.dedup();
+        assert_eq!(names.len(), 24);
+    }
+
+    #[test]
+    fn unknown_status_is_kept_as_a_number() {
+        let s = WcStatus(99);
+        assert_eq!(s.name(), None);
+        assert_eq!(s.to_string(), "unknown work completion status 99");
+        assert!(!s.is_success());
+    }
+
+    #[test]
+    fn remote_access_error_becomes_a_typed_error() {
+        // SAFETY: ibv_wc is plain C data; all-zero is valid.
+        let mut raw: sys::ibv_wc = unsafe { std::mem::zeroed() };
+        raw.wr_id = 7;
+        raw.status = sys::IBV_WC_REM_ACCESS_ERR;
+        let wc = WorkCompletion::from_raw(&raw);
+        let err = wc.ok().unwrap_err();
+        assert!(matches!(
+            err,
+            Error::WorkCompletion {
+                wr_id: 7,
+                status: WcStatus::REM_ACCESS_ERR
+            }
+        ));
+        let msg = err.to_string();
+        assert!(msg.contains("work request 7"), "{msg}");
+        assert!(msg.contains("IBV_WC_REM_ACCESS_ERR"), "{msg}");
+        assert!(msg.contains("rkey"), "{msg}");
+    }
+
+    #[test]
+    fn immediate_data_is_decoded_from_network_order() {
+        // SAFETY: ibv_wc is plain C data; all-zero is valid.
+        let mut raw: sys::ibv_wc = unsafe { std::mem::zeroed() };
+        raw.opcode = sys::IBV_WC_RECV_RDMA_WITH_IMM;
+        raw.wc_flags = sys::IBV_WC_WITH_IMM;
+        raw.__bindgen_anon_1.imm_data = 0x1234_5678u32.to_be();
+        let wc = WorkCompletion::from_raw(&raw);
+        assert_eq!(wc.imm_data, Some(0x1234_5678));
+        assert!(wc.opcode.is_recv());
+        assert_eq!(wc.opcode.to_string(), "IBV_WC_RECV_RDMA_WITH_IMM");
+        assert!(!WcOpcode::RDMA_WRITE.is_recv());
+    }
+}
