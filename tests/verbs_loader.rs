@@ -15,12 +15,19 @@ use gpudirect::rdma::{self, Verbs};
 use gpudirect::Error;
 
 fn libibverbs_installed() -> bool {
-    let out = std::process::Command::new("/sbin/ldconfig").arg("-p").output();
+    let out = std::process::Command::new("/sbin/ldconfig")
+        .arg("-p")
+        .output();
     match out {
         Ok(o) => String::from_utf8_lossy(&o.stdout).contains("libibverbs.so.1 "),
-        Err(_) => ["/usr/lib/x86_64-linux-gnu", "/usr/lib64", "/usr/lib", "/lib/x86_64-linux-gnu"]
-            .iter()
-            .any(|d| std::path::Path::new(d).join("libibverbs.so.1").exists()),
+        Err(_) => [
+            "/usr/lib/x86_64-linux-gnu",
+            "/usr/lib64",
+            "/usr/lib",
+            "/lib/x86_64-linux-gnu",
+        ]
+        .iter()
+        .any(|d| std::path::Path::new(d).join("libibverbs.so.1").exists()),
     }
 }
 
@@ -51,9 +58,14 @@ fn verbs_devices_match_expectation() {
         "absent" => match r {
             Err(Error::LibraryUnavailable { name, tried, .. }) => {
                 assert_eq!(name, "libibverbs.so.1");
-                assert!(tried.iter().any(|t| t.starts_with("libibverbs.so.1")), "{tried:?}");
+                assert!(
+                    tried.iter().any(|t| t.starts_with("libibverbs.so.1")),
+                    "{tried:?}"
+                );
             }
-            other => panic!("expected LibraryUnavailable (GPUDIRECT_EXPECT_VERBS=absent), got {other:?}"),
+            other => {
+                panic!("expected LibraryUnavailable (GPUDIRECT_EXPECT_VERBS=absent), got {other:?}")
+            }
         },
         "enosys" => match r {
             Err(e @ Error::NoRdmaSubsystem { .. }) => {
@@ -65,7 +77,9 @@ fn verbs_devices_match_expectation() {
                 let v = Verbs::get().expect("libibverbs loads when ENOSYS is expected");
                 assert!(v.path().contains("libibverbs"), "{}", v.path());
             }
-            other => panic!("expected NoRdmaSubsystem (GPUDIRECT_EXPECT_VERBS=enosys), got {other:?}"),
+            other => {
+                panic!("expected NoRdmaSubsystem (GPUDIRECT_EXPECT_VERBS=enosys), got {other:?}")
+            }
         },
         "nodevice" => match r {
             Err(Error::NoDevice { what, .. }) => assert_eq!(what, "RDMA device"),
@@ -120,7 +134,10 @@ fn verbs_load_from_a_bogus_path_is_library_unavailable() {
         other => panic!("expected LibraryUnavailable, got {other:?}"),
     }
     let msg = e.to_string();
-    assert!(msg.starts_with("libibverbs.so.1 is not available (tried "), "{msg}");
+    assert!(
+        msg.starts_with("libibverbs.so.1 is not available (tried "),
+        "{msg}"
+    );
 }
 
 #[test]
@@ -137,7 +154,10 @@ fn verbs_sys_loader_resolves_symbols_when_the_library_is_installed() {
             assert!(lib.ibv_get_device_list.is_some());
             assert!(lib.ibv_reg_mr.is_some());
             assert!(lib.ibv_reg_mr_iova2.is_some());
-            assert!(lib.ibv_reg_dmabuf_mr.is_some(), "rdma-core >= 34 exports ibv_reg_dmabuf_mr");
+            assert!(
+                lib.ibv_reg_dmabuf_mr.is_some(),
+                "rdma-core >= 34 exports ibv_reg_dmabuf_mr"
+            );
             assert!(lib._ibv_query_gid_ex.is_some());
             assert!(lib._ibv_query_gid_table.is_some());
             // The static-inline equivalents dispatch on a loaded table; ibv_query_port's compat

@@ -252,7 +252,14 @@ impl Ibverbs {
         match self.fns()._ibv_query_gid_ex {
             // SAFETY: forwarded caller guarantees; the size is that of our ibv_gid_entry.
             Some(f) => unsafe {
-                f(context, port_num, gid_index, entry, flags, size_of::<ibv_gid_entry>())
+                f(
+                    context,
+                    port_num,
+                    gid_index,
+                    entry,
+                    flags,
+                    size_of::<ibv_gid_entry>(),
+                )
             },
             None => libc::ENOSYS,
         }
@@ -275,7 +282,13 @@ impl Ibverbs {
         match self.fns()._ibv_query_gid_table {
             // SAFETY: forwarded caller guarantees; the size is that of our ibv_gid_entry.
             Some(f) => unsafe {
-                f(context, entries, max_entries, flags, size_of::<ibv_gid_entry>())
+                f(
+                    context,
+                    entries,
+                    max_entries,
+                    flags,
+                    size_of::<ibv_gid_entry>(),
+                )
             },
             None => -(libc::ENOSYS as isize),
         }

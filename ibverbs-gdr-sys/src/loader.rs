@@ -37,7 +37,12 @@ pub struct LoadError {
 
 impl fmt::Display for LoadError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "cannot load {} (tried {})", self.library, self.tried.join("; "))
+        write!(
+            f,
+            "cannot load {} (tried {})",
+            self.library,
+            self.tried.join("; ")
+        )
     }
 }
 

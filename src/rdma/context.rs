@@ -29,7 +29,9 @@ unsafe impl Sync for Context {}
 
 impl fmt::Debug for Context {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Context").field("device", &self.info.name).finish()
+        f.debug_struct("Context")
+            .field("device", &self.info.name)
+            .finish()
     }
 }
 
@@ -202,14 +204,20 @@ impl Verbs {
         }
         Err(Error::NoDevice {
             what: format!("RDMA device named {name}"),
-            detail: format!("the devices here are: {} (see ibv_devices)", names.join(", ")),
+            detail: format!(
+                "the devices here are: {} (see ibv_devices)",
+                names.join(", ")
+            ),
         })
     }
 
     /// Opens the first device of the list.
     pub fn open_first(&self) -> Result<Arc<Context>> {
         let list = DeviceList::get(self.lib())?;
-        let d = list.iter().next().expect("DeviceList::get refuses empty lists");
+        let d = list
+            .iter()
+            .next()
+            .expect("DeviceList::get refuses empty lists");
         let info = DeviceInfo::from_raw(self.lib(), d);
         self.open_raw(d, info)
     }

@@ -56,7 +56,10 @@ impl Verbs {
     /// [`Error::NoDevice`] when the list is empty, [`Error::Verbs`] for other errnos.
     pub fn devices(&self) -> Result<Vec<DeviceInfo>> {
         let list = DeviceList::get(self.lib)?;
-        Ok(list.iter().map(|d| DeviceInfo::from_raw(self.lib, d)).collect())
+        Ok(list
+            .iter()
+            .map(|d| DeviceInfo::from_raw(self.lib, d))
+            .collect())
     }
 }
 

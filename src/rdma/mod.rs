@@ -40,7 +40,5 @@ pub use cq::{CompletionChannel, CompletionQueue};
 pub use device::{devices, DeviceInfo, Transport, Verbs};
 pub use mr::{AccessFlags, HostMemory, MemoryRegion, RemoteMemory, Sge};
 pub use pd::ProtectionDomain;
-pub use qp::{
-    ConnectOptions, ConnectionRecord, QpOptions, QpState, QueuePair, HELPER_WR_ID_BIT,
-};
+pub use qp::{ConnectOptions, ConnectionRecord, QpOptions, QpState, QueuePair, HELPER_WR_ID_BIT};
 pub use wc::{WcOpcode, WcStatus, WorkCompletion};

@@ -346,7 +346,10 @@ impl QueuePair {
         qp.modify(
             "ibv_modify_qp(RESET->INIT)",
             &mut a,
-            sys::IBV_QP_STATE | sys::IBV_QP_PKEY_INDEX | sys::IBV_QP_PORT | sys::IBV_QP_ACCESS_FLAGS,
+            sys::IBV_QP_STATE
+                | sys::IBV_QP_PKEY_INDEX
+                | sys::IBV_QP_PORT
+                | sys::IBV_QP_ACCESS_FLAGS,
         )?;
         Ok(qp)
     }
@@ -466,7 +469,9 @@ impl QueuePair {
         a.ah_attr.port_num = self.port;
         if roce || !remote.gid.is_zero() && remote.lid == 0 {
             let sgid = self.gid.as_ref().ok_or_else(|| {
-                Error::InvalidArgument("no local GID to send from: pass QpOptions::gid_index".into())
+                Error::InvalidArgument(
+                    "no local GID to send from: pass QpOptions::gid_index".into(),
+                )
             })?;
             a.ah_attr.is_global = 1;
             a.ah_attr.grh.dgid = remote.gid.to_raw();
@@ -550,6 +555,7 @@ impl QueuePair {
     /// # Safety
     ///
     /// See the public posting functions.
+    #[allow(clippy::too_many_arguments)]
     unsafe fn post(
         &self,
         what: &str,
@@ -766,7 +772,11 @@ impl QueuePair {
                     Err(e) => Err(e),
                 };
             }
-            tracing::warn!(qpn = self.qpn(), wr_id, "still waiting for the flush completion");
+            tracing::warn!(
+                qpn = self.qpn(),
+                wr_id,
+                "still waiting for the flush completion"
+            );
         }
     }
 

@@ -32,11 +32,12 @@ pub(crate) fn ibverbs() -> Result<&'static Ibverbs> {
 /// A symbol of the table, or `SymbolUnavailable`.
 macro_rules! sym {
     ($lib:expr, $name:ident) => {
-        $lib.$name.ok_or_else(|| $crate::error::Error::SymbolUnavailable {
-            library: "libibverbs.so.1",
-            symbol: stringify!($name),
-            hint: "update rdma-core (libibverbs1) to a release that has it".into(),
-        })?
+        $lib.$name
+            .ok_or_else(|| $crate::error::Error::SymbolUnavailable {
+                library: "libibverbs.so.1",
+                symbol: stringify!($name),
+                hint: "update rdma-core (libibverbs1) to a release that has it".into(),
+            })?
     };
 }
 
@@ -83,7 +84,9 @@ fn nonnull<T>(op: &'static str, p: *mut T) -> Result<NonNull<T>> {
 
 /// `ibv_get_device_list`: the list and its length. The list must be freed with
 /// [`free_device_list`].
-pub(crate) unsafe fn get_device_list(lib: &Ibverbs) -> Result<(NonNull<*mut sys::ibv_device>, usize)> {
+pub(crate) unsafe fn get_device_list(
+    lib: &Ibverbs,
+) -> Result<(NonNull<*mut sys::ibv_device>, usize)> {
     let f = sym!(lib, ibv_get_device_list);
     let mut n = 0;
     clear_errno();
@@ -203,7 +206,9 @@ pub(crate) unsafe fn query_gid(
     // SAFETY: ibv_gid is a plain 16-byte union.
     let mut g: sys::ibv_gid = unsafe { std::mem::zeroed() };
     // SAFETY: `ctx` is live (caller), `g` a valid out-pointer.
-    rc("ibv_query_gid", unsafe { f(ctx.as_ptr(), port, index, &mut g) })?;
+    rc("ibv_query_gid", unsafe {
+        f(ctx.as_ptr(), port, index, &mut g)
+    })?;
     // SAFETY: every bit pattern is a valid [u8; 16].
     Ok(unsafe { g.raw })
 }
@@ -251,11 +256,13 @@ pub(crate) unsafe fn reg_dmabuf_mr(
     fd: i32,
     access: u32,
 ) -> Result<NonNull<sys::ibv_mr>> {
-    let f = lib.ibv_reg_dmabuf_mr.ok_or_else(|| Error::SymbolUnavailable {
-        library: "libibverbs.so.1",
-        symbol: "ibv_reg_dmabuf_mr",
-        hint: "dma-buf registration needs rdma-core >= 34: update libibverbs1".into(),
-    })?;
+    let f = lib
+        .ibv_reg_dmabuf_mr
+        .ok_or_else(|| Error::SymbolUnavailable {
+            library: "libibverbs.so.1",
+            symbol: "ibv_reg_dmabuf_mr",
+            hint: "dma-buf registration needs rdma-core >= 34: update libibverbs1".into(),
+        })?;
     clear_errno();
     // SAFETY: forwarded from the caller (fd is a dma-buf it keeps open as long as needed).
     nonnull("ibv_reg_dmabuf_mr", unsafe {
@@ -303,7 +310,13 @@ pub(crate) unsafe fn create_cq(
     clear_errno();
     // SAFETY: `ctx` is live; `channel` NULL or live (caller).
     nonnull("ibv_create_cq", unsafe {
-        f(ctx.as_ptr(), cqe, std::ptr::null_mut(), channel, comp_vector)
+        f(
+            ctx.as_ptr(),
+            cqe,
+            std::ptr::null_mut(),
+            channel,
+            comp_vector,
+        )
     })
 }
 
@@ -384,7 +397,9 @@ pub(crate) unsafe fn modify_qp(
 ) -> Result<()> {
     let f = sym!(lib, ibv_modify_qp);
     // SAFETY: `qp` is live (caller); `attr` valid.
-    rc("ibv_modify_qp", unsafe { f(qp.as_ptr(), attr, mask as i32) })
+    rc("ibv_modify_qp", unsafe {
+        f(qp.as_ptr(), attr, mask as i32)
+    })
 }
 
 /// `ibv_query_qp`: the attributes and the init attributes.

@@ -205,7 +205,10 @@ mod tests {
         let all: Vec<_> = WcStatus::all().collect();
         assert_eq!(all.len(), 24);
         for (i, s) in all.iter().enumerate() {
-            assert_eq!(s.0 as usize, i, "statuses are contiguous from 0 in rdma-core 44");
+            assert_eq!(
+                s.0 as usize, i,
+                "statuses are contiguous from 0 in rdma-core 44"
+            );
             let name = s.name().unwrap();
             assert!(name.starts_with("IBV_WC_"), "{name}");
             let m = s.message();
