@@ -188,7 +188,6 @@ impl CuFileHandle {
         &self.inner.driver
     }
 
-    #[allow(dead_code)] // used by the stream-ordered and batch IO guards
     pub(crate) fn inner(&self) -> &Arc<HandleInner> {
         &self.inner
     }

@@ -7,6 +7,10 @@
 //!   IO goes direct ([`Path::Gds`](crate::Path::Gds)) or through cuFile's compatibility mode,
 //!   and why.
 //! - [`RegisteredBuffer`]: a device buffer registered with cuFile for its lifetime.
+//! - [`StreamIo`]: stream-ordered IO whose guard owns its parameter block and buffer.
+//! - [`BatchIo`]: batch IO; [`BatchIo::run`] is safe and blocking, `submit`/`poll` overlap.
+//! - [`Stats`]: cuFile's process-wide counters, including which path each GPU's IO took.
+//! - `CuFileHandle::readv`/`writev` where the library has them (cuFile 1.19+).
 //!
 //! Every C call goes through the private `result` module; statuses decode through
 //! [`CuFileStatus`](crate::storage::CuFileStatus).
@@ -17,11 +21,18 @@
 //! instead and never calls `cuFileDriverOpen`. cuFile's log goes to the temporary directory by
 //! default ([`LogTarget`]).
 
+mod batch;
 mod buffer;
 mod driver;
 mod file_handle;
-#[allow(dead_code)] // batch, stream and stats wrappers land next
 pub(crate) mod result;
+mod stats;
+mod stream;
+mod vectored;
+
+pub use batch::{BatchCompletion, BatchIo, BatchOp};
+pub use stats::{OpCounter, PerGpuStats, Stats, StatsL1, StatsSnapshot};
+pub use stream::{StreamIo, StreamRegistration};
 
 pub use buffer::RegisteredBuffer;
 pub use driver::{

@@ -1,0 +1,372 @@
+//! Batch IO (`cuFileBatchIOSetUp` / `Submit` / `GetStatus` / `Cancel` / `Destroy`).
+//!
+//! [`BatchIo::run`] is the safe form: it submits, waits for every completion (cancelling and
+//! draining on error) and returns, so nothing the device touches outlives the borrow.
+//! [`BatchIo::submit`] + [`BatchIo::poll`] is the overlapping form and is `unsafe`: the caller
+//! keeps buffers and handles alive until their completions are reaped.
+
+use std::ffi::c_void;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use cudarc::driver::{CudaStream, CudaView, CudaViewMut, DevicePtr, DevicePtrMut, DeviceSlice};
+use cufile_sys as sys;
+
+use super::buffer::allocation_range;
+use super::file_handle::HandleInner;
+use super::{result, CuFileHandle, Driver};
+use crate::error::{Error, Result};
+use crate::storage::status::IoReturn;
+
+/// One operation of a batch: read into or write from a device view, at a file offset.
+#[derive(Debug)]
+pub enum BatchOp<'a> {
+    /// Read `dst.len()` bytes at `file_offset` into `dst`.
+    Read {
+        /// The file.
+        handle: &'a CuFileHandle,
+        /// The destination.
+        dst: CudaViewMut<'a, u8>,
+        /// Offset in the file.
+        file_offset: u64,
+    },
+    /// Write `src` at `file_offset`.
+    Write {
+        /// The file.
+        handle: &'a CuFileHandle,
+        /// The source.
+        src: CudaView<'a, u8>,
+        /// Offset in the file.
+        file_offset: u64,
+    },
+}
+
+/// The outcome of one batch operation (`CUfileIOEvents_t`), in submission order for
+/// [`BatchIo::run`].
+#[derive(Debug)]
+pub struct BatchCompletion {
+    /// Index of the operation in the submitted slice (the cookie).
+    pub index: usize,
+    /// Raw `CUfileStatus_t` (`CUFILE_COMPLETE` = 0x10, `CUFILE_FAILED` = 0x40, ...).
+    pub status: u32,
+    /// Bytes moved, or the decoded error.
+    pub result: Result<usize>,
+}
+
+/// A batch context of fixed capacity (`cuFileBatchIOSetUp`), destroyed on drop
+/// (`cuFileBatchIODestroy`, after cancelling and draining anything in flight).
+pub struct BatchIo {
+    handle: sys::CUfileBatchHandle_t,
+    capacity: u32,
+    in_flight: usize,
+    // Registrations used by in-flight operations stay alive until they are drained.
+    holds: Vec<Arc<HandleInner>>,
+    driver: Arc<Driver>,
+}
+
+impl std::fmt::Debug for BatchIo {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("BatchIo")
+            .field("capacity", &self.capacity)
+            .field("in_flight", &self.in_flight)
+            .finish_non_exhaustive()
+    }
+}
+
+// SAFETY: the batch handle is an opaque cuFile context; cuFile's APIs are thread-safe (API
+// reference), and `BatchIo` is only used through `&mut self` for state changes.
+unsafe impl Send for BatchIo {}
+
+impl BatchIo {
+    /// Creates a batch context for up to `capacity` operations (`cuFileBatchIOSetUp`);
+    /// `capacity` must be within the driver's `max_batch_io_size`.
+    pub fn new(driver: Arc<Driver>, capacity: u32) -> Result<Self> {
+        let max = driver.properties().max_batch_io_size();
+        if capacity == 0 || (max > 0 && capacity > max) {
+            return Err(Error::InvalidArgument(format!(
+                "batch capacity {capacity} is outside 1..={max} (the driver's max_batch_io_size)"
+            )));
+        }
+        let handle = result::batch_setup(driver.lib(), capacity)?;
+        Ok(BatchIo {
+            handle,
+            capacity,
+            in_flight: 0,
+            holds: Vec::new(),
+            driver,
+        })
+    }
+
+    /// Creates a batch context of the driver's maximum capacity.
+    pub fn with_max_capacity(driver: Arc<Driver>) -> Result<Self> {
+        let cap = driver.properties().max_batch_io_size().max(1);
+        Self::new(driver, cap)
+    }
+
+    /// The capacity given at setup.
+    pub fn capacity(&self) -> u32 {
+        self.capacity
+    }
+
+    /// Operations submitted and not yet reaped.
+    pub fn in_flight(&self) -> usize {
+        self.in_flight
+    }
+
+    /// Submits `ops`, waits for all of them (each poll waits up to `timeout`; the whole run
+    /// fails after `timeout` without progress) and returns their completions in order.
+    ///
+    /// Synchronous and safe: on any error the batch is cancelled and drained before returning.
+    /// Each view's stream is synchronised before submission.
+    pub fn run(
+        &mut self,
+        ops: &mut [BatchOp<'_>],
+        timeout: Duration,
+    ) -> Result<Vec<BatchCompletion>> {
+        if ops.is_empty() {
+            return Ok(Vec::new());
+        }
+        // SAFETY: every buffer and handle is borrowed by `ops` for this call, and this call
+        // does not return before every operation has completed or been cancelled and drained.
+        unsafe { self.submit(ops) }?;
+        let mut done: Vec<Option<BatchCompletion>> = (0..ops.len()).map(|_| None).collect();
+        let mut last_progress = Instant::now();
+        while self.in_flight > 0 {
+            match self.poll(1, Some(timeout)) {
+                Ok(got) => {
+                    if got.is_empty() && last_progress.elapsed() >= timeout {
+                        self.cancel_and_drain();
+                        return Err(Error::Io {
+                            op: "cuFileBatchIOGetStatus",
+                            path: None,
+                            source: std::io::Error::new(
+                                std::io::ErrorKind::TimedOut,
+                                format!("no batch completion within {timeout:?}; the batch was cancelled"),
+                            ),
+                        });
+                    }
+                    if !got.is_empty() {
+                        last_progress = Instant::now();
+                    }
+                    for c in got {
+                        let i = c.index;
+                        if i < done.len() {
+                            done[i] = Some(c);
+                        }
+                    }
+                }
+                Err(e) => {
+                    self.cancel_and_drain();
+                    return Err(e);
+                }
+            }
+        }
+        Ok(done
+            .into_iter()
+            .enumerate()
+            .map(|(index, c)| {
+                c.unwrap_or(BatchCompletion {
+                    index,
+                    status: 0,
+                    result: Err(Error::InvalidArgument(format!(
+                        "batch operation {index} produced no completion"
+                    ))),
+                })
+            })
+            .collect())
+    }
+
+    /// Submits `ops` (`cuFileBatchIOSubmit`) without waiting. Cookies are the indices into
+    /// `ops`.
+    ///
+    /// # Safety
+    /// Every buffer named in `ops` must stay allocated and unaccessed by anything else until
+    /// its completion has been returned by [`poll`](Self::poll), or until [`cancel`](Self::cancel)
+    /// followed by polls has drained the batch (dropping the `BatchIo` does that). The file
+    /// registrations are held by the batch itself.
+    pub unsafe fn submit(&mut self, ops: &mut [BatchOp<'_>]) -> Result<()> {
+        let free = self.capacity as usize - self.in_flight;
+        if ops.len() > free {
+            return Err(Error::InvalidArgument(format!(
+                "{} operations exceed the batch's free capacity {free}",
+                ops.len()
+            )));
+        }
+        let mut params = Vec::with_capacity(ops.len());
+        let mut holds = Vec::with_capacity(ops.len());
+        for (i, op) in ops.iter_mut().enumerate() {
+            let (handle, ptr, len, file_offset, opcode, stream) = match op {
+                BatchOp::Read {
+                    handle,
+                    dst,
+                    file_offset,
+                } => {
+                    let stream: Arc<CudaStream> = Arc::clone(dst.stream());
+                    let len = dst.len();
+                    let p = dst.device_ptr_mut(&stream).0;
+                    (*handle, p, len, *file_offset, sys::CUFILE_READ, stream)
+                }
+                BatchOp::Write {
+                    handle,
+                    src,
+                    file_offset,
+                } => {
+                    let stream: Arc<CudaStream> = Arc::clone(src.stream());
+                    let len = src.len();
+                    let p = src.device_ptr(&stream).0;
+                    (*handle, p, len, *file_offset, sys::CUFILE_WRITE, stream)
+                }
+            };
+            if file_offset
+                .checked_add(len as u64)
+                .is_none_or(|e| e > i64::MAX as u64)
+            {
+                return Err(Error::InvalidArgument(format!(
+                    "operation {i}: file offset {file_offset} is too large"
+                )));
+            }
+            stream
+                .context()
+                .bind_to_thread()
+                .map_err(|e| Error::cuda("cuCtxSetCurrent", e))?;
+            stream
+                .synchronize()
+                .map_err(|e| Error::cuda("cuStreamSynchronize", e))?;
+            let (base, _) = allocation_range(ptr)?;
+            // SAFETY: all-zero is valid for CUfileIOParams_t (integers and null pointers).
+            let mut p: sys::CUfileIOParams_t = unsafe { std::mem::zeroed() };
+            p.mode = sys::CUFILE_BATCH;
+            p.u.batch = sys::CUfileIOParams__bindgen_ty_1__bindgen_ty_1 {
+                devPtr_base: base as *mut c_void,
+                file_offset: file_offset as i64,
+                devPtr_offset: (ptr - base) as i64,
+                size: len,
+            };
+            p.fh = handle.inner().fh;
+            p.opcode = opcode;
+            p.cookie = i as *mut c_void;
+            params.push(p);
+            holds.push(Arc::clone(handle.inner()));
+        }
+        // SAFETY: the caller keeps the buffers valid until completion (this fn's contract); the
+        // handles are held in `self.holds`; `params` is read during the call.
+        unsafe { result::batch_submit(self.driver.lib(), self.handle, &mut params) }?;
+        self.in_flight += params.len();
+        self.holds.extend(holds);
+        Ok(())
+    }
+
+    /// Waits for at least `min_nr` completions or `timeout` (`cuFileBatchIOGetStatus`) and
+    /// returns those that arrived (possibly fewer on timeout).
+    pub fn poll(&mut self, min_nr: u32, timeout: Option<Duration>) -> Result<Vec<BatchCompletion>> {
+        if self.in_flight == 0 {
+            return Ok(Vec::new());
+        }
+        // SAFETY: all-zero is valid for CUfileIOEvents_t.
+        let zero: sys::CUfileIOEvents_t = unsafe { std::mem::zeroed() };
+        let mut events = vec![zero; self.in_flight];
+        let min_nr = min_nr.min(self.in_flight as u32);
+        // SAFETY: the batch handle is live.
+        let n = unsafe {
+            result::batch_get_status(self.driver.lib(), self.handle, min_nr, &mut events, timeout)
+        }?;
+        let mut out = Vec::with_capacity(n);
+        for ev in &events[..n] {
+            let status = ev.status;
+            let finished = status
+                & (sys::CUFILE_COMPLETE
+                    | sys::CUFILE_FAILED
+                    | sys::CUFILE_CANCELED
+                    | sys::CUFILE_INVALID
+                    | sys::CUFILE_TIMEOUT)
+                != 0;
+            if !finished {
+                continue;
+            }
+            self.in_flight = self.in_flight.saturating_sub(1);
+            let result = if status & sys::CUFILE_COMPLETE != 0 {
+                match IoReturn::decode_event(ev.ret) {
+                    IoReturn::Bytes(b) => Ok(b),
+                    IoReturn::Os(e) => Err(Error::io("cuFileBatchIOGetStatus", None, e)),
+                    IoReturn::CuFile(s) => Err(Error::CuFile {
+                        op: "cuFileBatchIOSubmit",
+                        source: s,
+                    }),
+                }
+            } else {
+                match IoReturn::decode_event(ev.ret) {
+                    IoReturn::CuFile(s) => Err(Error::CuFile {
+                        op: "cuFileBatchIOSubmit",
+                        source: s,
+                    }),
+                    IoReturn::Os(e) => Err(Error::io("cuFileBatchIOSubmit", None, e)),
+                    IoReturn::Bytes(_) => Err(Error::io(
+                        "cuFileBatchIOSubmit",
+                        None,
+                        std::io::Error::other(format!(
+                            "batch operation ended with status {status:#x}"
+                        )),
+                    )),
+                }
+            };
+            out.push(BatchCompletion {
+                index: ev.cookie as usize,
+                status,
+                result,
+            });
+        }
+        if self.in_flight == 0 {
+            self.holds.clear();
+        }
+        Ok(out)
+    }
+
+    /// Cancels everything in flight (`cuFileBatchIOCancel`); completions (cancelled or not)
+    /// still have to be reaped with [`poll`](Self::poll).
+    pub fn cancel(&mut self) -> Result<()> {
+        if self.in_flight == 0 {
+            return Ok(());
+        }
+        // SAFETY: the batch handle is live.
+        unsafe { result::batch_cancel(self.driver.lib(), self.handle) }
+    }
+
+    /// Cancels and reaps until nothing is in flight (bounded: gives up after 30 s of no
+    /// progress, leaking the context rather than freeing memory the device may still use).
+    fn cancel_and_drain(&mut self) -> bool {
+        if self.in_flight == 0 {
+            return true;
+        }
+        if let Err(e) = self.cancel() {
+            tracing::warn!(error = %e, "cuFileBatchIOCancel failed");
+        }
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while self.in_flight > 0 && Instant::now() < deadline {
+            match self.poll(1, Some(Duration::from_millis(100))) {
+                Ok(_) => {}
+                Err(e) => {
+                    tracing::warn!(error = %e, "draining a cancelled batch failed");
+                    return false;
+                }
+            }
+        }
+        self.in_flight == 0
+    }
+}
+
+impl Drop for BatchIo {
+    fn drop(&mut self) {
+        if self.cancel_and_drain() {
+            // SAFETY: the handle is live and nothing is in flight.
+            unsafe { result::batch_destroy(self.driver.lib(), self.handle) };
+        } else {
+            tracing::warn!(
+                in_flight = self.in_flight,
+                "cuFile batch did not drain; leaking its context and registrations"
+            );
+            for h in self.holds.drain(..) {
+                std::mem::forget(h);
+            }
+        }
+    }
+}

@@ -1,0 +1,242 @@
+//! Stream-ordered IO (`cuFileReadAsync` / `cuFileWriteAsync`).
+//!
+//! cuFile dereferences the size and offset arguments, and writes the byte count, when the
+//! stream *executes* the operation, not when it is enqueued. The guard here owns all of them in
+//! one heap block, owns the device buffer, and holds the file registration; its `Drop`
+//! synchronises the stream. `mem::forget` on a guard leaks the block, the buffer and the
+//! registration — never a use-after-free.
+
+use std::ffi::c_void;
+use std::sync::Arc;
+
+use cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
+
+use super::buffer::allocation_range;
+use super::file_handle::HandleInner;
+use super::{result, CuFileHandle};
+use crate::error::{Error, Result};
+
+/// The parameter block cuFile reads and writes at execution time.
+#[repr(C)]
+struct Params {
+    size: usize,
+    file_offset: i64,
+    buf_offset: i64,
+    bytes: isize,
+}
+
+/// An enqueued stream-ordered read or write. Call [`wait`](Self::wait) to get the byte count
+/// and the buffer back; dropping it synchronises the stream (errors are logged).
+#[must_use = "dropping the guard blocks until the IO completes"]
+pub struct StreamIo {
+    // Drop order: synchronise (Drop body), then the block, buffer and registration go.
+    params: Option<Box<Params>>,
+    buf: Option<CudaSlice<u8>>,
+    stream: Arc<CudaStream>,
+    handle: Arc<HandleInner>,
+    write: bool,
+}
+
+impl std::fmt::Debug for StreamIo {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("StreamIo")
+            .field("write", &self.write)
+            .finish_non_exhaustive()
+    }
+}
+
+impl CuFileHandle {
+    /// Enqueues a read of `len` bytes at `file_offset` into `buf[buf_offset..]` on `buf`'s
+    /// stream (`cuFileReadAsync`). The guard owns `buf` until [`StreamIo::wait`] returns it.
+    ///
+    /// Errors before anything is enqueued: a range outside `buf` → [`Error::InvalidArgument`];
+    /// a capturing stream (cuFile's stream API does not work in CUDA graphs) →
+    /// [`Error::Unsupported`]; cuFile's refusal (e.g. `CU_FILE_ASYNC_NOT_SUPPORTED` without a
+    /// `cufile.json`) → [`Error::CuFile`]. In all these cases the buffer is dropped; use
+    /// [`CuFileHandle::read`] for the synchronous path.
+    pub fn read_async(
+        &self,
+        buf: CudaSlice<u8>,
+        buf_offset: usize,
+        len: usize,
+        file_offset: u64,
+    ) -> Result<StreamIo> {
+        StreamIo::enqueue(self, false, buf, buf_offset, len, file_offset)
+    }
+
+    /// Enqueues a write of `buf[buf_offset..buf_offset+len]` at `file_offset` on `buf`'s stream
+    /// (`cuFileWriteAsync`). See [`read_async`](Self::read_async).
+    pub fn write_async(
+        &self,
+        buf: CudaSlice<u8>,
+        buf_offset: usize,
+        len: usize,
+        file_offset: u64,
+    ) -> Result<StreamIo> {
+        StreamIo::enqueue(self, true, buf, buf_offset, len, file_offset)
+    }
+}
+
+impl StreamIo {
+    fn enqueue(
+        h: &CuFileHandle,
+        write: bool,
+        buf: CudaSlice<u8>,
+        buf_offset: usize,
+        len: usize,
+        file_offset: u64,
+    ) -> Result<StreamIo> {
+        if buf_offset
+            .checked_add(len)
+            .is_none_or(|end| end > buf.len())
+        {
+            return Err(Error::InvalidArgument(format!(
+                "range {buf_offset}..{buf_offset}+{len} is outside the {}-byte buffer",
+                buf.len()
+            )));
+        }
+        if file_offset > i64::MAX as u64 - len as u64 {
+            return Err(Error::InvalidArgument(format!(
+                "file offset {file_offset} is too large"
+            )));
+        }
+        let stream = Arc::clone(buf.stream());
+        stream
+            .context()
+            .bind_to_thread()
+            .map_err(|e| Error::cuda("cuCtxSetCurrent", e))?;
+        let mut capturing =
+            cudarc::driver::sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
+        // SAFETY: the stream is alive (we hold its Arc); `capturing` is a valid out-pointer.
+        let rc =
+            unsafe { cudarc::driver::sys::cuStreamIsCapturing(stream.cu_stream(), &mut capturing) };
+        crate::cuda::check("cuStreamIsCapturing", rc)?;
+        if capturing != cudarc::driver::sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE {
+            return Err(Error::Unsupported {
+                what: "stream-ordered cuFile IO on a capturing stream".into(),
+                cause: crate::Cause::Other {
+                    message: "cuFile's stream API does not work during CUDA graph capture".into(),
+                    fix: "enqueue the IO outside the capture, or use synchronous reads".into(),
+                },
+            });
+        }
+        let ptr = {
+            let (p, _record) = buf.device_ptr(&stream);
+            p
+        };
+        let (base, _) = allocation_range(ptr)?;
+        let mut params = Box::new(Params {
+            size: len,
+            file_offset: file_offset as i64,
+            buf_offset: (ptr - base + buf_offset as u64) as i64,
+            bytes: 0,
+        });
+        let p: *mut Params = &mut *params;
+        // SAFETY: the block is heap memory (malloc) owned by the guard until after the stream is
+        // synchronised (Drop/wait), or leaked if the guard is forgotten; likewise the buffer
+        // (`buf`, owned by the guard) and the handle registration (an Arc held by the guard).
+        // `bytes` starts at 0 in host memory as cuFile requires. The context is current.
+        unsafe {
+            result::io_async(
+                h.driver().lib(),
+                write,
+                h.inner().fh,
+                base as *mut c_void,
+                &raw mut (*p).size,
+                &raw mut (*p).file_offset,
+                &raw mut (*p).buf_offset,
+                &raw mut (*p).bytes,
+                stream.cu_stream().cast(),
+            )
+        }?;
+        Ok(StreamIo {
+            params: Some(params),
+            buf: Some(buf),
+            stream,
+            handle: Arc::clone(h.inner()),
+            write,
+        })
+    }
+
+    /// Synchronises the stream and returns `(bytes moved, buffer)`. A failed transfer gives the
+    /// decoded error (the buffer is then dropped after the stream is idle).
+    pub fn wait(mut self) -> Result<(usize, CudaSlice<u8>)> {
+        self.stream
+            .synchronize()
+            .map_err(|e| Error::cuda("cuStreamSynchronize", e))?;
+        let bytes = self.params.as_ref().map_or(0, |p| p.bytes);
+        let op = if self.write {
+            "cuFileWriteAsync"
+        } else {
+            "cuFileReadAsync"
+        };
+        let n = result::decode_ssize(op, bytes)?;
+        let buf = self.buf.take().expect("buffer present until wait or drop");
+        Ok((n, buf))
+    }
+
+    /// The stream the IO is ordered on.
+    pub fn stream(&self) -> &Arc<CudaStream> {
+        &self.stream
+    }
+}
+
+impl Drop for StreamIo {
+    fn drop(&mut self) {
+        if self.buf.is_none() {
+            return; // `wait` synchronised already.
+        }
+        if let Err(e) = self.stream.synchronize() {
+            // The stream is broken: cuFile may still touch the block and the buffer, so leak
+            // them rather than free memory the device might write.
+            tracing::warn!(error = %e, "stream sync failed in StreamIo::drop; leaking its buffer");
+            std::mem::forget(self.params.take());
+            std::mem::forget(self.buf.take());
+            std::mem::forget(Arc::clone(&self.handle));
+        }
+    }
+}
+
+/// A stream registered with cuFile (`cuFileStreamRegister`, flags 0) to cut per-call setup
+/// cost of stream-ordered IO; deregistered on drop (`cuFileStreamDeregister`), which cuFile
+/// requires before the stream is destroyed — holding the stream's `Arc` guarantees that order.
+pub struct StreamRegistration {
+    stream: Arc<CudaStream>,
+    driver: Arc<super::Driver>,
+}
+
+impl std::fmt::Debug for StreamRegistration {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("StreamRegistration").finish_non_exhaustive()
+    }
+}
+
+impl StreamRegistration {
+    /// Registers `stream` (`cuFileStreamRegister`).
+    pub fn register(driver: Arc<super::Driver>, stream: Arc<CudaStream>) -> Result<Self> {
+        stream
+            .context()
+            .bind_to_thread()
+            .map_err(|e| Error::cuda("cuCtxSetCurrent", e))?;
+        // SAFETY: the stream is alive and stays so (its Arc is held) until deregistration in Drop.
+        unsafe { result::stream_register(driver.lib(), stream.cu_stream().cast(), 0) }?;
+        Ok(StreamRegistration { stream, driver })
+    }
+
+    /// The registered stream.
+    pub fn stream(&self) -> &Arc<CudaStream> {
+        &self.stream
+    }
+}
+
+impl Drop for StreamRegistration {
+    fn drop(&mut self) {
+        let _ = self.stream.context().bind_to_thread();
+        let raw = self.stream.cu_stream().cast();
+        // SAFETY: registered in `register`, deregistered once here; the stream is alive.
+        let rc = unsafe { result::stream_deregister(self.driver.lib(), raw) };
+        if let Err(e) = rc {
+            tracing::warn!(error = %e, "cuFileStreamDeregister failed");
+        }
+    }
+}
