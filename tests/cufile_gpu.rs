@@ -1,0 +1,544 @@
+//! cuFile on a CUDA GPU (`gpu_cufile_*`, ignored by default: `-- --include-ignored`).
+//!
+//! Needs one CUDA GPU and libcufile (`GPUDIRECT_CUFILE_LIB`); scratch files go under
+//! `GPUDIRECT_TEST_DIR` (default: the system temp dir). Run without a GPU they fail with a hint.
+//!
+//! Registration depends on the machine: in containers without `/run/udev` cuFile refuses every
+//! file. Without `GPUDIRECT_TEST_UDEV_FIX=1` the tests assert that refusal is classified as
+//! [`Cause::UdevDataMissing`] for the file's block device (the machine's real state) and check
+//! nothing further; with `GPUDIRECT_TEST_UDEV_FIX=1` (root needed) they first write the udev
+//! record cuFile looks for — `/run/udev/data/b<major>:<minor>` with `E:ID_FS_USAGE=filesystem`
+//! and `E:ID_FS_TYPE=<fs>` for the device holding the test directory (what `mountpoint -d`
+//! prints) — and then require registration to succeed and every byte to round-trip.
+
+use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use gpudirect::cudarc::driver::{CudaSlice, CudaStream};
+use gpudirect::storage::cufile::{
+    classify_registration_failure, filesystem_type, BatchIo, BatchOp, CuFileHandle, Driver,
+    OpenMode, RegisteredBuffer, Stats,
+};
+use gpudirect::{Cause, Error};
+use rand::RngCore;
+
+fn gpu() -> Arc<CudaStream> {
+    let ctx = gpudirect::cuda::context(0).unwrap_or_else(|e| {
+        panic!("this test needs a CUDA GPU (run gpu_* tests on a GPU machine): {e}")
+    });
+    ctx.new_stream().expect("cuStreamCreate")
+}
+
+fn driver() -> Arc<Driver> {
+    Driver::open().unwrap_or_else(|e| {
+        panic!("the cuFile driver did not open: {e} (set GPUDIRECT_CUFILE_LIB to libcufile.so.0)")
+    })
+}
+
+fn test_dir() -> PathBuf {
+    let d = std::env::var_os("GPUDIRECT_TEST_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(std::env::temp_dir);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+fn scratch(name: &str) -> PathBuf {
+    test_dir().join(format!("gpudirect-cufile-{name}-{}", std::process::id()))
+}
+
+fn random(n: usize) -> Vec<u8> {
+    let mut v = vec![0u8; n];
+    rand::rng().fill_bytes(&mut v);
+    v
+}
+
+fn udev_fix_requested() -> bool {
+    std::env::var("GPUDIRECT_TEST_UDEV_FIX").is_ok_and(|v| v == "1")
+}
+
+/// The udev record cuFile looks for, for the block device holding `path`.
+fn udev_record(path: &Path) -> (String, PathBuf) {
+    let dev = std::fs::metadata(path).unwrap().dev();
+    let device = format!("{}:{}", libc::major(dev), libc::minor(dev));
+    let record = PathBuf::from(format!("/run/udev/data/b{device}"));
+    (device, record)
+}
+
+/// With `GPUDIRECT_TEST_UDEV_FIX=1`, writes the udev record for `path`'s device.
+fn apply_udev_fix(path: &Path) {
+    if !udev_fix_requested() {
+        return;
+    }
+    let (_, record) = udev_record(path);
+    if record.exists() {
+        return;
+    }
+    let fs = filesystem_type(path).unwrap_or_else(|| "ext4".into());
+    std::fs::create_dir_all("/run/udev/data").expect("mkdir /run/udev/data (run as root)");
+    // Write to a temporary name and rename, so parallel tests never see a partial record.
+    let tmp = record.with_extension(format!("tmp{}", std::process::id()));
+    std::fs::write(
+        &tmp,
+        format!("E:ID_FS_USAGE=filesystem\nE:ID_FS_TYPE={fs}\n"),
+    )
+    .unwrap();
+    std::fs::rename(&tmp, &record).unwrap();
+}
+
+/// Opens and registers `path` (created with `content`), or asserts the machine's documented
+/// refusal (udev data missing) and returns `None`.
+fn register(driver: &Arc<Driver>, path: &Path, content: &[u8]) -> Option<CuFileHandle> {
+    std::fs::write(path, content).unwrap();
+    apply_udev_fix(path);
+    match CuFileHandle::open(Arc::clone(driver), path, OpenMode::ReadWrite) {
+        Ok(h) => {
+            let r = h.path_report();
+            eprintln!(
+                "registered {} (o_direct {}): {r}",
+                path.display(),
+                h.is_o_direct()
+            );
+            if !driver.nvfs_loaded() && !driver.p2pdma_enabled() {
+                assert_eq!(r.path, gpudirect::Path::CuFileCompat, "{r}");
+                assert!(r.cause.is_some(), "{r}");
+            }
+            Some(h)
+        }
+        Err(e) => {
+            let cause = classify_registration_failure(&e, path);
+            assert!(
+                matches!(
+                    &e,
+                    Error::CuFile {
+                        op: "cuFileHandleRegister",
+                        ..
+                    }
+                ),
+                "registration must fail with a typed cuFile error: {e:?}"
+            );
+            if udev_fix_requested() {
+                panic!("registration failed although the udev record is in place: {e} (cause: {cause})");
+            }
+            let (device, record) = udev_record(path);
+            assert!(
+                !record.exists(),
+                "registration failed with the udev record present: {e}"
+            );
+            assert_eq!(cause, Cause::UdevDataMissing { device }, "{e}");
+            eprintln!(
+                "registration refused as this machine's state predicts ({cause}); \
+                 set GPUDIRECT_TEST_UDEV_FIX=1 (as root) to run the IO checks"
+            );
+            None
+        }
+    }
+}
+
+fn dtoh(stream: &Arc<CudaStream>, s: &CudaSlice<u8>) -> Vec<u8> {
+    stream.clone_dtoh(s).expect("cuMemcpyDtoH")
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gpu_cufile_driver_opens_and_reports_properties() {
+    let _stream = gpu();
+    let d = driver();
+    let p = d.properties();
+    eprintln!("cuFile {} properties: {p:#?}", d.version());
+    eprintln!(
+        "nvidia-fs loaded: {}, p2pdma: {}, log: {:?}",
+        d.nvfs_loaded(),
+        d.p2pdma_enabled(),
+        d.log_file()
+    );
+    assert_eq!(
+        d.version(),
+        gpudirect::storage::cufile::library_version().unwrap()
+    );
+    assert!(d.version() >= 1150);
+    assert_eq!(d.nvfs_loaded(), p.nvfs_version().is_some());
+    assert!(p.max_batch_io_size() > 0, "{p:?}");
+    assert!(d.use_count().unwrap() >= 1);
+    // Same driver again; a setting after open is refused, not ignored.
+    assert!(Arc::ptr_eq(&d, &driver()));
+    match Driver::builder().max_direct_io_size_kb(4096).open() {
+        Err(Error::TooLate {
+            before: "cuFileDriverOpen",
+            ..
+        }) => {}
+        other => panic!("expected TooLate, got {other:?}"),
+    }
+    // The log is not in the working directory.
+    assert!(!Path::new("cufile.log").exists() || std::env::var_os("CUFILE_LOGFILE_PATH").is_some());
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gpu_cufile_registration_matches_machine_state() {
+    let _stream = gpu();
+    let d = driver();
+    let path = scratch("register");
+    let h = register(&d, &path, &random(4096 + 17));
+    if let Some(h) = h {
+        assert_eq!(h.path(), path);
+        drop(h); // deregisters, then closes
+    }
+    std::fs::remove_file(&path).unwrap();
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gpu_cufile_round_trip_odd_sizes_and_offsets() {
+    let stream = gpu();
+    let d = driver();
+    let path = scratch("roundtrip");
+    let file = random((3 << 20) + 12345);
+    let Some(h) = register(&d, &path, &file) else {
+        return std::fs::remove_file(&path).unwrap();
+    };
+    for &(size, file_off, buf_off) in &[
+        (1usize, 0u64, 0usize),
+        (4095, 1, 3),
+        (4097, 4096, 4095),
+        ((1 << 20) + 13, 12345, 7),
+        ((2 << 20) + 511, 777, 4096),
+    ] {
+        let sentinel = random(buf_off + size + 5);
+        let mut buf = stream.clone_htod(&sentinel).unwrap();
+        let n = h
+            .read(&mut buf.slice_mut(buf_off..buf_off + size), file_off)
+            .unwrap();
+        assert_eq!(n, size);
+        let got = dtoh(&stream, &buf);
+        let fo = file_off as usize;
+        assert!(
+            got[buf_off..buf_off + size] == file[fo..fo + size],
+            "read {size}@{file_off}"
+        );
+        assert_eq!(
+            got[..buf_off],
+            sentinel[..buf_off],
+            "bytes before the view changed"
+        );
+        assert_eq!(
+            got[buf_off + size..],
+            sentinel[buf_off + size..],
+            "bytes after the view changed"
+        );
+    }
+    // Writes of odd sizes at odd offsets; the rest of the file must not change.
+    let mut expect = file.clone();
+    for &(size, file_off) in &[(1usize, 5u64), (4099, 8191), ((1 << 20) + 77, 100_003)] {
+        let data = random(size + 9);
+        let src = stream.clone_htod(&data).unwrap();
+        let n = h.write(&src.slice(9..), file_off).unwrap();
+        assert_eq!(n, size);
+        expect[file_off as usize..file_off as usize + size].copy_from_slice(&data[9..]);
+    }
+    h.file().sync_data().unwrap();
+    assert!(
+        std::fs::read(&path).unwrap() == expect,
+        "file differs after cuFileWrite"
+    );
+    // Past end of file: short, then 0; read_exact reports UnexpectedEof.
+    let mut buf = stream.clone_htod(&random(100)).unwrap();
+    let end = expect.len() as u64;
+    assert_eq!(h.read(&mut buf, end - 37).unwrap(), 37);
+    assert_eq!(&dtoh(&stream, &buf)[..37], &expect[expect.len() - 37..]);
+    assert_eq!(h.read(&mut buf, end + 10).unwrap(), 0);
+    match h.read_exact(&mut buf, end - 37) {
+        Err(Error::Io { source, .. }) => {
+            assert_eq!(source.kind(), std::io::ErrorKind::UnexpectedEof)
+        }
+        other => panic!("expected UnexpectedEof, got {other:?}"),
+    }
+    drop(h);
+    std::fs::remove_file(&path).unwrap();
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gpu_cufile_registered_buffer() {
+    let stream = gpu();
+    let d = driver();
+    let path = scratch("regbuf");
+    let file = random((1 << 20) + 4321);
+    let Some(h) = register(&d, &path, &file) else {
+        return std::fs::remove_file(&path).unwrap();
+    };
+    let mut reg = RegisteredBuffer::alloc(Arc::clone(&d), &stream, (1 << 20) + 3).unwrap();
+    assert!(reg.registered_len() >= reg.len());
+    let n = h.read(&mut reg.as_view_mut().slice_mut(3..), 1000).unwrap();
+    assert_eq!(n, 1 << 20);
+    let got = dtoh(&stream, reg.slice());
+    assert!(got[3..] == file[1000..1000 + (1 << 20)]);
+    // Another allocation registers too (or, if the driver pools small allocations into one
+    // range, is refused with a typed cuFile error).
+    match RegisteredBuffer::register(Arc::clone(&d), stream.clone_htod(&random(8)).unwrap()) {
+        Ok(b) => drop(b),
+        Err(e) => assert!(
+            matches!(
+                e,
+                Error::CuFile {
+                    op: "cuFileBufRegister",
+                    ..
+                }
+            ),
+            "{e:?}"
+        ),
+    }
+    let slice = reg.into_inner().map_err(|b| b.1).unwrap();
+    assert_eq!(slice.len(), (1 << 20) + 3);
+    drop(h);
+    std::fs::remove_file(&path).unwrap();
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gpu_cufile_stream_ordered_io() {
+    let stream = gpu();
+    let d = driver();
+    let path = scratch("stream");
+    let file = random((1 << 20) + 999);
+    let Some(h) = register(&d, &path, &file) else {
+        return std::fs::remove_file(&path).unwrap();
+    };
+    let buf = stream.clone_htod(&random(70_001)).unwrap();
+    match h.read_async(buf, 11, 65_537, 4097) {
+        Ok(io) => {
+            let (n, buf) = io
+                .wait()
+                .unwrap_or_else(|e| panic!("cuFileReadAsync completed with {e}"));
+            assert_eq!(n, 65_537);
+            let got = dtoh(&stream, &buf);
+            assert!(got[11..11 + 65_537] == file[4097..4097 + 65_537]);
+            // A guard dropped without wait synchronises; the buffer is then freed safely.
+            let io = h.write_async(buf, 0, 4099, 100).unwrap();
+            drop(io);
+            let on_disk = std::fs::read(&path).unwrap();
+            assert_eq!(&on_disk[100..100 + 4099], &got[..4099]);
+        }
+        Err(e) => {
+            eprintln!("stream-ordered IO refused: {e}");
+            assert!(
+                matches!(
+                    e,
+                    Error::CuFile {
+                        op: "cuFileReadAsync",
+                        ..
+                    }
+                ),
+                "{e:?}"
+            );
+        }
+    }
+    // Out-of-range requests are refused before cuFile sees them.
+    let small = stream.clone_htod(&random(10)).unwrap();
+    assert!(matches!(
+        h.read_async(small, 5, 6, 0),
+        Err(Error::InvalidArgument(_))
+    ));
+    drop(h);
+    std::fs::remove_file(&path).unwrap();
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gpu_cufile_batch_io() {
+    let stream = gpu();
+    let d = driver();
+    let path = scratch("batch");
+    let file = random((2 << 20) + 77);
+    let Some(h) = register(&d, &path, &file) else {
+        return std::fs::remove_file(&path).unwrap();
+    };
+    let mut batch = match BatchIo::new(Arc::clone(&d), 4) {
+        Ok(b) => b,
+        Err(e) => {
+            eprintln!("batch setup refused: {e}");
+            assert!(
+                matches!(
+                    e,
+                    Error::CuFile {
+                        op: "cuFileBatchIOSetUp",
+                        ..
+                    }
+                ),
+                "{e:?}"
+            );
+            return std::fs::remove_file(&path).unwrap();
+        }
+    };
+    let sizes = [4096usize, 5000, (1 << 20) + 1];
+    let offsets = [0u64, 4096 * 3, 999_999];
+    let mut bufs: Vec<CudaSlice<u8>> = sizes
+        .iter()
+        .map(|&n| stream.clone_htod(&random(n)).unwrap())
+        .collect();
+    let results = {
+        let mut ops: Vec<BatchOp<'_>> = bufs
+            .iter_mut()
+            .zip(offsets)
+            .map(|(b, file_offset)| BatchOp::Read {
+                handle: &h,
+                dst: b.as_view_mut(),
+                file_offset,
+            })
+            .collect();
+        batch.run(&mut ops, Duration::from_secs(30))
+    };
+    match results {
+        Ok(done) => {
+            assert_eq!(done.len(), 3);
+            for (i, c) in done.iter().enumerate() {
+                match &c.result {
+                    Ok(n) => {
+                        assert_eq!(*n, sizes[i]);
+                        let got = dtoh(&stream, &bufs[i]);
+                        let o = offsets[i] as usize;
+                        assert!(got == file[o..o + sizes[i]], "batch op {i}");
+                    }
+                    Err(e) => {
+                        eprintln!("batch op {i} failed: {e}");
+                        assert!(
+                            matches!(e, Error::CuFile { .. } | Error::Io { .. }),
+                            "{e:?}"
+                        );
+                    }
+                }
+            }
+        }
+        Err(e) => {
+            eprintln!("batch submission refused: {e}");
+            assert!(matches!(e, Error::CuFile { .. }), "{e:?}");
+        }
+    }
+    assert_eq!(batch.in_flight(), 0);
+    drop(batch);
+    drop(h);
+    std::fs::remove_file(&path).unwrap();
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gpu_cufile_stats_name_the_path() {
+    let stream = gpu();
+    let d = driver();
+    let stats = match Stats::start(Arc::clone(&d), 3) {
+        Ok(s) => s,
+        Err(e) => panic!("cuFile 1.15+ has statistics: {e}"),
+    };
+    let path = scratch("stats");
+    let file = random(1 << 20);
+    let Some(h) = register(&d, &path, &file) else {
+        return std::fs::remove_file(&path).unwrap();
+    };
+    let before = stats.snapshot().unwrap();
+    let mut buf = stream.clone_htod(&random(1 << 20)).unwrap();
+    assert_eq!(h.read(&mut buf, 0).unwrap(), 1 << 20);
+    let after = stats.snapshot().unwrap();
+    eprintln!("stats before {before:?}\nafter {after:?}");
+    assert!(
+        after.l1.read_bytes >= before.l1.read_bytes + (1 << 20),
+        "{after:?}"
+    );
+    assert!(after.l1.read_ops.ok > before.l1.read_ops.ok);
+    let observed = Stats::path_between(&before, &after);
+    eprintln!(
+        "observed path: {observed:?}; registration said {}",
+        h.path_report()
+    );
+    if let Some(r) = observed {
+        if !d.nvfs_loaded() && !d.p2pdma_enabled() {
+            assert_eq!(r.path, gpudirect::Path::CuFileCompat);
+        }
+    }
+    drop(h);
+    std::fs::remove_file(&path).unwrap();
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gpu_cufile_bad_input_gives_typed_errors() {
+    let stream = gpu();
+    let d = driver();
+    // A directory and a FIFO: refused before cuFile sees them.
+    let dir = scratch("dir");
+    std::fs::create_dir_all(&dir).unwrap();
+    let e = CuFileHandle::register(Arc::clone(&d), std::fs::File::open(&dir).unwrap(), &dir)
+        .unwrap_err();
+    assert!(
+        matches!(e, Error::InvalidArgument(ref m) if m.contains("directory")),
+        "{e:?}"
+    );
+    let fifo = scratch("fifo");
+    let c = std::ffi::CString::new(fifo.to_str().unwrap()).unwrap();
+    // SAFETY: `c` is a valid NUL-terminated path.
+    assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NONBLOCK)
+        .open(&fifo)
+        .unwrap();
+    let e = CuFileHandle::register(Arc::clone(&d), f, &fifo).unwrap_err();
+    assert!(
+        matches!(e, Error::InvalidArgument(ref m) if m.contains("fifo")),
+        "{e:?}"
+    );
+    std::fs::remove_file(&fifo).unwrap();
+    std::fs::remove_dir(&dir).unwrap();
+
+    // A file opened read-only: writing fails with a typed error and changes nothing.
+    let path = scratch("readonly");
+    let content = random(8192 + 3);
+    std::fs::write(&path, &content).unwrap();
+    apply_udev_fix(&path);
+    match CuFileHandle::register(Arc::clone(&d), std::fs::File::open(&path).unwrap(), &path) {
+        Ok(h) => {
+            let src = stream.clone_htod(&random(4096)).unwrap();
+            let e = h.write(&src, 0).unwrap_err();
+            eprintln!("write to a read-only file: {e}");
+            assert!(
+                matches!(e, Error::Io { .. } | Error::CuFile { .. }),
+                "{e:?}"
+            );
+            // Zero length: nothing happens.
+            let mut empty = stream.clone_htod(&random(16)).unwrap();
+            assert_eq!(h.read(&mut empty.slice_mut(3..3), 0).unwrap(), 0);
+            assert_eq!(h.write(&src.slice(0..0), 0).unwrap(), 0);
+            // A buffer on another device, when there is one: cuFile takes any device's memory
+            // (gpudirect makes its context current), so the bytes must be right.
+            if gpudirect::cuda::device_count().unwrap() >= 2 {
+                let other = gpudirect::cuda::context(1).unwrap().new_stream().unwrap();
+                let mut b1 = other.clone_htod(&random(5000)).unwrap();
+                match h.read(&mut b1, 7) {
+                    Ok(n) => {
+                        assert_eq!(n, 5000);
+                        assert!(other.clone_dtoh(&b1).unwrap() == content[7..5007]);
+                    }
+                    Err(e) => assert!(
+                        matches!(e, Error::CuFile { .. } | Error::Cuda { .. }),
+                        "{e:?}"
+                    ),
+                }
+            }
+            drop(h);
+        }
+        Err(e) => {
+            let cause = classify_registration_failure(&e, &path);
+            assert!(
+                !udev_fix_requested(),
+                "registration failed with the udev fix: {e}"
+            );
+            assert!(matches!(cause, Cause::UdevDataMissing { .. }), "{cause:?}");
+        }
+    }
+    assert!(
+        std::fs::read(&path).unwrap() == content,
+        "a refused write changed the file"
+    );
+    std::fs::remove_file(&path).unwrap();
+}
