@@ -74,8 +74,10 @@ fn main() -> ExitCode {
         }
     };
     progress("CUDA");
-    let _gpus = report.check_cuda();
-    let _ = (&opts.dir, opts.quick, opts.withhold_peer_access);
+    let gpus = report.check_cuda();
+    let _ = opts.withhold_peer_access;
+    progress("GDS");
+    report.check_gds(&opts.dir, gpus.map(|_| 0), opts.quick);
 
     if opts.json {
         match serde_json::to_string_pretty(&report) {

@@ -10,6 +10,8 @@ use serde::Serialize;
 
 use crate::error::Error;
 
+mod gds;
+
 /// The part of GPUDirect a finding belongs to.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, PartialOrd, Ord)]
 pub enum Section {
