@@ -10,8 +10,8 @@
 //! - `GPUDIRECT_BENCH_DIR` scratch directory (default `GPUDIRECT_TEST_DIR`, else the temp dir)
 //! - `GPUDIRECT_BENCH_REPS` interleaved rounds (default 3); medians are reported
 //! - `GPUDIRECT_BENCH_THREADS` thread sweep (default 1,2,4,8,16,32,64)
-//! - `GPUDIRECT_BENCH_TASKS` task/bounce-size sweep at default threads (default 1M,2M,8M,16M)
-//! - `GPUDIRECT_BENCH_DISK_THREADS` raw disk thread counts (default 1,4,16,32)
+//! - `GPUDIRECT_BENCH_TASKS` task/bounce-size sweep at default threads (default 1M,2M,4M,8M,16M)
+//! - `GPUDIRECT_BENCH_DISK_THREADS` raw disk thread counts (default 1,4,16,32,64)
 //! - `GPUDIRECT_BENCH_KVIKIO` path of the KvikIO script (default scripts/bench-storage-kvikio.py;
 //!   `0` skips it); `GPUDIRECT_BENCH_PYTHON` (default python3)
 //! - `GPUDIRECT_BENCH_QUICK=1` skips the sweeps; `GPUDIRECT_BENCH_KEEP=1` keeps the files
@@ -88,8 +88,8 @@ impl Cfg {
             dir,
             reps,
             threads: list("GPUDIRECT_BENCH_THREADS", "1,2,4,8,16,32,64"),
-            tasks: list("GPUDIRECT_BENCH_TASKS", "1M,2M,8M,16M"),
-            disk_threads: list("GPUDIRECT_BENCH_DISK_THREADS", "1,4,16,32"),
+            tasks: list("GPUDIRECT_BENCH_TASKS", "1M,2M,4M,8M,16M"),
+            disk_threads: list("GPUDIRECT_BENCH_DISK_THREADS", "1,4,16,32,64"),
             kvikio,
             python: std::env::var("GPUDIRECT_BENCH_PYTHON").unwrap_or_else(|_| "python3".into()),
             quick: flag("GPUDIRECT_BENCH_QUICK"),

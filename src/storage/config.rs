@@ -10,9 +10,9 @@
 //! | Variable | Values | Default | Meaning |
 //! |---|---|---|---|
 //! | `GPUDIRECT_COMPAT_MODE` | `auto`, `on`, `off` (also `1/0`, `true/false`, `yes/no`) | `auto` | `auto`: cuFile only when it moves bytes by DMA ([`Path::Gds`](crate::Path::Gds)), else gpudirect's engine; `on`: always gpudirect's engine; `off`: cuFile required (its compat path allowed), an error otherwise |
-//! | `GPUDIRECT_NTHREADS` | integer ≥ 1 | CPUs of the GPU's NUMA node this process may run on (at least 4, at most 64) | worker threads of the engine |
+//! | `GPUDIRECT_NTHREADS` | integer ≥ 1 | CPUs of the GPU's NUMA node this process may run on (at least 4, at most 64); O_DIRECT transfers at least 32 | worker threads of the engine (set: used for every transfer) |
 //! | `GPUDIRECT_TASK_SIZE` | bytes, suffixes `K`, `M`, `G` (powers of 1024) | `4M` | the unit of work one worker takes at a time (rounded up to 4 KiB) |
-//! | `GPUDIRECT_BOUNCE_SIZE` | bytes, as above | `4M` | each pinned bounce buffer (two per worker); device IO moves at most this much per step |
+//! | `GPUDIRECT_BOUNCE_SIZE` | bytes, as above | `2M` | each pinned bounce buffer (two per worker); device IO moves at most this much per step |
 //! | `GPUDIRECT_ODIRECT` | `auto`, `on`, `off` | `auto` | O_DIRECT for both directions (see [`ODirect`]) |
 //! | `GPUDIRECT_ODIRECT_READ`, `GPUDIRECT_ODIRECT_WRITE` | as above | `GPUDIRECT_ODIRECT` | per direction |
 //! | `GPUDIRECT_NUMA_PIN` | `1`/`0` | `1` | pin workers (and so their bounce buffers) to the GPU's NUMA node |
@@ -32,8 +32,9 @@ pub const DIRECT_ALIGN: usize = 4096;
 
 /// Default task size (4 MiB).
 pub const DEFAULT_TASK_SIZE: usize = 4 << 20;
-/// Default bounce-buffer size (4 MiB).
-pub const DEFAULT_BOUNCE_SIZE: usize = 4 << 20;
+/// Default bounce-buffer size (2 MiB): small enough that a worker's two buffers can stay in the
+/// CPU's last-level cache between the `pread` that fills them and the DMA that drains them.
+pub const DEFAULT_BOUNCE_SIZE: usize = 2 << 20;
 /// Largest count one `pread`/`pwrite` moves on Linux (`0x7ffff000`): tasks never exceed it.
 pub const MAX_IO_PER_CALL: usize = 0x7fff_f000;
 

@@ -148,8 +148,8 @@ impl GpuFileOptions {
         self.compat_mode = Some(m);
         self
     }
-    /// Engine worker threads (default: `GPUDIRECT_NTHREADS`, else one per CPU of the GPU's
-    /// NUMA node, 4 to 64).
+    /// Engine worker threads for every transfer (default: `GPUDIRECT_NTHREADS`, else one per
+    /// CPU of the GPU's NUMA node, 4 to 64, and at least 32 for O_DIRECT transfers).
     pub fn threads(mut self, n: usize) -> Self {
         self.threads = Some(n.max(1));
         self
@@ -160,7 +160,7 @@ impl GpuFileOptions {
         self
     }
     /// Bytes per pinned bounce buffer (rounded up to 4 KiB; default `GPUDIRECT_BOUNCE_SIZE`,
-    /// else 4 MiB).
+    /// else 2 MiB). Device transfers move `min(task size, bounce size)` per step.
     pub fn bounce_size(mut self, n: usize) -> Self {
         self.bounce_size = Some(super::config::round_size(n));
         self
@@ -482,6 +482,18 @@ impl GpuFile {
         }
     }
 
+    /// Worker threads for a job: the configured count, else the default (at least
+    /// [`engine::MIN_DIRECT_THREADS`] for O_DIRECT jobs, which wait on the disk).
+    fn threads_for(&self, device: Option<usize>, direct: bool) -> Option<usize> {
+        match (self.cfg.threads, direct) {
+            (Some(n), _) => Some(n),
+            (None, true) => Some(
+                engine::default_threads(device, self.cfg.numa_pin).max(engine::MIN_DIRECT_THREADS),
+            ),
+            (None, false) => None,
+        }
+    }
+
     fn write_direct(&self) -> bool {
         self.fds.direct().is_some() && self.cfg.odirect_write != ODirect::Off
     }
@@ -620,9 +632,10 @@ impl GpuFile {
                 odirect: false,
             }
         } else {
-            let engine = engine::engine(Some(ctx.ordinal()), self.cfg.threads, self.cfg.numa_pin)?;
-            let piece = self.cfg.piece_size();
             let direct = self.write_direct();
+            let dev = Some(ctx.ordinal());
+            let engine = engine::engine(dev, self.threads_for(dev, direct), self.cfg.numa_pin)?;
+            let piece = self.cfg.piece_size();
             self.prepare_write(direct, file_offset, len)?;
             let tasks = plan(file_offset, len, piece, Dir::Write, direct);
             let (dptr, _record) = view.device_ptr(&stream);
@@ -694,9 +707,9 @@ impl GpuFile {
         check_range(file_offset, buf.len())?;
         let mut odirect = false;
         if !buf.is_empty() {
-            let engine = engine::engine(None, self.cfg.threads, false)?;
-            let piece = self.cfg.task_size;
             let direct = self.write_direct();
+            let engine = engine::engine(None, self.threads_for(None, direct), false)?;
+            let piece = self.cfg.task_size;
             self.prepare_write(direct, file_offset, buf.len())?;
             let tasks = plan(file_offset, buf.len(), piece, Dir::Write, direct);
             // SAFETY: buf is borrowed for the call; tasks lie within [0, len).

@@ -166,6 +166,10 @@ pub(crate) fn default_threads(device: Option<usize>, numa_pin: bool) -> usize {
     n.clamp(4, 64)
 }
 
+/// Workers for jobs that wait on the disk (O_DIRECT) when the thread count is not set: at
+/// least this many, because for them threads are queue depth, not CPU.
+pub(crate) const MIN_DIRECT_THREADS: usize = 32;
+
 /// The process-wide engine for `device` (`None`: host memory only) with `threads` workers;
 /// created on first use and kept for the life of the process.
 pub(crate) fn engine(

@@ -80,8 +80,19 @@ pub(crate) struct Placement {
 }
 
 /// The NUMA node of a device (from `/sys/bus/pci/devices/<bus id>/numa_node`) and its usable
-/// CPUs. Never fails: unknown pieces are left empty.
+/// CPUs, looked up once per device. Never fails: unknown pieces are left empty.
 pub(crate) fn placement(ordinal: usize) -> Placement {
+    use std::collections::HashMap;
+    use std::sync::Mutex;
+    static CACHE: Mutex<Option<HashMap<usize, Placement>>> = Mutex::new(None);
+    let mut g = CACHE.lock().unwrap_or_else(|p| p.into_inner());
+    g.get_or_insert_with(HashMap::new)
+        .entry(ordinal)
+        .or_insert_with(|| lookup(ordinal))
+        .clone()
+}
+
+fn lookup(ordinal: usize) -> Placement {
     let Ok(bus) = pci_bus_id(ordinal) else {
         return Placement::default();
     };
