@@ -8,6 +8,7 @@ use serde::Serialize;
 use crate::error::{Error, Result};
 
 /// The kind of link a direct GPU↔GPU path runs over.
+#[allow(clippy::enum_variant_names)] // `NvLink` is the product's name
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
 #[non_exhaustive]
 #[allow(clippy::enum_variant_names)] // NvLink is the product name
@@ -123,6 +124,13 @@ pub enum Cause {
     },
     /// Both buffers are on the same device (not a peer transfer).
     SameDevice,
+    /// The GPU has no hardware resources left for another peer (`CUDA_ERROR_TOO_MANY_PEERS`).
+    TooManyPeers {
+        /// Device that would access the memory.
+        accessor: usize,
+        /// Device that owns the memory.
+        owner: usize,
+    },
 
     // ---- Storage -------------------------------------------------------------------------
     /// libcufile cannot be loaded or its driver cannot be opened.
@@ -210,6 +218,9 @@ impl Cause {
                 "hold a gpudirect::p2p::PeerAccess for the pair (it calls cuMemPoolSetAccess on the pools)".into()
             }
             Cause::SameDevice => "nothing to fix: this is an on-device copy".into(),
+            Cause::TooManyPeers { .. } => {
+                "drop other peer access holders for this GPU (non-NVSwitch systems allow 8 peers per GPU)".into()
+            }
             Cause::CuFileUnavailable { .. } => {
                 "install libcufile (pip install nvidia-cufile or the CUDA toolkit's gds package) or set GPUDIRECT_CUFILE_LIB".into()
             }
@@ -252,6 +263,10 @@ impl Cause {
                 write!(f, "pool memory lacks peer access: GPU {owner}'s memory pool grants GPU {accessor} no access")
             }
             Cause::SameDevice => f.write_str("both buffers are on the same device"),
+            Cause::TooManyPeers { accessor, owner } => write!(
+                f,
+                "GPU {accessor} has no peer slots left for GPU {owner} (CUDA_ERROR_TOO_MANY_PEERS)"
+            ),
             Cause::CuFileUnavailable { reason } => write!(f, "cuFile is unavailable: {reason}"),
             Cause::NoNvidiaFs => f.write_str("the nvidia-fs kernel module is not loaded"),
             Cause::UdevDataMissing { device } => {

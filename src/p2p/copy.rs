@@ -1,0 +1,505 @@
+//! Peer copies between cudarc buffers on different devices that report the path their bytes
+//! take, derived from what the driver lets us observe:
+//! - pool memory (cudarc's default, `cuMemAllocAsync`): `cuMemPoolGetAccess` on the pool found
+//!   with `CU_POINTER_ATTRIBUTE_MEMPOOL_HANDLE`;
+//! - VMM memory (`cuMemMap`): `cuMemGetAccess`;
+//! - `cuMemAlloc` memory: the process-wide record [`PeerAccess`](super::PeerAccess) keeps of
+//!   context peer access (CUDA has no query for it);
+//! - memory mapped from another process: what the import did (see [`super::ipc`]).
+//!
+//! The copy runs on a stream of the **destination** context (as cudarc's `memcpy_dtod`), so the
+//! destination device's copy engine pulls the source: the copy is direct when the destination
+//! device may access the source memory; otherwise the driver stages it through host memory.
+//!
+//! Two buffers on the same device are refused with [`Error::InvalidArgument`] (this is a peer
+//! copy API; use `CudaStream::memcpy_dtod` for an on-device copy).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use cudarc::driver::{sys, CudaContext, CudaStream, DevicePtr, DevicePtrMut};
+use serde::Serialize;
+
+use super::result as r;
+use crate::error::{Error, Result};
+use crate::path::{Cause, FallbackPolicy, Path, PathReport};
+
+/// How a device buffer was allocated, as the driver reports it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
+#[non_exhaustive]
+pub enum MemoryKind {
+    /// A stream-ordered memory pool (`cuMemAllocAsync`, cudarc's default allocator).
+    Pool,
+    /// `cuMemAlloc` (legacy device memory).
+    Legacy,
+    /// Virtual memory management (`cuMemCreate` + `cuMemMap`).
+    Vmm,
+    /// Mapped from another process through IPC.
+    Imported,
+    /// The driver did not say.
+    Unknown,
+}
+
+/// What the driver says about one device address.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct PtrInfo {
+    pub ptr: sys::CUdeviceptr,
+    /// The device the memory lives on.
+    pub device: usize,
+    pub kind: MemoryKind,
+    pub pool: sys::CUmemoryPool,
+    /// The context that owns the allocation (the buffer's context when the driver gives none).
+    pub ctx: sys::CUcontext,
+}
+
+/// Queries the driver about `ptr`, with `ctx` (the buffer's cudarc context) as fallback owner.
+pub(crate) fn inspect(ptr: sys::CUdeviceptr, ctx: &CudaContext) -> PtrInfo {
+    use sys::CUpointer_attribute as A;
+    // The attribute/out-type pairs follow cuda.h: DEVICE_ORDINAL and IS_LEGACY_CUDA_IPC_CAPABLE
+    // write an int/bool (read from a zeroed u64, so a 1- or 4-byte write reads back correctly on
+    // little-endian hosts), MEMPOOL_HANDLE a CUmemoryPool, CONTEXT a CUcontext. The driver only
+    // reads `ptr`'s value and validates it.
+    // SAFETY: see above.
+    let device = unsafe { r::pointer_attribute(ptr, A::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, 0u64) }
+        .map(|v| (v & 0xffff_ffff) as usize)
+        .unwrap_or(ctx.ordinal());
+    // SAFETY: as above.
+    let pool = unsafe {
+        r::pointer_attribute(
+            ptr,
+            A::CU_POINTER_ATTRIBUTE_MEMPOOL_HANDLE,
+            std::ptr::null_mut::<sys::CUmemPoolHandle_st>() as sys::CUmemoryPool,
+        )
+    }
+    .unwrap_or(std::ptr::null_mut());
+    // SAFETY: as above.
+    let owner_ctx = unsafe {
+        r::pointer_attribute(
+            ptr,
+            A::CU_POINTER_ATTRIBUTE_CONTEXT,
+            std::ptr::null_mut::<sys::CUctx_st>() as sys::CUcontext,
+        )
+    }
+    .ok()
+    .filter(|c| !c.is_null())
+    .unwrap_or(ctx.cu_ctx());
+    let kind = if super::ipc::lookup_mapping(ptr).is_some() {
+        MemoryKind::Imported
+    } else if !pool.is_null() {
+        MemoryKind::Pool
+    } else if
+    // SAFETY: as above.
+    unsafe { r::pointer_attribute(ptr, A::CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE, 0u64) }
+        .map(|v| v & 0xffff_ffff != 0)
+        .unwrap_or(false)
+    {
+        MemoryKind::Legacy
+    } else if
+    // SAFETY: `ptr` is a device address of this process; the call only retains/releases.
+    unsafe { r::is_vmm_mapped(ptr) } {
+        MemoryKind::Vmm
+    } else {
+        MemoryKind::Unknown
+    };
+    PtrInfo {
+        ptr,
+        device,
+        kind,
+        pool,
+        ctx: owner_ctx,
+    }
+}
+
+/// Whether `accessor` (device ordinal, context) may access the memory `mem`, and if not, why.
+/// `Ok(None)` means "cannot tell".
+pub(crate) fn access(
+    accessor: usize,
+    accessor_ctx: sys::CUcontext,
+    mem: &PtrInfo,
+    write: bool,
+) -> Result<Option<std::result::Result<(), Cause>>> {
+    if accessor == mem.device {
+        return Ok(Some(Ok(())));
+    }
+    let a = r::device(accessor)?;
+    let o = r::device(mem.device)?;
+    if !r::can_access_peer(a, o)? {
+        return Ok(Some(Err(Cause::PeerUnsupported {
+            src: accessor,
+            dst: mem.device,
+        })));
+    }
+    Ok(match mem.kind {
+        MemoryKind::Pool => {
+            // SAFETY: the pool handle came from the driver for a live allocation.
+            let flags = unsafe { r::mem_pool_get_access(mem.pool, accessor as i32) }?;
+            let ok = match flags {
+                sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE => true,
+                sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READ => !write,
+                _ => false,
+            };
+            Some(if ok {
+                Ok(())
+            } else {
+                Err(Cause::PoolAccessNotGranted {
+                    accessor,
+                    owner: mem.device,
+                })
+            })
+        }
+        MemoryKind::Vmm => {
+            // SAFETY: `mem.ptr` lies in a live VMM mapping (checked by `inspect`).
+            let bits = unsafe { r::mem_get_access(mem.ptr, accessor as i32) }?;
+            let need = if write { 3 } else { 1 };
+            Some(if bits & need == need {
+                Ok(())
+            } else {
+                Err(Cause::Other {
+                    message: format!(
+                        "VMM memory of GPU {} is not mapped for GPU {accessor} (cuMemGetAccess)",
+                        mem.device
+                    ),
+                    fix: "call cuMemSetAccess for the accessing device".into(),
+                })
+            })
+        }
+        MemoryKind::Legacy => {
+            match super::peer_access::context_access_known(accessor_ctx, mem.ctx) {
+                Some(true) => Some(Ok(())),
+                _ => Some(Err(Cause::PeerAccessNotEnabled {
+                    accessor,
+                    owner: mem.device,
+                })),
+            }
+        }
+        MemoryKind::Imported => super::ipc::lookup_mapping(mem.ptr).map(|direct| {
+            if direct {
+                Ok(())
+            } else {
+                Err(Cause::PoolAccessNotGranted {
+                    accessor,
+                    owner: mem.device,
+                })
+            }
+        }),
+        MemoryKind::Unknown => None,
+    })
+}
+
+/// What a peer copy did (or would do).
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct CopyReport {
+    /// Bytes copied.
+    pub bytes: usize,
+    /// Device the source memory lives on.
+    pub src_device: usize,
+    /// Device the destination memory lives on.
+    pub dst_device: usize,
+    /// How the source was allocated.
+    pub src_memory: MemoryKind,
+    /// How the destination was allocated.
+    pub dst_memory: MemoryKind,
+    /// The path the bytes take and, for fallbacks, why.
+    pub path: PathReport,
+}
+
+/// Options for [`copy_peer_with`].
+#[derive(Debug, Clone, Copy, Default)]
+pub struct CopyOptions {
+    /// The fallback policy; `None` means [`FallbackPolicy::global`].
+    pub policy: Option<FallbackPolicy>,
+    /// The device the source must be on (checked against the driver's answer).
+    pub src_device: Option<usize>,
+    /// The device the destination must be on.
+    pub dst_device: Option<usize>,
+}
+
+struct Planned {
+    report: CopyReport,
+    src_ctx: sys::CUcontext,
+    dst_ctx: sys::CUcontext,
+}
+
+fn plan(
+    src_ptr: sys::CUdeviceptr,
+    src_ctx: &Arc<CudaContext>,
+    dst_ptr: sys::CUdeviceptr,
+    dst_ctx: &Arc<CudaContext>,
+    bytes: usize,
+    stream: &CudaStream,
+    opts: &CopyOptions,
+) -> Result<Planned> {
+    check_stream(stream, dst_ctx)?;
+    dst_ctx
+        .bind_to_thread()
+        .map_err(|e| Error::cuda("cuCtxSetCurrent", e))?;
+    let s = inspect(src_ptr, src_ctx);
+    let d = inspect(dst_ptr, dst_ctx);
+    if let Some(want) = opts.src_device {
+        if want != s.device {
+            return Err(Error::InvalidArgument(format!(
+                "the source buffer is on GPU {}, not GPU {want}: pass a buffer allocated on GPU {want}",
+                s.device
+            )));
+        }
+    }
+    if let Some(want) = opts.dst_device {
+        if want != d.device {
+            return Err(Error::InvalidArgument(format!(
+                "the destination buffer is on GPU {}, not GPU {want}: pass a buffer allocated on GPU {want}",
+                d.device
+            )));
+        }
+    }
+    if s.device == d.device {
+        return Err(Error::InvalidArgument(format!(
+            "both buffers are on GPU {}: a peer copy needs two devices (use CudaStream::memcpy_dtod for an on-device copy)",
+            s.device
+        )));
+    }
+    // The destination device executes the copy (the stream is the destination's): it reads the
+    // source remotely.
+    let path = match access(d.device, dst_ctx.cu_ctx(), &s, false)? {
+        Some(Ok(())) => PathReport::direct(Path::PeerDirect {
+            link: super::topology::link_between(s.device, d.device),
+        }),
+        Some(Err(cause)) => PathReport::fallback(Path::StagedThroughHost, cause),
+        None => PathReport::fallback(
+            Path::Unknown,
+            Cause::Other {
+                message: format!(
+                    "gpudirect cannot tell how GPU {}'s source memory was allocated",
+                    s.device
+                ),
+                fix: "allocate with cudarc (pool), cuMemAlloc or VMM and hold a gpudirect::p2p::PeerAccess".into(),
+            },
+        ),
+    };
+    Ok(Planned {
+        report: CopyReport {
+            bytes,
+            src_device: s.device,
+            dst_device: d.device,
+            src_memory: s.kind,
+            dst_memory: d.kind,
+            path,
+        },
+        src_ctx: src_ctx.cu_ctx(),
+        dst_ctx: dst_ctx.cu_ctx(),
+    })
+}
+
+fn check_stream(stream: &CudaStream, dst_ctx: &Arc<CudaContext>) -> Result<()> {
+    if stream.context() != dst_ctx {
+        return Err(Error::InvalidArgument(format!(
+            "the stream belongs to GPU {} but the destination buffer to GPU {}: pass a stream of the destination's context",
+            stream.context().ordinal(),
+            dst_ctx.ordinal()
+        )));
+    }
+    Ok(())
+}
+
+fn check_lengths(src: usize, dst: usize) -> Result<()> {
+    if src != dst {
+        return Err(Error::InvalidArgument(format!(
+            "source has {src} elements but destination {dst}: slice both to the same length"
+        )));
+    }
+    Ok(())
+}
+
+/// The path a copy from `src` into `dst` on `stream` would take, without copying.
+pub fn plan_copy<T, Src: DevicePtr<T>, Dst: DevicePtrMut<T>>(
+    src: &Src,
+    dst: &mut Dst,
+    stream: &Arc<CudaStream>,
+) -> Result<CopyReport> {
+    check_lengths(src.len(), dst.len())?;
+    let bytes = src.num_bytes();
+    let src_ctx = src.stream().context().clone();
+    let dst_ctx = dst.stream().context().clone();
+    check_stream(stream, &dst_ctx)?;
+    let (sp, _rs) = src.device_ptr(src.stream());
+    let (dp, _rd) = dst.device_ptr_mut(stream);
+    Ok(plan(sp, &src_ctx, dp, &dst_ctx, bytes, stream, &CopyOptions::default())?.report)
+}
+
+/// Copies `src` (on one device) into `dst` (on another) with `cuMemcpyPeerAsync` on `stream`
+/// (a stream of `dst`'s context) and waits for it; returns the path the bytes took.
+///
+/// Errors: [`Error::InvalidArgument`] for different lengths, both buffers on one device, or a
+/// stream of another context; [`Error::FallbackRefused`] (before any byte moves) when the
+/// global [`FallbackPolicy`] is `Deny` and the copy would be staged through the host.
+pub fn copy_peer<T, Src: DevicePtr<T>, Dst: DevicePtrMut<T>>(
+    src: &Src,
+    dst: &mut Dst,
+    stream: &Arc<CudaStream>,
+) -> Result<CopyReport> {
+    copy_peer_with(src, dst, stream, &CopyOptions::default())
+}
+
+/// [`copy_peer`] with explicit [`CopyOptions`] (policy, expected devices).
+pub fn copy_peer_with<T, Src: DevicePtr<T>, Dst: DevicePtrMut<T>>(
+    src: &Src,
+    dst: &mut Dst,
+    stream: &Arc<CudaStream>,
+    opts: &CopyOptions,
+) -> Result<CopyReport> {
+    // SAFETY: the stream is synchronized before returning, so the device is done with both
+    // buffers while the borrows are still held.
+    let report = unsafe { copy_peer_async_with(src, dst, stream, opts) }?;
+    stream
+        .synchronize()
+        .map_err(|e| Error::cuda("cuStreamSynchronize", e))?;
+    Ok(report)
+}
+
+/// Stream-ordered [`copy_peer`]: enqueues the copy on `stream` and returns at once.
+///
+/// # Safety
+/// The device reads `src` and writes `dst` after this returns. Until `stream` has executed the
+/// copy (synchronize it, or order later work after it with an event): neither buffer may be
+/// freed (cudarc frees on its allocating stream, which is not ordered after `stream` when its
+/// context is not in multi-stream mode), and no other stream may write `src` or access `dst`.
+pub unsafe fn copy_peer_async<T, Src: DevicePtr<T>, Dst: DevicePtrMut<T>>(
+    src: &Src,
+    dst: &mut Dst,
+    stream: &Arc<CudaStream>,
+) -> Result<CopyReport> {
+    // SAFETY: forwarded contract.
+    unsafe { copy_peer_async_with(src, dst, stream, &CopyOptions::default()) }
+}
+
+/// [`copy_peer_async`] with explicit [`CopyOptions`].
+///
+/// # Safety
+/// As [`copy_peer_async`].
+pub unsafe fn copy_peer_async_with<T, Src: DevicePtr<T>, Dst: DevicePtrMut<T>>(
+    src: &Src,
+    dst: &mut Dst,
+    stream: &Arc<CudaStream>,
+    opts: &CopyOptions,
+) -> Result<CopyReport> {
+    check_lengths(src.len(), dst.len())?;
+    let bytes = src.num_bytes();
+    let src_ctx = src.stream().context().clone();
+    let dst_ctx = dst.stream().context().clone();
+    check_stream(stream, &dst_ctx)?;
+    // Read the source's pointer on its own stream (cudarc records events only on streams of the
+    // event's context), then make `stream` wait for everything queued there so far.
+    let (sp, _record_src) = src.device_ptr(src.stream());
+    let planned = {
+        let (dp, _record_dst) = dst.device_ptr_mut(stream);
+        let planned = plan(sp, &src_ctx, dp, &dst_ctx, bytes, stream, opts)?;
+        let policy = opts.policy.unwrap_or_else(FallbackPolicy::global);
+        policy.check(&planned.report.path)?;
+        let ev = src
+            .stream()
+            .record_event(None)
+            .map_err(|e| Error::cuda("cuEventRecord", e))?;
+        stream
+            .wait(&ev)
+            .map_err(|e| Error::cuda("cuStreamWaitEvent", e))?;
+        if bytes > 0 {
+            // SAFETY: both pointers are live allocations of `bytes` bytes in the named contexts
+            // (cudarc buffers of equal length); the caller keeps them alive until the stream ran
+            // the copy (this function's contract).
+            unsafe {
+                r::memcpy_peer_async(
+                    dp,
+                    planned.dst_ctx,
+                    sp,
+                    planned.src_ctx,
+                    bytes,
+                    stream.cu_stream(),
+                )
+            }?;
+        }
+        planned
+    };
+    Ok(planned.report)
+}
+
+/// A copy timed with CUDA events, compared with what the topology leads to expect.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct TimedCopy {
+    /// The copy's report.
+    pub report: CopyReport,
+    /// Time between the events around the copy.
+    pub elapsed: Duration,
+    /// Achieved rate, GB/s (10^9 bytes per second).
+    pub gbps: f64,
+    /// What the link should give (80% of the raw NVLink rate; 20 GB/s for PCIe), when known.
+    pub expected_gbps: Option<f64>,
+    /// True when the rate is below a quarter of the expectation, or below 60 GB/s on a path
+    /// reported direct over NVLink: the bytes probably went through the host.
+    pub suspect: bool,
+}
+
+/// Copies once with [`copy_peer`] between CUDA events and flags a rate far below what the
+/// topology leads to expect (a staged copy on H200 NV18 runs at ~38 GB/s instead of ~395).
+/// Use a large copy (≥ 64 MiB) for a meaningful rate.
+pub fn timed_copy_peer<T, Src: DevicePtr<T>, Dst: DevicePtrMut<T>>(
+    src: &Src,
+    dst: &mut Dst,
+    stream: &Arc<CudaStream>,
+) -> Result<TimedCopy> {
+    timed_copy_peer_with(src, dst, stream, &CopyOptions::default())
+}
+
+/// [`timed_copy_peer`] with explicit [`CopyOptions`].
+pub fn timed_copy_peer_with<T, Src: DevicePtr<T>, Dst: DevicePtrMut<T>>(
+    src: &Src,
+    dst: &mut Dst,
+    stream: &Arc<CudaStream>,
+    opts: &CopyOptions,
+) -> Result<TimedCopy> {
+    let ev = |s: &Arc<CudaStream>| {
+        s.record_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT))
+            .map_err(|e| Error::cuda("cuEventRecord", e))
+    };
+    // Order the start event after the source's pending work so only the copy is timed.
+    src.stream()
+        .synchronize()
+        .map_err(|e| Error::cuda("cuStreamSynchronize", e))?;
+    let start = ev(stream)?;
+    // SAFETY: synchronized below before the borrows end.
+    let report = unsafe { copy_peer_async_with(src, dst, stream, opts) }?;
+    let end = ev(stream)?;
+    let ms = start
+        .elapsed_ms(&end)
+        .map_err(|e| Error::cuda("cuEventElapsedTime", e))?;
+    stream
+        .synchronize()
+        .map_err(|e| Error::cuda("cuStreamSynchronize", e))?;
+    let secs = (ms as f64 / 1e3).max(1e-9);
+    let gbps = report.bytes as f64 / secs / 1e9;
+    let expected_gbps = expected_gbps(report.src_device, report.dst_device);
+    let mut suspect = expected_gbps.is_some_and(|e| gbps < 0.25 * e);
+    if let Path::PeerDirect {
+        link: crate::path::Link::NvLink { .. },
+    } = report.path.path
+    {
+        suspect |= report.bytes >= 64 << 20 && gbps < 60.0;
+    }
+    Ok(TimedCopy {
+        report,
+        elapsed: Duration::from_secs_f64(secs),
+        gbps,
+        expected_gbps,
+        suspect,
+    })
+}
+
+/// What a large direct copy between the devices should reach, from the cached topology.
+pub fn expected_gbps(src: usize, dst: usize) -> Option<f64> {
+    let p = super::topology::cached()?.pair(src, dst)?;
+    if let Some(limit) = p.link_limit_gbps() {
+        return Some(0.8 * limit);
+    }
+    match p.link() {
+        crate::path::Link::Pcie => Some(20.0),
+        _ => None,
+    }
+}

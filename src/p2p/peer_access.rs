@@ -1,0 +1,366 @@
+//! [`PeerAccess`]: RAII peer access between two devices' contexts **and** memory pools, with a
+//! process-wide reference count so two holders never revoke each other's access.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
+
+use cudarc::driver::{sys, CudaContext};
+
+use super::result as r;
+use crate::error::{Error, Result};
+use crate::path::Cause;
+
+/// A context pair (accessor context, owner context), by raw handle value.
+type CtxKey = (usize, usize);
+/// A pool and the device granted access to it.
+type PoolKey = (usize, i32);
+
+#[derive(Debug, Default)]
+struct CtxEntry {
+    /// Live [`PeerAccess`] holders of this grant.
+    holders: usize,
+    /// True when gpudirect enabled the access (and so disables it after the last holder).
+    enabled_by_us: bool,
+    /// True while access is known to be on (ours, or revealed by `ALREADY_ENABLED`).
+    known_on: bool,
+    accessor_ordinal: usize,
+    owner_ordinal: usize,
+}
+
+#[derive(Debug)]
+struct PoolEntry {
+    holders: usize,
+    /// The access flags before gpudirect first granted access, restored after the last holder.
+    previous: sys::CUmemAccess_flags,
+}
+
+#[derive(Debug, Default)]
+struct Registry {
+    ctx: HashMap<CtxKey, CtxEntry>,
+    pool: HashMap<PoolKey, PoolEntry>,
+}
+
+fn registry() -> MutexGuard<'static, Registry> {
+    static REG: OnceLock<Mutex<Registry>> = OnceLock::new();
+    REG.get_or_init(Default::default)
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+/// What gpudirect knows about context peer access from `accessor` to `owner` (raw context
+/// handles): `Some(true)` when on (granted by a [`PeerAccess`] or found already enabled),
+/// `None` when it has no record (CUDA has no query for it).
+pub(crate) fn context_access_known(accessor: sys::CUcontext, owner: sys::CUcontext) -> Option<bool> {
+    let reg = registry();
+    reg.ctx
+        .get(&(accessor as usize, owner as usize))
+        .map(|e| e.known_on)
+}
+
+/// One grant a [`PeerAccess`] holds.
+#[derive(Debug)]
+enum Grant {
+    Context {
+        accessor: Arc<CudaContext>,
+        owner: Arc<CudaContext>,
+    },
+    Pool {
+        /// Keeps the accessor's driver state alive while the grant exists.
+        accessor: Arc<CudaContext>,
+        pool: sys::CUmemoryPool,
+    },
+}
+
+/// Peer access from one device to another's memory, held until dropped.
+///
+/// [`PeerAccess::enable`] does what a peer copy of cudarc buffers needs, in one place:
+/// - `cuCtxEnablePeerAccess` from the accessor's context to the owner's (for `cuMemAlloc`
+///   memory and kernels dereferencing peer pointers);
+/// - `cuMemPoolSetAccess` on the owner's **default memory pool**, which cudarc allocates from
+///   (`cuMemAllocAsync`). Without it, peer copies of cudarc buffers are staged through the host
+///   (measured on 2×H200 NV18: 38 GB/s instead of 395 GB/s).
+///
+/// Grants are reference-counted process-wide: two `PeerAccess` values for the same pair share
+/// the grant, and the last one dropped restores the state found before the first. Access that
+/// was already enabled by someone else (`CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED`) or already
+/// granted on the pool is left on.
+///
+/// ```no_run
+/// use gpudirect::p2p::PeerAccess;
+/// let (a, b) = (gpudirect::cuda::context(0)?, gpudirect::cuda::context(1)?);
+/// let _access = PeerAccess::both_ways(&a, &b)?;
+/// // peer copies between a's and b's cudarc buffers now go direct
+/// # Ok::<(), gpudirect::Error>(())
+/// ```
+#[derive(Debug)]
+#[must_use = "peer access is revoked when the PeerAccess is dropped"]
+pub struct PeerAccess {
+    /// Grants in the order taken; released in reverse.
+    grants: Vec<Grant>,
+}
+
+// SAFETY: the raw pool handles are opaque driver handles; the CUDA driver API is thread-safe
+// (CUDA Programming Guide, "Multiple host threads may use the driver API concurrently"), and all
+// bookkeeping goes through the registry's mutex.
+unsafe impl Send for PeerAccess {}
+// SAFETY: as above; `PeerAccess` has no interior mutability outside the mutex-guarded registry.
+unsafe impl Sync for PeerAccess {}
+
+impl PeerAccess {
+    /// Grants `accessor` access to `owner`'s memory (one way): `cuCtxEnablePeerAccess` from the
+    /// accessor's context and `cuMemPoolSetAccess(owner's default pool, accessor, READWRITE)`.
+    ///
+    /// Errors: [`Error::Unsupported`] with [`Cause::SameDevice`] for self access,
+    /// [`Cause::PeerUnsupported`] when `cuDeviceCanAccessPeer` says no (or the driver answers
+    /// `CUDA_ERROR_PEER_ACCESS_UNSUPPORTED`), [`Cause::TooManyPeers`] on
+    /// `CUDA_ERROR_TOO_MANY_PEERS`; [`Error::Cuda`] for other driver failures.
+    pub fn enable(accessor: &Arc<CudaContext>, owner: &Arc<CudaContext>) -> Result<Self> {
+        let mut pa = PeerAccess { grants: Vec::new() };
+        pa.grant_context(accessor, owner)?;
+        let pool = r::default_mem_pool(owner.cu_device())?;
+        pa.grant_pool(accessor, owner.ordinal(), pool)?;
+        Ok(pa)
+    }
+
+    /// Grants access both ways between `a` and `b` (context and default pools).
+    pub fn both_ways(a: &Arc<CudaContext>, b: &Arc<CudaContext>) -> Result<Self> {
+        let mut pa = PeerAccess::enable(a, b)?;
+        let other = PeerAccess::enable(b, a)?;
+        pa.absorb(other);
+        Ok(pa)
+    }
+
+    /// [`PeerAccess::both_ways`] between the primary contexts of two device ordinals.
+    ///
+    /// Errors: [`Error::NoDevice`] for an ordinal this process does not see, besides
+    /// `both_ways`'s.
+    pub fn between(a: usize, b: usize) -> Result<Self> {
+        let ca = crate::cuda::context(a)?;
+        let cb = crate::cuda::context(b)?;
+        PeerAccess::both_ways(&ca, &cb)
+    }
+
+    /// Also grants every accessor of this `PeerAccess` whose owner is `owner` access to `pool`,
+    /// a memory pool the caller created on device `owner` (`cuMemPoolSetAccess`).
+    ///
+    /// # Safety
+    /// `pool` must be a live memory pool of device `owner` and must outlive the returned value.
+    pub unsafe fn with_pool(mut self, pool: sys::CUmemoryPool, owner: usize) -> Result<Self> {
+        let accessors: Vec<Arc<CudaContext>> = self
+            .grants
+            .iter()
+            .filter_map(|g| match g {
+                Grant::Context { accessor, owner: o } if o.ordinal() == owner => {
+                    Some(accessor.clone())
+                }
+                _ => None,
+            })
+            .collect();
+        if accessors.is_empty() {
+            return Err(Error::InvalidArgument(format!(
+                "this PeerAccess grants no device access to GPU {owner}: create it with GPU {owner} as the owner"
+            )));
+        }
+        for a in accessors {
+            self.grant_pool(&a, owner, pool)?;
+        }
+        Ok(self)
+    }
+
+    /// The (accessor, owner) device ordinals this value grants context access for.
+    pub fn pairs(&self) -> Vec<(usize, usize)> {
+        self.grants
+            .iter()
+            .filter_map(|g| match g {
+                Grant::Context { accessor, owner } => Some((accessor.ordinal(), owner.ordinal())),
+                Grant::Pool { .. } => None,
+            })
+            .collect()
+    }
+
+    fn absorb(&mut self, mut other: PeerAccess) {
+        self.grants.append(&mut other.grants);
+    }
+
+    fn grant_context(&mut self, accessor: &Arc<CudaContext>, owner: &Arc<CudaContext>) -> Result<()> {
+        let (ao, oo) = (accessor.ordinal(), owner.ordinal());
+        if accessor.cu_device() == owner.cu_device() {
+            return Err(Error::Unsupported {
+                what: format!("peer access from GPU {ao} to itself"),
+                cause: Cause::SameDevice,
+            });
+        }
+        if !r::can_access_peer(accessor.cu_device(), owner.cu_device())? {
+            return Err(Error::Unsupported {
+                what: format!("peer access from GPU {ao} to GPU {oo}"),
+                cause: Cause::PeerUnsupported { src: ao, dst: oo },
+            });
+        }
+        let key = (accessor.cu_ctx() as usize, owner.cu_ctx() as usize);
+        let mut reg = registry();
+        let holders = reg.ctx.get(&key).map_or(0, |e| e.holders);
+        let mut enabled_now = false;
+        if holders == 0 {
+            accessor
+                .bind_to_thread()
+                .map_err(|e| Error::cuda("cuCtxSetCurrent", e))?;
+            // SAFETY: the accessor's context is current (bound above) and the owner's context is
+            // alive (we hold its Arc).
+            match unsafe { r::ctx_enable_peer_access(owner.cu_ctx()) } {
+                Ok(r::Enabled::Now) => enabled_now = true,
+                // Already on: enabled by someone else (never disable what we did not enable).
+                Ok(r::Enabled::Already) => {}
+                Err(code) => return Err(map_enable_error(code, ao, oo)),
+            }
+        }
+        let entry = reg.ctx.entry(key).or_default();
+        entry.accessor_ordinal = ao;
+        entry.owner_ordinal = oo;
+        entry.known_on = true;
+        if enabled_now {
+            entry.enabled_by_us = true;
+        }
+        entry.holders += 1;
+        drop(reg);
+        self.grants.push(Grant::Context {
+            accessor: accessor.clone(),
+            owner: owner.clone(),
+        });
+        Ok(())
+    }
+
+    fn grant_pool(
+        &mut self,
+        accessor: &Arc<CudaContext>,
+        owner_ordinal: usize,
+        pool: sys::CUmemoryPool,
+    ) -> Result<()> {
+        let dev = accessor.ordinal() as i32;
+        let key = (pool as usize, dev);
+        let mut reg = registry();
+        if let Some(e) = reg.pool.get_mut(&key) {
+            e.holders += 1;
+        } else {
+            // SAFETY: `pool` is the owner's default pool (alive as long as the device) or a pool
+            // the caller guaranteed live (`with_pool`'s contract).
+            let previous = unsafe { r::mem_pool_get_access(pool, dev) }?;
+            if previous != sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE {
+                // SAFETY: as above.
+                unsafe {
+                    r::mem_pool_set_access(
+                        pool,
+                        dev,
+                        sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
+                    )
+                }
+                .map_err(|e| match e {
+                    Error::Cuda { source, .. }
+                        if source.0 == sys::CUresult::CUDA_ERROR_TOO_MANY_PEERS =>
+                    {
+                        map_enable_error(source.0, dev as usize, owner_ordinal)
+                    }
+                    other => other,
+                })?;
+            }
+            reg.pool.insert(
+                key,
+                PoolEntry {
+                    holders: 1,
+                    previous,
+                },
+            );
+        }
+        drop(reg);
+        self.grants.push(Grant::Pool {
+            accessor: accessor.clone(),
+            pool,
+        });
+        Ok(())
+    }
+}
+
+fn map_enable_error(code: sys::CUresult, accessor: usize, owner: usize) -> Error {
+    match code {
+        sys::CUresult::CUDA_ERROR_PEER_ACCESS_UNSUPPORTED => Error::Unsupported {
+            what: format!("peer access from GPU {accessor} to GPU {owner}"),
+            cause: Cause::PeerUnsupported {
+                src: accessor,
+                dst: owner,
+            },
+        },
+        sys::CUresult::CUDA_ERROR_TOO_MANY_PEERS => Error::Unsupported {
+            what: format!("peer access from GPU {accessor} to GPU {owner}"),
+            cause: Cause::TooManyPeers { accessor, owner },
+        },
+        other => Error::cuda("cuCtxEnablePeerAccess", cudarc::driver::DriverError(other)),
+    }
+}
+
+impl Drop for PeerAccess {
+    fn drop(&mut self) {
+        while let Some(g) = self.grants.pop() {
+            match g {
+                Grant::Context { accessor, owner } => release_context(&accessor, &owner),
+                Grant::Pool { accessor, pool } => release_pool(&accessor, pool),
+            }
+        }
+    }
+}
+
+fn release_context(accessor: &Arc<CudaContext>, owner: &Arc<CudaContext>) {
+    let key = (accessor.cu_ctx() as usize, owner.cu_ctx() as usize);
+    let mut reg = registry();
+    let Some(e) = reg.ctx.get_mut(&key) else {
+        tracing::warn!("gpudirect PeerAccess: no registry entry for a held context grant");
+        return;
+    };
+    e.holders = e.holders.saturating_sub(1);
+    if e.holders > 0 || !e.enabled_by_us {
+        return;
+    }
+    if let Err(err) = accessor.bind_to_thread() {
+        tracing::warn!(%err, "gpudirect PeerAccess: cannot bind context to revoke peer access");
+        return;
+    }
+    // SAFETY: the accessor's context is current and the owner's context alive (Arc held).
+    match unsafe { r::ctx_disable_peer_access(owner.cu_ctx()) } {
+        Ok(()) => {
+            e.enabled_by_us = false;
+            e.known_on = false;
+        }
+        Err(err) => tracing::warn!(%err, "gpudirect PeerAccess: revoking peer access failed"),
+    }
+}
+
+fn release_pool(accessor: &Arc<CudaContext>, pool: sys::CUmemoryPool) {
+    let dev = accessor.ordinal() as i32;
+    let key = (pool as usize, dev);
+    let mut reg = registry();
+    let Some(e) = reg.pool.get_mut(&key) else {
+        tracing::warn!("gpudirect PeerAccess: no registry entry for a held pool grant");
+        return;
+    };
+    e.holders = e.holders.saturating_sub(1);
+    if e.holders > 0 {
+        return;
+    }
+    let previous = e.previous;
+    reg.pool.remove(&key);
+    if previous == sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE {
+        return;
+    }
+    // SAFETY: the pool is the owner's default pool or one the caller keeps alive for the
+    // PeerAccess's lifetime (`with_pool`'s contract).
+    if let Err(err) = unsafe { r::mem_pool_set_access(pool, dev, previous) } {
+        tracing::warn!(%err, "gpudirect PeerAccess: restoring pool access failed");
+    }
+}
+
+/// Snapshot of the registry for one pair, for tests and diagnostics: `(holders, enabled_by_us)`
+/// of the context grant from `accessor` to `owner`, `None` without an entry.
+pub fn registry_state(accessor: &CudaContext, owner: &CudaContext) -> Option<(usize, bool)> {
+    let reg = registry();
+    reg.ctx
+        .get(&(accessor.cu_ctx() as usize, owner.cu_ctx() as usize))
+        .map(|e| (e.holders, e.enabled_by_us))
+}

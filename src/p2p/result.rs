@@ -1,0 +1,404 @@
+//! The thin private result layer for the CUDA driver calls the P2P module makes: one function
+//! per C call, turning the raw `CUresult` into [`Result`]. Safe types call only these.
+//!
+//! Every function here may only be called after [`crate::cuda::driver_version`] (or
+//! [`crate::cuda::context`]) succeeded in this process: cudarc's loader panics otherwise.
+
+use std::ffi::{c_int, c_void};
+use std::mem::MaybeUninit;
+
+use cudarc::driver::sys;
+
+use crate::cuda::check;
+use crate::error::{Error, Result};
+
+/// `CUmemLocation` for a device, whichever layout the selected CUDA headers use.
+pub(crate) fn device_location(ordinal: i32) -> sys::CUmemLocation {
+    #[cfg(not(any(feature = "cuda-13020")))]
+    {
+        sys::CUmemLocation {
+            type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
+            id: ordinal,
+        }
+    }
+    #[cfg(feature = "cuda-13020")]
+    {
+        sys::CUmemLocation {
+            type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
+            __bindgen_anon_1: sys::CUmemLocation_st__bindgen_ty_1 { id: ordinal },
+        }
+    }
+}
+
+/// `cuDeviceGet`.
+pub(crate) fn device(ordinal: usize) -> Result<sys::CUdevice> {
+    cudarc::driver::result::device::get(ordinal as c_int).map_err(|e| Error::cuda("cuDeviceGet", e))
+}
+
+/// `cuDeviceCanAccessPeer(&can, dev, peer)`.
+pub(crate) fn can_access_peer(dev: sys::CUdevice, peer: sys::CUdevice) -> Result<bool> {
+    let mut can: c_int = 0;
+    // SAFETY: `can` is a valid out-pointer; the device handles come from cuDeviceGet.
+    check("cuDeviceCanAccessPeer", unsafe {
+        sys::cuDeviceCanAccessPeer(&mut can, dev, peer)
+    })?;
+    Ok(can != 0)
+}
+
+/// `cuDeviceGetP2PAttribute(&v, attr, src, dst)`.
+pub(crate) fn p2p_attribute(
+    attr: sys::CUdevice_P2PAttribute,
+    src: sys::CUdevice,
+    dst: sys::CUdevice,
+) -> Result<i32> {
+    let mut v: c_int = 0;
+    // SAFETY: `v` is a valid out-pointer; the device handles come from cuDeviceGet.
+    check("cuDeviceGetP2PAttribute", unsafe {
+        sys::cuDeviceGetP2PAttribute(&mut v, attr, src, dst)
+    })?;
+    Ok(v)
+}
+
+/// `cuDeviceGetPCIBusId`: the device's PCI address, e.g. `0000:18:00.0`.
+pub(crate) fn pci_bus_id(dev: sys::CUdevice) -> Result<String> {
+    let mut buf = [0 as std::ffi::c_char; 32];
+    // SAFETY: `buf` holds 32 bytes and we pass that length; the driver NUL-terminates.
+    check("cuDeviceGetPCIBusId", unsafe {
+        sys::cuDeviceGetPCIBusId(buf.as_mut_ptr(), buf.len() as c_int, dev)
+    })?;
+    // SAFETY: the driver wrote a NUL-terminated string into `buf` (len <= 32).
+    let s = unsafe { std::ffi::CStr::from_ptr(buf.as_ptr()) };
+    Ok(s.to_string_lossy().into_owned())
+}
+
+/// What `cuCtxEnablePeerAccess` did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Enabled {
+    /// This call enabled access.
+    Now,
+    /// Access was already enabled (`CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED`, 704).
+    Already,
+}
+
+/// `cuCtxEnablePeerAccess(peer, 0)` for the *current* context.
+///
+/// # Safety
+/// The current context must be the accessor's, and `peer` a live context.
+pub(crate) unsafe fn ctx_enable_peer_access(peer: sys::CUcontext) -> Result<Enabled, sys::CUresult> {
+    // SAFETY: the caller guarantees a current context and a live peer context; flags must be 0.
+    let rc = unsafe { sys::cuCtxEnablePeerAccess(peer, 0) };
+    match rc {
+        sys::CUresult::CUDA_SUCCESS => Ok(Enabled::Now),
+        sys::CUresult::CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED => Ok(Enabled::Already),
+        other => Err(other),
+    }
+}
+
+/// `cuCtxDisablePeerAccess(peer)` for the *current* context.
+///
+/// # Safety
+/// The current context must be the accessor's, and `peer` a live context.
+pub(crate) unsafe fn ctx_disable_peer_access(peer: sys::CUcontext) -> Result<()> {
+    // SAFETY: the caller guarantees a current context and a live peer context.
+    check("cuCtxDisablePeerAccess", unsafe {
+        sys::cuCtxDisablePeerAccess(peer)
+    })
+}
+
+/// `cuDeviceGetDefaultMemPool`.
+pub(crate) fn default_mem_pool(dev: sys::CUdevice) -> Result<sys::CUmemoryPool> {
+    let mut pool = MaybeUninit::uninit();
+    // SAFETY: `pool` is a valid out-pointer; `dev` comes from cuDeviceGet.
+    check("cuDeviceGetDefaultMemPool", unsafe {
+        sys::cuDeviceGetDefaultMemPool(pool.as_mut_ptr(), dev)
+    })?;
+    // SAFETY: written by the successful call above.
+    Ok(unsafe { pool.assume_init() })
+}
+
+/// `cuMemPoolSetAccess(pool, {DEVICE accessor, flags}, 1)`.
+///
+/// # Safety
+/// `pool` must be a live memory pool.
+pub(crate) unsafe fn mem_pool_set_access(
+    pool: sys::CUmemoryPool,
+    accessor: i32,
+    flags: sys::CUmemAccess_flags,
+) -> Result<()> {
+    let desc = sys::CUmemAccessDesc {
+        location: device_location(accessor),
+        flags,
+    };
+    // SAFETY: `desc` is one valid descriptor; the caller guarantees `pool` is live.
+    check("cuMemPoolSetAccess", unsafe {
+        sys::cuMemPoolSetAccess(pool, &desc, 1)
+    })
+}
+
+/// `cuMemPoolGetAccess(&flags, pool, {DEVICE accessor})`.
+///
+/// # Safety
+/// `pool` must be a live memory pool.
+pub(crate) unsafe fn mem_pool_get_access(
+    pool: sys::CUmemoryPool,
+    accessor: i32,
+) -> Result<sys::CUmemAccess_flags> {
+    let mut loc = device_location(accessor);
+    let mut flags = sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_NONE;
+    // SAFETY: out-pointers are valid; the caller guarantees `pool` is live.
+    check("cuMemPoolGetAccess", unsafe {
+        sys::cuMemPoolGetAccess(&mut flags, pool, &mut loc)
+    })?;
+    Ok(flags)
+}
+
+/// `cuMemGetAccess(&flags, {DEVICE accessor}, ptr)` for VMM-mapped memory; the raw bits.
+///
+/// # Safety
+/// `ptr` must lie in a live VMM mapping.
+pub(crate) unsafe fn mem_get_access(ptr: sys::CUdeviceptr, accessor: i32) -> Result<u64> {
+    let loc = device_location(accessor);
+    let mut flags: std::ffi::c_ulonglong = 0;
+    // SAFETY: out-pointer valid; the caller guarantees `ptr` is mapped.
+    check("cuMemGetAccess", unsafe {
+        sys::cuMemGetAccess(&mut flags, &loc, ptr)
+    })?;
+    Ok(flags as u64)
+}
+
+/// `cuPointerGetAttribute` for an attribute whose value is a plain `T` (int, pointer, handle).
+///
+/// # Safety
+/// `T` must be the exact type the driver writes for `attr` (`c_int`/`u32` for ordinals and
+/// booleans, `CUcontext`, `CUmemoryPool`, `CUdeviceptr`, `usize` for sizes).
+pub(crate) unsafe fn pointer_attribute<T: Copy>(
+    ptr: sys::CUdeviceptr,
+    attr: sys::CUpointer_attribute,
+    zero: T,
+) -> Result<T, sys::CUresult> {
+    let mut v = zero;
+    // SAFETY: `v` has the type the attribute writes (caller's contract) and lives for the call.
+    let rc = unsafe { sys::cuPointerGetAttribute(&mut v as *mut T as *mut c_void, attr, ptr) };
+    if rc == sys::CUresult::CUDA_SUCCESS {
+        Ok(v)
+    } else {
+        Err(rc)
+    }
+}
+
+/// `cuMemRetainAllocationHandle` then `cuMemRelease`: true when `ptr` lies in a VMM mapping.
+///
+/// # Safety
+/// `ptr` must be a device address of this process.
+pub(crate) unsafe fn is_vmm_mapped(ptr: sys::CUdeviceptr) -> bool {
+    let mut handle: sys::CUmemGenericAllocationHandle = 0;
+    // SAFETY: out-pointer valid; the driver only reads the address value.
+    let rc = unsafe { sys::cuMemRetainAllocationHandle(&mut handle, ptr as *mut c_void) };
+    if rc != sys::CUresult::CUDA_SUCCESS {
+        return false;
+    }
+    // SAFETY: `handle` was retained by the successful call above; release our reference.
+    let _ = unsafe { sys::cuMemRelease(handle) };
+    true
+}
+
+/// `cuMemcpyPeerAsync(dst, dst_ctx, src, src_ctx, bytes, stream)`.
+///
+/// # Safety
+/// Both ranges must be live device memory of the named contexts for `bytes` bytes until the
+/// stream has executed the copy; `stream` must be live.
+pub(crate) unsafe fn memcpy_peer_async(
+    dst: sys::CUdeviceptr,
+    dst_ctx: sys::CUcontext,
+    src: sys::CUdeviceptr,
+    src_ctx: sys::CUcontext,
+    bytes: usize,
+    stream: sys::CUstream,
+) -> Result<()> {
+    // SAFETY: the caller's contract.
+    check("cuMemcpyPeerAsync", unsafe {
+        sys::cuMemcpyPeerAsync(dst, dst_ctx, src, src_ctx, bytes, stream)
+    })
+}
+
+/// `cuMemAlloc_v2` in the current context.
+///
+/// # Safety
+/// A context must be current.
+pub(crate) unsafe fn mem_alloc(bytes: usize) -> Result<sys::CUdeviceptr> {
+    let mut p: sys::CUdeviceptr = 0;
+    // SAFETY: out-pointer valid; the caller guarantees a current context.
+    check("cuMemAlloc", unsafe { sys::cuMemAlloc_v2(&mut p, bytes.max(1)) })?;
+    Ok(p)
+}
+
+/// `cuMemFree_v2`.
+///
+/// # Safety
+/// `p` must come from `cuMemAlloc` and no work may still use it.
+pub(crate) unsafe fn mem_free(p: sys::CUdeviceptr) -> Result<()> {
+    // SAFETY: the caller's contract.
+    check("cuMemFree", unsafe { sys::cuMemFree_v2(p) })
+}
+
+/// `cuIpcGetMemHandle`.
+///
+/// # Safety
+/// `p` must be the base of a live `cuMemAlloc` allocation.
+pub(crate) unsafe fn ipc_get_mem_handle(p: sys::CUdeviceptr) -> Result<[u8; 64]> {
+    let mut h = MaybeUninit::<sys::CUipcMemHandle>::zeroed();
+    // SAFETY: out-pointer valid; the caller's contract on `p`.
+    check("cuIpcGetMemHandle", unsafe {
+        sys::cuIpcGetMemHandle(h.as_mut_ptr(), p)
+    })?;
+    // SAFETY: written by the successful call; the handle is 64 plain bytes.
+    let h = unsafe { h.assume_init() };
+    Ok(h.reserved.map(|c| c as u8))
+}
+
+/// `cuIpcOpenMemHandle_v2(&p, handle, CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS)` in the current context.
+///
+/// # Safety
+/// A context must be current.
+pub(crate) unsafe fn ipc_open_mem_handle(handle: &[u8; 64]) -> Result<sys::CUdeviceptr> {
+    let h = sys::CUipcMemHandle {
+        reserved: handle.map(|b| b as std::ffi::c_char),
+    };
+    let mut p: sys::CUdeviceptr = 0;
+    // SAFETY: out-pointer valid; the handle is passed by value; a context is current.
+    check("cuIpcOpenMemHandle", unsafe {
+        sys::cuIpcOpenMemHandle_v2(
+            &mut p,
+            h,
+            sys::CUipcMem_flags::CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS as u32,
+        )
+    })?;
+    Ok(p)
+}
+
+/// `cuIpcCloseMemHandle`.
+///
+/// # Safety
+/// `p` must come from `cuIpcOpenMemHandle` and no work may still use it.
+pub(crate) unsafe fn ipc_close_mem_handle(p: sys::CUdeviceptr) -> Result<()> {
+    // SAFETY: the caller's contract.
+    check("cuIpcCloseMemHandle", unsafe { sys::cuIpcCloseMemHandle(p) })
+}
+
+/// `cuMemPoolCreate` for a device pool exportable as a POSIX file descriptor.
+pub(crate) fn mem_pool_create_exportable(ordinal: i32) -> Result<sys::CUmemoryPool> {
+    // SAFETY: CUmemPoolProps is a plain C struct for which all-zero is the documented default.
+    let mut props: sys::CUmemPoolProps = unsafe { std::mem::zeroed() };
+    props.allocType = sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED;
+    props.handleTypes = sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+    props.location = device_location(ordinal);
+    let mut pool = MaybeUninit::uninit();
+    // SAFETY: out-pointer valid; `props` fully initialised.
+    check("cuMemPoolCreate", unsafe {
+        sys::cuMemPoolCreate(pool.as_mut_ptr(), &props)
+    })?;
+    // SAFETY: written by the successful call.
+    Ok(unsafe { pool.assume_init() })
+}
+
+/// `cuMemPoolDestroy`.
+///
+/// # Safety
+/// `pool` must be a live pool created or imported by this process.
+pub(crate) unsafe fn mem_pool_destroy(pool: sys::CUmemoryPool) -> Result<()> {
+    // SAFETY: the caller's contract.
+    check("cuMemPoolDestroy", unsafe { sys::cuMemPoolDestroy(pool) })
+}
+
+/// `cuMemAllocFromPoolAsync`.
+///
+/// # Safety
+/// `pool` and `stream` must be live.
+pub(crate) unsafe fn mem_alloc_from_pool_async(
+    bytes: usize,
+    pool: sys::CUmemoryPool,
+    stream: sys::CUstream,
+) -> Result<sys::CUdeviceptr> {
+    let mut p: sys::CUdeviceptr = 0;
+    // SAFETY: out-pointer valid; the caller's contract.
+    check("cuMemAllocFromPoolAsync", unsafe {
+        sys::cuMemAllocFromPoolAsync(&mut p, bytes.max(1), pool, stream)
+    })?;
+    Ok(p)
+}
+
+/// `cuMemPoolExportToShareableHandle(&fd, pool, POSIX_FILE_DESCRIPTOR, 0)`.
+///
+/// # Safety
+/// `pool` must be a live pool created with the POSIX fd handle type.
+pub(crate) unsafe fn mem_pool_export_fd(pool: sys::CUmemoryPool) -> Result<c_int> {
+    let mut fd: c_int = -1;
+    // SAFETY: for POSIX fds the handle out-pointer points to an int; the caller's contract.
+    check("cuMemPoolExportToShareableHandle", unsafe {
+        sys::cuMemPoolExportToShareableHandle(
+            &mut fd as *mut c_int as *mut c_void,
+            pool,
+            sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
+            0,
+        )
+    })?;
+    Ok(fd)
+}
+
+/// `cuMemPoolImportFromShareableHandle(&pool, (void*)(uintptr_t)fd, POSIX_FILE_DESCRIPTOR, 0)`.
+///
+/// # Safety
+/// `fd` must be an open pool fd exported by `cuMemPoolExportToShareableHandle`.
+pub(crate) unsafe fn mem_pool_import_fd(fd: c_int) -> Result<sys::CUmemoryPool> {
+    let mut pool = MaybeUninit::uninit();
+    // SAFETY: for POSIX fds the handle argument is the fd value cast to a pointer (cuda.h).
+    check("cuMemPoolImportFromShareableHandle", unsafe {
+        sys::cuMemPoolImportFromShareableHandle(
+            pool.as_mut_ptr(),
+            fd as isize as *mut c_void,
+            sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
+            0,
+        )
+    })?;
+    // SAFETY: written by the successful call.
+    Ok(unsafe { pool.assume_init() })
+}
+
+/// `cuMemPoolExportPointer`.
+///
+/// # Safety
+/// `p` must be a live allocation from an exportable pool.
+pub(crate) unsafe fn mem_pool_export_pointer(p: sys::CUdeviceptr) -> Result<[u8; 64]> {
+    let mut d = sys::CUmemPoolPtrExportData { reserved: [0; 64] };
+    // SAFETY: out-pointer valid; the caller's contract.
+    check("cuMemPoolExportPointer", unsafe {
+        sys::cuMemPoolExportPointer(&mut d, p)
+    })?;
+    Ok(d.reserved)
+}
+
+/// `cuMemPoolImportPointer`.
+///
+/// # Safety
+/// `pool` must be a live imported pool.
+pub(crate) unsafe fn mem_pool_import_pointer(
+    pool: sys::CUmemoryPool,
+    data: &[u8; 64],
+) -> Result<sys::CUdeviceptr> {
+    let mut d = sys::CUmemPoolPtrExportData { reserved: *data };
+    let mut p: sys::CUdeviceptr = 0;
+    // SAFETY: pointers valid for the call; the caller's contract on `pool`.
+    check("cuMemPoolImportPointer", unsafe {
+        sys::cuMemPoolImportPointer(&mut p, pool, &mut d)
+    })?;
+    Ok(p)
+}
+
+/// `cuMemFreeAsync`.
+///
+/// # Safety
+/// `p` must be pool memory (allocated or imported) no other work still uses.
+pub(crate) unsafe fn mem_free_async(p: sys::CUdeviceptr, stream: sys::CUstream) -> Result<()> {
+    // SAFETY: the caller's contract.
+    check("cuMemFreeAsync", unsafe { sys::cuMemFreeAsync(p, stream) })
+}
