@@ -17,4 +17,4 @@ pub mod storage;
 
 pub use cudarc;
 pub use error::{Error, Result};
-pub use path::{Cause, FallbackPolicy, Path, PathReport};
+pub use path::{Cause, FallbackPolicy, Link, Path, PathReport};

@@ -142,8 +142,12 @@ impl PairBench {
         };
         let a_src = fill(&sa)?;
         let b_src = fill(&sb)?;
-        let a_dst = sa.alloc_zeros::<u8>(bytes).map_err(drv("cuMemAllocAsync"))?;
-        let b_dst = sb.alloc_zeros::<u8>(bytes).map_err(drv("cuMemAllocAsync"))?;
+        let a_dst = sa
+            .alloc_zeros::<u8>(bytes)
+            .map_err(drv("cuMemAllocAsync"))?;
+        let b_dst = sb
+            .alloc_zeros::<u8>(bytes)
+            .map_err(drv("cuMemAllocAsync"))?;
         sa.synchronize().map_err(drv("cuStreamSynchronize"))?;
         sb.synchronize().map_err(drv("cuStreamSynchronize"))?;
         Ok(PairBench {
@@ -158,6 +162,15 @@ impl PairBench {
             bytes,
             kernels: None,
         })
+    }
+
+    /// True when b's destination buffer holds exactly a's source bytes (after an a→b copy by
+    /// any method).
+    pub fn destination_matches(&self) -> Result<bool> {
+        let drv = |e| Error::cuda("cuMemcpyDtoH", e);
+        let want = self.sa.clone_dtoh(&self.a_src).map_err(drv)?;
+        let got = self.sb.clone_dtoh(&self.b_dst).map_err(drv)?;
+        Ok(want == got)
     }
 
     /// Bytes per copy.
@@ -286,7 +299,12 @@ impl PairBench {
         Ok(self.kernels.as_ref().expect("set above"))
     }
 
-    fn require_access(&self, executor: &Arc<CudaContext>, remote: &CudaSlice<u8>, write: bool) -> Result<()> {
+    fn require_access(
+        &self,
+        executor: &Arc<CudaContext>,
+        remote: &CudaSlice<u8>,
+        write: bool,
+    ) -> Result<()> {
         let info = copy::inspect(dptr(remote), remote.context());
         match copy::access(executor.ordinal(), executor.cu_ctx(), &info, write)? {
             Some(Ok(())) => Ok(()),
@@ -388,7 +406,10 @@ impl PairBench {
             .memcpy_htod(&host, &mut chain)
             .map_err(drv("cuMemcpyHtoDAsync"))?;
         self.sa.synchronize().map_err(drv("cuStreamSynchronize"))?;
-        let out = self.sb.alloc_zeros::<u64>(1).map_err(drv("cuMemAllocAsync"))?;
+        let out = self
+            .sb
+            .alloc_zeros::<u64>(1)
+            .map_err(drv("cuMemAllocAsync"))?;
         let out_p = dptr(&out);
         let start_p = base + (order[0] * STRIDE) as u64;
         let hops = iters.max(1) as u64;
@@ -439,10 +460,16 @@ fn bidirectional_on(
     f(0)?;
     f(1)?;
     // Start both streams from a common point: each waits for the other's warm-up.
-    let wa = sa.record_event(None).map_err(|e| Error::cuda("cuEventRecord", e))?;
-    let wb = sb.record_event(None).map_err(|e| Error::cuda("cuEventRecord", e))?;
-    sa.wait(&wb).map_err(|e| Error::cuda("cuStreamWaitEvent", e))?;
-    sb.wait(&wa).map_err(|e| Error::cuda("cuStreamWaitEvent", e))?;
+    let wa = sa
+        .record_event(None)
+        .map_err(|e| Error::cuda("cuEventRecord", e))?;
+    let wb = sb
+        .record_event(None)
+        .map_err(|e| Error::cuda("cuEventRecord", e))?;
+    sa.wait(&wb)
+        .map_err(|e| Error::cuda("cuStreamWaitEvent", e))?;
+    sb.wait(&wa)
+        .map_err(|e| Error::cuda("cuStreamWaitEvent", e))?;
     let (sa0, sb0) = (ev(sa)?, ev(sb)?);
     for _ in 0..iters {
         f(0)?;
@@ -601,27 +628,36 @@ impl fmt::Display for BandwidthMatrix {
     /// nvbandwidth-style matrices (row = source, column = destination), then ratios to the link.
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         writeln!(f, "{} MiB per copy", self.bytes >> 20)?;
-        self.table(f, "memcpy CE GPU(row) -> GPU(column) bandwidth (GB/s)", |p| {
-            p.ce_gbps
-        })?;
+        self.table(
+            f,
+            "memcpy CE GPU(row) -> GPU(column) bandwidth (GB/s)",
+            |p| p.ce_gbps,
+        )?;
         self.table(
             f,
             "memcpy CE bidirectional GPU(row) <-> GPU(column), both directions summed (GB/s)",
             |p| p.ce_bidirectional_total_gbps,
         )?;
-        self.table(f, "memcpy SM read: GPU(column) reads GPU(row) (GB/s)", |p| {
-            p.sm_read_gbps
-        })?;
-        self.table(f, "memcpy SM write: GPU(row) writes GPU(column) (GB/s)", |p| {
-            p.sm_write_gbps
-        })?;
+        self.table(
+            f,
+            "memcpy SM read: GPU(column) reads GPU(row) (GB/s)",
+            |p| p.sm_read_gbps,
+        )?;
+        self.table(
+            f,
+            "memcpy SM write: GPU(row) writes GPU(column) (GB/s)",
+            |p| p.sm_write_gbps,
+        )?;
         self.table(f, "latency CE 8-byte copy, back to back (us)", |p| {
             p.ce_latency_us
         })?;
         self.table(f, "latency SM dependent load of peer memory (ns)", |p| {
             p.sm_latency_ns
         })?;
-        writeln!(f, "ratio to the link limit (one direction; bidirectional vs 2x)")?;
+        writeln!(
+            f,
+            "ratio to the link limit (one direction; bidirectional vs 2x)"
+        )?;
         for p in &self.pairs {
             let limit = p.link_limit_gbps.unwrap_or(LINK_LIMIT_H200_GBPS);
             let assumed = if p.link_limit_gbps.is_none() {
@@ -661,7 +697,10 @@ mod tests {
     fn ptx_has_both_kernels() {
         assert!(KERNELS_PTX.contains(".entry gd_copy_v4"));
         assert!(KERNELS_PTX.contains(".entry gd_latency_chase"));
-        assert!(KERNELS_PTX.contains("ld.global.nc.v4.u32"), "16-byte vector loads");
+        assert!(
+            KERNELS_PTX.contains("ld.global.nc.v4.u32"),
+            "16-byte vector loads"
+        );
     }
 
     #[test]

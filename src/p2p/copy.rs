@@ -89,15 +89,28 @@ pub(crate) fn inspect(ptr: sys::CUdeviceptr, ctx: &CudaContext) -> PtrInfo {
         MemoryKind::Pool
     } else if
     // SAFETY: as above.
-    unsafe { r::pointer_attribute(ptr, A::CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE, 0u64) }
-        .map(|v| v & 0xffff_ffff != 0)
-        .unwrap_or(false)
+    unsafe {
+        r::pointer_attribute(
+            ptr,
+            A::CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE,
+            0u64,
+        )
+    }
+    .map(|v| v & 0xffff_ffff != 0)
+    .unwrap_or(false)
     {
         MemoryKind::Legacy
     } else if
     // SAFETY: `ptr` is a device address of this process; the call only retains/releases.
     unsafe { r::is_vmm_mapped(ptr) } {
         MemoryKind::Vmm
+    } else if
+    // SAFETY: MEMORY_TYPE writes a CUmemorytype (unsigned int); read from a zeroed u64.
+    unsafe { r::pointer_attribute(ptr, A::CU_POINTER_ATTRIBUTE_MEMORY_TYPE, 0u64) }
+        .is_ok_and(|v| v & 0xffff_ffff == sys::CUmemorytype::CU_MEMORYTYPE_DEVICE as u64)
+    {
+        // Device memory that is neither pool nor VMM memory: cuMemAlloc.
+        MemoryKind::Legacy
     } else {
         MemoryKind::Unknown
     };
@@ -251,15 +264,23 @@ fn plan(
             )));
         }
     }
-    if s.device == d.device {
+    let imported = s.kind == MemoryKind::Imported || d.kind == MemoryKind::Imported;
+    if s.device == d.device && !imported {
         return Err(Error::InvalidArgument(format!(
             "both buffers are on GPU {}: a peer copy needs two devices (use CudaStream::memcpy_dtod for an on-device copy)",
             s.device
         )));
     }
-    // The destination device executes the copy (the stream is the destination's): it reads the
-    // source remotely.
-    let path = match access(d.device, dst_ctx.cu_ctx(), &s, false)? {
+    // The stream's device executes the copy. Normally that is the destination's device, which
+    // reads the source remotely; for memory mapped from another process the stream's context may
+    // sit on the source's device instead, which then writes the destination remotely.
+    let executor = dst_ctx.ordinal();
+    let verdict = if executor == d.device || executor != s.device {
+        access(executor, dst_ctx.cu_ctx(), &s, false)?
+    } else {
+        access(executor, dst_ctx.cu_ctx(), &d, true)?
+    };
+    let path = match verdict {
         Some(Ok(())) => PathReport::direct(Path::PeerDirect {
             link: super::topology::link_between(s.device, d.device),
         }),
@@ -322,7 +343,16 @@ pub fn plan_copy<T, Src: DevicePtr<T>, Dst: DevicePtrMut<T>>(
     check_stream(stream, &dst_ctx)?;
     let (sp, _rs) = src.device_ptr(src.stream());
     let (dp, _rd) = dst.device_ptr_mut(stream);
-    Ok(plan(sp, &src_ctx, dp, &dst_ctx, bytes, stream, &CopyOptions::default())?.report)
+    Ok(plan(
+        sp,
+        &src_ctx,
+        dp,
+        &dst_ctx,
+        bytes,
+        stream,
+        &CopyOptions::default(),
+    )?
+    .report)
 }
 
 /// Copies `src` (on one device) into `dst` (on another) with `cuMemcpyPeerAsync` on `stream`

@@ -146,14 +146,7 @@ impl<T> IpcMapping<T> {
                 link: super::topology::link_between(ctx.ordinal(), owner),
             })
         };
-        Ok(Self::new(
-            stream,
-            ptr,
-            len,
-            owner,
-            path,
-            Release::Legacy,
-        ))
+        Ok(Self::new(stream, ptr, len, owner, path, Release::Legacy))
     }
 
     fn new(
@@ -355,7 +348,8 @@ impl SharedPool {
             .bind_to_thread()
             .map_err(|e| Error::cuda("cuCtxSetCurrent", e))?;
         // SAFETY: pool and stream are live; the stream's context is current.
-        let ptr = unsafe { r::mem_alloc_from_pool_async(bytes, self.inner.pool, stream.cu_stream()) }?;
+        let ptr =
+            unsafe { r::mem_alloc_from_pool_async(bytes, self.inner.pool, stream.cu_stream()) }?;
         // SAFETY: `ptr` holds `bytes` bytes of pool memory on this stream; cudarc frees it with
         // cuMemFreeAsync (the context has async alloc), which is how pool memory is freed.
         let mut slice = unsafe { stream.upgrade_device_ptr::<T>(ptr, len) };
@@ -558,7 +552,8 @@ pub fn recv_fd(sock: &UnixStream, buf: &mut [u8]) -> Result<(OwnedFd, usize)> {
     // SAFETY: the kernel filled msg_control/msg_controllen; CMSG_FIRSTHDR checks the length.
     let c = unsafe { libc::CMSG_FIRSTHDR(&msg) };
     // SAFETY: `c` is checked for null first and otherwise points into `cbuf`.
-    let ok = !c.is_null() && unsafe { (*c).cmsg_level == libc::SOL_SOCKET && (*c).cmsg_type == libc::SCM_RIGHTS };
+    let ok = !c.is_null()
+        && unsafe { (*c).cmsg_level == libc::SOL_SOCKET && (*c).cmsg_type == libc::SCM_RIGHTS };
     if !ok {
         return Err(Error::io(
             "recvmsg",

@@ -44,7 +44,8 @@ pub use copy::{
 pub use memory::DeviceBuffer;
 pub use peer_access::{registry_state, PeerAccess};
 pub use topology::{
-    parse_pci_bus_id, Connection, GpuInfo, NvmlP2p, NvmlStatus, P2pState, PairInfo, Topology,
+    nvml_status, parse_pci_bus_id, Connection, GpuInfo, NvmlP2p, NvmlStatus, P2pState, PairInfo,
+    Topology,
 };
 
 use crate::error::{Error, Result};
@@ -122,14 +123,16 @@ pub fn report(opts: &ReportOptions) -> Result<P2pReport> {
     let topology = Topology::probe()?;
     let mut pairs = Vec::new();
     for p in &topology.pairs {
-        pairs.push(pair_report(p.src, p.dst, opts).unwrap_or_else(|e| PairReport {
-            src: p.src,
-            dst: p.dst,
-            without_peer_access: None,
-            with_peer_access: None,
-            measured: None,
-            error: Some(e.to_string()),
-        }));
+        pairs.push(
+            pair_report(p.src, p.dst, opts).unwrap_or_else(|e| PairReport {
+                src: p.src,
+                dst: p.dst,
+                without_peer_access: None,
+                with_peer_access: None,
+                measured: None,
+                error: Some(e.to_string()),
+            }),
+        );
     }
     Ok(P2pReport {
         topology,

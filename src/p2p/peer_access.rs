@@ -50,7 +50,10 @@ fn registry() -> MutexGuard<'static, Registry> {
 /// What gpudirect knows about context peer access from `accessor` to `owner` (raw context
 /// handles): `Some(true)` when on (granted by a [`PeerAccess`] or found already enabled),
 /// `None` when it has no record (CUDA has no query for it).
-pub(crate) fn context_access_known(accessor: sys::CUcontext, owner: sys::CUcontext) -> Option<bool> {
+pub(crate) fn context_access_known(
+    accessor: sys::CUcontext,
+    owner: sys::CUcontext,
+) -> Option<bool> {
     let reg = registry();
     reg.ctx
         .get(&(accessor as usize, owner as usize))
@@ -182,7 +185,11 @@ impl PeerAccess {
         self.grants.append(&mut other.grants);
     }
 
-    fn grant_context(&mut self, accessor: &Arc<CudaContext>, owner: &Arc<CudaContext>) -> Result<()> {
+    fn grant_context(
+        &mut self,
+        accessor: &Arc<CudaContext>,
+        owner: &Arc<CudaContext>,
+    ) -> Result<()> {
         let (ao, oo) = (accessor.ordinal(), owner.ordinal());
         if accessor.cu_device() == owner.cu_device() {
             return Err(Error::Unsupported {

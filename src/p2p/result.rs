@@ -84,7 +84,9 @@ pub(crate) enum Enabled {
 ///
 /// # Safety
 /// The current context must be the accessor's, and `peer` a live context.
-pub(crate) unsafe fn ctx_enable_peer_access(peer: sys::CUcontext) -> Result<Enabled, sys::CUresult> {
+pub(crate) unsafe fn ctx_enable_peer_access(
+    peer: sys::CUcontext,
+) -> Result<Enabled, sys::CUresult> {
     // SAFETY: the caller guarantees a current context and a live peer context; flags must be 0.
     let rc = unsafe { sys::cuCtxEnablePeerAccess(peer, 0) };
     match rc {
@@ -228,7 +230,9 @@ pub(crate) unsafe fn memcpy_peer_async(
 pub(crate) unsafe fn mem_alloc(bytes: usize) -> Result<sys::CUdeviceptr> {
     let mut p: sys::CUdeviceptr = 0;
     // SAFETY: out-pointer valid; the caller guarantees a current context.
-    check("cuMemAlloc", unsafe { sys::cuMemAlloc_v2(&mut p, bytes.max(1)) })?;
+    check("cuMemAlloc", unsafe {
+        sys::cuMemAlloc_v2(&mut p, bytes.max(1))
+    })?;
     Ok(p)
 }
 
@@ -282,7 +286,9 @@ pub(crate) unsafe fn ipc_open_mem_handle(handle: &[u8; 64]) -> Result<sys::CUdev
 /// `p` must come from `cuIpcOpenMemHandle` and no work may still use it.
 pub(crate) unsafe fn ipc_close_mem_handle(p: sys::CUdeviceptr) -> Result<()> {
     // SAFETY: the caller's contract.
-    check("cuIpcCloseMemHandle", unsafe { sys::cuIpcCloseMemHandle(p) })
+    check("cuIpcCloseMemHandle", unsafe {
+        sys::cuIpcCloseMemHandle(p)
+    })
 }
 
 /// `cuMemPoolCreate` for a device pool exportable as a POSIX file descriptor.

@@ -253,6 +253,12 @@ impl Topology {
     }
 }
 
+/// Whether NVML loads and initialises here (no CUDA needed): [`NvmlStatus::Unavailable`] says
+/// why not, never a panic.
+pub fn nvml_status() -> NvmlStatus {
+    nvml::status()
+}
+
 /// The process-wide cached topology (probed once), for path reports and expectations.
 pub(crate) fn cached() -> Option<&'static Topology> {
     static TOPO: OnceLock<Option<Topology>> = OnceLock::new();
@@ -334,6 +340,15 @@ mod nvml {
             Ok(P2pStatus::DisabledByRegkey) => P2pState::DisabledByRegkey,
             Ok(P2pStatus::NotSupported) => P2pState::NotSupported,
             Ok(P2pStatus::Unknown) | Err(_) => P2pState::Unknown,
+        }
+    }
+
+    pub(super) fn status() -> NvmlStatus {
+        match init() {
+            Ok(n) => NvmlStatus::Available {
+                driver_version: n.sys_driver_version().unwrap_or_default(),
+            },
+            Err(reason) => NvmlStatus::Unavailable { reason },
         }
     }
 
@@ -472,7 +487,8 @@ impl fmt::Display for Topology {
                 f,
                 "{:<16}{:<14}",
                 g.cpu_affinity.as_deref().unwrap_or("N/A"),
-                g.numa_node.map_or_else(|| "N/A".to_string(), |x| x.to_string())
+                g.numa_node
+                    .map_or_else(|| "N/A".to_string(), |x| x.to_string())
             )?;
         }
         writeln!(f)?;

@@ -1,0 +1,218 @@
+//! Tier 2: device memory shared between two processes, one per GPU. The test binary re-executes
+//! itself as the child (GPU 1) with `GPUDIRECT_P2P_IPC_CHILD=<socket>`; the parent (GPU 0)
+//! exports `cuMemAlloc` memory (legacy IPC handle) and pool memory (pool fd over SCM_RIGHTS +
+//! exported pointer); the child maps both, checks the path, reads every byte and writes back at
+//! an odd offset, which the parent checks. Run:
+//! `cargo test --release --test p2p_ipc -- --ignored --test-threads=1`
+
+use std::io::{Read, Write};
+use std::os::fd::AsFd;
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use gpudirect::p2p::ipc::{self, ImportedPool, IpcMapping, IpcMemHandle, PoolPointer, SharedPool};
+use gpudirect::p2p::{copy_peer, DeviceBuffer, MemoryKind};
+use rand::{Rng, SeedableRng};
+
+const CHILD_ENV: &str = "GPUDIRECT_P2P_IPC_CHILD";
+const HINT2: &str = "needs 2 peer-capable CUDA GPUs (ordinals 0 and 1): run on the 2-GPU machine";
+const LEGACY_LEN: usize = 3 * (1 << 20) + 77;
+const POOL_LEN: usize = 5 * (1 << 20) + 3;
+const WB_OFF: usize = 5;
+
+fn seeded(seed: u64, n: usize) -> Vec<u8> {
+    let mut v = vec![0u8; n];
+    rand::rngs::StdRng::seed_from_u64(seed).fill(&mut v[..]);
+    v
+}
+
+fn send(s: &mut UnixStream, b: &[u8]) {
+    s.write_all(&(b.len() as u32).to_le_bytes()).unwrap();
+    s.write_all(b).unwrap();
+}
+
+fn recv(s: &mut UnixStream) -> Vec<u8> {
+    let mut n = [0u8; 4];
+    s.read_exact(&mut n)
+        .expect("the other process went away: see its output above");
+    let mut b = vec![0u8; u32::from_le_bytes(n) as usize];
+    s.read_exact(&mut b).unwrap();
+    b
+}
+
+fn test_dir() -> std::path::PathBuf {
+    std::env::var_os("GPUDIRECT_TEST_DIR")
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(std::env::temp_dir)
+}
+
+#[test]
+#[ignore = "needs 2 CUDA GPUs"]
+fn multi_gpu_ipc_two_process() {
+    if let Ok(sock) = std::env::var(CHILD_ENV) {
+        child(&sock);
+        return;
+    }
+    let n = gpudirect::cuda::device_count().unwrap_or_else(|e| panic!("{HINT2}: {e}"));
+    assert!(n >= 2, "{HINT2}: this process sees {n} device(s)");
+    let a = gpudirect::cuda::context(0).unwrap();
+    let sa = a.default_stream();
+
+    let sock_path = test_dir().join(format!("gpudirect-p2p-ipc-{}.sock", std::process::id()));
+    let _ = std::fs::remove_file(&sock_path);
+    let listener = UnixListener::bind(&sock_path).unwrap();
+    listener.set_nonblocking(true).unwrap();
+    let mut kid = Command::new(std::env::current_exe().unwrap())
+        .args([
+            "multi_gpu_ipc_two_process",
+            "--exact",
+            "--ignored",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .env(CHILD_ENV, &sock_path)
+        .spawn()
+        .unwrap();
+    let t0 = Instant::now();
+    let mut conn = loop {
+        match listener.accept() {
+            Ok((c, _)) => break c,
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                if let Some(st) = kid.try_wait().unwrap() {
+                    panic!("the child exited before connecting: {st}");
+                }
+                assert!(
+                    t0.elapsed() < Duration::from_secs(120),
+                    "child never connected"
+                );
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            Err(e) => panic!("accept: {e}"),
+        }
+    };
+    conn.set_nonblocking(false).unwrap();
+    conn.set_read_timeout(Some(Duration::from_secs(300)))
+        .unwrap();
+
+    // 1. cuMemAlloc memory through a legacy IPC handle.
+    let data = seeded(1, LEGACY_LEN);
+    let mut legacy = DeviceBuffer::<u8>::alloc_zeros(&sa, LEGACY_LEN).unwrap();
+    sa.memcpy_htod(&data, &mut legacy.as_view_mut()).unwrap();
+    sa.synchronize().unwrap();
+    let handle = IpcMemHandle::export(&legacy).unwrap();
+    send(&mut conn, &handle.to_bytes());
+    let reply = String::from_utf8(recv(&mut conn)).unwrap();
+    println!("parent: child says {reply}");
+    assert!(reply.starts_with("ok legacy"), "{reply}");
+    let got = sa.clone_dtoh(legacy.slice()).unwrap();
+    let wb = seeded(2, LEGACY_LEN - 2 * WB_OFF);
+    assert_eq!(&got[..WB_OFF], &data[..WB_OFF]);
+    assert_eq!(
+        &got[WB_OFF..LEGACY_LEN - WB_OFF],
+        &wb[..],
+        "child's write-back"
+    );
+    assert_eq!(&got[LEGACY_LEN - WB_OFF..], &data[LEGACY_LEN - WB_OFF..]);
+
+    // 2. Pool memory: pool fd over SCM_RIGHTS, then the exported pointer.
+    let pool = SharedPool::new(&a).unwrap();
+    let mut slice = pool.alloc_zeros::<u8>(&sa, POOL_LEN).unwrap();
+    let pdata = seeded(3, POOL_LEN);
+    sa.memcpy_htod(&pdata, &mut slice).unwrap();
+    sa.synchronize().unwrap();
+    let fd = pool.export_fd().unwrap();
+    ipc::send_fd(&conn, fd.as_fd(), b"pool").unwrap();
+    send(&mut conn, &pool.export_pointer(&slice).unwrap().to_bytes());
+    let reply = String::from_utf8(recv(&mut conn)).unwrap();
+    println!("parent: child says {reply}");
+    assert!(reply.starts_with("ok pool"), "{reply}");
+    let got = sa.clone_dtoh(&slice).unwrap();
+    let wb = seeded(4, POOL_LEN - 2 * WB_OFF);
+    assert_eq!(&got[..WB_OFF], &pdata[..WB_OFF]);
+    assert_eq!(
+        &got[WB_OFF..POOL_LEN - WB_OFF],
+        &wb[..],
+        "child's write-back"
+    );
+    assert_eq!(&got[POOL_LEN - WB_OFF..], &pdata[POOL_LEN - WB_OFF..]);
+    drop(slice);
+    drop(pool);
+    send(&mut conn, b"bye");
+    let st = kid.wait().unwrap();
+    let _ = std::fs::remove_file(&sock_path);
+    assert!(st.success(), "child failed: {st}");
+}
+
+fn child(sock: &str) {
+    let b = gpudirect::cuda::context(1).unwrap_or_else(|e| panic!("child: {HINT2}: {e}"));
+    let sb = b.default_stream();
+    let mut conn = UnixStream::connect(sock).unwrap();
+
+    // 1. Legacy handle.
+    let h = IpcMemHandle::from_bytes(&recv(&mut conn)).unwrap();
+    let mut m = IpcMapping::<u8>::open(&sb, &h).unwrap();
+    println!(
+        "child: legacy mapping of GPU {} memory: {}",
+        m.owner_device(),
+        m.path()
+    );
+    assert!(m.path().is_direct(), "{}", m.path());
+    let legacy_msg = check_and_write_back(&sb, &mut m, 1, 2);
+    drop(m);
+    send(&mut conn, format!("ok legacy: {legacy_msg}").as_bytes());
+
+    // 2. Pool fd and pointer.
+    let mut tag = [0u8; 8];
+    let (fd, n) = ipc::recv_fd(&conn, &mut tag).unwrap();
+    assert_eq!(&tag[..n], b"pool");
+    let pool = ImportedPool::from_fd(&b, fd).unwrap();
+    let p = PoolPointer::from_bytes(&recv(&mut conn)).unwrap();
+    let mut m = pool.import::<u8>(&sb, &p).unwrap();
+    println!(
+        "child: pool mapping of GPU {} memory: {}",
+        m.owner_device(),
+        m.path()
+    );
+    assert!(m.path().is_direct(), "{}", m.path());
+    let pool_msg = check_and_write_back(&sb, &mut m, 3, 4);
+    drop(m);
+    drop(pool);
+    send(&mut conn, format!("ok pool: {pool_msg}").as_bytes());
+    assert_eq!(recv(&mut conn), b"bye");
+}
+
+/// Copies the mapping into local memory with copy_peer (checking the reported path and every
+/// byte), then writes seeded bytes back into the mapping at an odd offset.
+fn check_and_write_back(
+    sb: &std::sync::Arc<gpudirect::cudarc::driver::CudaStream>,
+    m: &mut IpcMapping<u8>,
+    seed: u64,
+    wb_seed: u64,
+) -> String {
+    let n = m.len();
+    let want = seeded(seed, n);
+    let mut local = sb.alloc_zeros::<u8>(n).unwrap();
+    let rep = copy_peer(&m.as_view(), &mut local, sb).unwrap();
+    assert_eq!(rep.src_memory, MemoryKind::Imported);
+    assert!(rep.path.is_direct(), "read path: {}", rep.path);
+    assert_eq!(
+        sb.clone_dtoh(&local).unwrap(),
+        want,
+        "bytes read through IPC"
+    );
+    let wb = seeded(wb_seed, n - 2 * WB_OFF);
+    let src = sb.clone_htod(&wb).unwrap();
+    let mut dst = m.as_view_mut();
+    let mut dst = dst.slice_mut(WB_OFF..n - WB_OFF);
+    let rep2 = copy_peer(&src, &mut dst, sb).unwrap();
+    assert!(rep2.path.is_direct(), "write path: {}", rep2.path);
+    sb.synchronize().unwrap();
+    format!(
+        "read {} ({}), wrote back {} bytes ({})",
+        n,
+        rep.path,
+        wb.len(),
+        rep2.path
+    )
+}

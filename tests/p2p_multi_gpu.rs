@@ -1,0 +1,449 @@
+//! Tier 2: P2P on real GPUs. `gpu_*` need one CUDA GPU, `multi_gpu_*` two peer-capable GPUs
+//! (ordinals 0 and 1). Run on the GPU machine with
+//! `cargo test --release --test p2p_multi_gpu -- --ignored --test-threads=1`
+//! (the tests also serialize themselves: peer access is process-wide state).
+//! Without the hardware they fail with a setup hint.
+
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use gpudirect::cudarc::driver::{sys, CudaContext, CudaSlice, CudaStream};
+use gpudirect::p2p::{
+    self, copy_peer, copy_peer_with, plan_copy, registry_state, timed_copy_peer, CopyOptions,
+    DeviceBuffer, MemoryKind, PairBench, PeerAccess, SmDirection, Topology,
+};
+use gpudirect::{Cause, Error, FallbackPolicy, Path};
+use rand::Rng;
+
+static SERIAL: Mutex<()> = Mutex::new(());
+
+fn serial() -> MutexGuard<'static, ()> {
+    SERIAL.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+const HINT1: &str = "needs a CUDA GPU: run on a machine with the NVIDIA driver and a GPU \
+                     (check nvidia-smi, CUDA_VISIBLE_DEVICES)";
+const HINT2: &str = "needs 2 peer-capable CUDA GPUs (ordinals 0 and 1): run on the 2-GPU machine \
+                     (check nvidia-smi topo -m, CUDA_VISIBLE_DEVICES)";
+
+fn one_gpu() -> Arc<CudaContext> {
+    gpudirect::cuda::context(0).unwrap_or_else(|e| panic!("{HINT1}: {e}"))
+}
+
+fn two_gpus() -> (Arc<CudaContext>, Arc<CudaContext>) {
+    let n = gpudirect::cuda::device_count().unwrap_or_else(|e| panic!("{HINT2}: {e}"));
+    assert!(n >= 2, "{HINT2}: this process sees {n} device(s)");
+    (
+        gpudirect::cuda::context(0).unwrap(),
+        gpudirect::cuda::context(1).unwrap(),
+    )
+}
+
+fn random(n: usize) -> Vec<u8> {
+    let mut v = vec![0u8; n];
+    rand::rng().fill(&mut v[..]);
+    v
+}
+
+fn pool_buf(s: &Arc<CudaStream>, data: &[u8]) -> CudaSlice<u8> {
+    s.clone_htod(data).unwrap()
+}
+
+/// Raw context peer access toggles, standing in for "someone else" in the process.
+fn raw_ctx_access(accessor: &CudaContext, owner: &CudaContext, on: bool) -> sys::CUresult {
+    accessor.bind_to_thread().unwrap();
+    // SAFETY: the accessor's context is current and the owner's alive.
+    unsafe {
+        if on {
+            sys::cuCtxEnablePeerAccess(owner.cu_ctx(), 0)
+        } else {
+            sys::cuCtxDisablePeerAccess(owner.cu_ctx())
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gpu_topology_shows_devices() {
+    let _g = serial();
+    one_gpu();
+    let t = Topology::probe().expect(HINT1);
+    println!("{t}");
+    assert!(!t.devices.is_empty());
+    assert!(!t.devices[0].pci_bus_id.is_empty());
+    assert_eq!(t.pairs.len(), t.devices.len() * (t.devices.len() - 1));
+    let s = t.to_string();
+    assert!(s.contains("GPU0     X"), "{s}");
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gpu_peer_access_to_self_is_typed_error() {
+    let _g = serial();
+    let a = one_gpu();
+    let e = PeerAccess::enable(&a, &a).unwrap_err();
+    assert!(
+        matches!(
+            e,
+            Error::Unsupported {
+                cause: Cause::SameDevice,
+                ..
+            }
+        ),
+        "{e:?}"
+    );
+    let n = gpudirect::cuda::device_count().unwrap();
+    let e = PeerAccess::between(0, n + 3).unwrap_err();
+    assert!(matches!(e, Error::NoDevice { .. }), "{e:?}");
+    // A copy between two buffers of one device is refused, not silently done.
+    let s = a.default_stream();
+    let src = pool_buf(&s, &random(1000));
+    let mut dst = s.alloc_zeros::<u8>(1000).unwrap();
+    let e = copy_peer(&src, &mut dst, &s).unwrap_err();
+    assert!(matches!(e, Error::InvalidArgument(_)), "{e:?}");
+}
+
+#[test]
+#[ignore = "needs 2 CUDA GPUs"]
+fn multi_gpu_peer_access_refcount_and_restore() {
+    let _g = serial();
+    let (a, b) = two_gpus();
+    let (sa, sb) = (a.default_stream(), b.default_stream());
+    let src = pool_buf(&sa, &random(4096));
+    let mut dst = sb.alloc_zeros::<u8>(4096).unwrap();
+    let before = plan_copy(&src, &mut dst, &sb).unwrap();
+    assert_eq!(before.src_memory, MemoryKind::Pool);
+    assert_eq!(before.path.path, Path::StagedThroughHost, "{}", before.path);
+    assert_eq!(
+        before.path.cause,
+        Some(Cause::PoolAccessNotGranted {
+            accessor: 1,
+            owner: 0
+        })
+    );
+    assert_eq!(registry_state(&b, &a).map_or(0, |s| s.0), 0);
+
+    let first = PeerAccess::both_ways(&a, &b).unwrap();
+    assert_eq!(registry_state(&b, &a), Some((1, true)));
+    assert!(plan_copy(&src, &mut dst, &sb).unwrap().path.is_direct());
+    let second = PeerAccess::enable(&b, &a).unwrap();
+    assert_eq!(registry_state(&b, &a), Some((2, true)));
+    drop(first);
+    // The second holder keeps both the context and the pool grant alive.
+    assert_eq!(registry_state(&b, &a), Some((1, true)));
+    let mid = plan_copy(&src, &mut dst, &sb).unwrap();
+    assert!(mid.path.is_direct(), "{}", mid.path);
+    drop(second);
+    assert_eq!(registry_state(&b, &a), Some((0, false)));
+    let after = plan_copy(&src, &mut dst, &sb).unwrap();
+    assert_eq!(after.path.path, Path::StagedThroughHost, "{}", after.path);
+    // Context access was really revoked: enabling it again succeeds (not 704).
+    assert_eq!(raw_ctx_access(&b, &a, true), sys::CUresult::CUDA_SUCCESS);
+    assert_eq!(raw_ctx_access(&b, &a, false), sys::CUresult::CUDA_SUCCESS);
+
+    // Access enabled by someone else (704 on our enable) is left on after the last holder.
+    assert_eq!(raw_ctx_access(&b, &a, true), sys::CUresult::CUDA_SUCCESS);
+    let held = PeerAccess::enable(&b, &a).unwrap();
+    assert_eq!(registry_state(&b, &a), Some((1, false)));
+    drop(held);
+    assert_eq!(
+        raw_ctx_access(&b, &a, true),
+        sys::CUresult::CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED
+    );
+    assert_eq!(raw_ctx_access(&b, &a, false), sys::CUresult::CUDA_SUCCESS);
+}
+
+/// Measures one 256 MiB copy; returns GB/s and the reported path.
+fn timed(src: &CudaSlice<u8>, dst: &mut CudaSlice<u8>, s: &Arc<CudaStream>) -> (f64, Path) {
+    // Warm up, then take the best of three (robust against a first-touch outlier).
+    let _ = timed_copy_peer(src, dst, s).unwrap();
+    let mut best = 0.0f64;
+    let mut path = Path::Unknown;
+    for _ in 0..3 {
+        let t = timed_copy_peer(src, dst, s).unwrap();
+        best = best.max(t.gbps);
+        path = t.report.path.path;
+    }
+    (best, path)
+}
+
+#[test]
+#[ignore = "needs 2 CUDA GPUs"]
+fn multi_gpu_pool_path_verified_by_timing() {
+    let _g = serial();
+    let (a, b) = two_gpus();
+    let (sa, sb) = (a.default_stream(), b.default_stream());
+    let n = 256 << 20;
+    let src = pool_buf(&sa, &random(n));
+    let mut dst = sb.alloc_zeros::<u8>(n).unwrap();
+
+    let (staged, p0) = timed(&src, &mut dst, &sb);
+    assert_eq!(p0, Path::StagedThroughHost);
+
+    // Context access alone does not open the pool: still staged, and reported so.
+    assert_eq!(raw_ctx_access(&b, &a, true), sys::CUresult::CUDA_SUCCESS);
+    let ctx_only = plan_copy(&src, &mut dst, &sb).unwrap();
+    assert_eq!(
+        ctx_only.path.cause,
+        Some(Cause::PoolAccessNotGranted {
+            accessor: 1,
+            owner: 0
+        })
+    );
+    let (ctx_only_gbps, _) = timed(&src, &mut dst, &sb);
+    assert_eq!(raw_ctx_access(&b, &a, false), sys::CUresult::CUDA_SUCCESS);
+
+    let access = PeerAccess::both_ways(&a, &b).unwrap();
+    let (direct, p1) = timed(&src, &mut dst, &sb);
+    assert!(matches!(p1, Path::PeerDirect { .. }), "{p1:?}");
+    drop(access);
+    println!("pool 256 MiB: staged {staged:.1} GB/s, ctx-only {ctx_only_gbps:.1} GB/s, direct {direct:.1} GB/s");
+    assert!(
+        direct > 3.0 * staged,
+        "direct {direct:.1} vs staged {staged:.1} GB/s"
+    );
+    assert!(
+        direct > 3.0 * ctx_only_gbps,
+        "direct {direct:.1} vs ctx-only {ctx_only_gbps:.1} GB/s"
+    );
+    assert_eq!(sb.clone_dtoh(&dst).unwrap(), sa.clone_dtoh(&src).unwrap());
+}
+
+#[test]
+#[ignore = "needs 2 CUDA GPUs"]
+fn multi_gpu_cumemalloc_path_verified_by_timing() {
+    let _g = serial();
+    let (a, b) = two_gpus();
+    let (sa, sb) = (a.default_stream(), b.default_stream());
+    let n = 256 << 20;
+    let data = random(n);
+    let mut src = DeviceBuffer::<u8>::alloc_zeros(&sa, n).unwrap();
+    sa.memcpy_htod(&data, &mut src.as_view_mut()).unwrap();
+    let mut dst = DeviceBuffer::<u8>::alloc_zeros(&sb, n).unwrap();
+
+    let plan = plan_copy(&src.as_view(), &mut dst.as_view_mut(), &sb).unwrap();
+    assert_eq!(plan.src_memory, MemoryKind::Legacy);
+    assert_eq!(plan.dst_memory, MemoryKind::Legacy);
+    assert_eq!(
+        plan.path.cause,
+        Some(Cause::PeerAccessNotEnabled {
+            accessor: 1,
+            owner: 0
+        })
+    );
+    let time = |dst: &mut DeviceBuffer<u8>| {
+        let _ = timed_copy_peer(&src.as_view(), &mut dst.as_view_mut(), &sb).unwrap();
+        let t = timed_copy_peer(&src.as_view(), &mut dst.as_view_mut(), &sb).unwrap();
+        (t.gbps, t.report.path.path)
+    };
+    let (staged, p0) = time(&mut dst);
+    assert_eq!(p0, Path::StagedThroughHost);
+    let access = PeerAccess::both_ways(&a, &b).unwrap();
+    let (direct, p1) = time(&mut dst);
+    assert!(matches!(p1, Path::PeerDirect { .. }), "{p1:?}");
+    drop(access);
+    println!("cuMemAlloc 256 MiB: staged {staged:.1} GB/s, direct {direct:.1} GB/s");
+    assert!(
+        direct > 3.0 * staged,
+        "direct {direct:.1} vs staged {staged:.1} GB/s"
+    );
+    assert_eq!(sb.clone_dtoh(dst.slice()).unwrap(), data);
+}
+
+#[test]
+#[ignore = "needs 2 CUDA GPUs"]
+fn multi_gpu_random_odd_sizes_and_offsets_both_ways() {
+    let _g = serial();
+    let (a, b) = two_gpus();
+    let (sa, sb) = (a.default_stream(), b.default_stream());
+    let cases = [
+        (1usize, 0usize, 0usize),
+        (3, 1, 13),
+        (4097, 13, 1),
+        ((1 << 20) + 13, 511, 7),
+        (7_777_777, 3, 4093),
+    ];
+    for with_access in [true, false] {
+        let access = with_access.then(|| PeerAccess::both_ways(&a, &b).unwrap());
+        for &(n, so, doff) in &cases {
+            for (from_s, to_s) in [(&sa, &sb), (&sb, &sa)] {
+                // Pool (cudarc) source and destination.
+                let data = random(so + n);
+                let src = pool_buf(from_s, &data);
+                let guard = random(doff + n + 5);
+                let mut dst = pool_buf(to_s, &guard);
+                let rep = {
+                    let mut dv = dst.slice_mut(doff..doff + n);
+                    copy_peer(&src.slice(so..so + n), &mut dv, to_s).unwrap()
+                };
+                assert_eq!(rep.bytes, n);
+                assert_eq!(rep.path.is_direct(), with_access, "{}", rep.path);
+                let got = to_s.clone_dtoh(&dst).unwrap();
+                assert_eq!(
+                    &got[..doff],
+                    &guard[..doff],
+                    "bytes before the range changed"
+                );
+                assert_eq!(
+                    &got[doff..doff + n],
+                    &data[so..so + n],
+                    "n={n} so={so} doff={doff}"
+                );
+                assert_eq!(
+                    &got[doff + n..],
+                    &guard[doff + n..],
+                    "bytes after the range changed"
+                );
+
+                // cuMemAlloc source into a pool destination.
+                let mut lsrc = DeviceBuffer::<u8>::alloc_zeros(from_s, so + n).unwrap();
+                from_s.memcpy_htod(&data, &mut lsrc.as_view_mut()).unwrap();
+                let mut dst2 = to_s.alloc_zeros::<u8>(n).unwrap();
+                let rep = copy_peer(&lsrc.slice().slice(so..so + n), &mut dst2, to_s).unwrap();
+                assert_eq!(rep.src_memory, MemoryKind::Legacy);
+                assert_eq!(rep.path.is_direct(), with_access, "{}", rep.path);
+                assert_eq!(to_s.clone_dtoh(&dst2).unwrap(), &data[so..so + n]);
+            }
+        }
+        drop(access);
+    }
+}
+
+#[test]
+#[ignore = "needs 2 CUDA GPUs"]
+fn multi_gpu_typed_errors() {
+    let _g = serial();
+    let (a, b) = two_gpus();
+    let (sa, sb) = (a.default_stream(), b.default_stream());
+    // Self access.
+    let e = PeerAccess::enable(&b, &b).unwrap_err();
+    assert!(
+        matches!(
+            e,
+            Error::Unsupported {
+                cause: Cause::SameDevice,
+                ..
+            }
+        ),
+        "{e:?}"
+    );
+    // Bad ordinals.
+    let e = PeerAccess::between(0, 64).unwrap_err();
+    assert!(matches!(e, Error::NoDevice { .. }), "{e:?}");
+    assert!(e.to_string().contains("ordinal 64"), "{e}");
+    let src = pool_buf(&sa, &random(1001));
+    // Mismatched lengths.
+    let mut short = sb.alloc_zeros::<u8>(1000).unwrap();
+    let e = copy_peer(&src, &mut short, &sb).unwrap_err();
+    assert!(
+        matches!(e, Error::InvalidArgument(ref m) if m.contains("1001")),
+        "{e:?}"
+    );
+    // Stream of the wrong context.
+    let mut dst = sb.alloc_zeros::<u8>(1001).unwrap();
+    let e = copy_peer(&src, &mut dst, &sa).unwrap_err();
+    assert!(
+        matches!(e, Error::InvalidArgument(ref m) if m.contains("stream")),
+        "{e:?}"
+    );
+    // Buffers not on the stated devices.
+    let wrong = CopyOptions {
+        src_device: Some(1),
+        dst_device: Some(0),
+        ..CopyOptions::default()
+    };
+    let e = copy_peer_with(&src, &mut dst, &sb, &wrong).unwrap_err();
+    assert!(
+        matches!(e, Error::InvalidArgument(ref m) if m.contains("source buffer is on GPU 0")),
+        "{e:?}"
+    );
+    // Same device.
+    let mut same = sa.alloc_zeros::<u8>(1001).unwrap();
+    let e = copy_peer(&src, &mut same, &sa).unwrap_err();
+    assert!(
+        matches!(e, Error::InvalidArgument(ref m) if m.contains("both buffers")),
+        "{e:?}"
+    );
+    // Deny refuses a staged copy before any byte moves.
+    let deny = CopyOptions {
+        policy: Some(FallbackPolicy::Deny),
+        ..CopyOptions::default()
+    };
+    let e = copy_peer_with(&src, &mut dst, &sb, &deny).unwrap_err();
+    assert!(
+        matches!(
+            e,
+            Error::FallbackRefused {
+                path: Path::StagedThroughHost,
+                cause: Cause::PoolAccessNotGranted { .. }
+            }
+        ),
+        "{e:?}"
+    );
+    assert!(
+        sb.clone_dtoh(&dst).unwrap().iter().all(|&x| x == 0),
+        "bytes moved"
+    );
+    // With access, Deny lets the direct copy through.
+    let _access = PeerAccess::both_ways(&a, &b).unwrap();
+    copy_peer_with(&src, &mut dst, &sb, &deny).unwrap();
+    assert_eq!(sb.clone_dtoh(&dst).unwrap(), sa.clone_dtoh(&src).unwrap());
+}
+
+#[test]
+#[ignore = "needs 2 CUDA GPUs"]
+fn multi_gpu_sm_copy_and_latency() {
+    let _g = serial();
+    two_gpus();
+    let mut bench = PairBench::new(0, 1, 64 << 20).unwrap();
+    // Without access the kernel path is refused (a kernel would fault), not attempted.
+    let e = bench.sm_copy(SmDirection::Read, 1).unwrap_err();
+    assert!(matches!(e, Error::Unsupported { .. }), "{e:?}");
+    let (a, b) = (bench.contexts().0.clone(), bench.contexts().1.clone());
+    let _access = PeerAccess::both_ways(&a, &b).unwrap();
+    for dir in [SmDirection::Read, SmDirection::Write] {
+        let g = bench.sm_copy(dir, 4).unwrap();
+        println!("SM {dir:?}: {g:.1} GB/s");
+        assert!(g > 50.0, "{dir:?} {g:.1} GB/s");
+        assert!(
+            bench.destination_matches().unwrap(),
+            "{dir:?} copied wrong bytes"
+        );
+    }
+    let ce = bench.ce_gpudirect(4).unwrap();
+    let (ab, ba) = bench.ce_bidirectional_raw(4).unwrap();
+    let lat = bench.sm_latency_ns(2000).unwrap();
+    let ce_lat = bench.ce_latency_us(200).unwrap();
+    println!("CE {ce:.1} GB/s, bidir {ab:.1}+{ba:.1} GB/s, SM latency {lat:.0} ns, CE 8-byte {ce_lat:.2} us");
+    assert!(ce > 100.0 && ab > 100.0 && ba > 100.0);
+    assert!(lat > 50.0 && lat < 100_000.0, "{lat}");
+}
+
+#[test]
+#[ignore = "needs 2 CUDA GPUs"]
+fn multi_gpu_report_detects_staged_copies() {
+    let _g = serial();
+    two_gpus();
+    let withheld = p2p::report(&p2p::ReportOptions {
+        measure: true,
+        measure_bytes: 256 << 20,
+        withhold_peer_access: true,
+    })
+    .unwrap();
+    let granted = p2p::report(&p2p::ReportOptions {
+        measure: true,
+        measure_bytes: 256 << 20,
+        withhold_peer_access: false,
+    })
+    .unwrap();
+    println!("{}", serde_json::to_string_pretty(&granted).unwrap());
+    for (w, g) in withheld.pairs.iter().zip(&granted.pairs) {
+        assert!(w.error.is_none() && g.error.is_none(), "{w:?} {g:?}");
+        let wm = w.measured.as_ref().unwrap();
+        let gm = g.measured.as_ref().unwrap();
+        assert_eq!(wm.path.path, Path::StagedThroughHost);
+        assert!(wm.flagged);
+        assert!(g.with_peer_access.as_ref().unwrap().is_direct());
+        assert!(gm.path.is_direct() && !gm.flagged, "{gm:?}");
+        assert!(gm.gbps > 3.0 * wm.gbps, "{} vs {}", gm.gbps, wm.gbps);
+    }
+}
