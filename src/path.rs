@@ -8,7 +8,6 @@ use serde::Serialize;
 use crate::error::{Error, Result};
 
 /// The kind of link a direct GPU↔GPU path runs over.
-#[allow(clippy::enum_variant_names)] // `NvLink` is the product's name
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
 #[non_exhaustive]
 #[allow(clippy::enum_variant_names)] // NvLink is the product name
