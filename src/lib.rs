@@ -1,7 +1,89 @@
-//! gpudirect: safe Rust for NVIDIA GPUDirect (P2P, RDMA, Storage) on top of cudarc.
+//! Safe Rust for NVIDIA GPUDirect: bytes between GPUs, NICs and files without a CPU bounce, on
+//! [`cudarc`] types — and every transfer says which path its bytes took.
 //!
-//! Every transfer reports the [`Path`] its bytes took and, when that path is not direct,
-//! the [`Cause`] that chose it. A [`FallbackPolicy`] turns any fallback into an error.
+//! - [`p2p`]: GPU↔GPU over NVLink/PCIe — topology, [`p2p::PeerAccess`], peer copies of cudarc
+//!   buffers that report whether they went direct.
+//! - [`rdma`]: a NIC reading and writing GPU memory — verbs, GPU memory regions registered by
+//!   dma-buf or a peer-memory client, the GDR probe.
+//! - [`storage`]: files↔GPU — cuFile where it moves bytes by DMA, gpudirect's parallel POSIX
+//!   engine everywhere else.
+//! - [`diag`]: the findings the `doctor` example prints.
+//!
+//! # Quick start
+//!
+//! A file into a `CudaSlice` in three lines, with the path printed:
+//!
+//! ```no_run
+//! # fn main() -> gpudirect::Result<()> {
+//! let stream = gpudirect::cuda::context(0)?.default_stream();
+//! let (weights, report) = gpudirect::storage::read_to_gpu("model.safetensors", &stream)?;
+//! println!("{} bytes via {}", weights.len(), report.path); // e.g. "... via gpudirect POSIX engine (…) (because …)"
+//! # Ok(()) }
+//! ```
+//!
+//! Refuse any fallback for the whole process (or set `GPUDIRECT_REQUIRE_DIRECT=1`):
+//!
+//! ```
+//! gpudirect::FallbackPolicy::set_global(gpudirect::FallbackPolicy::Deny);
+//! # gpudirect::FallbackPolicy::set_global(gpudirect::FallbackPolicy::Warn);
+//! ```
+//!
+//! # Which path did my bytes take
+//!
+//! GPUDirect rarely fails loudly: the bytes still arrive, through host memory, ten times slower.
+//! So every transfer returns (or its handle records) a [`PathReport`]: a [`Path`] —
+//! [`Path::PeerDirect`], [`Path::Gds`], [`Path::RdmaDmaBuf`], [`Path::RdmaPeerMem`] are direct;
+//! [`Path::StagedThroughHost`], [`Path::CuFileCompat`], [`Path::Posix`],
+//! [`Path::RdmaHostMemory`] are fallbacks; [`Path::Unknown`] where nothing observable tells —
+//! and for fallbacks a [`Cause`] whose `Display` names the fix ("pool memory lacks peer access",
+//! "cuFile can't register files: udev data missing", "no peer-memory client"). How each room
+//! knows:
+//!
+//! - P2P: from the memory's kind and the access actually granted — `cuMemPoolGetAccess` for
+//!   stream-ordered pool memory (what cudarc allocates), `cuMemGetAccess` for VMM memory, and the
+//!   process-wide record [`p2p::PeerAccess`] keeps for `cuMemAlloc` memory.
+//! - Storage: decided per file at open from cuFile's driver properties (nvidia-fs, P2PDMA), the
+//!   filesystem and the registration outcome; cuFile's own statistics refine it per GPU.
+//! - RDMA: the registration that succeeded (dma-buf or peer memory), and why the others failed.
+//!
+//! [`FallbackPolicy`] decides what a fallback does: `Allow`, `Warn` (default: a `tracing`
+//! warning naming the cause) or `Deny` ([`Error::FallbackRefused`] before any byte moves).
+//!
+//! # Library dependencies
+//!
+//! Nothing native is needed to build or to document: bindings are committed. At run time these
+//! are opened lazily, and a missing one is [`Error::LibraryUnavailable`] naming every path tried,
+//! never a panic:
+//!
+//! | library | for | found through |
+//! |---|---|---|
+//! | `libcuda.so.1` | everything on a GPU | cudarc's search (the NVIDIA driver installs it) |
+//! | `libnvidia-ml.so.1` | P2P topology (link types, NVLink counts) | the loader path; optional |
+//! | `libcufile.so.0` | cuFile | `GPUDIRECT_CUFILE_LIB`, else the loader path (CUDA toolkit or `pip install nvidia-cufile`) |
+//! | `libibverbs.so.1`, `librdmacm.so.1` | RDMA | the loader path (rdma-core) |
+//!
+//! gpudirect checks for libcuda and a device before its first cudarc call (cudarc itself
+//! panics when libcuda is missing), and never opens cuFile's driver without a GPU. CUDA version:
+//! the `cuda-13000` feature (default) selects cudarc's CUDA 13.0 API; a program that depends on
+//! cudarc with another `cuda-*` feature disables our defaults and enables the matching
+//! `gpudirect/cuda-*` feature.
+//!
+//! # Thread safety
+//!
+//! Handles are `Send + Sync` where the C library documents thread safety (cuFile: "all APIs are
+//! thread-safe"; verbs: objects may be used from any thread, a QP's posting is serialised by
+//! gpudirect). Process-wide state — the cuFile driver, the peer-access registry, the loaders —
+//! lives in `OnceLock`s and mutexes. cuFile must not be used across `fork()`.
+//!
+//! # Resource cleanup
+//!
+//! Every registration is an RAII value: [`p2p::PeerAccess`] revokes what it granted when the
+//! last holder drops; cuFile handles and buffers deregister on drop; memory regions deregister
+//! and close their dma-buf fd, and keep the GPU allocation alive until then. Anything the device
+//! may still touch after a call returns (stream-ordered and batch cuFile IO, posted work
+//! requests) is either an `unsafe fn` with a precise `# Safety` section or a guard that owns the
+//! buffers and synchronises in `Drop`. `Drop` never panics: failures are logged with `tracing`.
+//! The cuFile driver is never closed (closing it at exit crashes in the wild).
 #![deny(unsafe_op_in_unsafe_fn)]
 #![warn(missing_docs)]
 #![warn(clippy::undocumented_unsafe_blocks, clippy::missing_safety_doc)]
