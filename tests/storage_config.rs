@@ -35,17 +35,24 @@ fn environment_sets_mode_and_engine_knobs_and_rejects_garbage() {
     assert_eq!(c.threads, Some(12));
     assert_eq!(c.task_size, 8 << 20);
     assert_eq!(c.bounce_size, 4096, "rounded up to 4 KiB");
-    assert_eq!((c.odirect_read, c.odirect_write), (ODirect::Off, ODirect::On));
+    assert_eq!(
+        (c.odirect_read, c.odirect_write),
+        (ODirect::Off, ODirect::On)
+    );
     assert!(!c.numa_pin);
 
     // Mode ON: the engine, with the variable named as the cause.
-    let dir = std::env::var_os("GPUDIRECT_TEST_DIR").map(std::path::PathBuf::from).unwrap_or_else(std::env::temp_dir);
+    let dir = std::env::var_os("GPUDIRECT_TEST_DIR")
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(std::env::temp_dir);
     let p = dir.join(format!("gpudirect-config-{}.bin", std::process::id()));
     std::fs::write(&p, b"0123456789").unwrap();
     let f = GpuFile::open(&p).unwrap();
     assert_eq!(f.path_report().path, Path::Posix);
     match &f.path_report().cause {
-        Some(Cause::ForcedByConfig { setting }) => assert!(setting.contains("GPUDIRECT_COMPAT_MODE"), "{setting}"),
+        Some(Cause::ForcedByConfig { setting }) => {
+            assert!(setting.contains("GPUDIRECT_COMPAT_MODE"), "{setting}")
+        }
         other => panic!("{other:?}"),
     }
     assert_eq!(f.config().threads, Some(12));
@@ -55,14 +62,21 @@ fn environment_sets_mode_and_engine_knobs_and_rejects_garbage() {
     // Mode OFF without a usable cuFile: open fails, naming the cause.
     std::env::set_var("GPUDIRECT_COMPAT_MODE", "off");
     match GpuFile::open(&p) {
-        Err(Error::Unsupported { what, .. }) => assert!(what.contains("GPUDIRECT_COMPAT_MODE=off"), "{what}"),
+        Err(Error::Unsupported { what, .. }) => {
+            assert!(what.contains("GPUDIRECT_COMPAT_MODE=off"), "{what}")
+        }
         Ok(f) if std::env::var("GPUDIRECT_EXPECT_CUDA").is_ok_and(|v| v == "present") => {
             assert!(f.uses_cufile())
         }
         other => panic!("mode OFF without cuFile: {other:?}"),
     }
     // The API overrides the environment.
-    let f = GpuFile::options().backend(Backend::Engine).compat_mode(CompatMode::Auto).threads(3).open(&p).unwrap();
+    let f = GpuFile::options()
+        .backend(Backend::Engine)
+        .compat_mode(CompatMode::Auto)
+        .threads(3)
+        .open(&p)
+        .unwrap();
     assert_eq!(f.config().threads, Some(3));
 
     // Garbage is an error naming the variable.

@@ -1,6 +1,34 @@
 //! Files↔GPU: cuFile where it works, gpudirect's parallel POSIX engine where it can't.
 //!
 //! Start with [`read_to_gpu`] or [`GpuFile`]; settings are in [`config`].
+//!
+//! ```no_run
+//! # fn main() -> gpudirect::Result<()> {
+//! use gpudirect::storage::GpuFile;
+//! let stream = gpudirect::cuda::context(0)?.default_stream();
+//! // File → GPU in one call:
+//! let (weights, report) = gpudirect::storage::read_to_gpu("weights.bin", &stream)?;
+//! println!("{report}"); // e.g. "… bytes via gpudirect POSIX engine … (because cuFile can't register files: udev data missing …)"
+//! // GPU → file, durably:
+//! let out = GpuFile::options().create(true).truncate(true).durable(true).open("copy.bin")?;
+//! out.write_from_device(&weights, 0)?;
+//! # Ok(()) }
+//! ```
+//!
+//! # Which path did my bytes take
+//! Each [`GpuFile`] decides at open (see [`Backend`], [`CompatMode`]): cuFile when it moves
+//! bytes by DMA ([`Path::Gds`](crate::Path::Gds)); otherwise gpudirect's engine
+//! ([`Path::Posix`](crate::Path::Posix)) with the [`Cause`](crate::Cause) that ruled cuFile out
+//! (no nvidia-fs, udev data missing, filesystem unsupported, forced by config, …). Every
+//! [`IoReport`] carries that [`PathReport`](crate::PathReport);
+//! [`FallbackPolicy::Deny`](crate::FallbackPolicy::Deny) refuses a fallback before a byte moves.
+//!
+//! # The engine
+//! A persistent pool of workers per GPU, pinned to the GPU's NUMA node, each with two pinned
+//! bounce buffers and its own stream: `pread` of one piece overlaps the DMA of the previous
+//! one; writes overlap the other way. O_DIRECT is opportunistic ([`ODirect`]): writes use it for
+//! their aligned part; reads use it when the range is not in the page cache. Host-memory
+//! transfers ([`GpuFile::pread_host`], [`GpuFile::pwrite_host`]) run on the same pool.
 
 pub mod config;
 pub(crate) mod engine;

@@ -97,6 +97,11 @@ fn lookup(ordinal: usize) -> Placement {
         return Placement::default();
     };
     let read = |p: String| std::fs::read_to_string(p).ok();
+    // sysfs spells the domain with 4 hex digits; some drivers report 8 ("00000000:1b:00.0").
+    let bus = match bus.split_once(':') {
+        Some((dom, rest)) if dom.len() > 4 => format!("{}:{rest}", &dom[dom.len() - 4..]),
+        _ => bus,
+    };
     let node = read(format!("/sys/bus/pci/devices/{bus}/numa_node"))
         .and_then(|s| s.trim().parse::<i64>().ok())
         .filter(|&n| n >= 0)
