@@ -163,7 +163,7 @@ fn child(sock: &str) {
     send(&mut conn, format!("ok legacy: {legacy_msg}").as_bytes());
 
     // 2. Pool fd and pointer.
-    let mut tag = [0u8; 8];
+    let mut tag = [0u8; 4]; // exactly the tag: never read into the next frame
     let (fd, n) = ipc::recv_fd(&conn, &mut tag).unwrap();
     assert_eq!(&tag[..n], b"pool");
     let pool = ImportedPool::from_fd(&b, fd).unwrap();

@@ -416,21 +416,42 @@ pub unsafe fn copy_peer_async_with<T, Src: DevicePtr<T>, Dst: DevicePtrMut<T>>(
     let src_ctx = src.stream().context().clone();
     let dst_ctx = dst.stream().context().clone();
     check_stream(stream, &dst_ctx)?;
-    // Read the source's pointer on its own stream (cudarc records events only on streams of the
-    // event's context), then make `stream` wait for everything queued there so far.
-    let (sp, _record_src) = src.device_ptr(src.stream());
+    // Order the copy after the source's pending writes without serializing unrelated work:
+    // - same context, or cudarc tracking events: `device_ptr(stream)` makes `stream` wait for the
+    //   source's last write event (waiting across contexts is allowed). Across contexts its guard
+    //   would record the read event on a stream of another context, which CUDA refuses (cudarc
+    //   would store the error in the context), so that record is skipped: freeing the source
+    //   before the copy ran is excluded by this function's contract;
+    // - otherwise (one stream per context, no events): wait for everything queued on the
+    //   source's stream so far.
+    let same_ctx = src.stream().context() == stream.context();
+    let tracked = src_ctx.is_managing_stream_synchronization();
+    let (sp, record_src) = if same_ctx || tracked {
+        src.device_ptr(stream)
+    } else {
+        src.device_ptr(src.stream())
+    };
+    // Kept until the copy is enqueued, so the recorded read covers it.
+    let _record_src = if !same_ctx && tracked {
+        std::mem::forget(record_src);
+        None
+    } else {
+        Some(record_src)
+    };
     let planned = {
         let (dp, _record_dst) = dst.device_ptr_mut(stream);
         let planned = plan(sp, &src_ctx, dp, &dst_ctx, bytes, stream, opts)?;
         let policy = opts.policy.unwrap_or_else(FallbackPolicy::global);
         policy.check(&planned.report.path)?;
-        let ev = src
-            .stream()
-            .record_event(None)
-            .map_err(|e| Error::cuda("cuEventRecord", e))?;
-        stream
-            .wait(&ev)
-            .map_err(|e| Error::cuda("cuStreamWaitEvent", e))?;
+        if !same_ctx && !tracked {
+            let ev = src
+                .stream()
+                .record_event(None)
+                .map_err(|e| Error::cuda("cuEventRecord", e))?;
+            stream
+                .wait(&ev)
+                .map_err(|e| Error::cuda("cuStreamWaitEvent", e))?;
+        }
         if bytes > 0 {
             // SAFETY: both pointers are live allocations of `bytes` bytes in the named contexts
             // (cudarc buffers of equal length); the caller keeps them alive until the stream ran

@@ -444,23 +444,25 @@ impl ImportedPool {
         let p = unsafe { r::mem_pool_import_pointer(self.inner.pool, &ptr.data) }?;
         let owner = owner_device(p, ctx);
         let me = ctx.ordinal();
+        // Grant this device access even when the driver names it as the owner (it then refuses
+        // harmlessly): access settings of the exporter's pool do not travel with the fd.
+        // SAFETY: the imported pool is live (we hold it).
+        let granted = unsafe {
+            r::mem_pool_set_access(
+                self.inner.pool,
+                me as i32,
+                sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
+            )
+        };
         let path = if owner == me {
             PathReport::direct(Path::PeerDirect {
                 link: crate::path::Link::Unknown,
             })
         } else {
-            // SAFETY: the imported pool is live (we hold it).
-            let granted = unsafe {
-                r::mem_pool_set_access(
-                    self.inner.pool,
-                    me as i32,
-                    sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
-                )
-            };
             if let Err(e) = &granted {
                 tracing::warn!(%e, "gpudirect ImportedPool: granting access to the imported pool failed");
             }
-            // SAFETY: as above.
+            // SAFETY: the imported pool is live (we hold it).
             match unsafe { r::mem_pool_get_access(self.inner.pool, me as i32) } {
                 Ok(sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE) => {
                     PathReport::direct(Path::PeerDirect {
