@@ -94,25 +94,44 @@ impl CuFileHandle {
         Self::register_inner(driver, file, path, None)
     }
 
-    /// Opens `path` (with O_DIRECT when the filesystem allows it, otherwise without, recording
-    /// [`Cause::ODirectRefused`]) and registers it.
+    /// Opens `path` and registers it. The descriptor is opened with O_DIRECT when the driver can
+    /// take a direct path (nvidia-fs loaded or PCI P2PDMA enabled) and the filesystem accepts
+    /// it (otherwise without, recording [`Cause::ODirectRefused`]); when only cuFile's
+    /// compatibility (POSIX) path exists, O_DIRECT buys nothing, so the file is opened buffered
+    /// and keeps the page cache. [`open_with`](Self::open_with) chooses explicitly.
     pub fn open(driver: Arc<Driver>, path: &FsPath, mode: OpenMode) -> Result<CuFileHandle> {
+        let direct = driver.nvfs_loaded() || driver.p2pdma_enabled();
+        Self::open_with(driver, path, mode, direct)
+    }
+
+    /// Opens `path` with (`o_direct = true`, falling back to buffered when the filesystem
+    /// refuses, recorded as [`Cause::ODirectRefused`]) or without O_DIRECT, and registers it.
+    pub fn open_with(
+        driver: Arc<Driver>,
+        path: &FsPath,
+        mode: OpenMode,
+        o_direct: bool,
+    ) -> Result<CuFileHandle> {
         let mut opts = std::fs::OpenOptions::new();
         match mode {
             OpenMode::Read => opts.read(true),
             OpenMode::ReadWrite => opts.read(true).write(true).create(true),
             OpenMode::Create => opts.read(true).write(true).create(true).truncate(true),
         };
+        let open_plain = |refused: Option<String>| {
+            let f = opts
+                .open(path)
+                .map_err(|e| Error::io("open", Some(path.to_path_buf()), e))?;
+            Self::register_inner(Arc::clone(&driver), f, path, refused)
+        };
+        if !o_direct {
+            return open_plain(None);
+        }
         let mut direct = opts.clone();
         direct.custom_flags(libc::O_DIRECT);
         match direct.open(path) {
-            Ok(f) => Self::register_inner(driver, f, path, None),
-            Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {
-                let f = opts
-                    .open(path)
-                    .map_err(|e| Error::io("open", Some(path.to_path_buf()), e))?;
-                Self::register_inner(driver, f, path, Some(e.to_string()))
-            }
+            Ok(f) => Self::register_inner(Arc::clone(&driver), f, path, None),
+            Err(e) if e.raw_os_error() == Some(libc::EINVAL) => open_plain(Some(e.to_string())),
             Err(e) => Err(Error::io("open", Some(path.to_path_buf()), e)),
         }
     }
