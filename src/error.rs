@@ -121,6 +121,16 @@ pub enum Error {
         status: crate::rdma::WcStatus,
     },
 
+    /// The peer of an out-of-band connection exchange refused it or spoke another protocol
+    /// (wrong shared token, wrong version, not a gpudirect peer).
+    #[error("connection exchange with {peer} refused: {reason}")]
+    ExchangeRefused {
+        /// The peer's address.
+        peer: String,
+        /// Why, and what to do.
+        reason: String,
+    },
+
     /// An operating-system call on a file or socket failed.
     #[error("{op}{} failed: {source}", path.as_ref().map(|p| format!(" on {}", p.display())).unwrap_or_default())]
     Io {

@@ -24,6 +24,7 @@
 //! # Ok::<(), gpudirect::Error>(())
 //! ```
 
+pub mod connect;
 mod context;
 mod cq;
 mod device;
@@ -33,6 +34,7 @@ mod qp;
 mod result;
 mod wc;
 
+pub use connect::Exchange;
 pub use context::{
     Context, DeviceAttributes, Gid, GidEntry, GidType, LinkLayer, Mtu, PortAttributes, PortState,
 };

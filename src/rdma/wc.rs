@@ -16,7 +16,7 @@ pub struct WcStatus(pub u32);
 const STATUSES: &[(u32, &str, &str)] = &[
     (sys::IBV_WC_SUCCESS, "IBV_WC_SUCCESS", "success"),
     (sys::IBV_WC_LOC_LEN_ERR, "IBV_WC_LOC_LEN_ERR", "local length error: the message exceeds the posted receive buffer or the port's maximum message size"),
-    (sys::IBV_WC_LOC_QP_OP_ERR, "IBV_WC_LOC_QP_OP_ERR", "local QP operation error: the work request is inconsistent with the QP (check opcode, SGE count and inline size)"),
+    (sys::IBV_WC_LOC_QP_OP_ERR, "IBV_WC_LOC_QP_OP_ERR", "local QP operation error: the work request is inconsistent with the QP (check opcode, SGE count, inline size; Soft-RoCE also reports a bad lkey this way)"),
     (sys::IBV_WC_LOC_EEC_OP_ERR, "IBV_WC_LOC_EEC_OP_ERR", "local EE context operation error (RD transport)"),
     (sys::IBV_WC_LOC_PROT_ERR, "IBV_WC_LOC_PROT_ERR", "local protection error: an SGE is outside its memory region or the lkey/PD does not match"),
     (sys::IBV_WC_WR_FLUSH_ERR, "IBV_WC_WR_FLUSH_ERR", "work request flushed: the QP is in the error state (look for the first failed completion)"),
@@ -43,6 +43,8 @@ const STATUSES: &[(u32, &str, &str)] = &[
 impl WcStatus {
     /// `IBV_WC_SUCCESS`.
     pub const SUCCESS: WcStatus = WcStatus(sys::IBV_WC_SUCCESS);
+    /// `IBV_WC_LOC_QP_OP_ERR`.
+    pub const LOC_QP_OP_ERR: WcStatus = WcStatus(sys::IBV_WC_LOC_QP_OP_ERR);
     /// `IBV_WC_LOC_PROT_ERR`.
     pub const LOC_PROT_ERR: WcStatus = WcStatus(sys::IBV_WC_LOC_PROT_ERR);
     /// `IBV_WC_WR_FLUSH_ERR`.
