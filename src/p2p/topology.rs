@@ -376,6 +376,20 @@ mod nvml {
                 .find(|(_, p)| p.is_some() && *p == want)
                 .map(|(i, _)| *i);
         }
+        let gpu_pcis: Vec<Option<(u32, u32, u32, u32)>> =
+            nvml_pci.iter().map(|(_, p)| *p).collect();
+        // Remote PCI addresses of a device's active NVLinks.
+        let remotes = |d: &nvml_wrapper::Device<'_>| -> Vec<Option<(u32, u32, u32, u32)>> {
+            (0..NVLINK_MAX_LINKS)
+                .map(|l| d.link_wrapper_for(l))
+                .filter(|link| matches!(link.is_active(), Ok(true)))
+                .map(|link| {
+                    link.remote_pci_info()
+                        .ok()
+                        .and_then(|r| parse_pci_bus_id(&r.bus_id))
+                })
+                .collect()
+        };
         let index_of = |ordinal: usize| topo.devices.get(ordinal).and_then(|g| g.nvml_index);
         let pci_of = |ordinal: usize| {
             topo.devices
@@ -391,17 +405,27 @@ mod nvml {
                 continue;
             };
             let peer_pci = pci_of(p.dst);
-            let mut links = 0u32;
-            for l in 0..NVLINK_MAX_LINKS {
-                let link = da.link_wrapper_for(l);
-                if matches!(link.is_active(), Ok(true)) {
-                    if let Ok(remote) = link.remote_pci_info() {
-                        if peer_pci.is_some() && parse_pci_bus_id(&remote.bus_id) == peer_pci {
-                            links += 1;
-                        }
-                    }
-                }
-            }
+            let (ra, rb) = (remotes(&da), remotes(&db));
+            // Links straight to the peer GPU ...
+            let direct = ra
+                .iter()
+                .filter(|r| peer_pci.is_some() && **r == peer_pci)
+                .count();
+            // ... or, on NVSwitch systems (HGX), links to a switch on both sides: nvidia-smi
+            // shows NV# with the GPU's link count for every pair behind the switches.
+            let via_switch = |rs: &[Option<(u32, u32, u32, u32)>]| {
+                rs.iter()
+                    .filter(|r| r.is_some() && !gpu_pcis.contains(r))
+                    .count()
+            };
+            let (sa, sb) = (via_switch(&ra), via_switch(&rb));
+            let links = if direct > 0 {
+                direct as u32
+            } else if sa > 0 && sb > 0 {
+                sa.min(sb) as u32
+            } else {
+                0
+            };
             let connection = if links > 0 {
                 Connection::NvLink(links)
             } else {
