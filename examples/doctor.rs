@@ -75,7 +75,10 @@ fn main() -> ExitCode {
     };
     progress("CUDA");
     let gpus = report.check_cuda();
-    let _ = opts.withhold_peer_access;
+    if gpus.is_some() {
+        progress("P2P");
+        report.check_p2p(!opts.quick, opts.withhold_peer_access);
+    }
     progress("GDS");
     report.check_gds(&opts.dir, gpus.map(|_| 0), opts.quick);
 

@@ -11,6 +11,7 @@ use serde::Serialize;
 use crate::error::Error;
 
 mod gds;
+mod p2p;
 
 /// The part of GPUDirect a finding belongs to.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, PartialOrd, Ord)]
@@ -83,6 +84,8 @@ pub struct Finding {
 pub struct Report {
     /// Every finding, in the order checked.
     pub findings: Vec<Finding>,
+    /// The P2P section's data (topology and per-pair paths), when it ran.
+    pub p2p: Option<crate::p2p::P2pReport>,
 }
 
 impl Report {
@@ -171,6 +174,13 @@ impl fmt::Display for Report {
             if current != Some(finding.section) {
                 writeln!(f, "\n== {} ==", finding.section)?;
                 current = Some(finding.section);
+                if finding.section == Section::P2p {
+                    if let Some(p2p) = &self.p2p {
+                        for line in p2p.topology.to_string().lines() {
+                            writeln!(f, "  {line}")?;
+                        }
+                    }
+                }
             }
             writeln!(
                 f,
