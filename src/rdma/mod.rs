@@ -44,3 +44,13 @@ pub use mr::{AccessFlags, HostMemory, MemoryRegion, RemoteMemory, Sge};
 pub use pd::ProtectionDomain;
 pub use qp::{ConnectOptions, ConnectionRecord, QpOptions, QpState, QueuePair, HELPER_WR_ID_BIT};
 pub use wc::{WcOpcode, WcStatus, WorkCompletion};
+
+pub mod flush;
+pub mod gpu_mr;
+pub mod probe;
+
+pub use flush::{FlushOptions, FlushOutcome, FlushScope, RdmaWriteFlush, WritesOrdering};
+pub use gpu_mr::{
+    export_dmabuf, pointer_info, DmaBufExport, DmaBufPlan, GdrBuffer, GpuMemory, PointerInfo,
+};
+pub use probe::{GdrProbe, PciDistance};

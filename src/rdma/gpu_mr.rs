@@ -1,0 +1,674 @@
+//! GPU memory a NIC can reach: [`GdrBuffer`] (a GPUDirect-RDMA-capable allocation of our own),
+//! the [`GpuMemory`] trait that [`GpuMemoryRegion`](super::GpuMemoryRegion) registers, pointer
+//! classification ([`pointer_info`]) and the dma-buf export half ([`export_dmabuf`]), which needs
+//! no NIC and so can be tested on a GPU-only machine.
+//!
+//! Why our own allocation: cudarc allocates from the stream-ordered pool (`cuMemAllocAsync`)
+//! whenever the device supports pools, and pool memory reports
+//! `CU_POINTER_ATTRIBUTE_IS_GPU_DIRECT_RDMA_CAPABLE = 0` (measured on H200, driver 580).
+//! [`GdrBuffer`] allocates with `cuMemAlloc`, which reports 1.
+
+use std::marker::PhantomData;
+use std::mem::ManuallyDrop;
+use std::ops::Range;
+use std::os::fd::{FromRawFd, OwnedFd};
+use std::sync::Arc;
+
+use cudarc::driver::{
+    result, sys, CudaContext, CudaSlice, CudaStream, CudaView, CudaViewMut, DeviceRepr,
+};
+use serde::Serialize;
+
+use crate::cuda;
+use crate::error::{Error, Result};
+use crate::path::Cause;
+
+/// The GPU page size (64 KiB) that peer-memory clients pin at; [`GdrBuffer`] starts on it.
+pub const GPU_PAGE_SIZE: usize = 64 * 1024;
+
+/// The host page size, which `cuMemGetHandleForAddressRange` requires the exported range to be
+/// aligned to (`sysconf(_SC_PAGESIZE)`, 4 KiB on x86-64).
+pub fn host_page_size() -> usize {
+    // SAFETY: sysconf has no preconditions.
+    let p = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
+    if p > 0 {
+        p as usize
+    } else {
+        4096
+    }
+}
+
+mod sealed {
+    pub trait Sealed {}
+}
+
+/// Device memory that can be registered with an RDMA protection domain.
+///
+/// Sealed: implemented for [`GdrBuffer`], cudarc's [`CudaSlice`] (pool memory, refused unless
+/// forced) and `Arc`s of both, so that the pointer and length always describe a live
+/// allocation owned by the value.
+pub trait GpuMemory: sealed::Sealed + Send + Sync {
+    /// The device address of the first byte.
+    fn device_ptr(&self) -> sys::CUdeviceptr;
+    /// Length in bytes.
+    fn num_bytes(&self) -> usize;
+    /// The CUDA context the memory belongs to.
+    fn context(&self) -> &Arc<CudaContext>;
+}
+
+// ---------------------------------------------------------------------------------------------
+// GdrBuffer
+// ---------------------------------------------------------------------------------------------
+
+/// A GPUDirect-RDMA-capable device allocation (`cuMemAlloc`), usable from cudarc code.
+///
+/// It starts on a 64 KiB GPU page and its size is rounded up to one, so that peer-memory
+/// clients (which pin whole GPU pages) and dma-buf export (host-page aligned) never reach
+/// memory that belongs to someone else. `CU_POINTER_ATTRIBUTE_SYNC_MEMOPS` is set on it.
+///
+/// cudarc code sees it as a [`CudaSlice`] ([`GdrBuffer::as_slice`]) or as views
+/// ([`GdrBuffer::as_view`], [`GdrBuffer::as_view_mut`], [`GdrBuffer::slice`]), so kernels,
+/// `memcpy_htod`/`memcpy_dtoh` and `launch_builder` work unchanged. The slice is never
+/// dropped by cudarc (which would free it with `cuMemFreeAsync`): `Drop` takes it back and
+/// calls `cuMemFree` after synchronizing its stream.
+#[derive(Debug)]
+pub struct GdrBuffer<T = u8> {
+    slice: ManuallyDrop<CudaSlice<T>>,
+    /// What cuMemAlloc returned (may precede `start` by the alignment padding).
+    base: sys::CUdeviceptr,
+    /// `slice`'s pointer: the first element, 64 KiB aligned.
+    start: sys::CUdeviceptr,
+    /// Bytes from `slice`'s pointer to the end of the allocation (a multiple of 64 KiB).
+    capacity: usize,
+    marker: PhantomData<T>,
+}
+
+impl<T: DeviceRepr> GdrBuffer<T> {
+    /// Allocates `len` elements of `T` with `cuMemAlloc` on `stream`'s device; the buffer's
+    /// cudarc operations are ordered on `stream`. The contents are unspecified: use
+    /// [`GdrBuffer::zeroed`] or copy into it.
+    ///
+    /// Errors: [`Error::InvalidArgument`] for `len == 0`, CUDA absence errors from
+    /// [`crate::cuda`], [`Error::Cuda`] naming `cuMemAlloc` (out of memory, ...).
+    pub fn alloc(stream: &Arc<CudaStream>, len: usize) -> Result<Self> {
+        cuda::driver_version()?;
+        let bytes = len
+            .checked_mul(std::mem::size_of::<T>())
+            .filter(|&b| b > 0)
+            .ok_or_else(|| {
+                Error::InvalidArgument(format!(
+                    "a GdrBuffer needs 1 or more elements that fit in memory, not {len}"
+                ))
+            })?;
+        let rounded = round_up(bytes, GPU_PAGE_SIZE)
+            .ok_or_else(|| Error::InvalidArgument(format!("{bytes} bytes is too large")))?;
+        let ctx = stream.context();
+        ctx.bind_to_thread()
+            .map_err(|e| Error::cuda("cuCtxSetCurrent", e))?;
+        // SAFETY: a context is current (bound above); the memory is only handed out as
+        // `T: DeviceRepr` through cudarc, whose users must initialize it before reading (doc).
+        let mut base =
+            unsafe { result::malloc_sync(rounded) }.map_err(|e| Error::cuda("cuMemAlloc", e))?;
+        let mut alloc_bytes = rounded;
+        if base % GPU_PAGE_SIZE as u64 != 0 {
+            // cuMemAlloc guarantees 256 B alignment only: over-allocate by one GPU page and start
+            // on the next boundary (as GDRCopy's tests do).
+            // SAFETY: `base` came from cuMemAlloc above and nothing else refers to it.
+            if let Err(e) = unsafe { result::free_sync(base) } {
+                tracing::warn!(error = %e, "cuMemFree of a misaligned GdrBuffer attempt failed");
+            }
+            alloc_bytes = rounded + GPU_PAGE_SIZE;
+            // SAFETY: as above.
+            base = unsafe { result::malloc_sync(alloc_bytes) }
+                .map_err(|e| Error::cuda("cuMemAlloc", e))?;
+        }
+        let start = base.next_multiple_of(GPU_PAGE_SIZE as u64);
+        let capacity = (base + alloc_bytes as u64 - start) as usize;
+        debug_assert!(capacity >= bytes);
+        // SYNC_MEMOPS: synchronous cuMemcpy/cuMemset complete before a NIC can read the bytes.
+        if let Err(e) = set_sync_memops(start) {
+            // SAFETY: `base` came from cuMemAlloc above; nothing refers to it yet.
+            let _ = unsafe { result::free_sync(base) };
+            return Err(e);
+        }
+        // SAFETY: `start..start + bytes` lies inside the cuMemAlloc allocation (capacity >=
+        // rounded >= bytes); the slice is never dropped by cudarc (ManuallyDrop, taken back with
+        // `leak` in Drop), so cudarc never frees it with the wrong call.
+        let slice = unsafe { stream.upgrade_device_ptr::<T>(start, len) };
+        Ok(GdrBuffer {
+            slice: ManuallyDrop::new(slice),
+            base,
+            start,
+            capacity,
+            marker: PhantomData,
+        })
+    }
+
+    /// [`GdrBuffer::alloc`], then zero-filled on the stream (synchronized before returning).
+    pub fn zeroed(stream: &Arc<CudaStream>, len: usize) -> Result<Self>
+    where
+        T: cudarc::driver::ValidAsZeroBits,
+    {
+        let mut b = Self::alloc(stream, len)?;
+        stream
+            .memset_zeros(&mut b.as_view_mut())
+            .map_err(|e| Error::cuda("cuMemsetD8Async", e))?;
+        stream
+            .synchronize()
+            .map_err(|e| Error::cuda("cuStreamSynchronize", e))?;
+        Ok(b)
+    }
+
+    /// Copies `src` into the start of the buffer and waits for the copy
+    /// (`cuMemcpyHtoDAsync` + `cuStreamSynchronize`).
+    pub fn copy_from_host(&mut self, src: &[T]) -> Result<()> {
+        if src.len() > self.len() {
+            return Err(Error::InvalidArgument(format!(
+                "{} elements do not fit in a GdrBuffer of {}",
+                src.len(),
+                self.len()
+            )));
+        }
+        let stream = self.slice.stream().clone();
+        let mut view = self.slice.slice_mut(0..src.len());
+        stream
+            .memcpy_htod(src, &mut view)
+            .map_err(|e| Error::cuda("cuMemcpyHtoDAsync", e))?;
+        stream
+            .synchronize()
+            .map_err(|e| Error::cuda("cuStreamSynchronize", e))
+    }
+
+    /// Copies the start of the buffer into `dst` and waits for the copy
+    /// (`cuMemcpyDtoHAsync` + `cuStreamSynchronize`).
+    pub fn copy_to_host(&self, dst: &mut [T]) -> Result<()> {
+        if dst.len() > self.len() {
+            return Err(Error::InvalidArgument(format!(
+                "cannot read {} elements from a GdrBuffer of {}",
+                dst.len(),
+                self.len()
+            )));
+        }
+        let stream = self.slice.stream().clone();
+        let view = self.slice.slice(0..dst.len());
+        stream
+            .memcpy_dtoh(&view, dst)
+            .map_err(|e| Error::cuda("cuMemcpyDtoHAsync", e))?;
+        stream
+            .synchronize()
+            .map_err(|e| Error::cuda("cuStreamSynchronize", e))
+    }
+}
+
+impl<T> GdrBuffer<T> {
+    /// Number of elements.
+    pub fn len(&self) -> usize {
+        self.slice.len()
+    }
+
+    /// True when the buffer has no elements (never: allocation refuses 0).
+    pub fn is_empty(&self) -> bool {
+        self.slice.is_empty()
+    }
+
+    /// Length in bytes.
+    pub fn num_bytes(&self) -> usize {
+        self.slice.num_bytes()
+    }
+
+    /// The device address of the first element (64 KiB aligned).
+    pub fn device_ptr(&self) -> sys::CUdeviceptr {
+        self.start
+    }
+
+    /// Bytes from the first element to the end of the allocation (the length rounded up to
+    /// 64 KiB): what a peer-memory client pins.
+    pub fn capacity_bytes(&self) -> usize {
+        self.capacity
+    }
+
+    /// The device ordinal.
+    pub fn ordinal(&self) -> usize {
+        self.slice.ordinal()
+    }
+
+    /// The stream the buffer's cudarc operations are ordered on.
+    pub fn stream(&self) -> &Arc<CudaStream> {
+        self.slice.stream()
+    }
+
+    /// The buffer as cudarc's slice, for kernels and copies that take `&CudaSlice<T>`.
+    ///
+    /// Only a shared reference is handed out: the slice cannot be swapped out or dropped.
+    pub fn as_slice(&self) -> &CudaSlice<T> {
+        &self.slice
+    }
+
+    /// The whole buffer as a read-only cudarc view.
+    pub fn as_view(&self) -> CudaView<'_, T> {
+        self.slice.as_view()
+    }
+
+    /// The whole buffer as a writable cudarc view (kernels, `memcpy_htod`, `memset_zeros`).
+    pub fn as_view_mut(&mut self) -> CudaViewMut<'_, T> {
+        self.slice.as_view_mut()
+    }
+
+    /// A read-only sub-view, in elements (panics out of bounds, as cudarc's `slice` does).
+    pub fn slice(&self, range: Range<usize>) -> CudaView<'_, T> {
+        self.slice.slice(range)
+    }
+
+    /// A writable sub-view, in elements (panics out of bounds, as cudarc's `slice_mut` does).
+    pub fn slice_mut(&mut self, range: Range<usize>) -> CudaViewMut<'_, T> {
+        self.slice.slice_mut(range)
+    }
+}
+
+impl<T> Drop for GdrBuffer<T> {
+    fn drop(&mut self) {
+        // SAFETY: the slice is taken exactly once, here; it is not used afterwards.
+        let slice = unsafe { ManuallyDrop::take(&mut self.slice) };
+        let stream = slice.stream().clone();
+        let ptr = slice.leak(); // waits (on the stream) for the slice's pending reads/writes
+        debug_assert_eq!(ptr, self.start);
+        if let Err(e) = stream.synchronize() {
+            tracing::warn!(error = %e, "GdrBuffer: cuStreamSynchronize before cuMemFree failed");
+        }
+        if let Err(e) = stream.context().bind_to_thread() {
+            tracing::warn!(error = %e, "GdrBuffer: cannot bind the context to free the buffer; leaking it");
+            return;
+        }
+        // SAFETY: `base` came from cuMemAlloc in `alloc`, is freed only here, and the stream
+        // that ordered all cudarc work on it was synchronized above.
+        if let Err(e) = unsafe { result::free_sync(self.base) } {
+            tracing::warn!(error = %e, "GdrBuffer: cuMemFree failed");
+        }
+    }
+}
+
+impl<T> sealed::Sealed for GdrBuffer<T> {}
+impl<T: Send + Sync> GpuMemory for GdrBuffer<T> {
+    fn device_ptr(&self) -> sys::CUdeviceptr {
+        self.start
+    }
+    fn num_bytes(&self) -> usize {
+        self.slice.num_bytes()
+    }
+    fn context(&self) -> &Arc<CudaContext> {
+        self.slice.context()
+    }
+}
+
+impl<T> sealed::Sealed for CudaSlice<T> {}
+impl<T> GpuMemory for CudaSlice<T> {
+    fn device_ptr(&self) -> sys::CUdeviceptr {
+        let (ptr, _guard) = cudarc::driver::DevicePtr::device_ptr(self, self.stream());
+        ptr
+    }
+    fn num_bytes(&self) -> usize {
+        CudaSlice::num_bytes(self)
+    }
+    fn context(&self) -> &Arc<CudaContext> {
+        CudaSlice::context(self)
+    }
+}
+
+impl<M: GpuMemory + ?Sized> sealed::Sealed for Arc<M> {}
+impl<M: GpuMemory + ?Sized> GpuMemory for Arc<M> {
+    fn device_ptr(&self) -> sys::CUdeviceptr {
+        (**self).device_ptr()
+    }
+    fn num_bytes(&self) -> usize {
+        (**self).num_bytes()
+    }
+    fn context(&self) -> &Arc<CudaContext> {
+        (**self).context()
+    }
+}
+
+fn round_up(x: usize, to: usize) -> Option<usize> {
+    x.checked_add(to - 1).map(|v| v / to * to)
+}
+
+// ---------------------------------------------------------------------------------------------
+// Pointer classification
+// ---------------------------------------------------------------------------------------------
+
+/// What the driver says about a device pointer (`cuPointerGetAttribute`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct PointerInfo {
+    /// `CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL`.
+    pub ordinal: i32,
+    /// `CU_POINTER_ATTRIBUTE_MEMORY_TYPE` is `CU_MEMORYTYPE_DEVICE`.
+    pub is_device: bool,
+    /// `CU_POINTER_ATTRIBUTE_IS_MANAGED`: managed memory is host memory on x86 (registering it
+    /// measures the host path).
+    pub is_managed: bool,
+    /// `CU_POINTER_ATTRIBUTE_IS_GPU_DIRECT_RDMA_CAPABLE` (1 for `cuMemAlloc`, 0 for default-pool
+    /// `cuMemAllocAsync` memory, measured on H200).
+    pub gdr_capable: bool,
+    /// `CU_POINTER_ATTRIBUTE_MEMPOOL_HANDLE` is non-null: stream-ordered pool memory.
+    pub from_pool: bool,
+    /// `CU_POINTER_ATTRIBUTE_RANGE_START_ADDR`: start of the enclosing allocation.
+    pub range_start: u64,
+    /// `CU_POINTER_ATTRIBUTE_RANGE_SIZE`: size of the enclosing allocation.
+    pub range_size: u64,
+}
+
+impl PointerInfo {
+    /// Why this memory must not be registered for GPUDirect RDMA, or `None` when it may.
+    pub fn gdr_refusal(&self) -> Option<Cause> {
+        if !self.is_device || self.is_managed {
+            Some(Cause::Other {
+                message: "the pointer is not device memory (host or managed memory: a NIC would read host memory, not the GPU)".into(),
+                fix: "register a gpudirect::rdma::GdrBuffer".into(),
+            })
+        } else if self.from_pool || !self.gdr_capable {
+            Some(Cause::PoolMemoryNotGdrCapable)
+        } else {
+            None
+        }
+    }
+}
+
+fn get_attr<V: Default>(attr: sys::CUpointer_attribute, ptr: sys::CUdeviceptr) -> Result<V> {
+    let mut v = V::default();
+    // SAFETY: `v` is a valid out-location of the type the attribute returns (the callers pick
+    // V per the CUDA docs: i32 for ordinal/bools, u32 for the memory type, u64 for addresses,
+    // usize/pointer for the pool handle and range size).
+    let rc =
+        unsafe { sys::cuPointerGetAttribute(&mut v as *mut V as *mut std::ffi::c_void, attr, ptr) };
+    cuda::check("cuPointerGetAttribute", rc)?;
+    Ok(v)
+}
+
+/// Classifies a device pointer: which device, whether it is GPUDirect-RDMA capable, whether
+/// it comes from a stream-ordered pool (`cuPointerGetAttribute`).
+pub fn pointer_info(ptr: sys::CUdeviceptr) -> Result<PointerInfo> {
+    use sys::CUpointer_attribute as A;
+    cuda::driver_version()?;
+    let memory_type: u32 = get_attr(A::CU_POINTER_ATTRIBUTE_MEMORY_TYPE, ptr)?;
+    let ordinal: i32 = get_attr(A::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, ptr)?;
+    let is_managed: i32 = get_attr(A::CU_POINTER_ATTRIBUTE_IS_MANAGED, ptr)?;
+    let gdr_capable: i32 = get_attr(A::CU_POINTER_ATTRIBUTE_IS_GPU_DIRECT_RDMA_CAPABLE, ptr)?;
+    // Non-pool memory may answer with an error rather than NULL: both mean "not from a pool".
+    let pool: usize = get_attr(A::CU_POINTER_ATTRIBUTE_MEMPOOL_HANDLE, ptr).unwrap_or(0);
+    let range_start: u64 = get_attr(A::CU_POINTER_ATTRIBUTE_RANGE_START_ADDR, ptr)?;
+    let range_size: usize = get_attr(A::CU_POINTER_ATTRIBUTE_RANGE_SIZE, ptr)?;
+    Ok(PointerInfo {
+        ordinal,
+        is_device: memory_type == sys::CUmemorytype::CU_MEMORYTYPE_DEVICE as u32,
+        is_managed: is_managed != 0,
+        gdr_capable: gdr_capable != 0,
+        from_pool: pool != 0,
+        range_start,
+        range_size: range_size as u64,
+    })
+}
+
+/// Sets `CU_POINTER_ATTRIBUTE_SYNC_MEMOPS` on the allocation holding `ptr`
+/// (`cuPointerSetAttribute`): synchronous copies and memsets complete before they return, so a
+/// NIC reading right after sees the bytes. Idempotent.
+pub fn set_sync_memops(ptr: sys::CUdeviceptr) -> Result<()> {
+    cuda::driver_version()?;
+    let one: u32 = 1;
+    // SAFETY: `one` is a valid `unsigned int` for the call's duration, as SYNC_MEMOPS expects.
+    let rc = unsafe {
+        sys::cuPointerSetAttribute(
+            &one as *const u32 as *const std::ffi::c_void,
+            sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_SYNC_MEMOPS,
+            ptr,
+        )
+    };
+    cuda::check("cuPointerSetAttribute(SYNC_MEMOPS)", rc)
+}
+
+// ---------------------------------------------------------------------------------------------
+// dma-buf export
+// ---------------------------------------------------------------------------------------------
+
+/// Where a registration's bytes sit inside the exported dma-buf.
+///
+/// `cuMemGetHandleForAddressRange` wants a host-page-aligned range, so the export covers the
+/// enclosing aligned range and `ibv_reg_dmabuf_mr` gets the offset inside it, with the CUDA
+/// address as iova (remote peers then use CUDA addresses as `remote_addr`, as NCCL and
+/// perftest do). iova and offset share their page offset, as `ibv_reg_dmabuf_mr(3)` requires.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct DmaBufPlan {
+    /// First byte of the exported range (aligned down to the page).
+    pub export_start: u64,
+    /// Length of the exported range (a multiple of the page).
+    pub export_len: u64,
+    /// Offset of the registration inside the dma-buf (`ibv_reg_dmabuf_mr`'s `offset`).
+    pub offset: u64,
+    /// Bytes registered.
+    pub len: u64,
+    /// The registration's iova: the CUDA address of its first byte.
+    pub iova: u64,
+}
+
+impl DmaBufPlan {
+    /// Plans the export of `len` bytes at device address `addr` with `page`-aligned bounds.
+    ///
+    /// Errors: [`Error::InvalidArgument`] for `len == 0`, a `page` that is not a power of two,
+    /// or a range that wraps the address space.
+    pub fn new(addr: u64, len: u64, page: u64) -> Result<Self> {
+        if len == 0 {
+            return Err(Error::InvalidArgument(
+                "cannot export or register an empty range".into(),
+            ));
+        }
+        if !page.is_power_of_two() {
+            return Err(Error::InvalidArgument(format!(
+                "page size {page} is not a power of two"
+            )));
+        }
+        let end = addr.checked_add(len).ok_or_else(|| {
+            Error::InvalidArgument(format!("range {addr:#x}+{len} wraps the address space"))
+        })?;
+        let start = addr & !(page - 1);
+        let end_aligned = end
+            .checked_add(page - 1)
+            .map(|e| e & !(page - 1))
+            .ok_or_else(|| {
+                Error::InvalidArgument(format!("range {addr:#x}+{len} wraps the address space"))
+            })?;
+        Ok(DmaBufPlan {
+            export_start: start,
+            export_len: end_aligned - start,
+            offset: addr - start,
+            len,
+            iova: addr,
+        })
+    }
+}
+
+/// An exported dma-buf: the fd (closed on drop) and where the requested range sits in it.
+#[derive(Debug)]
+pub struct DmaBufExport {
+    /// The dma-buf file descriptor from `cuMemGetHandleForAddressRange`.
+    pub fd: OwnedFd,
+    /// The aligned range and the offset inside it.
+    pub plan: DmaBufPlan,
+}
+
+/// Exports `range` (bytes, relative to the memory's start) of `mem` as a dma-buf fd
+/// (`cuMemGetHandleForAddressRange(CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD)` on the enclosing
+/// host-page-aligned range), after setting `SYNC_MEMOPS`. Needs no NIC: this is the half of
+/// dma-buf registration a GPU-only machine can prove.
+///
+/// The device must report `CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED = 1` (NVIDIA's open kernel
+/// module); otherwise [`Error::Unsupported`] with [`Cause::DmaBufUnsupported`].
+pub fn export_dmabuf<M: GpuMemory + ?Sized>(mem: &M, range: Range<usize>) -> Result<DmaBufExport> {
+    check_range(mem, &range)?;
+    let ctx = mem.context();
+    let ordinal = ctx.ordinal();
+    let supported = cuda::device_attribute(
+        ordinal,
+        sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED,
+    )?;
+    if supported != 1 {
+        return Err(Error::Unsupported {
+            what: format!("dma-buf export of GPU {ordinal} memory"),
+            cause: Cause::DmaBufUnsupported {
+                detail: format!(
+                    "GPU {ordinal} reports CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED={supported} (the proprietary kernel module has no dma-buf export)"
+                ),
+            },
+        });
+    }
+    ctx.bind_to_thread()
+        .map_err(|e| Error::cuda("cuCtxSetCurrent", e))?;
+    let addr = mem.device_ptr() + range.start as u64;
+    let plan = DmaBufPlan::new(addr, range.len() as u64, host_page_size() as u64)?;
+    set_sync_memops(addr)?;
+    let mut fd: i32 = -1;
+    // SAFETY: `fd` is a valid out-location for the `int` this handle type returns; the range
+    // lies in memory `mem` owns (checked above), aligned to the host page as the call requires.
+    let rc = unsafe {
+        sys::cuMemGetHandleForAddressRange(
+            &mut fd as *mut i32 as *mut std::ffi::c_void,
+            plan.export_start,
+            plan.export_len as usize,
+            sys::CUmemRangeHandleType::CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD,
+            0,
+        )
+    };
+    match rc {
+        sys::CUresult::CUDA_SUCCESS if fd >= 0 => Ok(DmaBufExport {
+            // SAFETY: the driver returned a new fd that nothing else owns.
+            fd: unsafe { OwnedFd::from_raw_fd(fd) },
+            plan,
+        }),
+        sys::CUresult::CUDA_SUCCESS => Err(Error::Cuda {
+            op: "cuMemGetHandleForAddressRange",
+            source: cudarc::driver::DriverError(sys::CUresult::CUDA_ERROR_UNKNOWN),
+        }),
+        sys::CUresult::CUDA_ERROR_NOT_SUPPORTED => Err(Error::Unsupported {
+            what: format!("dma-buf export of GPU {ordinal} memory"),
+            cause: Cause::DmaBufUnsupported {
+                detail:
+                    "cuMemGetHandleForAddressRange: CUDA_ERROR_NOT_SUPPORTED (driver or platform)"
+                        .into(),
+            },
+        }),
+        rc => Err(Error::cuda(
+            "cuMemGetHandleForAddressRange",
+            cudarc::driver::DriverError(rc),
+        )),
+    }
+}
+
+fn check_range<M: GpuMemory + ?Sized>(mem: &M, range: &Range<usize>) -> Result<()> {
+    if range.start >= range.end || range.end > mem.num_bytes() {
+        return Err(Error::InvalidArgument(format!(
+            "byte range {}..{} is empty or outside the {}-byte allocation",
+            range.start,
+            range.end,
+            mem.num_bytes()
+        )));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn dmabuf_plan_aligned_range_is_exported_as_is() {
+        let p = DmaBufPlan::new(0x7f00_0001_0000, 1 << 20, 4096).unwrap();
+        assert_eq!(p.export_start, 0x7f00_0001_0000);
+        assert_eq!(p.export_len, 1 << 20);
+        assert_eq!(p.offset, 0);
+        assert_eq!(p.iova, 0x7f00_0001_0000);
+    }
+
+    #[test]
+    fn dmabuf_plan_unaligned_range_takes_the_enclosing_pages() {
+        // 100 bytes in, 4096 long: spans two pages
+        let p = DmaBufPlan::new(0x10000 + 100, 4096, 4096).unwrap();
+        assert_eq!(p.export_start, 0x10000);
+        assert_eq!(p.export_len, 8192);
+        assert_eq!(p.offset, 100);
+        assert_eq!(p.len, 4096);
+        assert_eq!(
+            p.iova % 4096,
+            p.offset % 4096,
+            "iova and offset share the page offset"
+        );
+        // odd size ending exactly on a boundary
+        let p = DmaBufPlan::new(0x20000 + 4095, 1, 4096).unwrap();
+        assert_eq!(
+            (p.export_start, p.export_len, p.offset),
+            (0x20000, 4096, 4095)
+        );
+        let p = DmaBufPlan::new(0x20000 + 4095, 2, 4096).unwrap();
+        assert_eq!(
+            (p.export_start, p.export_len, p.offset),
+            (0x20000, 8192, 4095)
+        );
+    }
+
+    #[test]
+    fn dmabuf_plan_rejects_empty_wrapping_and_bad_pages() {
+        assert!(matches!(
+            DmaBufPlan::new(0x1000, 0, 4096),
+            Err(Error::InvalidArgument(_))
+        ));
+        assert!(matches!(
+            DmaBufPlan::new(u64::MAX - 10, 100, 4096),
+            Err(Error::InvalidArgument(_))
+        ));
+        assert!(matches!(
+            DmaBufPlan::new(u64::MAX - 4000, 100, 4096),
+            Err(Error::InvalidArgument(_))
+        ));
+        assert!(matches!(
+            DmaBufPlan::new(0x1000, 1, 3000),
+            Err(Error::InvalidArgument(_))
+        ));
+    }
+
+    #[test]
+    fn pool_and_managed_memory_are_refused_with_their_cause() {
+        let ok = PointerInfo {
+            ordinal: 0,
+            is_device: true,
+            is_managed: false,
+            gdr_capable: true,
+            from_pool: false,
+            range_start: 0,
+            range_size: 0,
+        };
+        assert_eq!(ok.gdr_refusal(), None);
+        let pool = PointerInfo {
+            gdr_capable: false,
+            from_pool: true,
+            ..ok.clone()
+        };
+        assert_eq!(pool.gdr_refusal(), Some(Cause::PoolMemoryNotGdrCapable));
+        let not_capable = PointerInfo {
+            gdr_capable: false,
+            ..ok.clone()
+        };
+        assert_eq!(
+            not_capable.gdr_refusal(),
+            Some(Cause::PoolMemoryNotGdrCapable)
+        );
+        let managed = PointerInfo {
+            is_managed: true,
+            ..ok
+        };
+        assert!(matches!(managed.gdr_refusal(), Some(Cause::Other { .. })));
+    }
+
+    #[test]
+    fn host_page_is_a_power_of_two() {
+        assert!(host_page_size().is_power_of_two());
+        assert!(round_up(1, GPU_PAGE_SIZE) == Some(GPU_PAGE_SIZE));
+        assert!(round_up(GPU_PAGE_SIZE, GPU_PAGE_SIZE) == Some(GPU_PAGE_SIZE));
+        assert!(round_up(usize::MAX, GPU_PAGE_SIZE).is_none());
+    }
+}
