@@ -177,6 +177,13 @@ pub enum Cause {
         /// The alignment required, in bytes.
         required: usize,
     },
+    /// Every GPUDirect RDMA registration path was refused, each for its own cause.
+    GdrPathsRefused {
+        /// Why dma-buf registration was refused.
+        dmabuf: Box<Cause>,
+        /// Why peer-memory (`ibv_reg_mr` on the device pointer) registration was refused.
+        peermem: Box<Cause>,
+    },
     /// The GPU and NIC are too far apart on PCIe for GDR to pay off.
     PcieDistance {
         /// The distance, e.g. `"SYS"`.
@@ -239,6 +246,9 @@ impl Cause {
                 "allocate with gpudirect::rdma::GdrBuffer (cuMemAlloc) instead of the stream-ordered pool".into()
             }
             Cause::Misaligned { required } => format!("align the range to {required} bytes"),
+            Cause::GdrPathsRefused { dmabuf, peermem } => {
+                format!("for dma-buf: {}; or for peermem: {}", dmabuf.fix(), peermem.fix())
+            }
             Cause::PcieDistance { .. } => "set GPUDIRECT_GDR_LEVEL to allow a longer distance, or pick a closer NIC".into(),
             Cause::ForcedByConfig { setting } => format!("change {setting}"),
             Cause::LibraryMissing { .. } => "install the library named above".into(),
@@ -290,6 +300,13 @@ impl Cause {
                 f.write_str("stream-ordered pool memory is not GPUDirect-RDMA capable")
             }
             Cause::Misaligned { required } => write!(f, "the range is not {required}-byte aligned"),
+            Cause::GdrPathsRefused { dmabuf, peermem } => {
+                f.write_str("no GPUDirect RDMA registration path: dma-buf refused (")?;
+                dmabuf.describe(f)?;
+                f.write_str("), peermem refused (")?;
+                peermem.describe(f)?;
+                f.write_str(")")
+            }
             Cause::PcieDistance { distance, allowed } => {
                 write!(
                     f,

@@ -8,10 +8,11 @@
 //! `CU_POINTER_ATTRIBUTE_IS_GPU_DIRECT_RDMA_CAPABLE = 0` (measured on H200, driver 580).
 //! [`GdrBuffer`] allocates with `cuMemAlloc`, which reports 1.
 
+use std::fmt;
 use std::marker::PhantomData;
 use std::mem::ManuallyDrop;
 use std::ops::Range;
-use std::os::fd::{FromRawFd, OwnedFd};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::sync::Arc;
 
 use cudarc::driver::{
@@ -21,7 +22,10 @@ use serde::Serialize;
 
 use crate::cuda;
 use crate::error::{Error, Result};
-use crate::path::Cause;
+use crate::path::{Cause, Path, PathReport};
+
+use super::mr::{AccessFlags, MemoryRegion, RemoteMemory, Sge};
+use super::pd::ProtectionDomain;
 
 /// The GPU page size (64 KiB) that peer-memory clients pin at; [`GdrBuffer`] starts on it.
 pub const GPU_PAGE_SIZE: usize = 64 * 1024;
@@ -570,6 +574,372 @@ fn check_range<M: GpuMemory + ?Sized>(mem: &M, range: &Range<usize>) -> Result<(
         )));
     }
     Ok(())
+}
+
+// ---------------------------------------------------------------------------------------------
+// GpuMemoryRegion
+// ---------------------------------------------------------------------------------------------
+
+/// How [`GpuMemoryRegion`] registers GPU memory with the NIC.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Default)]
+pub enum Strategy {
+    /// dma-buf first, then the peer-memory client (as NCCL and UCX order them). The
+    /// environment can rule a path out: `GPUDIRECT_DMABUF_ENABLE=0`, `GPUDIRECT_PEERMEM_ENABLE=0`.
+    #[default]
+    Auto,
+    /// Only dma-buf (`cuMemGetHandleForAddressRange` + `ibv_reg_dmabuf_mr`).
+    DmaBuf,
+    /// Only the peer-memory client (`ibv_reg_mr` on the device pointer), tried even when no
+    /// client is visible in sysfs.
+    PeerMem,
+}
+
+/// Options for [`GpuMemoryRegion::register_with`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GpuRegisterOptions {
+    /// Which registration path(s) to try.
+    pub strategy: Strategy,
+    /// Access rights of the region.
+    pub access: AccessFlags,
+    /// Register memory the driver says is not GPUDirect-RDMA capable (stream-ordered pool
+    /// memory, as cudarc allocates) instead of refusing it with
+    /// [`Cause::PoolMemoryNotGdrCapable`]. Whether a NIC then reaches it is unverified.
+    pub force_non_gdr_memory: bool,
+}
+
+impl Default for GpuRegisterOptions {
+    fn default() -> Self {
+        GpuRegisterOptions {
+            strategy: Strategy::Auto,
+            access: AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE | AccessFlags::REMOTE_READ,
+            force_non_gdr_memory: false,
+        }
+    }
+}
+
+/// GPU memory registered with a protection domain, so a NIC reads and writes it directly.
+///
+/// Owns the memory `M` (a [`GdrBuffer`], an `Arc` of one, or a cudarc [`CudaSlice`] when
+/// forced) and, on the dma-buf path, the exported fd. Teardown order is the field order:
+/// deregister, close the dma-buf, release the memory. [`GpuMemoryRegion::path`] says which
+/// path registered it and [`GpuMemoryRegion::refused`] why the others were not used.
+pub struct GpuMemoryRegion<M: GpuMemory> {
+    mr: MemoryRegion<()>,
+    dmabuf: Option<DmaBufExport>,
+    mem: M,
+    range: Range<usize>,
+    path: Path,
+    refused: Vec<(Path, Cause)>,
+}
+
+impl<M: GpuMemory> fmt::Debug for GpuMemoryRegion<M> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("GpuMemoryRegion")
+            .field("mr", &self.mr)
+            .field("path", &self.path)
+            .field("range", &self.range)
+            .field("dmabuf", &self.dmabuf.as_ref().map(|d| d.plan))
+            .finish()
+    }
+}
+
+fn env_disabled(var: &str) -> bool {
+    std::env::var(var)
+        .map(|v| matches!(v.trim(), "0" | "false" | "no" | "off"))
+        .unwrap_or(false)
+}
+
+impl<M: GpuMemory> GpuMemoryRegion<M> {
+    /// Registers all of `mem` with [`Strategy::Auto`] and local-write, remote-write and
+    /// remote-read access.
+    pub fn register(pd: &Arc<ProtectionDomain>, mem: M) -> Result<Self> {
+        let len = mem.num_bytes();
+        Self::register_with(pd, mem, 0..len, GpuRegisterOptions::default())
+    }
+
+    /// Registers `range` (bytes from the start of `mem`) of `mem`.
+    ///
+    /// Errors: [`Error::Unsupported`] when no path works, with [`Cause::PoolMemoryNotGdrCapable`]
+    /// (pool memory, not forced), [`Cause::DmaBufUnsupported`] (EOPNOTSUPP: the provider or
+    /// kernel lacks dma-buf, as rxe does), [`Cause::NoPeerMemoryClient`] (EFAULT from
+    /// `ibv_reg_mr`), [`Cause::Misaligned`] or, when both paths were tried,
+    /// [`Cause::GdrPathsRefused`] carrying both causes. A forced strategy returns its own
+    /// path's error as is.
+    pub fn register_with(
+        pd: &Arc<ProtectionDomain>,
+        mem: M,
+        range: Range<usize>,
+        opts: GpuRegisterOptions,
+    ) -> Result<Self> {
+        check_range(&mem, &range)?;
+        let ordinal = mem.context().ordinal();
+        let what = format!(
+            "GPUDirect RDMA registration of GPU {ordinal} memory on {}",
+            pd.context().name()
+        );
+        mem.context()
+            .bind_to_thread()
+            .map_err(|e| Error::cuda("cuCtxSetCurrent", e))?;
+        let addr = mem.device_ptr() + range.start as u64;
+        let len = range.len();
+        let info = pointer_info(addr)?;
+        if let Some(cause) = info.gdr_refusal() {
+            if !opts.force_non_gdr_memory {
+                return Err(Error::Unsupported { what, cause });
+            }
+            tracing::warn!(%cause, "registering memory that is not GPUDirect-RDMA capable, as forced");
+        }
+        let mut refused: Vec<(Path, Cause)> = Vec::new();
+        let forced = opts.strategy != Strategy::Auto;
+
+        // ---- dma-buf ----
+        if opts.strategy == Strategy::PeerMem {
+            // not asked for
+        } else if !forced && env_disabled("GPUDIRECT_DMABUF_ENABLE") {
+            refused.push((
+                Path::RdmaDmaBuf,
+                Cause::ForcedByConfig {
+                    setting: "GPUDIRECT_DMABUF_ENABLE=0".into(),
+                },
+            ));
+        } else {
+            match Self::try_dmabuf(pd, &mem, &range, &info, opts.access) {
+                Ok((mr, exp)) => {
+                    tracing::info!(
+                        addr = format_args!("{addr:#x}"), len, export_start = format_args!("{:#x}", exp.plan.export_start),
+                        export_len = exp.plan.export_len, offset = exp.plan.offset, lkey = mr.lkey(), rkey = mr.rkey(),
+                        "GDR: registered via dma-buf (SYNC_MEMOPS set)"
+                    );
+                    return Ok(GpuMemoryRegion {
+                        mr,
+                        dmabuf: Some(exp),
+                        mem,
+                        range,
+                        path: Path::RdmaDmaBuf,
+                        refused,
+                    });
+                }
+                Err(e) if forced => return Err(e),
+                Err(e) => refused.push((Path::RdmaDmaBuf, cause_of(e))),
+            }
+        }
+
+        // ---- peer-memory client ----
+        if opts.strategy == Strategy::DmaBuf {
+            // not asked for
+        } else if !forced && env_disabled("GPUDIRECT_PEERMEM_ENABLE") {
+            refused.push((
+                Path::RdmaPeerMem,
+                Cause::ForcedByConfig {
+                    setting: "GPUDIRECT_PEERMEM_ENABLE=0".into(),
+                },
+            ));
+        } else if !forced && !super::probe::PeerMemoryClient::detect().present() {
+            refused.push((Path::RdmaPeerMem, Cause::NoPeerMemoryClient));
+        } else {
+            if let Err(e) = set_sync_memops(addr) {
+                tracing::warn!(error = %e, "GDR: could not set SYNC_MEMOPS before peermem registration");
+            }
+            // SAFETY: `addr..addr+len` lies inside `mem` (checked above), which the returned
+            // region owns and releases only after deregistering (field order).
+            let r = unsafe { pd.register_raw(addr as *mut std::ffi::c_void, len, opts.access) };
+            match r {
+                Ok(mr) => {
+                    tracing::info!(addr = format_args!("{addr:#x}"), len, lkey = mr.lkey(), rkey = mr.rkey(), "GDR: registered via peermem ibv_reg_mr");
+                    return Ok(GpuMemoryRegion {
+                        mr,
+                        dmabuf: None,
+                        mem,
+                        range,
+                        path: Path::RdmaPeerMem,
+                        refused,
+                    });
+                }
+                Err(Error::Verbs { source, .. }) if source.raw_os_error() == Some(libc::EFAULT) => {
+                    if forced {
+                        return Err(Error::Unsupported {
+                            what,
+                            cause: Cause::NoPeerMemoryClient,
+                        });
+                    }
+                    refused.push((Path::RdmaPeerMem, Cause::NoPeerMemoryClient));
+                }
+                Err(e) if forced => return Err(e),
+                Err(e) => refused.push((Path::RdmaPeerMem, cause_of(e))),
+            }
+        }
+
+        let cause = match refused.len() {
+            2 => {
+                let peermem = refused.pop().map(|r| r.1);
+                let dmabuf = refused.pop().map(|r| r.1);
+                match (dmabuf, peermem) {
+                    (Some(d), Some(p)) => Cause::GdrPathsRefused {
+                        dmabuf: Box::new(d),
+                        peermem: Box::new(p),
+                    },
+                    _ => unreachable_cause(),
+                }
+            }
+            _ => refused.pop().map(|r| r.1).unwrap_or_else(unreachable_cause),
+        };
+        Err(Error::Unsupported { what, cause })
+    }
+
+    fn try_dmabuf(
+        pd: &Arc<ProtectionDomain>,
+        mem: &M,
+        range: &Range<usize>,
+        info: &PointerInfo,
+        access: AccessFlags,
+    ) -> Result<(MemoryRegion<()>, DmaBufExport)> {
+        let addr = mem.device_ptr() + range.start as u64;
+        let page = host_page_size() as u64;
+        let plan = DmaBufPlan::new(addr, range.len() as u64, page)?;
+        // The aligned export must stay inside the allocation (pool slices at odd offsets may
+        // not): otherwise the dma-buf would cover memory this region does not own.
+        let alloc_end = info.range_start.saturating_add(info.range_size);
+        if info.range_size > 0
+            && (plan.export_start < info.range_start
+                || plan.export_start + plan.export_len > alloc_end)
+        {
+            return Err(Error::Unsupported {
+                what: "dma-buf export".into(),
+                cause: Cause::Misaligned {
+                    required: page as usize,
+                },
+            });
+        }
+        let exp = export_dmabuf(mem, range.clone())?;
+        debug_assert_eq!(exp.plan, plan);
+        // SAFETY: the fd is an open dma-buf of `export_len >= offset + len` bytes; it and the
+        // memory behind it are owned by the GpuMemoryRegion that takes this MR and released
+        // only after the MR is deregistered (field order).
+        let mr = unsafe {
+            pd.register_dmabuf_raw(
+                exp.plan.offset,
+                range.len(),
+                exp.plan.iova,
+                exp.fd.as_raw_fd(),
+                access,
+            )
+        }?;
+        Ok((mr, exp))
+    }
+
+    /// The path the registration took: [`Path::RdmaDmaBuf`] or [`Path::RdmaPeerMem`].
+    pub fn path(&self) -> Path {
+        self.path
+    }
+
+    /// The paths tried before the one taken, and why each was refused.
+    pub fn refused(&self) -> &[(Path, Cause)] {
+        &self.refused
+    }
+
+    /// The path taken as a report (always direct).
+    pub fn report(&self) -> PathReport {
+        PathReport::direct(self.path)
+    }
+
+    /// The verbs memory region (keys, address, scatter/gather entries).
+    pub fn mr(&self) -> &MemoryRegion<()> {
+        &self.mr
+    }
+
+    /// Local key.
+    pub fn lkey(&self) -> u32 {
+        self.mr.lkey()
+    }
+
+    /// Remote key.
+    pub fn rkey(&self) -> u32 {
+        self.mr.rkey()
+    }
+
+    /// The region's address as the NIC sees it: the CUDA address of its first byte (the
+    /// dma-buf path registers with iova = CUDA address, the peermem path with the pointer).
+    pub fn addr(&self) -> u64 {
+        self.mr.addr()
+    }
+
+    /// Length in bytes.
+    pub fn len(&self) -> usize {
+        self.mr.len()
+    }
+
+    /// True for an empty region (never: registration refuses empty ranges).
+    pub fn is_empty(&self) -> bool {
+        self.mr.is_empty()
+    }
+
+    /// What a peer needs to RDMA-write or -read this region.
+    pub fn remote(&self) -> RemoteMemory {
+        self.mr.remote()
+    }
+
+    /// A scatter/gather entry for bytes `range` of the region (bounds-checked).
+    pub fn sge(&self, range: Range<usize>) -> Result<Sge> {
+        self.mr.sge(range)
+    }
+
+    /// The registered byte range of the memory.
+    pub fn range(&self) -> Range<usize> {
+        self.range.clone()
+    }
+
+    /// The dma-buf plan, on the dma-buf path.
+    pub fn dmabuf_plan(&self) -> Option<DmaBufPlan> {
+        self.dmabuf.as_ref().map(|d| d.plan)
+    }
+
+    /// The registered memory (read access; cudarc views come from it).
+    pub fn memory(&self) -> &M {
+        &self.mem
+    }
+
+    /// Deregisters, closes the dma-buf and returns the memory.
+    pub fn into_inner(self) -> M {
+        let GpuMemoryRegion {
+            mr, dmabuf, mem, ..
+        } = self;
+        drop(mr);
+        drop(dmabuf);
+        mem
+    }
+}
+
+impl<T> GpuMemoryRegion<GdrBuffer<T>> {
+    /// The registered buffer as a writable cudarc view (for kernels that fill or consume it).
+    /// The NIC may write the same bytes whenever a peer holding the rkey does so: order the
+    /// two with completions.
+    pub fn as_view_mut(&mut self) -> CudaViewMut<'_, T> {
+        self.mem.as_view_mut()
+    }
+}
+
+fn unreachable_cause() -> Cause {
+    Cause::Other {
+        message: "no registration path was tried".into(),
+        fix: "pick Strategy::DmaBuf or Strategy::PeerMem".into(),
+    }
+}
+
+/// The cause to report for a failed path (keeps typed causes, wraps anything else).
+fn cause_of(e: Error) -> Cause {
+    match e {
+        Error::Unsupported { cause, .. } => cause,
+        Error::Verbs { op, source } if source.raw_os_error() == Some(libc::EINVAL) => {
+            Cause::Other {
+                message: format!("{op} failed: {source} (alignment, access flags or a VMM range)"),
+                fix: "register a GdrBuffer with the default access flags".into(),
+            }
+        }
+        other => Cause::Other {
+            message: other.to_string(),
+            fix: "see the error above".into(),
+        },
+    }
 }
 
 #[cfg(test)]

@@ -931,8 +931,9 @@ mod tests {
         serde_json::to_string(&p).unwrap();
     }
 
-    /// This machine's RDMA state, as `.ci/run` tells it: GPUDIRECT_EXPECT_VERBS=absent (default:
-    /// CI and the dev machine have no RDMA subsystem) | nodevice | present. Never panics.
+    /// This machine's RDMA state, as `.ci/run` tells it: GPUDIRECT_EXPECT_VERBS=absent|enosys
+    /// (default: CI and the dev machine have no RDMA subsystem) | nodevice | present. The probe
+    /// reads sysfs, so libibverbs' presence does not matter here. Never panics.
     #[test]
     fn probe_live_machine_matches_expectation() {
         let p = GdrProbe::run();
@@ -940,7 +941,7 @@ mod tests {
         assert!(text.contains("GDR: peer-memory client:"), "{text}");
         let expect = std::env::var("GPUDIRECT_EXPECT_VERBS").unwrap_or_else(|_| "absent".into());
         match expect.as_str() {
-            "absent" => assert!(
+            "absent" | "enosys" => assert!(
                 matches!(
                     p.rdma,
                     RdmaStatus::NoSubsystem { .. } | RdmaStatus::NoDevices
@@ -949,7 +950,7 @@ mod tests {
             ),
             "nodevice" => assert_eq!(p.rdma, RdmaStatus::NoDevices, "{text}"),
             "present" => assert_eq!(p.rdma, RdmaStatus::Devices, "{text}"),
-            other => panic!("GPUDIRECT_EXPECT_VERBS must be absent|nodevice|present, not {other}"),
+            other => panic!("GPUDIRECT_EXPECT_VERBS must be absent|enosys|nodevice|present, not {other}"),
         }
         if std::env::var("GPUDIRECT_EXPECT_CUDA").unwrap_or_else(|_| "absent".into()) == "absent" {
             assert!(p.gpus.is_empty() && p.cuda_error.is_some(), "{text}");
