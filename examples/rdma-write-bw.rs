@@ -95,7 +95,8 @@ fn parse_args() -> std::result::Result<Args, String> {
             s => return Err(format!("unknown argument {s} (try --help)")),
         }
     }
-    if a.sizes.is_empty() || a.sizes.contains(&0) || a.sizes.iter().any(|&s| s > u32::MAX as usize) {
+    if a.sizes.is_empty() || a.sizes.contains(&0) || a.sizes.iter().any(|&s| s > u32::MAX as usize)
+    {
         return Err("--sizes must be 1 or more positive sizes below 4 GiB".into());
     }
     if a.iters == 0 || a.tx_depth == 0 || a.cq_mod == 0 {
@@ -114,7 +115,8 @@ enum Buffer {
 
 impl Buffer {
     fn new(pd: &Arc<ProtectionDomain>, len: usize, use_cuda: Option<usize>) -> Result<Buffer> {
-        let access = AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE | AccessFlags::REMOTE_READ;
+        let access =
+            AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE | AccessFlags::REMOTE_READ;
         match use_cuda {
             None => Ok(Buffer::Host(pd.register_host(vec![0u8; len], access)?)),
             Some(dev) => {
@@ -210,7 +212,12 @@ struct Endpoint {
     buf: Buffer,
 }
 
-fn endpoint(ctx: &Arc<Context>, pd: &Arc<ProtectionDomain>, a: &Args, len: usize) -> Result<Endpoint> {
+fn endpoint(
+    ctx: &Arc<Context>,
+    pd: &Arc<ProtectionDomain>,
+    a: &Args,
+    len: usize,
+) -> Result<Endpoint> {
     let cq = CompletionQueue::new(ctx, a.tx_depth * 2 + 16)?;
     let opts = QpOptions {
         gid_index: a.gid_index,
@@ -266,23 +273,30 @@ fn report(size: usize, a: &Args, dt: Duration, path: &str) {
     let gbps = (size * a.iters) as f64 * 8.0 / secs / 1e9;
     let mpps = a.iters as f64 / secs / 1e6;
     println!(" {size:<10} {:<14} {gbps:<20.3} {mpps:.6}", a.iters);
-    println!("RESULT size={size} iters={} gbps={gbps:.4} mpps={mpps:.6} path={path}", a.iters);
+    println!(
+        "RESULT size={size} iters={} gbps={gbps:.4} mpps={mpps:.6} path={path}",
+        a.iters
+    );
 }
 
 // ---- out-of-band exchange (TCP): connection records, then one byte per size as a barrier ----
 
 fn send_record(s: &mut TcpStream, r: &ConnectionRecord) -> Result<()> {
-    s.write_all(&r.to_bytes()).map_err(|e| io_err("send connection record", e))
+    s.write_all(&r.to_bytes())
+        .map_err(|e| io_err("send connection record", e))
 }
 
 fn recv_record(s: &mut TcpStream) -> Result<ConnectionRecord> {
     let mut b = [0u8; ConnectionRecord::WIRE_LEN];
-    s.read_exact(&mut b).map_err(|e| io_err("receive connection record", e))?;
+    s.read_exact(&mut b)
+        .map_err(|e| io_err("receive connection record", e))?;
     ConnectionRecord::from_bytes(&b)
 }
 
 fn io_err(what: &str, e: std::io::Error) -> Error {
-    Error::InvalidArgument(format!("{what}: {e} (is the peer running the same rdma-write-bw?)"))
+    Error::InvalidArgument(format!(
+        "{what}: {e} (is the peer running the same rdma-write-bw?)"
+    ))
 }
 
 fn open(a: &Args) -> Result<(Arc<Context>, Arc<ProtectionDomain>)> {
@@ -295,11 +309,22 @@ fn open(a: &Args) -> Result<(Arc<Context>, Arc<ProtectionDomain>)> {
 }
 
 fn header(ctx: &Context, ep: &Endpoint, a: &Args, role: &str) {
-    println!("---------------------------------------------------------------------------------------");
-    println!(" gpudirect rdma-write-bw ({role}), device {}, QPN {:#x}", ctx.name(), ep.qp.qpn());
+    println!(
+        "---------------------------------------------------------------------------------------"
+    );
+    println!(
+        " gpudirect rdma-write-bw ({role}), device {}, QPN {:#x}",
+        ctx.name(),
+        ep.qp.qpn()
+    );
     println!(" buffer registration: {}", ep.buf.path());
-    println!(" iterations {}, tx depth {}, signal every {}", a.iters, a.tx_depth, a.cq_mod);
-    println!("---------------------------------------------------------------------------------------");
+    println!(
+        " iterations {}, tx depth {}, signal every {}",
+        a.iters, a.tx_depth, a.cq_mod
+    );
+    println!(
+        "---------------------------------------------------------------------------------------"
+    );
     println!(" #bytes     #iterations    BW average[Gb/sec]   MsgRate[Mpps]");
 }
 
@@ -339,7 +364,9 @@ fn server(a: &Args) -> Result<()> {
         }
     }
     if bad > 0 {
-        return Err(Error::InvalidArgument(format!("{bad} size(s) failed verification")));
+        return Err(Error::InvalidArgument(format!(
+            "{bad} size(s) failed verification"
+        )));
     }
     Ok(())
 }
@@ -370,7 +397,9 @@ fn client(a: &Args, host: &str) -> Result<()> {
         }
     }
     if bad > 0 {
-        return Err(Error::InvalidArgument(format!("{bad} size(s) failed verification")));
+        return Err(Error::InvalidArgument(format!(
+            "{bad} size(s) failed verification"
+        )));
     }
     Ok(())
 }
@@ -399,7 +428,9 @@ fn loopback(a: &Args) -> Result<()> {
         }
     }
     if bad > 0 {
-        return Err(Error::InvalidArgument(format!("{bad} size(s) failed verification")));
+        return Err(Error::InvalidArgument(format!(
+            "{bad} size(s) failed verification"
+        )));
     }
     Ok(())
 }

@@ -63,19 +63,24 @@ fn gpu_gdr_buffer_roundtrip_interop_and_attributes() {
     assert!(back == data, "host -> GdrBuffer -> host changed bytes");
 
     // cudarc interop: a view into cudarc's own copies, both directions, at an odd offset
-    let src = stream.memcpy_stod(&data[..4097]).unwrap(); // pool (or cuMemAlloc) CudaSlice
+    let src = stream.clone_htod(&data[..4097]).unwrap(); // pool (or cuMemAlloc) CudaSlice
     {
         let mut dst = buf.slice_mut(12_345..12_345 + 4097);
         stream.memcpy_dtod(&src, &mut dst).unwrap();
     }
-    let got = stream.clone_dtoh(&buf.slice(12_345..12_345 + 4097)).unwrap();
+    let got = stream
+        .clone_dtoh(&buf.slice(12_345..12_345 + 4097))
+        .unwrap();
     assert!(got == data[..4097], "dtod into a GdrBuffer view");
     let whole = stream.clone_dtoh(buf.as_slice()).unwrap();
     assert!(whole[..12_345] == data[..12_345] && whole[12_345 + 4097..] == data[12_345 + 4097..]);
 
     let info = pointer_info(buf.device_ptr()).unwrap();
     assert!(info.is_device && !info.is_managed, "{info:?}");
-    assert!(info.gdr_capable, "cuMemAlloc memory reports IS_GPU_DIRECT_RDMA_CAPABLE=1: {info:?}");
+    assert!(
+        info.gdr_capable,
+        "cuMemAlloc memory reports IS_GPU_DIRECT_RDMA_CAPABLE=1: {info:?}"
+    );
     assert!(!info.from_pool, "{info:?}");
     assert_eq!(info.gdr_refusal(), None);
     // typed elements too
@@ -95,12 +100,21 @@ fn gpu_gdr_buffer_roundtrip_interop_and_attributes() {
 #[ignore = "needs a CUDA GPU"]
 fn gpu_gdr_pool_memory_is_classified_not_gdr_capable() {
     let (ctx, stream) = gpu();
-    let slice = stream.memcpy_stod(&random(1 << 20)).unwrap();
+    let slice = stream.clone_htod(&random(1 << 20)).unwrap();
     let info = pointer_info(GpuMemory::device_ptr(&slice)).unwrap();
-    eprintln!("cudarc allocation (has_async_alloc={}): {info:?}", ctx.has_async_alloc());
+    eprintln!(
+        "cudarc allocation (has_async_alloc={}): {info:?}",
+        ctx.has_async_alloc()
+    );
     if ctx.has_async_alloc() {
-        assert!(info.from_pool, "cudarc's pool memory has a mempool handle: {info:?}");
-        assert!(!info.gdr_capable, "pool memory reports IS_GPU_DIRECT_RDMA_CAPABLE=0 (measured): {info:?}");
+        assert!(
+            info.from_pool,
+            "cudarc's pool memory has a mempool handle: {info:?}"
+        );
+        assert!(
+            !info.gdr_capable,
+            "pool memory reports IS_GPU_DIRECT_RDMA_CAPABLE=0 (measured): {info:?}"
+        );
         assert_eq!(info.gdr_refusal(), Some(Cause::PoolMemoryNotGdrCapable));
     } else {
         assert!(info.gdr_capable, "{info:?}");
@@ -129,22 +143,35 @@ fn gpu_gdr_dmabuf_export_of_gdr_buffer_aligned_and_unaligned() {
     let (_ctx, stream) = gpu();
     let buf = GdrBuffer::<u8>::alloc(&stream, 3 * GPU_PAGE_SIZE + 777).unwrap();
     let n = buf.num_bytes();
-    for r in [0..n, 0..4096, 100..100 + 4096, 4095..4097, 65_536 + 1..65_536 + 12_345, n - 1..n] {
+    for r in [
+        0..n,
+        0..4096,
+        100..100 + 4096,
+        4095..4097,
+        65_536 + 1..65_536 + 12_345,
+        n - 1..n,
+    ] {
         check_export(&buf, r);
     }
     // export through an Arc (how a region shares a buffer)
     let shared = Arc::new(buf);
     check_export(&shared, 1..2);
     // bad ranges are refused before CUDA is asked
-    assert!(matches!(export_dmabuf(&*shared, 5..5), Err(Error::InvalidArgument(_))));
-    assert!(matches!(export_dmabuf(&*shared, 0..n + 1), Err(Error::InvalidArgument(_))));
+    assert!(matches!(
+        export_dmabuf(&*shared, 5..5),
+        Err(Error::InvalidArgument(_))
+    ));
+    assert!(matches!(
+        export_dmabuf(&*shared, 0..n + 1),
+        Err(Error::InvalidArgument(_))
+    ));
 }
 
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn gpu_gdr_dmabuf_export_of_pool_memory() {
     let (_ctx, stream) = gpu();
-    let slice = stream.memcpy_stod(&random(3 << 20)).unwrap();
+    let slice = stream.clone_htod(&random(3 << 20)).unwrap();
     let n = slice.num_bytes();
     for r in [0..n, 100..100 + 65_536, n - 4097..n - 1] {
         check_export(&slice, r);
@@ -156,11 +183,21 @@ fn gpu_gdr_dmabuf_export_of_pool_memory() {
 fn gpu_gdr_flush_helper_follows_the_ordering_attribute() {
     let (ctx, _stream) = gpu();
     let fl = RdmaWriteFlush::new(&ctx).unwrap();
-    eprintln!("writes ordering {}, flush options {}", fl.ordering(), fl.options());
+    eprintln!(
+        "writes ordering {}, flush options {}",
+        fl.ordering(),
+        fl.options()
+    );
     let owner = fl.flush(FlushScope::Owner).unwrap();
-    assert_eq!(owner == FlushOutcome::NotNeeded, !fl.needed(FlushScope::Owner));
+    assert_eq!(
+        owner == FlushOutcome::NotNeeded,
+        !fl.needed(FlushScope::Owner)
+    );
     match fl.flush(FlushScope::AllDevices) {
-        Ok(o) => assert_eq!(o == FlushOutcome::Flushed, fl.needed(FlushScope::AllDevices)),
+        Ok(o) => assert_eq!(
+            o == FlushOutcome::Flushed,
+            fl.needed(FlushScope::AllDevices)
+        ),
         Err(Error::Unsupported { .. }) => assert!(!fl.options().host()),
         Err(e) => panic!("cuFlushGPUDirectRDMAWrites failed: {e}"),
     }
@@ -177,11 +214,20 @@ fn gpu_gdr_probe_reports_the_gpu_half() {
     for g in &p.gpus {
         assert_eq!(g.error, None, "{p}");
         assert_eq!(g.gdr_supported, Some(1), "{p}");
-        assert_eq!(g.dma_buf_supported, Some(1), "the open kernel module exports dma-bufs: {p}");
-        assert!(g.writes_ordering.is_some() && g.flush_options.is_some(), "{p}");
+        assert_eq!(
+            g.dma_buf_supported,
+            Some(1),
+            "the open kernel module exports dma-bufs: {p}"
+        );
+        assert!(
+            g.writes_ordering.is_some() && g.flush_options.is_some(),
+            "{p}"
+        );
         let bdf = g.pci_bus_id.as_deref().expect("PCI bus id");
         assert!(
-            std::path::Path::new("/sys/bus/pci/devices").join(bdf).exists(),
+            std::path::Path::new("/sys/bus/pci/devices")
+                .join(bdf)
+                .exists(),
             "{bdf} is not in sysfs: {p}"
         );
     }
@@ -203,7 +249,12 @@ fn gpu_gdr_registration_without_rdma_device_is_a_typed_error() {
     let expect = std::env::var("GPUDIRECT_EXPECT_VERBS").unwrap_or_else(|_| "nodevice".into());
     match gpudirect::rdma::Context::open_first() {
         Ok(ctx) => {
-            assert_eq!(expect, "present", "an RDMA device exists here ({}); set GPUDIRECT_EXPECT_VERBS=present", ctx.name());
+            assert_eq!(
+                expect,
+                "present",
+                "an RDMA device exists here ({}); set GPUDIRECT_EXPECT_VERBS=present",
+                ctx.name()
+            );
             let pd = gpudirect::rdma::ProtectionDomain::new(&ctx).unwrap();
             match gpudirect::rdma::GpuMemoryRegion::register(&pd, buf) {
                 Ok(mr) => println!("registered via {} rkey {:#x}", mr.path(), mr.rkey()),
@@ -216,7 +267,9 @@ fn gpu_gdr_registration_without_rdma_device_is_a_typed_error() {
             assert!(
                 matches!(
                     e,
-                    Error::NoDevice { .. } | Error::NoRdmaSubsystem { .. } | Error::LibraryUnavailable { .. }
+                    Error::NoDevice { .. }
+                        | Error::NoRdmaSubsystem { .. }
+                        | Error::LibraryUnavailable { .. }
                 ),
                 "{e:?}"
             );

@@ -36,14 +36,22 @@ fn rdma_gdr_probe_sees_the_device_and_its_ports() {
         if name.starts_with("rxe") {
             assert_eq!(d.ports[0].link_layer, "Ethernet", "{p}");
         }
-        assert_eq!(d.pci_bus_id, None, "software devices have no PCI function\n{p}");
+        assert_eq!(
+            d.pci_bus_id, None,
+            "software devices have no PCI function\n{p}"
+        );
         assert!(
-            p.findings.iter().any(|f| f.contains(&name) && f.contains("software RDMA")),
+            p.findings
+                .iter()
+                .any(|f| f.contains(&name) && f.contains("software RDMA")),
             "{p}"
         );
     }
     let text = p.to_string();
-    assert!(text.contains(&format!("GDR: RDMA device {name} ")), "{text}");
+    assert!(
+        text.contains(&format!("GDR: RDMA device {name} ")),
+        "{text}"
+    );
     // No GPU in the VM: the GPU half is absent, typed, and does not stop the rest.
     if std::env::var("GPUDIRECT_EXPECT_CUDA").as_deref() == Ok("absent") {
         assert!(p.gpus.is_empty() && p.cuda_error.is_some(), "{p}");

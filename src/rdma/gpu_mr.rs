@@ -1,5 +1,5 @@
 //! GPU memory a NIC can reach: [`GdrBuffer`] (a GPUDirect-RDMA-capable allocation of our own),
-//! the [`GpuMemory`] trait that [`GpuMemoryRegion`](super::GpuMemoryRegion) registers, pointer
+//! the [`GpuMemory`] trait that [`GpuMemoryRegion`] registers, pointer
 //! classification ([`pointer_info`]) and the dma-buf export half ([`export_dmabuf`]), which needs
 //! no NIC and so can be tested on a GPU-only machine.
 //!
@@ -9,7 +9,6 @@
 //! [`GdrBuffer`] allocates with `cuMemAlloc`, which reports 1.
 
 use std::fmt;
-use std::marker::PhantomData;
 use std::mem::ManuallyDrop;
 use std::ops::Range;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
@@ -84,7 +83,6 @@ pub struct GdrBuffer<T = u8> {
     start: sys::CUdeviceptr,
     /// Bytes from `slice`'s pointer to the end of the allocation (a multiple of 64 KiB).
     capacity: usize,
-    marker: PhantomData<T>,
 }
 
 impl<T: DeviceRepr> GdrBuffer<T> {
@@ -144,7 +142,6 @@ impl<T: DeviceRepr> GdrBuffer<T> {
             base,
             start,
             capacity,
-            marker: PhantomData,
         })
     }
 
@@ -292,7 +289,7 @@ impl<T> Drop for GdrBuffer<T> {
 }
 
 impl<T> sealed::Sealed for GdrBuffer<T> {}
-impl<T: Send + Sync> GpuMemory for GdrBuffer<T> {
+impl<T> GpuMemory for GdrBuffer<T> {
     fn device_ptr(&self) -> sys::CUdeviceptr {
         self.start
     }
@@ -706,8 +703,13 @@ impl<M: GpuMemory> GpuMemoryRegion<M> {
             match Self::try_dmabuf(pd, &mem, &range, &info, opts.access) {
                 Ok((mr, exp)) => {
                     tracing::info!(
-                        addr = format_args!("{addr:#x}"), len, export_start = format_args!("{:#x}", exp.plan.export_start),
-                        export_len = exp.plan.export_len, offset = exp.plan.offset, lkey = mr.lkey(), rkey = mr.rkey(),
+                        addr = format_args!("{addr:#x}"),
+                        len,
+                        export_start = format_args!("{:#x}", exp.plan.export_start),
+                        export_len = exp.plan.export_len,
+                        offset = exp.plan.offset,
+                        lkey = mr.lkey(),
+                        rkey = mr.rkey(),
                         "GDR: registered via dma-buf (SYNC_MEMOPS set)"
                     );
                     return Ok(GpuMemoryRegion {
@@ -745,7 +747,13 @@ impl<M: GpuMemory> GpuMemoryRegion<M> {
             let r = unsafe { pd.register_raw(addr as *mut std::ffi::c_void, len, opts.access) };
             match r {
                 Ok(mr) => {
-                    tracing::info!(addr = format_args!("{addr:#x}"), len, lkey = mr.lkey(), rkey = mr.rkey(), "GDR: registered via peermem ibv_reg_mr");
+                    tracing::info!(
+                        addr = format_args!("{addr:#x}"),
+                        len,
+                        lkey = mr.lkey(),
+                        rkey = mr.rkey(),
+                        "GDR: registered via peermem ibv_reg_mr"
+                    );
                     return Ok(GpuMemoryRegion {
                         mr,
                         dmabuf: None,

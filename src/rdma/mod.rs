@@ -51,6 +51,7 @@ pub mod probe;
 
 pub use flush::{FlushOptions, FlushOutcome, FlushScope, RdmaWriteFlush, WritesOrdering};
 pub use gpu_mr::{
-    export_dmabuf, pointer_info, DmaBufExport, DmaBufPlan, GdrBuffer, GpuMemory, PointerInfo,
+    export_dmabuf, pointer_info, DmaBufExport, DmaBufPlan, GdrBuffer, GpuMemory, GpuMemoryRegion,
+    GpuRegisterOptions, PointerInfo, Strategy,
 };
 pub use probe::{GdrProbe, PciDistance};

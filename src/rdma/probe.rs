@@ -950,7 +950,9 @@ mod tests {
             ),
             "nodevice" => assert_eq!(p.rdma, RdmaStatus::NoDevices, "{text}"),
             "present" => assert_eq!(p.rdma, RdmaStatus::Devices, "{text}"),
-            other => panic!("GPUDIRECT_EXPECT_VERBS must be absent|enosys|nodevice|present, not {other}"),
+            other => {
+                panic!("GPUDIRECT_EXPECT_VERBS must be absent|enosys|nodevice|present, not {other}")
+            }
         }
         if std::env::var("GPUDIRECT_EXPECT_CUDA").unwrap_or_else(|_| "absent".into()) == "absent" {
             assert!(p.gpus.is_empty() && p.cuda_error.is_some(), "{text}");
