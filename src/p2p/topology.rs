@@ -419,10 +419,34 @@ mod nvml {
                     .count()
             };
             let (sa, sb) = (via_switch(&ra), via_switch(&rb));
+            let nvlink_ok = matches!(
+                da.p2p_status(&db, P2pCapabilitiesIndex::NvLink),
+                Ok(nvml_wrapper::enum_wrappers::device::P2pStatus::Ok)
+            );
             let links = if direct > 0 {
                 direct as u32
             } else if sa > 0 && sb > 0 {
                 sa.min(sb) as u32
+            } else if nvlink_ok {
+                // NVML says the pair talks over NVLink but no link's remote PCI address names
+                // the peer: in virtual machines the links report the host's physical addresses
+                // (or none). Share the active links among the GPUs NVML calls NVLink peers.
+                let peers = (0..count)
+                    .filter(|&j| j != ia)
+                    .filter_map(|j| nvml.device_by_index(j).ok())
+                    .filter(|dj| {
+                        matches!(
+                            da.p2p_status(dj, P2pCapabilitiesIndex::NvLink),
+                            Ok(nvml_wrapper::enum_wrappers::device::P2pStatus::Ok)
+                        )
+                    })
+                    .count()
+                    .max(1);
+                let active = (0..NVLINK_MAX_LINKS)
+                    .filter(|&l| matches!(da.link_wrapper_for(l).is_active(), Ok(true)))
+                    .count();
+                // At least one link: NVML vouched for the NVLink path even if it hides the count.
+                ((active / peers) as u32).max(1)
             } else {
                 0
             };
