@@ -79,6 +79,8 @@ fn main() -> ExitCode {
         progress("P2P");
         report.check_p2p(!opts.quick, opts.withhold_peer_access);
     }
+    progress("GDR");
+    report.check_gdr();
     progress("GDS");
     report.check_gds(&opts.dir, gpus.map(|_| 0), opts.quick);
 

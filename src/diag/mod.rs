@@ -10,6 +10,7 @@ use serde::Serialize;
 
 use crate::error::Error;
 
+mod gdr;
 mod gds;
 mod p2p;
 
@@ -86,6 +87,8 @@ pub struct Report {
     pub findings: Vec<Finding>,
     /// The P2P section's data (topology and per-pair paths), when it ran.
     pub p2p: Option<crate::p2p::P2pReport>,
+    /// The GDR probe's data, when it ran.
+    pub gdr: Option<crate::rdma::probe::GdrProbe>,
 }
 
 impl Report {
