@@ -641,3 +641,122 @@ fn rdma_pair_exchange_read_and_write_across_machines() {
         r => panic!("GPUDIRECT_RDMA_ROLE={r}: use server or client"),
     }
 }
+
+/// librdmacm end to end in one process: a listener thread and a client resolve, connect and
+/// accept through `rdma_cm` (QPs moved by `rdma_init_qp_attr`), the records travel as private
+/// data, and the client RDMA-writes with immediate into the server's region.
+#[test]
+#[ignore = "needs an RDMA device"]
+fn rdma_cm_connect_accept_and_write() {
+    use gpudirect::rdma::cm::{CmEventType, CmId, ConnParam, EventChannel};
+    use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+    const N: usize = 200_003;
+    const T: Duration = Duration::from_secs(30);
+    let ctx = open();
+    let ip: IpAddr = match std::env::var("GPUDIRECT_RDMA_IP") {
+        Ok(ip) => ip.parse().expect("GPUDIRECT_RDMA_IP"),
+        Err(_) => {
+            let g = ctx.select_gid(1).unwrap_or_else(|e| panic!("{HINT}: {e}"));
+            assert!(
+                g.gid.is_ipv4_mapped(),
+                "set GPUDIRECT_RDMA_IP: the GID {} is not an IPv4 address",
+                g.gid
+            );
+            IpAddr::V4(Ipv4Addr::new(
+                g.gid.0[12],
+                g.gid.0[13],
+                g.gid.0[14],
+                g.gid.0[15],
+            ))
+        }
+    };
+    drop(ctx);
+    let addr = SocketAddr::new(ip, 18_520);
+    let data = random_vec(&mut rand::rng(), N);
+    let (ready_tx, ready_rx) = std::sync::mpsc::channel();
+
+    std::thread::scope(|s| {
+        let server = s.spawn(|| {
+            let ch = EventChannel::new().unwrap();
+            let listen = CmId::new(&ch).unwrap();
+            listen.bind(addr).unwrap();
+            listen.listen(4).unwrap();
+            ready_tx.send(()).unwrap();
+            let mut ev = ch.expect(CmEventType::CONNECT_REQUEST, T).unwrap();
+            let id = ev.take_id().unwrap();
+            let client = ConnectionRecord::from_prefix(&ev.private_data()).unwrap();
+            drop(ev);
+            let ctx = id.context().unwrap();
+            let pd = ProtectionDomain::new(&ctx).unwrap();
+            let cq = CompletionQueue::new(&ctx, 64).unwrap();
+            let opts = QpOptions {
+                port: id.port(),
+                ..qp_options()
+            };
+            let qp = QueuePair::new(&pd, &cq, &cq, &opts).unwrap();
+            let mut mr = pd
+                .register_host(random_vec(&mut rand::rng(), N), ACCESS)
+                .unwrap();
+            id.transition(&qp, QpState::Rtr).unwrap();
+            let rec = qp.local_record(Some(mr.remote()));
+            let param = ConnParam {
+                private_data: rec.to_bytes().to_vec(),
+                ..ConnParam::default()
+            };
+            id.accept(&qp, &param).unwrap();
+            drop(ch.expect(CmEventType::ESTABLISHED, T).unwrap());
+            id.transition(&qp, QpState::Rts).unwrap();
+            assert_eq!(qp.state().unwrap(), QpState::Rts);
+            let wc = qp.recv(&mut mr, 0..0).unwrap();
+            assert_eq!(wc.imm_data, Some(0xc0ffee));
+            assert_eq!(
+                first_diff(mr.as_slice(), &data),
+                None,
+                "bytes written over rdma_cm"
+            );
+            drop(ch.expect(CmEventType::DISCONNECTED, T).unwrap());
+            client.qpn
+        });
+
+        ready_rx
+            .recv_timeout(T)
+            .expect("the listener thread failed");
+        let ch = EventChannel::new().unwrap();
+        let id = CmId::new(&ch).unwrap();
+        id.resolve_addr(None, addr, Duration::from_secs(5)).unwrap();
+        drop(ch.expect(CmEventType::ADDR_RESOLVED, T).unwrap());
+        id.resolve_route(Duration::from_secs(5)).unwrap();
+        drop(ch.expect(CmEventType::ROUTE_RESOLVED, T).unwrap());
+        let ctx = id.context().unwrap();
+        let pd = ProtectionDomain::new(&ctx).unwrap();
+        let cq = CompletionQueue::new(&ctx, 64).unwrap();
+        let opts = QpOptions {
+            port: id.port(),
+            ..qp_options()
+        };
+        let qp = QueuePair::new(&pd, &cq, &cq, &opts).unwrap();
+        let src = pd.register_host(data.clone(), ACCESS).unwrap();
+        let param = ConnParam {
+            private_data: qp.local_record(None).to_bytes().to_vec(),
+            ..ConnParam::default()
+        };
+        id.connect(&qp, &param).unwrap();
+        let ev = ch.expect(CmEventType::CONNECT_RESPONSE, T).unwrap();
+        let server_rec = ConnectionRecord::from_prefix(&ev.private_data()).unwrap();
+        drop(ev);
+        id.transition(&qp, QpState::Rtr).unwrap();
+        id.transition(&qp, QpState::Rts).unwrap();
+        id.establish().unwrap();
+        qp.write_with_imm(&src, 0..N, server_rec.remote(), 0xc0ffee)
+            .unwrap();
+        // Let the server see the data before tearing down.
+        std::thread::sleep(Duration::from_millis(200));
+        id.disconnect().unwrap();
+        drop(ch.expect(CmEventType::DISCONNECTED, T).unwrap());
+        assert_eq!(
+            server.join().unwrap(),
+            qp.qpn(),
+            "the server got our QPN as private data"
+        );
+    });
+}

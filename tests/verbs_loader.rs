@@ -170,3 +170,27 @@ fn verbs_sys_loader_resolves_symbols_when_the_library_is_installed() {
         }
     }
 }
+
+#[test]
+fn verbs_rdma_cm_event_channel_fails_the_same_typed_way() {
+    let r = rdma::cm::EventChannel::new();
+    match expectation().as_str() {
+        "absent" => match r {
+            Err(Error::LibraryUnavailable { name, .. }) => {
+                assert!(
+                    name == "librdmacm.so.1" || name == "libibverbs.so.1",
+                    "{name}"
+                )
+            }
+            other => panic!("expected LibraryUnavailable, got {other:?}"),
+        },
+        "enosys" => assert!(
+            matches!(r, Err(Error::NoRdmaSubsystem { .. })),
+            "expected NoRdmaSubsystem, got {r:?}"
+        ),
+        "nodevice" => assert!(matches!(r, Err(Error::NoDevice { .. })), "{r:?}"),
+        _ => {
+            r.expect("rdma_create_event_channel with an RDMA device present");
+        }
+    }
+}

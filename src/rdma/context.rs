@@ -19,6 +19,8 @@ pub struct Context {
     lib: &'static Ibverbs,
     raw: NonNull<sys::ibv_context>,
     info: DeviceInfo,
+    /// False for a context librdmacm opened (it keeps it open for the process).
+    owned: bool,
 }
 
 // SAFETY: libibverbs is thread-safe: "all verbs are thread safe" (rdma-core
@@ -183,6 +185,9 @@ pub(crate) fn select_roce_gid(table: &[GidEntry]) -> Option<&GidEntry> {
 
 impl Drop for Context {
     fn drop(&mut self) {
+        if !self.owned {
+            return;
+        }
         // SAFETY: every child holds an Arc<Context>, so none is left; closed once.
         if let Err(e) = unsafe { result::close_device(self.lib, self.raw) } {
             tracing::warn!(device = %self.info.name, error = %e, "ibv_close_device failed");
@@ -229,6 +234,27 @@ impl Verbs {
             lib: self.lib(),
             raw,
             info,
+            owned: true,
+        }))
+    }
+}
+
+impl Context {
+    /// A context librdmacm opened (`rdma_cm_id::verbs`): not closed on drop.
+    ///
+    /// # Safety
+    ///
+    /// `raw` must be a context that stays open for the life of the process (librdmacm keeps
+    /// the contexts it opens until the library is unloaded).
+    pub(crate) unsafe fn borrowed(raw: NonNull<sys::ibv_context>) -> Result<Arc<Context>> {
+        let lib = result::ibverbs()?;
+        // SAFETY: `raw` is a live context (caller), so its device is a valid ibv_device.
+        let dev = unsafe { raw.as_ref().device };
+        Ok(Arc::new(Context {
+            lib,
+            raw,
+            info: DeviceInfo::from_raw(lib, dev),
+            owned: false,
         }))
     }
 }

@@ -24,6 +24,7 @@
 //! # Ok::<(), gpudirect::Error>(())
 //! ```
 
+pub mod cm;
 pub mod connect;
 mod context;
 mod cq;

@@ -92,6 +92,15 @@ impl ConnectionRecord {
         Ok(r)
     }
 
+    /// Decodes a record from the start of `b`, ignoring what follows: rdma_cm private data
+    /// arrives padded to the CM message's full size (56 bytes for a connect request).
+    pub fn from_prefix(b: &[u8]) -> Result<Self> {
+        match b.get(..Self::WIRE_LEN) {
+            Some(p) => Self::from_bytes(p),
+            None => Self::from_bytes(b),
+        }
+    }
+
     pub(crate) fn validate(&self) -> Result<()> {
         if self.qpn > 0xff_ffff || self.psn > 0xff_ffff {
             return Err(Error::InvalidArgument(format!(
@@ -354,7 +363,12 @@ impl QueuePair {
         Ok(qp)
     }
 
-    fn modify(&self, op: &'static str, a: &mut sys::ibv_qp_attr, mask: u32) -> Result<()> {
+    pub(crate) fn modify(
+        &self,
+        op: &'static str,
+        a: &mut sys::ibv_qp_attr,
+        mask: u32,
+    ) -> Result<()> {
         // SAFETY: the QP is live while `self` is; `a` is a valid attribute block.
         unsafe { result::modify_qp(self.pd.context().lib(), self.raw, a, mask) }.map_err(|e| {
             match e {

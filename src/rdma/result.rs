@@ -444,3 +444,244 @@ pub(crate) unsafe fn post_recv(qp: NonNull<sys::ibv_qp>, wr: &mut sys::ibv_recv_
         sys::ibv_post_recv(qp.as_ptr(), wr, &mut bad)
     })
 }
+
+// ---- librdmacm ---------------------------------------------------------------------------
+
+/// The hint attached to a missing librdmacm.
+pub(crate) const RDMACM_HINT: &str =
+    "install rdma-core's connection manager library (apt-get install librdmacm1) or set GPUDIRECT_RDMACM_LIB to its path";
+
+/// The process-wide librdmacm.
+pub(crate) fn rdmacm() -> Result<&'static sys::Rdmacm> {
+    sys::Rdmacm::get().map_err(|e| unavailable(e, RDMACM_HINT))
+}
+
+/// A librdmacm symbol, or `SymbolUnavailable`.
+macro_rules! cm_sym {
+    ($lib:expr, $name:ident) => {
+        $lib.$name.ok_or_else(|| Error::SymbolUnavailable {
+            library: "librdmacm.so.1",
+            symbol: stringify!($name),
+            hint: "update rdma-core (librdmacm1) to a release that has it".into(),
+        })?
+    };
+}
+
+/// librdmacm calls return 0 or -1 with errno set.
+fn cm_rc(op: &'static str, r: i32) -> Result<()> {
+    if r == 0 {
+        Ok(())
+    } else {
+        let e = errno();
+        let e = if e.raw_os_error() == Some(0) {
+            io::Error::from_raw_os_error(if r > 0 { r } else { libc::EIO })
+        } else {
+            e
+        };
+        Err(Error::Verbs { op, source: e })
+    }
+}
+
+/// `rdma_create_event_channel`.
+pub(crate) unsafe fn cm_create_event_channel(
+    lib: &sys::Rdmacm,
+) -> Result<NonNull<sys::rdma_event_channel>> {
+    let f = cm_sym!(lib, rdma_create_event_channel);
+    clear_errno();
+    // SAFETY: no arguments.
+    nonnull("rdma_create_event_channel", unsafe { f() })
+}
+
+/// `rdma_destroy_event_channel`.
+pub(crate) unsafe fn cm_destroy_event_channel(
+    lib: &sys::Rdmacm,
+    ch: NonNull<sys::rdma_event_channel>,
+) {
+    if let Some(f) = lib.rdma_destroy_event_channel {
+        // SAFETY: `ch` is live with no id left on it (caller).
+        unsafe { f(ch.as_ptr()) }
+    }
+}
+
+/// `rdma_create_id` (`RDMA_PS_TCP`: reliable connected).
+pub(crate) unsafe fn cm_create_id(
+    lib: &sys::Rdmacm,
+    ch: NonNull<sys::rdma_event_channel>,
+) -> Result<NonNull<sys::rdma_cm_id>> {
+    let f = cm_sym!(lib, rdma_create_id);
+    let mut id = std::ptr::null_mut();
+    clear_errno();
+    // SAFETY: `ch` is live (caller); `id` a valid out-pointer.
+    cm_rc("rdma_create_id", unsafe {
+        f(ch.as_ptr(), &mut id, std::ptr::null_mut(), sys::RDMA_PS_TCP)
+    })?;
+    nonnull("rdma_create_id", id)
+}
+
+/// `rdma_destroy_id`.
+pub(crate) unsafe fn cm_destroy_id(lib: &sys::Rdmacm, id: NonNull<sys::rdma_cm_id>) -> Result<()> {
+    let f = cm_sym!(lib, rdma_destroy_id);
+    // SAFETY: `id` is live, all its events acknowledged (caller).
+    cm_rc("rdma_destroy_id", unsafe { f(id.as_ptr()) })
+}
+
+/// `rdma_bind_addr`.
+pub(crate) unsafe fn cm_bind_addr(
+    lib: &sys::Rdmacm,
+    id: NonNull<sys::rdma_cm_id>,
+    addr: *mut libc::sockaddr,
+) -> Result<()> {
+    let f = cm_sym!(lib, rdma_bind_addr);
+    clear_errno();
+    // SAFETY: `id` live, `addr` a valid sockaddr (caller).
+    cm_rc("rdma_bind_addr", unsafe { f(id.as_ptr(), addr) })
+}
+
+/// `rdma_resolve_addr`.
+pub(crate) unsafe fn cm_resolve_addr(
+    lib: &sys::Rdmacm,
+    id: NonNull<sys::rdma_cm_id>,
+    src: *mut libc::sockaddr,
+    dst: *mut libc::sockaddr,
+    timeout_ms: i32,
+) -> Result<()> {
+    let f = cm_sym!(lib, rdma_resolve_addr);
+    clear_errno();
+    // SAFETY: `id` live; `src` NULL or valid; `dst` valid (caller).
+    cm_rc("rdma_resolve_addr", unsafe {
+        f(id.as_ptr(), src, dst, timeout_ms)
+    })
+}
+
+/// `rdma_resolve_route`.
+pub(crate) unsafe fn cm_resolve_route(
+    lib: &sys::Rdmacm,
+    id: NonNull<sys::rdma_cm_id>,
+    timeout_ms: i32,
+) -> Result<()> {
+    let f = cm_sym!(lib, rdma_resolve_route);
+    clear_errno();
+    // SAFETY: `id` live (caller).
+    cm_rc("rdma_resolve_route", unsafe { f(id.as_ptr(), timeout_ms) })
+}
+
+/// `rdma_listen`.
+pub(crate) unsafe fn cm_listen(
+    lib: &sys::Rdmacm,
+    id: NonNull<sys::rdma_cm_id>,
+    backlog: i32,
+) -> Result<()> {
+    let f = cm_sym!(lib, rdma_listen);
+    clear_errno();
+    // SAFETY: `id` live and bound (caller).
+    cm_rc("rdma_listen", unsafe { f(id.as_ptr(), backlog) })
+}
+
+/// `rdma_connect`.
+pub(crate) unsafe fn cm_connect(
+    lib: &sys::Rdmacm,
+    id: NonNull<sys::rdma_cm_id>,
+    p: &mut sys::rdma_conn_param,
+) -> Result<()> {
+    let f = cm_sym!(lib, rdma_connect);
+    clear_errno();
+    // SAFETY: `id` live with a resolved route; `p` valid for the call (caller).
+    cm_rc("rdma_connect", unsafe { f(id.as_ptr(), p) })
+}
+
+/// `rdma_accept`.
+pub(crate) unsafe fn cm_accept(
+    lib: &sys::Rdmacm,
+    id: NonNull<sys::rdma_cm_id>,
+    p: &mut sys::rdma_conn_param,
+) -> Result<()> {
+    let f = cm_sym!(lib, rdma_accept);
+    clear_errno();
+    // SAFETY: `id` is a connect-request id; `p` valid for the call (caller).
+    cm_rc("rdma_accept", unsafe { f(id.as_ptr(), p) })
+}
+
+/// `rdma_reject`.
+pub(crate) unsafe fn cm_reject(
+    lib: &sys::Rdmacm,
+    id: NonNull<sys::rdma_cm_id>,
+    data: &[u8],
+) -> Result<()> {
+    let f = cm_sym!(lib, rdma_reject);
+    clear_errno();
+    // SAFETY: `id` is a connect-request id; `data` valid for the call.
+    cm_rc("rdma_reject", unsafe {
+        f(id.as_ptr(), data.as_ptr().cast(), data.len() as u8)
+    })
+}
+
+/// `rdma_establish`.
+pub(crate) unsafe fn cm_establish(lib: &sys::Rdmacm, id: NonNull<sys::rdma_cm_id>) -> Result<()> {
+    let f = cm_sym!(lib, rdma_establish);
+    clear_errno();
+    // SAFETY: `id` got CONNECT_RESPONSE (caller).
+    cm_rc("rdma_establish", unsafe { f(id.as_ptr()) })
+}
+
+/// `rdma_disconnect`.
+pub(crate) unsafe fn cm_disconnect(lib: &sys::Rdmacm, id: NonNull<sys::rdma_cm_id>) -> Result<()> {
+    let f = cm_sym!(lib, rdma_disconnect);
+    clear_errno();
+    // SAFETY: `id` live (caller).
+    cm_rc("rdma_disconnect", unsafe { f(id.as_ptr()) })
+}
+
+/// `rdma_get_cm_event`.
+pub(crate) unsafe fn cm_get_event(
+    lib: &sys::Rdmacm,
+    ch: NonNull<sys::rdma_event_channel>,
+) -> Result<NonNull<sys::rdma_cm_event>> {
+    let f = cm_sym!(lib, rdma_get_cm_event);
+    let mut ev = std::ptr::null_mut();
+    clear_errno();
+    // SAFETY: `ch` live (caller); `ev` a valid out-pointer.
+    cm_rc("rdma_get_cm_event", unsafe { f(ch.as_ptr(), &mut ev) })?;
+    nonnull("rdma_get_cm_event", ev)
+}
+
+/// `rdma_ack_cm_event`.
+pub(crate) unsafe fn cm_ack_event(
+    lib: &sys::Rdmacm,
+    ev: NonNull<sys::rdma_cm_event>,
+) -> Result<()> {
+    let f = cm_sym!(lib, rdma_ack_cm_event);
+    // SAFETY: `ev` came from rdma_get_cm_event and is acked once (caller).
+    cm_rc("rdma_ack_cm_event", unsafe { f(ev.as_ptr()) })
+}
+
+/// `rdma_init_qp_attr`: the attributes and mask for moving a QP to `attr.qp_state`.
+pub(crate) unsafe fn cm_init_qp_attr(
+    lib: &sys::Rdmacm,
+    id: NonNull<sys::rdma_cm_id>,
+    attr: &mut sys::ibv_qp_attr,
+) -> Result<u32> {
+    let f = cm_sym!(lib, rdma_init_qp_attr);
+    let mut mask = 0;
+    clear_errno();
+    // SAFETY: `id` live (caller); out-pointers valid.
+    cm_rc("rdma_init_qp_attr", unsafe {
+        f(id.as_ptr(), attr, &mut mask)
+    })?;
+    Ok(mask as u32)
+}
+
+/// `rdma_event_str`.
+pub(crate) fn cm_event_str(lib: &sys::Rdmacm, ev: u32) -> Option<String> {
+    let f = lib.rdma_event_str?;
+    // SAFETY: rdma_event_str returns a static string for any value.
+    let p = unsafe { f(ev) };
+    if p.is_null() {
+        return None;
+    }
+    // SAFETY: a NUL-terminated static string.
+    Some(
+        unsafe { std::ffi::CStr::from_ptr(p) }
+            .to_string_lossy()
+            .into_owned(),
+    )
+}
