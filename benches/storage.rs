@@ -14,6 +14,14 @@
 //! - `GPUDIRECT_BENCH_DISK_THREADS` raw disk thread counts (default 1,4,16,32,64)
 //! - `GPUDIRECT_BENCH_KVIKIO` path of the KvikIO script (default scripts/bench-storage-kvikio.py;
 //!   `0` skips it); `GPUDIRECT_BENCH_PYTHON` (default python3)
+//! - `GPUDIRECT_BENCH_KVIKIO_THREADS` KvikIO's thread sweep (default: `GPUDIRECT_BENCH_THREADS`)
+//! - `GPUDIRECT_BENCH_VARIANTS` pipeline variants for page-cached reads, comma-separated
+//!   (default: a built-in sweep; `0` skips): `lanes[-tN][-pP]` (per-worker double buffers, one
+//!   copy per piece on the worker's stream) or `seg-S-K-C[-tN][-pP]` (segment ring: K pinned
+//!   segments of S bytes, one copy per segment on C copy streams); `tN` threads, `pP` piece
+//!   (task = bounce) size. Rows `ours_read_cached_v_<spec>`; every variant row is preceded by
+//!   an untimed read with the same settings (steady state, setup excluded).
+//! - `GPUDIRECT_BENCH_DISK=0` skips the write, cold-read and raw-disk rows
 //! - `GPUDIRECT_BENCH_QUICK=1` skips the sweeps; `GPUDIRECT_BENCH_KEEP=1` keeps the files
 //!
 //! Without a GPU it runs the host-memory rows only (engine into host memory vs one-thread pread,
@@ -47,9 +55,53 @@ struct Cfg {
     tasks: Vec<usize>,
     disk_threads: Vec<usize>,
     kvikio: Option<PathBuf>,
+    kvikio_threads: Vec<usize>,
+    variants: Vec<String>,
+    disk: bool,
     python: String,
     quick: bool,
     keep: bool,
+}
+
+/// The built-in variant sweep (see the module docs for the syntax).
+const VARIANTS: &str = "lanes,lanes-t16,\
+seg-32M-4-1,seg-16M-4-1,seg-64M-4-1,seg-8M-4-1,seg-4M-4-1,seg-8M-8-1,seg-16M-8-1,seg-32M-8-1,\
+seg-16M-2-1,seg-64M-2-1,seg-32M-4-2,seg-16M-8-2,seg-8M-4-2,seg-64M-4-2,\
+seg-32M-4-1-p1M,seg-32M-4-1-p4M,seg-16M-4-1-p512K,\
+seg-32M-4-1-t8,seg-32M-4-1-t12,seg-32M-4-1-t16,seg-32M-4-1-t24,seg-16M-4-1-t16,seg-8M-8-1-t16";
+
+/// Applies a variant spec to the options; None when it does not parse.
+fn variant(
+    spec: &str,
+    mut o: gpudirect::storage::GpuFileOptions,
+) -> Option<gpudirect::storage::GpuFileOptions> {
+    use gpudirect::storage::Pipeline;
+    let mut parts = spec.split('-');
+    match parts.next()? {
+        "lanes" => o = o.pipeline(Pipeline::Lanes),
+        "seg" => {
+            let size = gpudirect::storage::config::parse_size(parts.next()?)?;
+            let k: usize = parts.next()?.parse().ok()?;
+            let c: usize = parts.next()?.parse().ok()?;
+            o = o
+                .pipeline(Pipeline::Segments)
+                .segment_size(size)
+                .segments(k)
+                .copy_streams(c);
+        }
+        _ => return None,
+    }
+    for p in parts {
+        if let Some(n) = p.strip_prefix('t') {
+            o = o.threads(n.parse().ok()?);
+        } else if let Some(n) = p.strip_prefix('p') {
+            let n = gpudirect::storage::config::parse_size(n)?;
+            o = o.task_size(n).bounce_size(n);
+        } else {
+            return None;
+        }
+    }
+    Some(o)
 }
 
 fn list(name: &str, default: &str) -> Vec<usize> {
@@ -91,6 +143,21 @@ impl Cfg {
             tasks: list("GPUDIRECT_BENCH_TASKS", "1M,2M,4M,8M,16M"),
             disk_threads: list("GPUDIRECT_BENCH_DISK_THREADS", "1,4,16,32,64"),
             kvikio,
+            kvikio_threads: list(
+                "GPUDIRECT_BENCH_KVIKIO_THREADS",
+                &std::env::var("GPUDIRECT_BENCH_THREADS")
+                    .unwrap_or_else(|_| "1,2,4,8,16,32,64".into()),
+            ),
+            variants: match std::env::var("GPUDIRECT_BENCH_VARIANTS") {
+                Ok(v) if v == "0" => Vec::new(),
+                Ok(v) => v
+                    .split(',')
+                    .map(|s| s.trim().to_string())
+                    .filter(|s| !s.is_empty())
+                    .collect(),
+                Err(_) => VARIANTS.split(',').map(String::from).collect(),
+            },
+            disk: std::env::var("GPUDIRECT_BENCH_DISK").map_or(true, |v| v != "0"),
             python: std::env::var("GPUDIRECT_BENCH_PYTHON").unwrap_or_else(|_| "python3".into()),
             quick: flag("GPUDIRECT_BENCH_QUICK"),
             keep: flag("GPUDIRECT_BENCH_KEEP"),
@@ -352,7 +419,7 @@ impl Drop for Gpu {
 
 /// One KvikIO round through the Python script; rows come back as JSON lines.
 fn kvikio_round(cfg: &Cfg, script: &Path, file: &Path, wfile: &Path, t: &mut Table) {
-    let threads: Vec<String> = cfg.threads.iter().map(|n| n.to_string()).collect();
+    let threads: Vec<String> = cfg.kvikio_threads.iter().map(|n| n.to_string()).collect();
     let mut cmd = std::process::Command::new(&cfg.python);
     cmd.arg(script)
         .args([
@@ -362,6 +429,11 @@ fn kvikio_round(cfg: &Cfg, script: &Path, file: &Path, wfile: &Path, t: &mut Tab
             &wfile.to_string_lossy(),
         ])
         .args(["--size", &cfg.size.to_string(), "--reps", "1"])
+        .args(if cfg.disk {
+            &[][..]
+        } else {
+            &["--no-writes"][..]
+        })
         .args([
             "--threads",
             &if cfg.quick {
@@ -486,8 +558,11 @@ fn main() -> Res<()> {
                     r.path
                 ),
             );
+            // Each sweep row: an untimed read first (engine threads, pinned memory: setup is
+            // not what the row measures), then the timed one.
             for &n in &threads {
                 let f = GpuFile::options().threads(n).open(&file)?;
+                g.read(&f, size)?;
                 t.add(&format!("ours_read_cached_t{n}"), g.read(&f, size)?.0);
             }
             for &ts in &tasks {
@@ -495,10 +570,34 @@ fn main() -> Res<()> {
                     .task_size(ts)
                     .bounce_size(ts)
                     .open(&file)?;
+                g.read(&f, size)?;
                 t.add(
                     &format!("ours_read_cached_task{}M", ts >> 20),
                     g.read(&f, size)?.0,
                 );
+            }
+            if !cfg.quick {
+                for spec in &cfg.variants {
+                    let Some(o) = variant(spec, GpuFile::options()) else {
+                        t.note("variants", format!("unparsable variant {spec:?} skipped"));
+                        continue;
+                    };
+                    let f = o.open(&file)?;
+                    g.read(&f, size)?;
+                    let name = format!("ours_read_cached_v_{spec}");
+                    t.add(&name, g.read(&f, size)?.0);
+                    if round == 0 {
+                        let c = f.config();
+                        t.note(
+                            &name,
+                            format!(
+                                "{} threads, piece {}K",
+                                f.engine_threads(Some(0))?,
+                                c.task_size.min(c.bounce_size) >> 10
+                            ),
+                        );
+                    }
+                }
             }
             if let Some(s) = &script {
                 kvikio_round(&cfg, s, &file, &kfile, &mut t);
@@ -506,7 +605,10 @@ fn main() -> Res<()> {
             for (name, durable) in [
                 ("ours_write_durable_default", true),
                 ("ours_write_nondurable_default", false),
-            ] {
+            ]
+            .into_iter()
+            .filter(|_| cfg.disk)
+            {
                 let w = GpuFile::options()
                     .create(true)
                     .truncate(true)
@@ -562,6 +664,9 @@ fn main() -> Res<()> {
                 t.add(name, gbps(size, t0));
             }
         }
+        if !cfg.disk {
+            continue;
+        }
         for &n in &cfg.disk_threads {
             t.add(
                 &format!("raw_write_odirect_t{n}"),
@@ -613,6 +718,17 @@ fn main() -> Res<()> {
     }
     if let Some(n) = t.notes.get("kvikio") {
         println!("kvikio: {n}");
+    }
+    if let Some(n) = t.notes.get("variants") {
+        println!("variants: {n}");
+    }
+    if let Some((n, v)) = t.best("ours_read_cached") {
+        println!(
+            "best page-cached read: {n} {v:.2} GB/s{}",
+            limit
+                .map(|l| format!(" ({:.2} x pinned H2D)", v / l))
+                .unwrap_or_default()
+        );
     }
     println!("(GB/s = 1e9 bytes/s; {} rounds, medians)\n", cfg.reps);
 

@@ -55,6 +55,7 @@ def main():
     ap.add_argument("--reps", type=int, default=1)
     ap.add_argument("--threads", default="1,2,4,8,16,32,64")
     ap.add_argument("--device", type=int, default=0)
+    ap.add_argument("--no-writes", action="store_true", help="read rows only")
     a = ap.parse_args()
 
     import kvikio
@@ -77,9 +78,12 @@ def main():
 
     version = getattr(kvikio, "__version__", "?")
     try:
-        compat = str(kvikio.defaults.compat_mode())
-    except Exception as e:  # noqa: BLE001 - report, don't fail
-        compat = f"? ({e})"
+        compat = str(kvikio.defaults.get("compat_mode"))
+    except Exception:  # noqa: BLE001 - older KvikIO spells it differently
+        try:
+            compat = str(kvikio.defaults.compat_mode())
+        except Exception as e:  # noqa: BLE001 - report, don't fail
+            compat = f"? ({e})"
     default_threads = get_threads(kvikio)
     note = f"kvikio {version}, compat_mode={compat}, {lib}"
     sweep = [int(x) for x in a.threads.split(",") if x.strip()]
@@ -116,6 +120,8 @@ def main():
             set_threads(kvikio, n)
             emit(f"kvikio_read_cached_t{n}", read_once())
         set_threads(kvikio, default_threads or 1)
+        if a.no_writes:
+            continue
         emit("kvikio_write_durable_default", write_once(True), f"threads={default_threads}")
         emit("kvikio_write_nondurable_default", write_once(False))
         for n in [n for n in sweep if n in (16, 32)]:

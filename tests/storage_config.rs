@@ -1,7 +1,7 @@
 //! `GPUDIRECT_*` storage settings from the environment (one test: the environment is
 //! process-wide).
 
-use gpudirect::storage::{Backend, CompatMode, GpuFile, ODirect, StorageConfig};
+use gpudirect::storage::{Backend, CompatMode, GpuFile, ODirect, Pipeline, StorageConfig};
 use gpudirect::{Cause, Error, Path};
 
 #[test]
@@ -15,6 +15,10 @@ fn environment_sets_mode_and_engine_knobs_and_rejects_garbage() {
         "GPUDIRECT_ODIRECT_READ",
         "GPUDIRECT_ODIRECT_WRITE",
         "GPUDIRECT_NUMA_PIN",
+        "GPUDIRECT_PIPELINE",
+        "GPUDIRECT_SEGMENT_SIZE",
+        "GPUDIRECT_SEGMENTS",
+        "GPUDIRECT_COPY_STREAMS",
     ];
     for v in vars {
         std::env::remove_var(v);
@@ -22,6 +26,36 @@ fn environment_sets_mode_and_engine_knobs_and_rejects_garbage() {
     let d = StorageConfig::from_env().unwrap();
     assert_eq!(d, StorageConfig::default());
     assert_eq!((d.task_size, d.bounce_size), (4 << 20, 2 << 20));
+    assert_eq!(
+        (d.pipeline, d.segment_size, d.segments, d.copy_streams),
+        (Pipeline::Segments, 32 << 20, 4, 1)
+    );
+    std::env::set_var("GPUDIRECT_PIPELINE", "lanes");
+    std::env::set_var("GPUDIRECT_SEGMENT_SIZE", "16M");
+    std::env::set_var("GPUDIRECT_SEGMENTS", "8");
+    std::env::set_var("GPUDIRECT_COPY_STREAMS", "2");
+    let c = StorageConfig::from_env().unwrap();
+    assert_eq!(
+        (c.pipeline, c.segment_size, c.segments, c.copy_streams),
+        (Pipeline::Lanes, 16 << 20, 8, 2)
+    );
+    for (v, bad) in [
+        ("GPUDIRECT_PIPELINE", "fast"),
+        ("GPUDIRECT_SEGMENTS", "1"),
+        ("GPUDIRECT_COPY_STREAMS", "0"),
+        ("GPUDIRECT_SEGMENT_SIZE", "huge"),
+    ] {
+        let keep = std::env::var(v).unwrap();
+        std::env::set_var(v, bad);
+        match StorageConfig::from_env() {
+            Err(Error::InvalidArgument(m)) => assert!(m.contains(v), "{m}"),
+            other => panic!("{v}={bad}: {other:?}"),
+        }
+        std::env::set_var(v, keep);
+    }
+    for v in &vars[8..] {
+        std::env::remove_var(v);
+    }
 
     std::env::set_var("GPUDIRECT_COMPAT_MODE", "on");
     std::env::set_var("GPUDIRECT_NTHREADS", "12");

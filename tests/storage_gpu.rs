@@ -10,7 +10,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream};
-use gpudirect::storage::{read_to_gpu, Backend, CompatMode, GpuFile, ODirect};
+use gpudirect::storage::{read_to_gpu, Backend, CompatMode, GpuFile, ODirect, Pipeline};
 use gpudirect::{Cause, Error, FallbackPolicy, Path};
 use rand::{Rng, RngCore, SeedableRng};
 
@@ -159,6 +159,36 @@ fn gpu_storage_engine_round_trips_random_data() {
             disk[woff as usize..] == expect[..],
             "file written from the GPU differs"
         );
+    }
+    // Both read pipelines; small segments and rings so the ring wraps many times.
+    for (pipe, seg, ring, streams, od) in [
+        (Pipeline::Lanes, 1 << 20, 2, 1, ODirect::Off),
+        (Pipeline::Segments, 300_000, 2, 1, ODirect::Off),
+        (Pipeline::Segments, 300_000, 3, 2, ODirect::On),
+        (Pipeline::Segments, 1 << 20, 4, 3, ODirect::On),
+    ] {
+        let f = GpuFile::options()
+            .backend(Backend::Engine)
+            .odirect(od)
+            .threads(7)
+            .task_size(65_536 + 4096)
+            .pipeline(pipe)
+            .segment_size(seg)
+            .segments(ring)
+            .copy_streams(streams)
+            .open(&src)
+            .unwrap();
+        f.warm_up(0).unwrap();
+        read_round(&f, &stream, &model, &mut rng, 10);
+        let mut dev = stream.alloc_zeros::<u8>(size + 3).unwrap();
+        let r = f.read_to_device(&mut dev, 0).unwrap();
+        assert_eq!(r.bytes, size, "{pipe:?}");
+        let back = to_host(&stream, &dev);
+        assert!(
+            back[..size] == model[..],
+            "{pipe:?} {seg} {ring} {streams}: data differs"
+        );
+        assert_eq!(&back[size..], &[0, 0, 0], "bytes past end of file changed");
     }
     std::fs::remove_dir_all(&d).unwrap();
 }

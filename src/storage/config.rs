@@ -16,6 +16,10 @@
 //! | `GPUDIRECT_ODIRECT` | `auto`, `on`, `off` | `auto` | O_DIRECT for both directions (see [`ODirect`]) |
 //! | `GPUDIRECT_ODIRECT_READ`, `GPUDIRECT_ODIRECT_WRITE` | as above | `GPUDIRECT_ODIRECT` | per direction |
 //! | `GPUDIRECT_NUMA_PIN` | `1`/`0` | `1` | pin workers (and so their bounce buffers) to the GPU's NUMA node |
+//! | `GPUDIRECT_PIPELINE` | `segments`, `lanes` | `segments` | how reads to the GPU are staged (see [`Pipeline`]) |
+//! | `GPUDIRECT_SEGMENT_SIZE` | bytes, as above | `32M` | [`Pipeline::Segments`]: bytes per pinned segment, one host→device copy each (a multiple of the piece size) |
+//! | `GPUDIRECT_SEGMENTS` | integer 2 to 64 | `4` | [`Pipeline::Segments`]: segments in the ring |
+//! | `GPUDIRECT_COPY_STREAMS` | integer 1 to 16 | `1` | [`Pipeline::Segments`]: CUDA streams the segment copies are issued on (round robin) |
 //!
 //! `GPUDIRECT_REQUIRE_DIRECT` and `GPUDIRECT_FALLBACK` choose the
 //! [`FallbackPolicy`](crate::FallbackPolicy) (see there).
@@ -105,6 +109,37 @@ impl ODirect {
     }
 }
 
+/// How the engine stages a read into device memory.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Default)]
+pub enum Pipeline {
+    /// Workers `pread` pieces into disjoint slices of a ring of large pinned segments; when a
+    /// segment is full, one `cuMemcpyHtoDAsync` moves all of it on a dedicated copy stream.
+    /// Few, large copies keep the copy engine streaming; readers run ahead by the ring.
+    #[default]
+    Segments,
+    /// Each worker double-buffers its own two bounce buffers and issues one copy per piece on
+    /// its own stream (many small copies on many streams).
+    Lanes,
+}
+
+impl Pipeline {
+    /// Parses `segments` (`seg`) or `lanes` (any case).
+    pub fn parse(s: &str) -> Option<Self> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "segments" | "segment" | "seg" => Some(Pipeline::Segments),
+            "lanes" | "lane" => Some(Pipeline::Lanes),
+            _ => None,
+        }
+    }
+}
+
+/// Default segment size of [`Pipeline::Segments`] (32 MiB).
+pub const DEFAULT_SEGMENT_SIZE: usize = 32 << 20;
+/// Default number of segments in the ring of [`Pipeline::Segments`].
+pub const DEFAULT_SEGMENTS: usize = 4;
+/// Default number of copy streams of [`Pipeline::Segments`].
+pub const DEFAULT_COPY_STREAMS: usize = 1;
+
 /// Settings of a [`GpuFile`](super::GpuFile): backend mode and engine parameters.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct StorageConfig {
@@ -122,6 +157,14 @@ pub struct StorageConfig {
     pub odirect_write: ODirect,
     /// Pin workers to the GPU's NUMA node (`GPUDIRECT_NUMA_PIN`).
     pub numa_pin: bool,
+    /// How reads to the GPU are staged (`GPUDIRECT_PIPELINE`).
+    pub pipeline: Pipeline,
+    /// [`Pipeline::Segments`]: bytes per segment (`GPUDIRECT_SEGMENT_SIZE`).
+    pub segment_size: usize,
+    /// [`Pipeline::Segments`]: segments in the ring (`GPUDIRECT_SEGMENTS`).
+    pub segments: usize,
+    /// [`Pipeline::Segments`]: copy streams (`GPUDIRECT_COPY_STREAMS`).
+    pub copy_streams: usize,
     /// Which variable set `compat_mode` (for the `ForcedByConfig` cause), if any.
     #[serde(skip)]
     pub(crate) compat_source: Option<String>,
@@ -137,6 +180,10 @@ impl Default for StorageConfig {
             odirect_read: ODirect::Auto,
             odirect_write: ODirect::Auto,
             numa_pin: true,
+            pipeline: Pipeline::Segments,
+            segment_size: DEFAULT_SEGMENT_SIZE,
+            segments: DEFAULT_SEGMENTS,
+            copy_streams: DEFAULT_COPY_STREAMS,
             compat_source: None,
         }
     }
@@ -188,9 +235,27 @@ impl StorageConfig {
                 .ok_or_else(|| bad("GPUDIRECT_NTHREADS", &v, "an integer from 1 to 1024"))?;
             c.threads = Some(n);
         }
+        if let Some(v) = env("GPUDIRECT_PIPELINE") {
+            c.pipeline = Pipeline::parse(&v)
+                .ok_or_else(|| bad("GPUDIRECT_PIPELINE", &v, "segments or lanes"))?;
+        }
+        for (name, slot, lo, hi) in [
+            ("GPUDIRECT_SEGMENTS", &mut c.segments, 2usize, 64usize),
+            ("GPUDIRECT_COPY_STREAMS", &mut c.copy_streams, 1, 16),
+        ] {
+            if let Some(v) = env(name) {
+                *slot = v
+                    .trim()
+                    .parse::<usize>()
+                    .ok()
+                    .filter(|n| (lo..=hi).contains(n))
+                    .ok_or_else(|| bad(name, &v, &format!("an integer from {lo} to {hi}")))?;
+            }
+        }
         for (name, slot) in [
             ("GPUDIRECT_TASK_SIZE", &mut c.task_size),
             ("GPUDIRECT_BOUNCE_SIZE", &mut c.bounce_size),
+            ("GPUDIRECT_SEGMENT_SIZE", &mut c.segment_size),
         ] {
             if let Some(v) = env(name) {
                 let n = parse_size(&v)
@@ -260,6 +325,9 @@ mod tests {
         assert_eq!(CompatMode::parse("maybe"), None);
         assert_eq!(ODirect::parse("On"), Some(ODirect::On));
         assert_eq!(ODirect::parse("nope"), None);
+        assert_eq!(Pipeline::parse("Segments"), Some(Pipeline::Segments));
+        assert_eq!(Pipeline::parse("lanes"), Some(Pipeline::Lanes));
+        assert_eq!(Pipeline::parse("fast"), None);
     }
 
     #[test]

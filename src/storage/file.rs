@@ -10,10 +10,10 @@ use cudarc::driver::{
 };
 use serde::Serialize;
 
-use super::config::{CompatMode, ODirect, StorageConfig};
+use super::config::{CompatMode, ODirect, Pipeline, StorageConfig};
 use super::engine::io::{self, Fds, OpenMode};
 use super::engine::plan::{plan, Dir};
-use super::engine::{self, Job, Target};
+use super::engine::{self, Job, SegParams, Target};
 use crate::error::{Error, Result};
 use crate::path::{Cause, FallbackPolicy, Path, PathReport};
 
@@ -115,6 +115,10 @@ pub struct GpuFileOptions {
     odirect_read: Option<ODirect>,
     odirect_write: Option<ODirect>,
     numa_pin: Option<bool>,
+    pipeline: Option<Pipeline>,
+    segment_size: Option<usize>,
+    segments: Option<usize>,
+    copy_streams: Option<usize>,
     fallback: Option<FallbackPolicy>,
     device: Option<usize>,
     durable: bool,
@@ -186,6 +190,31 @@ impl GpuFileOptions {
         self.numa_pin = Some(yes);
         self
     }
+    /// How reads to the GPU are staged (default `GPUDIRECT_PIPELINE`, else
+    /// [`Pipeline::Segments`]).
+    pub fn pipeline(mut self, p: Pipeline) -> Self {
+        self.pipeline = Some(p);
+        self
+    }
+    /// [`Pipeline::Segments`]: bytes per pinned segment, one host→device copy each (rounded
+    /// down to a multiple of the piece size, at least one piece; default
+    /// `GPUDIRECT_SEGMENT_SIZE`, else 32 MiB).
+    pub fn segment_size(mut self, n: usize) -> Self {
+        self.segment_size = Some(super::config::round_size(n));
+        self
+    }
+    /// [`Pipeline::Segments`]: segments in the ring, 2 to 64 (default `GPUDIRECT_SEGMENTS`,
+    /// else 4).
+    pub fn segments(mut self, n: usize) -> Self {
+        self.segments = Some(n.clamp(2, 64));
+        self
+    }
+    /// [`Pipeline::Segments`]: CUDA streams the segment copies go on, 1 to 16 (default
+    /// `GPUDIRECT_COPY_STREAMS`, else 1).
+    pub fn copy_streams(mut self, n: usize) -> Self {
+        self.copy_streams = Some(n.clamp(1, 16));
+        self
+    }
     /// What a device transfer does when it would not take a direct path (default
     /// [`FallbackPolicy::global`]). Host-memory transfers have no direct path and ignore it.
     pub fn fallback(mut self, p: FallbackPolicy) -> Self {
@@ -234,6 +263,18 @@ impl GpuFileOptions {
         }
         if let Some(p) = self.numa_pin {
             cfg.numa_pin = p;
+        }
+        if let Some(p) = self.pipeline {
+            cfg.pipeline = p;
+        }
+        if let Some(n) = self.segment_size {
+            cfg.segment_size = n;
+        }
+        if let Some(n) = self.segments {
+            cfg.segments = n;
+        }
+        if let Some(n) = self.copy_streams {
+            cfg.copy_streams = n;
         }
         let fds = Fds::open(
             path,
@@ -482,6 +523,34 @@ impl GpuFile {
         }
     }
 
+    /// The segment pipeline's shape, when this file's reads to the GPU use it.
+    fn seg_params(&self) -> Option<SegParams> {
+        (self.cfg.pipeline == Pipeline::Segments).then_some(SegParams {
+            segment_size: self.cfg.segment_size,
+            segments: self.cfg.segments.max(2),
+            streams: self.cfg.copy_streams.max(1),
+        })
+    }
+
+    /// Sets up, ahead of the first transfer, what reads of this file into `device`'s memory
+    /// use: the engine's worker threads (bound to the device's primary context), and the
+    /// pinned segment ring. Without it the first read pays this setup (tens of milliseconds
+    /// for pinning the memory). A no-op for files whose device reads go through cuFile.
+    ///
+    /// Errors: [`Error::Cuda`] (no such device, pinning refused), [`Error::Io`] (threads).
+    pub fn warm_up(&self, device: usize) -> Result<()> {
+        if self.cufile.is_some() {
+            return Ok(());
+        }
+        let ctx = crate::cuda::context(device)?;
+        let engine = engine::engine(Some(device), self.cfg.threads, self.cfg.numa_pin)?;
+        engine.prepare_workers(&ctx);
+        if let Some(p) = self.seg_params() {
+            engine.prepare_segments(&ctx, self.cfg.piece_size(), p)?;
+        }
+        Ok(())
+    }
+
     /// Worker threads for a job: the configured count, else the default (at least
     /// [`engine::MIN_DIRECT_THREADS`] for O_DIRECT jobs, which wait on the disk).
     fn threads_for(&self, device: Option<usize>, direct: bool) -> Option<usize> {
@@ -527,10 +596,11 @@ impl GpuFile {
         self.check_device(ctx.ordinal())?;
         self.check_policy()?;
         if let Some(cf) = &self.cufile {
-            let bytes = if len == 0 {
+            let n = self.readable(file_offset, len)?;
+            let bytes = if n == 0 {
                 0
             } else {
-                cf.read(&mut view, file_offset)?
+                cufile_glue::read_clamped(cf.as_ref(), &mut view, file_offset, n)?
             };
             return Ok(IoReport {
                 bytes,
@@ -562,7 +632,10 @@ impl GpuFile {
         // SAFETY: dptr..dptr+len is `dst`'s device memory in `ctx`, exclusively borrowed for
         // this call; every task lies within [0, n) with n <= len; Engine::run returns only
         // after all copies completed.
-        let job = unsafe { Job::new(&self.fds, tasks, piece, Target::DevRead { ctx, dptr }) };
+        let mut job = unsafe { Job::new(&self.fds, tasks, piece, Target::DevRead { ctx, dptr }) };
+        if let Some(p) = self.seg_params() {
+            job = job.with_segments(p);
+        }
         let (bytes, odirect) = engine.run(job)?;
         Ok(IoReport {
             bytes,
@@ -579,6 +652,12 @@ impl GpuFile {
         file_offset: u64,
     ) -> Result<IoReport> {
         let want = dst.as_dst().len();
+        check_range(file_offset, want)?;
+        // Refuse before any byte moves when the file is already too short.
+        let can = self.readable(file_offset, want)?;
+        if can < want {
+            return Err(self.eof(file_offset, want, can));
+        }
         let r = self.read_to_device(dst, file_offset)?;
         if r.bytes < want {
             return Err(self.eof(file_offset, want, r.bytes));
@@ -796,6 +875,52 @@ mod cufile_glue {
         fn report(&self) -> PathReport {
             self.0.path_report().clone()
         }
+    }
+
+    /// Bytes a cuFile read may write past the range it was asked for (cuFile's compat path
+    /// moves whole 4 KiB blocks); the tail of every read goes through a scratch buffer
+    /// this much larger than the tail, so the caller's bytes past the range stay untouched.
+    const CUFILE_OVERRUN: usize = 64 << 10;
+
+    /// Reads exactly `n` bytes (`n` ≤ the view, `off + n` ≤ the file's size: the caller
+    /// clamped to end of file) through cuFile. The last up-to-64 KiB piece goes through a
+    /// scratch device buffer with room to spare and is copied into place, because cuFile's
+    /// compat path was seen writing device bytes past what it reported.
+    pub(crate) fn read_clamped(
+        cf: &dyn CuFileIo,
+        view: &mut CudaViewMut<'_, u8>,
+        off: u64,
+        n: usize,
+    ) -> Result<usize> {
+        let tail = n.min(CUFILE_OVERRUN + ((off as usize + n) % 4096));
+        let body = n - tail;
+        let mut got = 0;
+        if body > 0 {
+            let mut v = view.slice_mut(..body);
+            got = cf.read(&mut v, off)?;
+            if got < body {
+                return Ok(got);
+            }
+        }
+        let stream = view.stream().clone();
+        let mut scratch = stream
+            .alloc_zeros::<u8>(tail + CUFILE_OVERRUN)
+            .map_err(|e| Error::cuda("cuMemAlloc", e))?;
+        let t = {
+            let mut sv = scratch.slice_mut(..tail);
+            cf.read(&mut sv, off + body as u64)?
+        };
+        if t > 0 {
+            let mut dst = view.slice_mut(body..body + t);
+            stream
+                .memcpy_dtod(&scratch.slice(..t), &mut dst)
+                .map_err(|e| Error::cuda("cuMemcpyDtoDAsync", e))?;
+        }
+        stream
+            .synchronize()
+            .map_err(|e| Error::cuda("cuStreamSynchronize", e))?;
+        got += t;
+        Ok(got)
     }
 
     /// Opens the driver and registers `path` with cuFile (the file already exists: `GpuFile`

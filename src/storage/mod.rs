@@ -37,7 +37,7 @@ mod status;
 pub use status::{CuFileStatus, IoReturn};
 pub mod cufile;
 
-pub use config::{CompatMode, ODirect, StorageConfig};
+pub use config::{CompatMode, ODirect, Pipeline, StorageConfig};
 pub use file::{read_to_gpu, Backend, DeviceDst, DeviceSrc, GpuFile, GpuFileOptions, IoReport};
 
 /// The engine's default worker count for `device` (`None`: host memory): the CPUs of the

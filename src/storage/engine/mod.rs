@@ -15,6 +15,9 @@
 //!   switches the file to buffered IO for good.
 //! - **Placement**: workers of a device's pool are pinned to the CPUs of the GPU's NUMA node
 //!   and allocate (first touch) their bounce buffers there.
+//! - **Segments** ([`segment`], the default for reads to the GPU): workers `pread` into
+//!   disjoint slices of a ring of large pinned segments and one copy per full segment is
+//!   issued on a dedicated copy stream: few large DMA transfers instead of many small ones.
 //! - Every stream is synchronized before a job returns: no copy outlives the call.
 
 pub(crate) mod bounce;
@@ -22,6 +25,7 @@ pub(crate) mod io;
 pub(crate) mod numa;
 pub(crate) mod plan;
 pub(crate) mod pool;
+pub(crate) mod segment;
 pub(crate) mod worker;
 
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -65,6 +69,18 @@ pub(crate) struct Job<'a> {
     error: Mutex<Option<Error>>,
     done: Vec<AtomicUsize>,
     used_direct: AtomicBool,
+    seg: Option<SegParams>,
+}
+
+/// The shape of a segment pipeline (see [`segment`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct SegParams {
+    /// Bytes per segment (rounded down to a multiple of the piece, at least one piece).
+    pub segment_size: usize,
+    /// Segments in the ring (at least 2).
+    pub segments: usize,
+    /// Copy streams.
+    pub streams: usize,
 }
 
 // SAFETY: the raw pointers in `target` address the caller's buffer, which outlives the job
@@ -91,7 +107,18 @@ impl<'a> Job<'a> {
             error: Mutex::new(None),
             done,
             used_direct: AtomicBool::new(false),
+            seg: None,
         }
+    }
+
+    /// Runs a device read through the segment pipeline (ignored for other targets).
+    pub fn with_segments(mut self, p: SegParams) -> Self {
+        self.seg = Some(p);
+        self
+    }
+
+    fn aborted(&self) -> bool {
+        self.abort.load(Ordering::Relaxed)
     }
 
     fn next(&self) -> Option<(usize, Task)> {
@@ -132,6 +159,7 @@ impl<'a> Job<'a> {
 pub(crate) struct Engine {
     pool: Pool,
     inline: Mutex<WorkerState>,
+    seg: Mutex<Option<segment::SegRes>>,
 }
 
 #[derive(Clone, PartialEq, Eq)]
@@ -203,6 +231,7 @@ pub(crate) fn engine(
     let e = Arc::new(Engine {
         pool,
         inline: Mutex::new(WorkerState::new(usize::MAX)),
+        seg: Mutex::new(None),
     });
     reg.push((key, e.clone()));
     Ok(e)
@@ -220,6 +249,12 @@ impl Engine {
         if job.tasks.is_empty() {
             return Ok((0, false));
         }
+        if let (Some(p), Target::DevRead { ctx, dptr }) = (job.seg, &job.target) {
+            if job.tasks.len() > 1 {
+                let (ctx, dptr) = (ctx.clone(), *dptr);
+                return self.run_segments(job, &ctx, dptr, p);
+            }
+        }
         if job.tasks.len() == 1 {
             let mut ws = self.inline.lock().unwrap_or_else(|p| p.into_inner());
             work(&mut ws, &job);
@@ -231,6 +266,81 @@ impl Engine {
                     "an IO worker panicked (a bug in gpudirect: please report it)",
                 ),
             });
+        }
+        job.outcome()
+    }
+}
+
+impl Engine {
+    /// Sets up (or reuses) this engine's segment ring for `ctx`, with no job running.
+    fn seg_res<'g>(
+        &self,
+        g: &'g mut Option<segment::SegRes>,
+        ctx: &Arc<CudaContext>,
+        seg_bytes: usize,
+        p: SegParams,
+    ) -> Result<&'g segment::SegRes> {
+        if !g
+            .as_ref()
+            .is_some_and(|r| r.fits(ctx, seg_bytes, p.segments, p.streams))
+        {
+            // The old ring's copies were drained when its last job ended.
+            *g = None;
+            ctx.bind_to_thread()
+                .map_err(|e| Error::cuda("cuCtxSetCurrent", e))?;
+            *g = Some(segment::SegRes::new(ctx, seg_bytes, p.segments, p.streams)?);
+        }
+        Ok(g.as_ref().expect("set above"))
+    }
+
+    /// Allocates the segment ring for `ctx` now (no IO), so a first transfer does not pay it.
+    pub fn prepare_segments(
+        &self,
+        ctx: &Arc<CudaContext>,
+        piece: usize,
+        p: SegParams,
+    ) -> Result<()> {
+        let seg_bytes = segment::tasks_per_segment(p.segment_size, piece) * piece;
+        let mut g = self.seg.lock().unwrap_or_else(|p| p.into_inner());
+        self.seg_res(&mut g, ctx, seg_bytes, p).map(|_| ())
+    }
+
+    /// Binds `ctx` on every worker (so their first job does not pay it).
+    pub fn prepare_workers(&self, ctx: &Arc<CudaContext>) {
+        self.pool.run(&|_ws: &mut WorkerState| {
+            let _ = ctx.bind_to_thread();
+        });
+    }
+
+    fn run_segments(
+        &self,
+        job: Job<'_>,
+        ctx: &Arc<CudaContext>,
+        dptr: sys::CUdeviceptr,
+        p: SegParams,
+    ) -> Result<(usize, bool)> {
+        let per = segment::tasks_per_segment(p.segment_size, job.piece);
+        let seg_bytes = per * job.piece;
+        let mut g = self.seg.lock().unwrap_or_else(|p| p.into_inner());
+        let res = self.seg_res(&mut g, ctx, seg_bytes, p)?;
+        let sj = segment::SegJob::new(res, job.tasks.len(), per, dptr);
+        let ok = self.pool.run(&|_ws: &mut WorkerState| {
+            if let Err(e) = sj.work(&job) {
+                job.fail(e);
+            }
+        });
+        if !ok {
+            job.fail(Error::Io {
+                op: "IO worker",
+                path: Some(job.fds.path.clone()),
+                source: std::io::Error::other(
+                    "an IO worker panicked (a bug in gpudirect: please report it)",
+                ),
+            });
+        }
+        // Every copy completes before the caller's buffer is released.
+        if let Err(e) = res.drain() {
+            job.fail(e);
         }
         job.outcome()
     }
