@@ -2,6 +2,7 @@
 
 use std::collections::VecDeque;
 use std::fmt;
+use std::mem::MaybeUninit;
 use std::os::fd::{AsRawFd, RawFd};
 use std::ptr::NonNull;
 use std::sync::{Arc, Mutex};
@@ -184,12 +185,12 @@ impl CompletionQueue {
             return Ok(n);
         }
         let want = (out.len() - n).min(64);
-        // SAFETY: ibv_wc is plain C data; all-zero is valid.
-        let mut raw: [sys::ibv_wc; 64] = unsafe { std::mem::zeroed() };
+        let mut raw = [const { MaybeUninit::<sys::ibv_wc>::uninit() }; 64];
         // SAFETY: the CQ is live while `self` is.
         let got = unsafe { result::poll_cq(self.raw, &mut raw[..want]) }?;
         for r in &raw[..got] {
-            out[n] = WorkCompletion::from_raw(r);
+            // SAFETY: ibv_poll_cq initialised the first `got` entries.
+            out[n] = WorkCompletion::from_raw(unsafe { r.assume_init_ref() });
             n += 1;
         }
         Ok(n)
@@ -207,15 +208,15 @@ impl CompletionQueue {
                     return Ok(b.remove(i));
                 }
             }
-            // SAFETY: ibv_wc is plain C data; all-zero is valid.
-            let mut raw: [sys::ibv_wc; 16] = unsafe { std::mem::zeroed() };
+            let mut raw = [const { MaybeUninit::<sys::ibv_wc>::uninit() }; 16];
             // SAFETY: the CQ is live while `self` is.
             let got = unsafe { result::poll_cq(self.raw, &mut raw) }?;
             let mut found = None;
             if got > 0 {
                 let mut b = self.backlog.lock().unwrap_or_else(|p| p.into_inner());
                 for r in &raw[..got] {
-                    let wc = WorkCompletion::from_raw(r);
+                    // SAFETY: ibv_poll_cq initialised the first `got` entries.
+                    let wc = WorkCompletion::from_raw(unsafe { r.assume_init_ref() });
                     if wc.wr_id == wr_id && found.is_none() {
                         found = Some(wc);
                     } else {

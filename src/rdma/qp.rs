@@ -243,6 +243,38 @@ impl Default for ConnectOptions {
     }
 }
 
+/// A scatter/gather list for one post, on the stack for up to 4 entries (the posting hot path
+/// allocates nothing).
+enum SgList {
+    Stack([sys::ibv_sge; 4], usize),
+    Heap(Vec<sys::ibv_sge>),
+}
+
+impl SgList {
+    fn new(sges: &[Sge]) -> SgList {
+        if sges.len() <= 4 {
+            let mut a = [sys::ibv_sge {
+                addr: 0,
+                length: 0,
+                lkey: 0,
+            }; 4];
+            for (d, s) in a.iter_mut().zip(sges) {
+                *d = s.to_raw();
+            }
+            SgList::Stack(a, sges.len())
+        } else {
+            SgList::Heap(sges.iter().map(|s| s.to_raw()).collect())
+        }
+    }
+
+    fn as_mut_slice(&mut self) -> &mut [sys::ibv_sge] {
+        match self {
+            SgList::Stack(a, n) => &mut a[..*n],
+            SgList::Heap(v) => v,
+        }
+    }
+}
+
 /// Work-request ids used by the post-and-wait helpers have this bit set; keep it clear in ids
 /// you post yourself.
 pub const HELPER_WR_ID_BIT: u64 = 1 << 63;
@@ -581,7 +613,8 @@ impl QueuePair {
         signaled: bool,
     ) -> Result<()> {
         self.check_send(what, sges)?;
-        let mut sg: Vec<sys::ibv_sge> = sges.iter().map(|s| s.to_raw()).collect();
+        let mut sg = SgList::new(sges);
+        let sg = sg.as_mut_slice();
         // SAFETY: plain C data; all-zero is valid.
         let mut wr: sys::ibv_send_wr = unsafe { std::mem::zeroed() };
         wr.wr_id = wr_id;
@@ -741,7 +774,8 @@ impl QueuePair {
                 self.max_recv_sge
             )));
         }
-        let mut sg: Vec<sys::ibv_sge> = local.iter().map(|s| s.to_raw()).collect();
+        let mut sg = SgList::new(local);
+        let sg = sg.as_mut_slice();
         // SAFETY: plain C data; all-zero is valid.
         let mut wr: sys::ibv_recv_wr = unsafe { std::mem::zeroed() };
         wr.wr_id = wr_id;

@@ -327,11 +327,15 @@ pub(crate) unsafe fn destroy_cq(lib: &Ibverbs, cq: NonNull<sys::ibv_cq>) -> Resu
     rc("ibv_destroy_cq", unsafe { f(cq.as_ptr()) })
 }
 
-/// `ibv_poll_cq`: the number of completions written.
-pub(crate) unsafe fn poll_cq(cq: NonNull<sys::ibv_cq>, wc: &mut [sys::ibv_wc]) -> Result<usize> {
+/// `ibv_poll_cq`: the number of completions written to the first entries of `wc`.
+pub(crate) unsafe fn poll_cq(
+    cq: NonNull<sys::ibv_cq>,
+    wc: &mut [std::mem::MaybeUninit<sys::ibv_wc>],
+) -> Result<usize> {
     let n = wc.len().min(i32::MAX as usize) as i32;
-    // SAFETY: `cq` is live (caller); `wc` holds `n` writable entries.
-    let r = unsafe { sys::ibv_poll_cq(cq.as_ptr(), n, wc.as_mut_ptr()) };
+    // SAFETY: `cq` is live (caller); `wc` holds `n` writable entries (MaybeUninit has the
+    // layout of ibv_wc).
+    let r = unsafe { sys::ibv_poll_cq(cq.as_ptr(), n, wc.as_mut_ptr().cast()) };
     if r < 0 {
         return Err(Error::Verbs {
             op: "ibv_poll_cq",
