@@ -339,40 +339,54 @@ fn gpu_cufile_stream_ordered_io() {
     let Some(h) = register(&d, &path, &file) else {
         return std::fs::remove_file(&path).unwrap();
     };
-    let buf = stream.clone_htod(&random(70_001)).unwrap();
-    let accept_refusal = |e: Error| {
-        eprintln!("stream-ordered IO refused: {e}");
+    let compat = h.path_report().path != gpudirect::Path::Gds;
+    eprintln!(
+        "stream IO on {} (o_direct {}): {}",
+        path.display(),
+        h.is_o_direct(),
+        h.path_report()
+    );
+    // 1. Odd sizes and offsets on the handle `open` chose (buffered without nvidia-fs).
+    if !h.is_o_direct() || !compat {
+        let buf = stream.clone_htod(&random(70_001)).unwrap();
+        let sentinel = dtoh(&stream, &buf);
+        let (n, buf) = h
+            .read_async(buf, 11, 65_537, 4097)
+            .and_then(|io| io.wait())
+            .unwrap_or_else(|e| panic!("unaligned cuFileReadAsync on {}: {e}", h.path_report()));
+        assert_eq!(n, 65_537);
+        let got = dtoh(&stream, &buf);
         assert!(
-            matches!(
-                e,
-                Error::CuFile {
-                    op: "cuFileReadAsync" | "cuFileWriteAsync",
-                    ..
-                } | Error::Io { .. }
-            ),
-            "{e:?}"
+            got[11..11 + 65_537] == file[4097..4097 + 65_537],
+            "read bytes differ"
         );
-    };
-    match h.read_async(buf, 11, 65_537, 4097).and_then(|io| io.wait()) {
-        Ok((n, buf)) => {
-            assert_eq!(n, 65_537);
-            let got = dtoh(&stream, &buf);
-            assert!(got[11..11 + 65_537] == file[4097..4097 + 65_537]);
-            // A guard dropped without wait synchronises; the buffer is then freed safely.
-            drop(h.read_async(buf, 0, 4099, 100).unwrap());
-            // Stream-ordered write, then the file holds the bytes.
-            let data = random(4099);
-            let src = stream.clone_htod(&data).unwrap();
-            match h.write_async(src, 0, 4099, 100).and_then(|io| io.wait()) {
-                Ok((n, _)) => {
-                    assert_eq!(n, 4099);
-                    h.file().sync_data().unwrap();
-                    assert!(std::fs::read(&path).unwrap()[100..100 + 4099] == data[..]);
-                }
-                Err(e) => accept_refusal(e),
-            }
-        }
-        Err(e) => accept_refusal(e),
+        assert!(got[..11] == sentinel[..11] && got[11 + 65_537..] == sentinel[11 + 65_537..]);
+        // A guard dropped without wait synchronises; the buffer is then freed safely.
+        drop(h.read_async(buf, 0, 4099, 100).unwrap());
+        // Across end of file: short, and the bytes past it are untouched.
+        let tail = stream.clone_htod(&random(5000)).unwrap();
+        let before = dtoh(&stream, &tail);
+        let (n, tail) = h
+            .read_async(tail, 0, 5000, file.len() as u64 - 1000)
+            .and_then(|io| io.wait())
+            .unwrap();
+        assert_eq!(n, 1000);
+        let got = dtoh(&stream, &tail);
+        assert!(got[..1000] == file[file.len() - 1000..]);
+        assert!(
+            got[1000..] == before[1000..],
+            "bytes past end of file changed"
+        );
+        // Stream-ordered write at an odd offset, then the file holds the bytes.
+        let data = random(4099);
+        let src = stream.clone_htod(&data).unwrap();
+        let (n, _) = h
+            .write_async(src, 0, 4099, 100)
+            .and_then(|io| io.wait())
+            .unwrap_or_else(|e| panic!("unaligned cuFileWriteAsync: {e}"));
+        assert_eq!(n, 4099);
+        h.file().sync_data().unwrap();
+        assert!(std::fs::read(&path).unwrap()[100..100 + 4099] == data[..]);
     }
     // Out-of-range requests are refused before cuFile sees them.
     let small = stream.clone_htod(&random(10)).unwrap();
@@ -380,6 +394,57 @@ fn gpu_cufile_stream_ordered_io() {
         h.read_async(small, 5, 6, 0),
         Err(Error::InvalidArgument(_))
     ));
+    drop(h);
+
+    // 2. An O_DIRECT handle: in compatibility mode cuFile's stream path needs 4 KiB-aligned
+    //    size, file offset and buffer offset; gpudirect refuses the rest with a typed error.
+    let expect = std::fs::read(&path).unwrap();
+    let h = CuFileHandle::open_with(Arc::clone(&d), &path, OpenMode::ReadWrite, true).unwrap();
+    let compat = h.path_report().path != gpudirect::Path::Gds;
+    eprintln!(
+        "O_DIRECT stream handle: o_direct {}, {}",
+        h.is_o_direct(),
+        h.path_report()
+    );
+    let a = gpudirect::storage::cufile::STREAM_COMPAT_ODIRECT_ALIGN as usize;
+    if h.is_o_direct() && compat {
+        let buf = stream.clone_htod(&random(70_001)).unwrap();
+        match h.read_async(buf, 11, 65_537, 4097) {
+            Err(Error::Unsupported { what, cause }) => {
+                let msg = format!("{what}: {cause} ({})", cause.fix());
+                eprintln!("refused as expected: {msg}");
+                assert!(msg.contains("4096") && msg.contains("O_DIRECT"), "{msg}");
+            }
+            other => panic!("unaligned stream IO on an O_DIRECT compat handle: {other:?}"),
+        }
+    }
+    let buf = stream.clone_htod(&random(3 * a + 64 * 1024)).unwrap();
+    let sentinel = dtoh(&stream, &buf);
+    let (n, buf) = h
+        .read_async(buf, a, 64 * 1024, 2 * a as u64)
+        .and_then(|io| io.wait())
+        .unwrap_or_else(|e| panic!("aligned cuFileReadAsync on O_DIRECT: {e}"));
+    assert_eq!(n, 64 * 1024);
+    let got = dtoh(&stream, &buf);
+    assert!(
+        got[a..a + 64 * 1024] == expect[2 * a..2 * a + 64 * 1024],
+        "aligned read differs"
+    );
+    assert!(got[..a] == sentinel[..a] && got[a + 64 * 1024..] == sentinel[a + 64 * 1024..]);
+    let data = random(3 * a);
+    let src = stream.clone_htod(&data).unwrap();
+    let (n, _) = h
+        .write_async(src, a, 2 * a, 3 * a as u64)
+        .and_then(|io| io.wait())
+        .unwrap_or_else(|e| panic!("aligned cuFileWriteAsync on O_DIRECT: {e}"));
+    assert_eq!(n, 2 * a);
+    h.file().sync_data().unwrap();
+    let mut expect = expect;
+    expect[3 * a..5 * a].copy_from_slice(&data[a..3 * a]);
+    assert!(
+        std::fs::read(&path).unwrap() == expect,
+        "file differs after the aligned write"
+    );
     drop(h);
     std::fs::remove_file(&path).unwrap();
 }
@@ -590,4 +655,74 @@ fn gpu_cufile_bad_input_gives_typed_errors() {
         "a refused write changed the file"
     );
     std::fs::remove_file(&path).unwrap();
+}
+
+/// The workload of [`gpu_cufile_process_exits_cleanly`]'s child process: what the test binary
+/// did before it crashed at exit (context taken and dropped, driver, statistics, registration,
+/// IO). On its own it is an ordinary GPU test.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gpu_cufile_exit_child() {
+    let stream = gpu();
+    let d = driver();
+    let stats = Stats::start(Arc::clone(&d), 3).ok();
+    let path = scratch("exit-child");
+    let file = random((1 << 20) + 5);
+    if let Some(h) = register(&d, &path, &file) {
+        let mut buf = stream.clone_htod(&random(file.len())).unwrap();
+        assert_eq!(h.read(&mut buf, 0).unwrap(), file.len());
+        assert!(dtoh(&stream, &buf) == file);
+        let abuf = stream.clone_htod(&random(8192)).unwrap();
+        let _ = h.read_async(abuf, 0, 8192, 4096).and_then(|io| io.wait());
+    }
+    drop(stats);
+    std::fs::remove_file(&path).unwrap();
+    eprintln!("retained contexts: {}", d.retained_contexts());
+    // `stream` drops here: the last reference to GPU 0's context in this test.
+}
+
+/// Runs [`gpu_cufile_exit_child`] in a child process (this test binary, filtered to that one
+/// test) and checks the process exits cleanly: with the default exit strategy it must; with
+/// `GPUDIRECT_CUFILE_EXIT_STRATEGY=none` (the old behaviour) the status is only reported.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gpu_cufile_process_exits_cleanly() {
+    use std::os::unix::process::ExitStatusExt;
+    let _stream = gpu();
+    let exe = std::env::current_exe().unwrap();
+    for strategy in [None, Some("none")] {
+        let mut cmd = std::process::Command::new(&exe);
+        cmd.args([
+            "--ignored",
+            "--exact",
+            "gpu_cufile_exit_child",
+            "--nocapture",
+        ]);
+        match strategy {
+            Some(s) => cmd.env(gpudirect::storage::cufile::EXIT_STRATEGY_ENV, s),
+            None => cmd.env_remove(gpudirect::storage::cufile::EXIT_STRATEGY_ENV),
+        };
+        let out = cmd.output().unwrap();
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        let label = strategy.unwrap_or("default (retain-ctx)");
+        eprintln!(
+            "exit strategy {label}: {:?} (signal {:?})\n{stderr}",
+            out.status,
+            out.status.signal()
+        );
+        assert!(
+            stdout.contains("1 passed"),
+            "the child did not run gpu_cufile_exit_child:\n{stdout}\n{stderr}"
+        );
+        if strategy.is_none() {
+            assert!(
+                out.status.success(),
+                "a process that used cuFile did not exit cleanly with the default strategy: \
+                 {:?} (signal {:?})",
+                out.status,
+                out.status.signal()
+            );
+        }
+    }
 }

@@ -225,6 +225,7 @@ impl BatchIo {
                     "operation {i}: file offset {file_offset} is too large"
                 )));
             }
+            self.driver.retain_context(stream.context());
             stream
                 .context()
                 .bind_to_thread()

@@ -53,6 +53,7 @@ impl RegisteredBuffer {
             ));
         }
         let stream = Arc::clone(slice.stream());
+        driver.retain_context(stream.context());
         stream
             .context()
             .bind_to_thread()

@@ -1,8 +1,11 @@
-//! The process-wide cuFile driver: opened once, configured before opening, never closed.
+//! The process-wide cuFile driver: opened once, configured before opening, never closed, and
+//! kept safe to tear down at process exit (see [`ExitStrategy`]).
 
 use std::ffi::OsString;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
+
+use cudarc::driver::{sys as cu, CudaContext};
 
 use cufile_sys as sys;
 
@@ -203,6 +206,71 @@ pub enum LogTarget {
     CuFileDefault,
 }
 
+/// The environment variable that chooses the [`ExitStrategy`] when the builder does not:
+/// `retain-ctx` (the default), `close-at-exit` or `none`.
+pub const EXIT_STRATEGY_ENV: &str = "GPUDIRECT_CUFILE_EXIT_STRATEGY";
+
+/// What gpudirect does so that a process that used cuFile exits cleanly.
+///
+/// At process exit libcufile tears itself down (its C++ static destructors close the driver
+/// implicitly), and that teardown calls into CUDA: it frees the bounce buffers and streams it
+/// created in the CUDA context that was current when it first needed one, and pushes and pops
+/// that context. cudarc releases a device's primary context when the last `Arc<CudaContext>`
+/// drops (`cuDevicePrimaryCtxRelease`); when that was the last reference, the context and
+/// everything cuFile created in it are destroyed while cuFile still holds their handles, and
+/// cuFile's exit-time teardown then crashes (`Segmentation fault` after `main` returned; seen
+/// with cuFile 1.15 on driver 580 when the test threads' contexts had all been dropped, while
+/// processes that kept a context alive exited cleanly). KvikIO and cuDF hit the same class of
+/// crash (rapidsai/kvikio#159, #497; NVIDIA/cudf#17121) and answer it by leaking their CUDA
+/// resources on purpose (kvikio PR #462).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum ExitStrategy {
+    /// The default. The driver keeps a reference (`Arc<CudaContext>`, i.e. a retained primary
+    /// context) to the context that was current when it opened and to every context whose memory
+    /// went through cuFile, for the life of the process: they are never released, so cuFile's
+    /// teardown at exit finds them alive. Costs nothing but the contexts staying resident until
+    /// exit, which cuFile needs anyway. A non-primary context (`cuCtxCreate`) current at open
+    /// cannot be retained this way: keep it alive yourself, or open the driver first.
+    #[default]
+    RetainContexts,
+    /// [`RetainContexts`](Self::RetainContexts), plus an `atexit` handler, registered right after
+    /// `cuFileDriverOpen`, that calls `cuFileDriverClose_v2` before libcuda's own exit handlers
+    /// run. Experimental: IO still running on other threads at exit then fails with
+    /// `CU_FILE_DRIVER_CLOSING`.
+    CloseAtExit,
+    /// Neither (gpudirect's behaviour before the fix; for experiments and comparisons only).
+    Nothing,
+}
+
+impl ExitStrategy {
+    /// Parses the values of [`EXIT_STRATEGY_ENV`]: `retain-ctx`, `close-at-exit`, `none`.
+    pub fn parse(s: &str) -> Option<ExitStrategy> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "retain-ctx" | "retain" | "default" | "" => Some(ExitStrategy::RetainContexts),
+            "close-at-exit" => Some(ExitStrategy::CloseAtExit),
+            "none" => Some(ExitStrategy::Nothing),
+            _ => None,
+        }
+    }
+
+    /// The strategy [`EXIT_STRATEGY_ENV`] names (the default when unset); an unknown value is
+    /// [`Error::InvalidArgument`].
+    pub fn from_env() -> Result<ExitStrategy> {
+        match std::env::var(EXIT_STRATEGY_ENV) {
+            Err(_) => Ok(ExitStrategy::default()),
+            Ok(v) => ExitStrategy::parse(&v).ok_or_else(|| {
+                Error::InvalidArgument(format!(
+                    "{EXIT_STRATEGY_ENV}={v:?} is not a strategy: use retain-ctx, close-at-exit or none (or unset it)"
+                ))
+            }),
+        }
+    }
+
+    fn retains(self) -> bool {
+        self != ExitStrategy::Nothing
+    }
+}
+
 /// One setting staged by the builder, applied before `cuFileDriverOpen`.
 #[derive(Debug, Clone)]
 enum Setting {
@@ -255,6 +323,7 @@ pub struct DriverBuilder {
     settings: Vec<Setting>,
     log: LogTarget,
     force_compat: bool,
+    exit: Option<ExitStrategy>,
 }
 
 impl Default for DriverBuilder {
@@ -263,6 +332,7 @@ impl Default for DriverBuilder {
             settings: Vec::new(),
             log: LogTarget::TempDir,
             force_compat: false,
+            exit: None,
         }
     }
 }
@@ -340,6 +410,14 @@ impl DriverBuilder {
         self
     }
 
+    /// How the process stays safe at exit (default: `$GPUDIRECT_CUFILE_EXIT_STRATEGY`, else
+    /// [`ExitStrategy::RetainContexts`]). Like every setting, it applies only when this call
+    /// opens the driver.
+    pub fn exit_strategy(mut self, strategy: ExitStrategy) -> Self {
+        self.exit = Some(strategy);
+        self
+    }
+
     /// True when the builder stages any driver setting (the log target is not one: it is an
     /// environment variable read at open).
     fn has_settings(&self) -> bool {
@@ -371,6 +449,10 @@ impl DriverBuilder {
         status::set_loaded_version(version);
         // Our check, before anything that needs libcuda.
         crate::cuda::device_count()?;
+        let exit = match self.exit {
+            Some(e) => e,
+            None => ExitStrategy::from_env()?,
+        };
 
         if self.has_settings() && result::use_count(lib).unwrap_or(0) > 0 {
             return Err(Error::TooLate {
@@ -394,8 +476,17 @@ impl DriverBuilder {
             })?;
         }
         let log_file = direct_log(&self.log);
+        // The context cuFile will adopt at open (the thread's current one), retained first so
+        // that it outlives cuFile's exit-time teardown.
+        let mut retained = Vec::new();
+        if exit.retains() {
+            retained.extend(retain_current_primary_context());
+        }
         // SAFETY: crate::cuda::device_count() succeeded above: libcuda loads and a device exists.
         unsafe { result::driver_open(lib) }?;
+        if exit == ExitStrategy::CloseAtExit {
+            register_close_at_exit();
+        }
         // SAFETY: as above.
         let raw = unsafe { result::driver_get_properties(lib) }?;
         let force_compat = self.force_compat
@@ -411,6 +502,8 @@ impl DriverBuilder {
             force_compat,
             p2pdma,
             log_file,
+            exit,
+            retained: Mutex::new(retained),
         });
         *slot = Some(Arc::clone(&driver));
         Ok(driver)
@@ -439,6 +532,64 @@ fn direct_log(target: &LogTarget) -> Option<PathBuf> {
     Some(path)
 }
 
+/// A retained reference to the primary context of the device whose context is current on this
+/// thread, when that current context *is* the primary one (`None` when no context is current,
+/// or for a non-primary context, which cannot be retained through cudarc). The thread's current
+/// context is left as it was.
+fn retain_current_primary_context() -> Option<Arc<CudaContext>> {
+    let mut cur: cu::CUcontext = std::ptr::null_mut();
+    // SAFETY: crate::cuda::device_count() succeeded, so libcuda is loaded and initialised;
+    // `cur` is a valid out-pointer.
+    if unsafe { cu::cuCtxGetCurrent(&mut cur) } != cu::CUresult::CUDA_SUCCESS || cur.is_null() {
+        return None;
+    }
+    let mut dev: cu::CUdevice = 0;
+    // SAFETY: a context is current; `dev` is a valid out-pointer.
+    if unsafe { cu::cuCtxGetDevice(&mut dev) } != cu::CUresult::CUDA_SUCCESS {
+        return None;
+    }
+    let n = crate::cuda::device_count().ok()?;
+    let ordinal =
+        (0..n).find(|&i| cudarc::driver::result::device::get(i as i32).is_ok_and(|d| d == dev))?;
+    // cudarc retains the primary context and binds it to this thread; put the caller's back.
+    let ctx = crate::cuda::context(ordinal).ok();
+    // SAFETY: `cur` was current a moment ago and is still alive (its owner holds it).
+    unsafe { cu::cuCtxSetCurrent(cur) };
+    let ctx = ctx?;
+    if ctx.cu_ctx() != cur {
+        tracing::debug!(
+            "the context current at cuFileDriverOpen is not device {ordinal}'s primary context; \
+             gpudirect cannot retain it: keep it alive for the life of the process"
+        );
+        return None;
+    }
+    Some(ctx)
+}
+
+extern "C" fn close_driver_at_exit() {
+    // Runs from exit(), before the handlers libcuda registered earlier (at cuInit). The Driver
+    // and the contexts it retained are never dropped, so they are still alive here.
+    if let Ok(lib) = sys::library() {
+        if let Some(close) = lib.cuFileDriverClose_v2 {
+            // SAFETY: the driver was opened by this process (the handler is registered only after
+            // cuFileDriverOpen succeeded) and libcuda has not been torn down yet (see above).
+            let _ = unsafe { close() };
+        }
+    }
+}
+
+fn register_close_at_exit() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        // SAFETY: `close_driver_at_exit` is a plain `extern "C" fn()` that never unwinds.
+        if unsafe { libc::atexit(close_driver_at_exit) } != 0 {
+            tracing::warn!(
+                "atexit refused the cuFile close handler; the driver stays open at exit"
+            );
+        }
+    });
+}
+
 static DRIVER: Mutex<Option<Arc<Driver>>> = Mutex::new(None);
 
 /// The open cuFile driver of this process.
@@ -451,6 +602,16 @@ static DRIVER: Mutex<Option<Arc<Driver>>> = Mutex::new(None);
 /// (rapidsai/kvikio#159, #497; NVIDIA/cudf#17121) and now deliberately leak the driver, as
 /// gpudirect does. The operating system reclaims everything at exit.
 ///
+/// **Exit safety.** Not closing is not enough: libcufile's own static destructors still tear
+/// the driver down at exit and call CUDA on the contexts it adopted. So, by default
+/// ([`ExitStrategy::RetainContexts`]), the driver also holds a reference to the context current
+/// when it opened and to the context of every buffer that went through cuFile (registration,
+/// sync, stream-ordered, batch and vectored IO), and never releases them: the `Driver` lives in
+/// a static that is never dropped, and the libcufile `Library` handle likewise (it is never
+/// `dlclose`d). A user's own `CudaContext`s may therefore drop at any time. Choose another
+/// strategy with [`DriverBuilder::exit_strategy`] or `GPUDIRECT_CUFILE_EXIT_STRATEGY`
+/// (`examples/cufile-exit.rs` compares them).
+///
 /// `fork()` after the driver is open is undefined behaviour in the child (cuFile's API
 /// reference).
 #[derive(Debug)]
@@ -461,6 +622,9 @@ pub struct Driver {
     force_compat: bool,
     p2pdma: bool,
     log_file: Option<PathBuf>,
+    exit: ExitStrategy,
+    /// Contexts kept alive for cuFile's exit-time teardown; never released (see above).
+    retained: Mutex<Vec<Arc<CudaContext>>>,
 }
 
 impl Driver {
@@ -559,6 +723,32 @@ impl Driver {
     pub(crate) fn lib(&self) -> &'static sys::Library {
         self.lib
     }
+
+    /// The exit strategy this driver opened with.
+    pub fn exit_strategy(&self) -> ExitStrategy {
+        self.exit
+    }
+
+    /// How many distinct CUDA contexts the driver keeps alive for exit (see
+    /// [`ExitStrategy::RetainContexts`]).
+    pub fn retained_contexts(&self) -> usize {
+        self.retained
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .len()
+    }
+
+    /// Keeps `ctx` alive for the life of the process (once per context), unless the strategy is
+    /// [`ExitStrategy::Nothing`]. Called by every operation that hands cuFile device memory.
+    pub(crate) fn retain_context(&self, ctx: &Arc<CudaContext>) {
+        if !self.exit.retains() {
+            return;
+        }
+        let mut v = self.retained.lock().unwrap_or_else(|p| p.into_inner());
+        if !v.iter().any(|c| c.cu_ctx() == ctx.cu_ctx()) {
+            v.push(Arc::clone(ctx));
+        }
+    }
 }
 
 /// The loaded libcufile's version (`cuFileGetVersion`, `1000*major + 10*minor`) without opening
@@ -573,6 +763,23 @@ pub fn library_version() -> Result<i32> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn exit_strategy_parses_and_defaults_to_retaining() {
+        assert_eq!(ExitStrategy::default(), ExitStrategy::RetainContexts);
+        assert_eq!(
+            ExitStrategy::parse("retain-ctx"),
+            Some(ExitStrategy::RetainContexts)
+        );
+        assert_eq!(
+            ExitStrategy::parse(" Close-At-Exit "),
+            Some(ExitStrategy::CloseAtExit)
+        );
+        assert_eq!(ExitStrategy::parse("none"), Some(ExitStrategy::Nothing));
+        assert_eq!(ExitStrategy::parse("leak"), None);
+        assert!(ExitStrategy::RetainContexts.retains() && ExitStrategy::CloseAtExit.retains());
+        assert!(!ExitStrategy::Nothing.retains());
+    }
 
     #[test]
     fn properties_decode_flags_and_units() {

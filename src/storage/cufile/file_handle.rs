@@ -214,7 +214,8 @@ impl CuFileHandle {
     /// Reads up to `dst.len()` bytes from `file_offset` into device memory (`cuFileRead`,
     /// looped over short transfers and split at [`MAX_IO_PER_CALL`]). Returns the bytes read:
     /// fewer than asked only at end of file, 0 at or past it (as `pread`). A zero-length `dst`
-    /// returns 0 without calling cuFile.
+    /// returns 0 without calling cuFile. The read is clamped to the file's size at the time of
+    /// the call (`fstat`), so bytes of `dst` past the end of file are never written.
     ///
     /// Ordering: `dst`'s stream is synchronised first; the bytes are in place on return.
     pub fn read<D: DevicePtrMut<u8>>(&self, dst: &mut D, file_offset: u64) -> Result<usize> {
@@ -283,6 +284,7 @@ impl CuFileHandle {
         exact: bool,
     ) -> Result<usize> {
         let op = if write { "cuFileWrite" } else { "cuFileRead" };
+        self.inner.driver.retain_context(stream.context());
         stream
             .context()
             .bind_to_thread()
@@ -293,6 +295,14 @@ impl CuFileHandle {
         let (base, _) = allocation_range(ptr)?;
         let buf_offset = ptr - base;
         let lib = self.inner.driver.lib();
+        // Reads stop at the file's end as it is now: cuFile's compatibility path may write past
+        // the bytes it reports when a read crosses end of file, so gpudirect never asks it to.
+        let want = len;
+        let len = if write {
+            len
+        } else {
+            clamp_to_eof(&self.inner.file, &self.path, file_offset, len)?
+        };
         let mut done = 0usize;
         while done < len {
             let n = (len - done).min(MAX_IO_PER_CALL);
@@ -315,14 +325,14 @@ impl CuFileHandle {
             }
             done += got.min(n);
         }
-        if exact && done < len {
+        if exact && done < want {
             return Err(Error::io(
                 op,
                 Some(self.path.clone()),
                 std::io::Error::new(
                     std::io::ErrorKind::UnexpectedEof,
                     format!(
-                        "{} {done} of {len} bytes at offset {file_offset}: the file ends first",
+                        "{} {done} of {want} bytes at offset {file_offset}: the file ends first",
                         if write { "wrote" } else { "read" }
                     ),
                 ),
@@ -330,6 +340,21 @@ impl CuFileHandle {
         }
         Ok(done)
     }
+}
+
+/// `len`, shortened so that `file_offset + len` does not pass the end of `file` (0 at or past
+/// it), from `fstat` at the time of the call.
+pub(crate) fn clamp_to_eof(
+    file: &File,
+    path: &FsPath,
+    file_offset: u64,
+    len: usize,
+) -> Result<usize> {
+    let size = file
+        .metadata()
+        .map_err(|e| Error::io("fstat", Some(path.to_path_buf()), e))?
+        .len();
+    Ok(size.saturating_sub(file_offset).min(len as u64) as usize)
 }
 
 fn check_range(file_offset: u64, len: usize) -> Result<()> {

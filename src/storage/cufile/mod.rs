@@ -32,12 +32,12 @@ mod vectored;
 
 pub use batch::{BatchCompletion, BatchIo, BatchOp};
 pub use stats::{OpCounter, PerGpuStats, Stats, StatsL1, StatsSnapshot};
-pub use stream::{StreamIo, StreamRegistration};
+pub use stream::{StreamIo, StreamRegistration, STREAM_COMPAT_ODIRECT_ALIGN};
 
 pub use buffer::RegisteredBuffer;
 pub use driver::{
-    library_version, ControlFlags, Driver, DriverBuilder, DriverProperties, FeatureFlags,
-    FsSupport, LogTarget,
+    library_version, ControlFlags, Driver, DriverBuilder, DriverProperties, ExitStrategy,
+    FeatureFlags, FsSupport, LogTarget, EXIT_STRATEGY_ENV,
 };
 pub use file_handle::{
     classify_registration_failure, filesystem_type, CuFileHandle, OpenMode, MAX_IO_PER_CALL,

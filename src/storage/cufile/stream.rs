@@ -12,7 +12,7 @@ use std::sync::Arc;
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
 
 use super::buffer::allocation_range;
-use super::file_handle::HandleInner;
+use super::file_handle::{clamp_to_eof, HandleInner};
 use super::{result, CuFileHandle};
 use crate::error::{Error, Result};
 
@@ -51,9 +51,18 @@ impl CuFileHandle {
     ///
     /// Errors before anything is enqueued: a range outside `buf` → [`Error::InvalidArgument`];
     /// a capturing stream (cuFile's stream API does not work in CUDA graphs) →
-    /// [`Error::Unsupported`]; cuFile's refusal (e.g. `CU_FILE_ASYNC_NOT_SUPPORTED` without a
-    /// `cufile.json`) → [`Error::CuFile`]. In all these cases the buffer is dropped; use
-    /// [`CuFileHandle::read`] for the synchronous path.
+    /// [`Error::Unsupported`]; on an O_DIRECT handle whose IO takes cuFile's compatibility path
+    /// (no nvidia-fs or P2PDMA), a size, file offset or buffer offset (from the allocation's
+    /// base) that is not a multiple of [`STREAM_COMPAT_ODIRECT_ALIGN`] → [`Error::Unsupported`]
+    /// (cuFile would hand the kernel an unaligned O_DIRECT request and report `EIO`; open the file
+    /// without O_DIRECT, as [`CuFileHandle::open`] does on such machines, or use the synchronous
+    /// calls, which cuFile aligns itself); cuFile's refusal (e.g. `CU_FILE_ASYNC_NOT_SUPPORTED`
+    /// without a `cufile.json`) → [`Error::CuFile`]. In all these cases the buffer is dropped;
+    /// use [`CuFileHandle::read`] for the synchronous path.
+    ///
+    /// A read is clamped to the file's size at enqueue time, so bytes of `buf` past the end of
+    /// file are not written (on an O_DIRECT handle in compatibility mode, the clamp stops at the
+    /// end of the 4 KiB block holding end of file); the byte count says how many were read.
     pub fn read_async(
         &self,
         buf: CudaSlice<u8>,
@@ -75,6 +84,68 @@ impl CuFileHandle {
     ) -> Result<StreamIo> {
         StreamIo::enqueue(self, true, buf, buf_offset, len, file_offset)
     }
+}
+
+/// The alignment stream-ordered IO needs on an O_DIRECT handle in cuFile's compatibility mode:
+/// size, file offset and buffer offset (from the allocation's base) must be multiples of it.
+///
+/// Measured with cuFile 1.15.1 on ext4 without nvidia-fs: `cuFileReadAsync` of 65537 bytes at
+/// file offset 4097 into buffer offset 11 on an O_DIRECT descriptor completed with `EIO`, while
+/// the synchronous `cuFileRead` moved such ranges correctly (it bounces them through aligned
+/// host buffers). The stream-ordered path evidently hands the request to the kernel unaligned.
+/// gpudirect checks all three values because cuFile documents none of this; 4 KiB covers every
+/// logical block size in use (512 B and 4 KiB).
+pub const STREAM_COMPAT_ODIRECT_ALIGN: u64 = 4096;
+
+/// True for an O_DIRECT handle whose IO takes cuFile's compatibility path.
+fn odirect_compat(h: &CuFileHandle) -> bool {
+    h.is_o_direct() && h.path_report().path != crate::Path::Gds
+}
+
+/// Refuses, before cuFile sees it, stream-ordered IO that cuFile's compatibility path would
+/// send to the kernel as an unaligned O_DIRECT request.
+fn check_alignment(
+    h: &CuFileHandle,
+    write: bool,
+    len: usize,
+    file_offset: u64,
+    dev_offset: u64,
+) -> Result<()> {
+    if !odirect_compat(h) {
+        return Ok(());
+    }
+    let a = STREAM_COMPAT_ODIRECT_ALIGN;
+    let bad: Vec<String> = [
+        ("size", len as u64),
+        ("file offset", file_offset),
+        ("buffer offset", dev_offset),
+    ]
+    .iter()
+    .filter(|(_, v)| v % a != 0)
+    .map(|(n, v)| format!("{n} {v}"))
+    .collect();
+    if bad.is_empty() {
+        return Ok(());
+    }
+    Err(Error::Unsupported {
+        what: format!(
+            "stream-ordered {} on the O_DIRECT handle {} in cuFile's compatibility mode",
+            if write { "write" } else { "read" },
+            h.path().display()
+        ),
+        cause: crate::Cause::Other {
+            message: format!(
+                "{} not a multiple of {a} bytes, and cuFile's compatibility path would pass it \
+                 to the kernel unaligned (the IO fails with EIO)",
+                bad.join(", ")
+            ),
+            fix: format!(
+                "align size, file offset and buffer offset to {a} bytes, open the file without \
+                 O_DIRECT (CuFileHandle::open does so without nvidia-fs), or use the synchronous \
+                 read/write"
+            ),
+        },
+    })
 }
 
 impl StreamIo {
@@ -101,6 +172,7 @@ impl StreamIo {
             )));
         }
         let stream = Arc::clone(buf.stream());
+        h.driver().retain_context(stream.context());
         stream
             .context()
             .bind_to_thread()
@@ -125,10 +197,26 @@ impl StreamIo {
             p
         };
         let (base, _) = allocation_range(ptr)?;
+        let dev_offset = ptr - base + buf_offset as u64;
+        check_alignment(h, write, len, file_offset, dev_offset)?;
+        // Reads stop at the end of file as it is now (see CuFileHandle::read); on an O_DIRECT
+        // handle in compatibility mode only at the block holding it, to stay aligned (the
+        // kernel then returns the short count itself).
+        let size = if write {
+            len
+        } else {
+            let to_eof = clamp_to_eof(h.file(), h.path(), file_offset, len)? as u64;
+            if odirect_compat(h) {
+                let a = STREAM_COMPAT_ODIRECT_ALIGN;
+                (to_eof.div_ceil(a) * a).min(len as u64) as usize
+            } else {
+                to_eof as usize
+            }
+        };
         let mut params = Box::new(Params {
-            size: len,
+            size,
             file_offset: file_offset as i64,
-            buf_offset: (ptr - base + buf_offset as u64) as i64,
+            buf_offset: dev_offset as i64,
             bytes: 0,
         });
         let p: *mut Params = &mut *params;
@@ -214,6 +302,7 @@ impl std::fmt::Debug for StreamRegistration {
 impl StreamRegistration {
     /// Registers `stream` (`cuFileStreamRegister`).
     pub fn register(driver: Arc<super::Driver>, stream: Arc<CudaStream>) -> Result<Self> {
+        driver.retain_context(stream.context());
         stream
             .context()
             .bind_to_thread()

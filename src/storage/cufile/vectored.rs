@@ -23,6 +23,7 @@ impl CuFileHandle {
         let mut total = 0u64;
         for b in bufs.iter_mut() {
             let stream: Arc<CudaStream> = Arc::clone(b.stream());
+            self.driver().retain_context(stream.context());
             stream
                 .context()
                 .bind_to_thread()
@@ -53,6 +54,7 @@ impl CuFileHandle {
         let mut total = 0u64;
         for b in bufs {
             let stream: Arc<CudaStream> = Arc::clone(b.stream());
+            self.driver().retain_context(stream.context());
             stream
                 .context()
                 .bind_to_thread()
