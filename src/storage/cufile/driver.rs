@@ -213,15 +213,18 @@ pub const EXIT_STRATEGY_ENV: &str = "GPUDIRECT_CUFILE_EXIT_STRATEGY";
 /// What gpudirect does so that a process that used cuFile exits cleanly.
 ///
 /// At process exit libcufile tears itself down (its C++ static destructors close the driver
-/// implicitly), and that teardown calls into CUDA: it frees the bounce buffers and streams it
-/// created in the CUDA context that was current when it first needed one, and pushes and pops
-/// that context. cudarc releases a device's primary context when the last `Arc<CudaContext>`
+/// implicitly), and that teardown calls into CUDA: libcufile 1.15's own messages show it
+/// freeing the bounce buffers and streams it created (`cuMemFree`, `cuMemHostUnregister`,
+/// `cuStreamDestroy`) and pushing and popping the contexts it adopted. cudarc releases a device's primary context when the last `Arc<CudaContext>`
 /// drops (`cuDevicePrimaryCtxRelease`); when that was the last reference, the context and
 /// everything cuFile created in it are destroyed while cuFile still holds their handles, and
-/// cuFile's exit-time teardown then crashes (`Segmentation fault` after `main` returned; seen
-/// with cuFile 1.15 on driver 580 when the test threads' contexts had all been dropped, while
-/// processes that kept a context alive exited cleanly). KvikIO and cuDF hit the same class of
-/// crash (rapidsai/kvikio#159, #497; NVIDIA/cudf#17121) and answer it by leaking their CUDA
+/// cuFile's exit-time teardown then works on dead handles. Seen with cuFile 1.15.1 on driver
+/// 580: the `cufile_gpu` test binary, whose tests each take and drop GPU 0's context, died with
+/// `Segmentation fault` after all its tests had passed, while binaries that kept a context
+/// alive to the end (the storage engine's workers hold theirs) or never took one (`cufile-info`)
+/// exited cleanly; `examples/cufile-exit.rs` puts this explanation to the test, strategy by
+/// strategy. KvikIO and cuDF hit the same class of crash (rapidsai/kvikio#159, #497;
+/// NVIDIA/cudf#17121) and answer it by leaking their CUDA
 /// resources on purpose (kvikio PR #462).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum ExitStrategy {
