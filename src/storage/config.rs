@@ -10,7 +10,7 @@
 //! | Variable | Values | Default | Meaning |
 //! |---|---|---|---|
 //! | `GPUDIRECT_COMPAT_MODE` | `auto`, `on`, `off` (also `1/0`, `true/false`, `yes/no`) | `auto` | `auto`: cuFile only when it moves bytes by DMA ([`Path::Gds`](crate::Path::Gds)), else gpudirect's engine; `on`: always gpudirect's engine; `off`: cuFile required (its compat path allowed), an error otherwise |
-//! | `GPUDIRECT_NTHREADS` | integer ≥ 1 | CPUs of the GPU's NUMA node this process may run on (at least 4, at most 64); O_DIRECT transfers at least 32 | worker threads of the engine (set: used for every transfer) |
+//! | `GPUDIRECT_NTHREADS` | integer ≥ 1 | CPUs of the GPU's NUMA node this process may run on (at least 4, at most 16); O_DIRECT transfers at least 32 | worker threads of the engine (set: used for every transfer) |
 //! | `GPUDIRECT_TASK_SIZE` | bytes, suffixes `K`, `M`, `G` (powers of 1024) | `4M` | the unit of work one worker takes at a time (rounded up to 4 KiB) |
 //! | `GPUDIRECT_BOUNCE_SIZE` | bytes, as above | `2M` | each pinned bounce buffer (two per worker); device IO moves at most this much per step |
 //! | `GPUDIRECT_ODIRECT` | `auto`, `on`, `off` | `auto` | O_DIRECT for both directions (see [`ODirect`]) |

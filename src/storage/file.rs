@@ -153,7 +153,7 @@ impl GpuFileOptions {
         self
     }
     /// Engine worker threads for every transfer (default: `GPUDIRECT_NTHREADS`, else one per
-    /// CPU of the GPU's NUMA node, 4 to 64, and at least 32 for O_DIRECT transfers).
+    /// CPU of the GPU's NUMA node, 4 to 16, and at least 32 for O_DIRECT transfers).
     pub fn threads(mut self, n: usize) -> Self {
         self.threads = Some(n.max(1));
         self

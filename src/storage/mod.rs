@@ -41,7 +41,7 @@ pub use config::{CompatMode, ODirect, Pipeline, StorageConfig};
 pub use file::{read_to_gpu, Backend, DeviceDst, DeviceSrc, GpuFile, GpuFileOptions, IoReport};
 
 /// The engine's default worker count for `device` (`None`: host memory): the CPUs of the
-/// GPU's NUMA node this process may use, 4 to 64 (see [`config`]).
+/// GPU's NUMA node this process may use, 4 to 16 (see [`config`]).
 pub fn default_threads(device: Option<usize>) -> usize {
     engine::default_threads(device, true)
 }
