@@ -397,7 +397,7 @@ fn gpu_cufile_stream_ordered_io() {
     drop(h);
 
     // 2. An O_DIRECT handle: in compatibility mode cuFile's stream path needs 4 KiB-aligned
-    //    size, file offset and buffer offset; gpudirect refuses the rest with a typed error.
+    //    size and file offset; gpudirect refuses the rest with a typed error.
     let expect = std::fs::read(&path).unwrap();
     let h = CuFileHandle::open_with(Arc::clone(&d), &path, OpenMode::ReadWrite, true).unwrap();
     let compat = h.path_report().path != gpudirect::Path::Gds;

@@ -52,8 +52,8 @@ impl CuFileHandle {
     /// Errors before anything is enqueued: a range outside `buf` → [`Error::InvalidArgument`];
     /// a capturing stream (cuFile's stream API does not work in CUDA graphs) →
     /// [`Error::Unsupported`]; on an O_DIRECT handle whose IO takes cuFile's compatibility path
-    /// (no nvidia-fs or P2PDMA), a size, file offset or buffer offset (from the allocation's
-    /// base) that is not a multiple of [`STREAM_COMPAT_ODIRECT_ALIGN`] → [`Error::Unsupported`]
+    /// (no nvidia-fs or P2PDMA), a size or file offset that is not a multiple of
+    /// [`STREAM_COMPAT_ODIRECT_ALIGN`] → [`Error::Unsupported`]
     /// (cuFile would hand the kernel an unaligned O_DIRECT request and report `EIO`; open the file
     /// without O_DIRECT, as [`CuFileHandle::open`] does on such machines, or use the synchronous
     /// calls, which cuFile aligns itself); cuFile's refusal (e.g. `CU_FILE_ASYNC_NOT_SUPPORTED`
@@ -87,14 +87,15 @@ impl CuFileHandle {
 }
 
 /// The alignment stream-ordered IO needs on an O_DIRECT handle in cuFile's compatibility mode:
-/// size, file offset and buffer offset (from the allocation's base) must be multiples of it.
+/// size and file offset must be multiples of it.
 ///
 /// Measured with cuFile 1.15.1 on ext4 without nvidia-fs: `cuFileReadAsync` of 65537 bytes at
 /// file offset 4097 into buffer offset 11 on an O_DIRECT descriptor completed with `EIO`, while
 /// the synchronous `cuFileRead` moved such ranges correctly (it bounces them through aligned
-/// host buffers). The stream-ordered path evidently hands the request to the kernel unaligned.
-/// gpudirect checks all three values because cuFile documents none of this; 4 KiB covers every
-/// logical block size in use (512 B and 4 KiB).
+/// host buffers). The stream-ordered path evidently hands the file range to the kernel
+/// unaligned. The device buffer is not constrained: in compatibility mode the kernel reads into
+/// cuFile's own (aligned) host bounce buffer. 4 KiB covers every logical block size in use
+/// (512 B and 4 KiB).
 pub const STREAM_COMPAT_ODIRECT_ALIGN: u64 = 4096;
 
 /// True for an O_DIRECT handle whose IO takes cuFile's compatibility path.
@@ -104,26 +105,16 @@ fn odirect_compat(h: &CuFileHandle) -> bool {
 
 /// Refuses, before cuFile sees it, stream-ordered IO that cuFile's compatibility path would
 /// send to the kernel as an unaligned O_DIRECT request.
-fn check_alignment(
-    h: &CuFileHandle,
-    write: bool,
-    len: usize,
-    file_offset: u64,
-    dev_offset: u64,
-) -> Result<()> {
+fn check_alignment(h: &CuFileHandle, write: bool, len: usize, file_offset: u64) -> Result<()> {
     if !odirect_compat(h) {
         return Ok(());
     }
     let a = STREAM_COMPAT_ODIRECT_ALIGN;
-    let bad: Vec<String> = [
-        ("size", len as u64),
-        ("file offset", file_offset),
-        ("buffer offset", dev_offset),
-    ]
-    .iter()
-    .filter(|(_, v)| v % a != 0)
-    .map(|(n, v)| format!("{n} {v}"))
-    .collect();
+    let bad: Vec<String> = [("size", len as u64), ("file offset", file_offset)]
+        .iter()
+        .filter(|(_, v)| v % a != 0)
+        .map(|(n, v)| format!("{n} {v}"))
+        .collect();
     if bad.is_empty() {
         return Ok(());
     }
@@ -140,7 +131,7 @@ fn check_alignment(
                 bad.join(", ")
             ),
             fix: format!(
-                "align size, file offset and buffer offset to {a} bytes, open the file without \
+                "align size and file offset to {a} bytes, open the file without \
                  O_DIRECT (CuFileHandle::open does so without nvidia-fs), or use the synchronous \
                  read/write"
             ),
@@ -198,7 +189,7 @@ impl StreamIo {
         };
         let (base, _) = allocation_range(ptr)?;
         let dev_offset = ptr - base + buf_offset as u64;
-        check_alignment(h, write, len, file_offset, dev_offset)?;
+        check_alignment(h, write, len, file_offset)?;
         // Reads stop at the end of file as it is now (see CuFileHandle::read); on an O_DIRECT
         // handle in compatibility mode only at the block holding it, to stay aligned (the
         // kernel then returns the short count itself).
