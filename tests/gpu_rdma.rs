@@ -171,11 +171,30 @@ fn gpu_gdr_dmabuf_export_of_gdr_buffer_aligned_and_unaligned() {
 #[ignore = "needs a CUDA GPU"]
 fn gpu_gdr_dmabuf_export_of_pool_memory() {
     let (_ctx, stream) = gpu();
-    let slice = stream.clone_htod(&random(3 << 20)).unwrap();
-    let n = slice.num_bytes();
-    for r in [0..n, 100..100 + 65_536, n - 4097..n - 1] {
-        check_export(&slice, r);
+    // The driver exports some pool allocations (1 GiB measured) and refuses others (3 MiB
+    // measured, CUDA_ERROR_INVALID_VALUE): an export either works and is checked like any
+    // other, or fails with the typed pool cause — never a raw driver error.
+    let mut exported = 0;
+    for size in [3usize << 20, 256 << 20] {
+        let slice = stream.clone_htod(&random(size)).unwrap();
+        let n = slice.num_bytes();
+        for r in [0..n, 100..100 + 65_536, n - 4097..n - 1] {
+            match export_dmabuf(&slice, r.clone()) {
+                Ok(_) => {
+                    check_export(&slice, r);
+                    exported += 1;
+                }
+                Err(Error::Unsupported {
+                    cause: Cause::PoolMemoryNotGdrCapable,
+                    what,
+                }) => {
+                    eprintln!("pool export of {size} bytes, range {r:?} refused as typed: {what}")
+                }
+                Err(e) => panic!("pool export of {size} bytes, range {r:?}: untyped failure {e}"),
+            }
+        }
     }
+    eprintln!("pool exports that succeeded: {exported} of 6");
 }
 
 #[test]

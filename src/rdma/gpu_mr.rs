@@ -554,6 +554,20 @@ pub fn export_dmabuf<M: GpuMemory + ?Sized>(mem: &M, range: Range<usize>) -> Res
                         .into(),
             },
         }),
+        // Measured on H200 / driver 580: a 3 MiB sub-allocation of the default stream-ordered
+        // pool is refused with INVALID_VALUE even when page-aligned (a 1 GiB pool allocation
+        // exports). Pool memory is not GDR-capable anyway: name that cause.
+        sys::CUresult::CUDA_ERROR_INVALID_VALUE
+            if pointer_info(mem.device_ptr()).is_ok_and(|i| i.from_pool) =>
+        {
+            Err(Error::Unsupported {
+                what: format!(
+                    "dma-buf export of {} bytes of stream-ordered pool memory on GPU {ordinal} (cuMemGetHandleForAddressRange: CUDA_ERROR_INVALID_VALUE)",
+                    plan.export_len
+                ),
+                cause: Cause::PoolMemoryNotGdrCapable,
+            })
+        }
         rc => Err(Error::cuda(
             "cuMemGetHandleForAddressRange",
             cudarc::driver::DriverError(rc),
