@@ -320,6 +320,19 @@ impl Cause {
     }
 }
 
+impl Cause {
+    /// What happened, without the fix (`Display` gives both).
+    pub fn what(&self) -> String {
+        struct What<'a>(&'a Cause);
+        impl fmt::Display for What<'_> {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                self.0.describe(f)
+            }
+        }
+        What(self).to_string()
+    }
+}
+
 impl fmt::Display for Cause {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         self.describe(f)?;

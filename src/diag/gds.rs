@@ -146,7 +146,14 @@ impl Report {
                     Section::Gds,
                     subject,
                     status,
-                    format!("registers; IO takes {}", r.path),
+                    format!(
+                        "registers; IO takes {}{}",
+                        r.path,
+                        r.cause
+                            .as_ref()
+                            .map(|c| format!(" because {}", c.what()))
+                            .unwrap_or_default()
+                    ),
                     r.cause.as_ref().map(Cause::fix),
                 );
             }
@@ -156,7 +163,7 @@ impl Report {
                     Section::Gds,
                     subject,
                     Status::Fallback,
-                    format!("cuFileHandleRegister fails ({e}): {cause}"),
+                    format!("cuFileHandleRegister fails: {}", cause.what()),
                     Some(cause.fix()),
                 );
             }
@@ -175,7 +182,16 @@ impl Report {
                     Section::Gds,
                     format!("read {} MiB into GPU{device}", PROBE_BYTES >> 20),
                     status,
-                    format!("{gbps:.1} GB/s (page-cached) via {}", report.path),
+                    format!(
+                        "{gbps:.1} GB/s (page-cached) via {}{}",
+                        report.path.path,
+                        report
+                            .path
+                            .cause
+                            .as_ref()
+                            .map(|c| format!(" because {}", c.what()))
+                            .unwrap_or_default()
+                    ),
                     report.path.cause.as_ref().map(Cause::fix),
                 );
             }
