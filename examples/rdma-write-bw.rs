@@ -14,21 +14,22 @@
 //! Options: `--sizes 4096,65536,1048576` (message size sweep), `--iters N` (writes per size,
 //! default 1000), `--tx-depth N` (outstanding writes, default 128), `--cq-mod N` (signal every
 //! Nth write, default 100, as perftest), `--port P` (TCP port of the out-of-band exchange,
-//! default 18515), `--verify` (the server checks every byte of each size's last write),
-//! `--use-cuda DEV`. Each size prints a table row and a machine-readable
+//! default 18515), `--bind ADDR` (where the server listens, default 127.0.0.1), `--token T`
+//! (shared secret of the exchange, default `$GPUDIRECT_EXCHANGE_TOKEN` or `rdma-write-bw`),
+//! `--verify` (the server checks every byte of each size's last write), `--use-cuda DEV`. Each size prints a table row and a machine-readable
 //! `RESULT size=.. iters=.. gbps=.. mpps=.. path=..` line.
 //!
-//! The exchange hands the peer an rkey that lets it write the buffer: it listens on all
-//! addresses here (as ib_write_bw does); use it on networks you trust.
+//! Connection records go through gpudirect's token-checked TCP exchange
+//! (`gpudirect::rdma::Exchange`); the record hands the peer an rkey that lets it write the
+//! buffer, so bind the server to the interface meant for it and use a real token.
 
-use std::io::{Read, Write};
-use std::net::{TcpListener, TcpStream};
+use std::cell::RefCell;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use gpudirect::rdma::{
-    AccessFlags, CompletionQueue, ConnectionRecord, Context, GdrBuffer, GpuMemoryRegion,
-    MemoryRegion, ProtectionDomain, QpOptions, QueuePair, RemoteMemory, Sge, WorkCompletion,
+    AccessFlags, CompletionQueue, Context, Exchange, GdrBuffer, GpuMemoryRegion, MemoryRegion,
+    ProtectionDomain, QpOptions, QueuePair, RemoteMemory, Sge, WorkCompletion,
 };
 use gpudirect::{Error, Path, Result};
 
@@ -45,6 +46,8 @@ struct Args {
     loopback: bool,
     use_cuda: Option<usize>,
     verify: bool,
+    bind: String,
+    token: String,
 }
 
 fn parse_args() -> std::result::Result<Args, String> {
@@ -62,6 +65,8 @@ fn parse_args() -> std::result::Result<Args, String> {
         loopback: false,
         use_cuda: None,
         verify: false,
+        bind: "127.0.0.1".into(),
+        token: std::env::var("GPUDIRECT_EXCHANGE_TOKEN").unwrap_or_else(|_| "rdma-write-bw".into()),
     };
     let mut it = std::env::args().skip(1);
     while let Some(arg) = it.next() {
@@ -86,10 +91,12 @@ fn parse_args() -> std::result::Result<Args, String> {
             "--use-cuda" => {
                 a.use_cuda = Some(val("--use-cuda")?.parse().map_err(|e| format!("--use-cuda: {e}"))?)
             }
+            "--bind" => a.bind = val("--bind")?,
+            "--token" => a.token = val("--token")?,
             "--loopback" => a.loopback = true,
             "--verify" => a.verify = true,
             "--help" | "-h" => {
-                return Err("usage: rdma-write-bw [--dev NAME] [--gid-index N] [--port P] [--sizes A,B] [--iters N] [--tx-depth N] [--cq-mod N] [--use-cuda DEV] [--verify] [--loopback | SERVER]".into())
+                return Err("usage: rdma-write-bw [--dev NAME] [--gid-index N] [--port P] [--sizes A,B] [--iters N] [--tx-depth N] [--cq-mod N] [--use-cuda DEV] [--verify] [--bind ADDR] [--token T] [--loopback | SERVER]".into())
             }
             s if !s.starts_with('-') && a.server.is_none() => a.server = Some(s.to_string()),
             s => return Err(format!("unknown argument {s} (try --help)")),
@@ -210,6 +217,8 @@ struct Endpoint {
     qp: QueuePair,
     cq: Arc<CompletionQueue>,
     buf: Buffer,
+    /// Note completions polled while waiting for something else.
+    stash: RefCell<Vec<WorkCompletion>>,
 }
 
 fn endpoint(
@@ -226,7 +235,12 @@ fn endpoint(
     };
     let qp = QueuePair::new(pd, &cq, &cq, &opts)?;
     let buf = Buffer::new(pd, len, a.use_cuda)?;
-    Ok(Endpoint { qp, cq, buf })
+    Ok(Endpoint {
+        qp,
+        cq,
+        buf,
+        stash: RefCell::new(Vec::new()),
+    })
 }
 
 /// One size: `iters` writes of `size` bytes, up to `tx_depth` in flight, every `cq_mod`-th
@@ -254,7 +268,11 @@ fn run_size(ep: &Endpoint, remote: RemoteMemory, size: usize, a: &Args) -> Resul
         }
         let n = ep.cq.poll(&mut wcs)?;
         for wc in &wcs[..n] {
-            wc.ok()?;
+            let wc = wc.ok()?;
+            if wc.wr_id >= NOTE_ID {
+                ep.stash.borrow_mut().push(wc);
+                continue;
+            }
             // a signaled completion retires its id and every unsignaled write before it
             completed = completed.max(wc.wr_id as usize);
         }
@@ -279,24 +297,54 @@ fn report(size: usize, a: &Args, dt: Duration, path: &str) {
     );
 }
 
-// ---- out-of-band exchange (TCP): connection records, then one byte per size as a barrier ----
+// ---- after the exchange, each size ends with a zero-length SEND with immediate (client:
+// size index; server: 1 = verified or not asked, 0 = mismatch); RC delivers it after the writes.
 
-fn send_record(s: &mut TcpStream, r: &ConnectionRecord) -> Result<()> {
-    s.write_all(&r.to_bytes())
-        .map_err(|e| io_err("send connection record", e))
+const NOTE_ID: u64 = 1 << 40;
+
+/// Polls until the completion `id` arrives (successful), keeping other notes for later.
+fn wait_wc(ep: &Endpoint, id: u64, what: &str) -> Result<WorkCompletion> {
+    let t0 = Instant::now();
+    let mut wcs = [WorkCompletion::default(); 4];
+    loop {
+        {
+            let mut st = ep.stash.borrow_mut();
+            if let Some(i) = st.iter().position(|w| w.wr_id == id) {
+                return Ok(st.swap_remove(i));
+            }
+        }
+        let n = ep.cq.poll(&mut wcs)?;
+        for wc in &wcs[..n] {
+            ep.stash.borrow_mut().push(wc.ok()?);
+        }
+        if n == 0 {
+            if t0.elapsed() > Duration::from_secs(120) {
+                return Err(Error::InvalidArgument(format!(
+                    "timed out waiting for {what}"
+                )));
+            }
+            // Notes are rare: do not spin (a spinning passive side steals the CPU that a
+            // software RDMA device, or a peer on the same host, needs; ib_write_bw's server
+            // sleeps in a blocking read).
+            std::thread::sleep(Duration::from_micros(200));
+        }
+    }
 }
 
-fn recv_record(s: &mut TcpStream) -> Result<ConnectionRecord> {
-    let mut b = [0u8; ConnectionRecord::WIRE_LEN];
-    s.read_exact(&mut b)
-        .map_err(|e| io_err("receive connection record", e))?;
-    ConnectionRecord::from_bytes(&b)
+fn note(ep: &Endpoint, value: u32) -> Result<()> {
+    // SAFETY: no memory is named (zero scatter/gather entries).
+    unsafe { ep.qp.post_send(NOTE_ID, &[], Some(value), true) }?;
+    wait_wc(ep, NOTE_ID, "the send of a note").map(|_| ())
 }
 
-fn io_err(what: &str, e: std::io::Error) -> Error {
-    Error::InvalidArgument(format!(
-        "{what}: {e} (is the peer running the same rdma-write-bw?)"
-    ))
+fn post_note_recv(ep: &Endpoint, id: u64) -> Result<()> {
+    // SAFETY: no memory is named (zero scatter/gather entries).
+    unsafe { ep.qp.post_recv(NOTE_ID + 1 + id, &[]) }
+}
+
+fn wait_note(ep: &Endpoint, id: u64) -> Result<u32> {
+    let wc = wait_wc(ep, NOTE_ID + 1 + id, "the peer's note")?;
+    Ok(wc.imm_data.unwrap_or(u32::MAX))
 }
 
 fn open(a: &Args) -> Result<(Arc<Context>, Arc<ProtectionDomain>)> {
@@ -332,18 +380,24 @@ fn server(a: &Args) -> Result<()> {
     let max = *a.sizes.iter().max().unwrap_or(&1);
     let (ctx, pd) = open(a)?;
     let mut ep = endpoint(&ctx, &pd, a, max)?;
-    let listener = TcpListener::bind(("0.0.0.0", a.port)).map_err(|e| io_err("listen", e))?;
-    eprintln!("waiting for a client on port {} ...", a.port);
-    let (mut s, peer) = listener.accept().map_err(|e| io_err("accept", e))?;
-    let remote = recv_record(&mut s)?;
-    send_record(&mut s, &ep.qp.local_record(Some(ep.buf.remote())))?;
+    let ex = Exchange::new(a.token.clone())?.with_timeout(Duration::from_secs(120));
+    let listener = ex.listen((a.bind.as_str(), a.port))?;
+    eprintln!("waiting for a client on {}:{} ...", a.bind, a.port);
+    for i in 0..a.sizes.len() {
+        post_note_recv(&ep, i as u64)?;
+    }
+    let (remote, peer) = ex.serve(&listener, &ep.qp.local_record(Some(ep.buf.remote())))?;
     ep.qp.connect(&remote)?;
     header(&ctx, &ep, a, &format!("server, client {peer}"));
     let mut bad = 0;
-    for &size in &a.sizes {
-        // the client writes, then says "done" (1 byte); we verify, then answer (1 byte)
-        let mut b = [0u8; 1];
-        s.read_exact(&mut b).map_err(|e| io_err("barrier", e))?;
+    for (i, &size) in a.sizes.iter().enumerate() {
+        // the client's note says its writes of this size are done
+        let idx = wait_note(&ep, i as u64)?;
+        if idx != i as u32 {
+            return Err(Error::InvalidArgument(format!(
+                "out of step: note {idx}, expected {i}"
+            )));
+        }
         let ok = if a.verify {
             let got = ep.buf.read(size)?;
             let want = pattern(size, size);
@@ -354,14 +408,12 @@ fn server(a: &Args) -> Result<()> {
                 println!("verify {size} bytes: {diff} bytes differ");
                 bad += 1;
             }
+            ep.buf.fill(&vec![0u8; size])?; // cleared before the client may write the next size
             diff == 0
         } else {
             true
         };
-        s.write_all(&[ok as u8]).map_err(|e| io_err("barrier", e))?;
-        if a.verify {
-            ep.buf.fill(&vec![0u8; size])?; // clear for the next size
-        }
+        note(&ep, ok as u32)?;
     }
     if bad > 0 {
         return Err(Error::InvalidArgument(format!(
@@ -375,23 +427,23 @@ fn client(a: &Args, host: &str) -> Result<()> {
     let max = *a.sizes.iter().max().unwrap_or(&1);
     let (ctx, pd) = open(a)?;
     let mut ep = endpoint(&ctx, &pd, a, max)?;
-    let mut s = TcpStream::connect((host, a.port)).map_err(|e| io_err("connect", e))?;
-    send_record(&mut s, &ep.qp.local_record(Some(ep.buf.remote())))?;
-    let remote = recv_record(&mut s)?;
+    let ex = Exchange::new(a.token.clone())?.with_timeout(Duration::from_secs(120));
+    for i in 0..a.sizes.len() {
+        post_note_recv(&ep, i as u64)?;
+    }
+    let remote = ex.connect((host, a.port), &ep.qp.local_record(Some(ep.buf.remote())))?;
     ep.qp.connect(&remote)?;
     header(&ctx, &ep, a, &format!("client of {host}"));
     let tag = ep.buf.path_tag();
     let mut bad = 0;
-    for &size in &a.sizes {
+    for (i, &size) in a.sizes.iter().enumerate() {
         if a.verify {
             ep.buf.fill(&pattern(size, size))?;
         }
         let dt = run_size(&ep, remote.remote(), size, a)?;
         report(size, a, dt, tag);
-        s.write_all(&[1]).map_err(|e| io_err("barrier", e))?;
-        let mut b = [0u8; 1];
-        s.read_exact(&mut b).map_err(|e| io_err("barrier", e))?;
-        if b[0] != 1 {
+        note(&ep, i as u32)?;
+        if wait_note(&ep, i as u64)? != 1 {
             println!("server reports a data mismatch at {size} bytes");
             bad += 1;
         }

@@ -36,6 +36,15 @@ fn rdma_gdr_probe_sees_the_device_and_its_ports() {
         if name.starts_with("rxe") {
             assert_eq!(d.ports[0].link_layer, "Ethernet", "{p}");
         }
+        // rxe and siw implement no dma-buf registration (rdma-core 44, Debian kernels): the
+        // probe asks libibverbs the way NCCL does and gets EOPNOTSUPP, the same refusal a GPU
+        // registration meets on this device.
+        assert_eq!(d.dmabuf_registration, Some(false), "{p}");
+        let detail = d.dmabuf_detail.as_deref().unwrap_or("");
+        assert!(
+            detail.contains("dma-buf registration unsupported"),
+            "{detail}"
+        );
         assert_eq!(
             d.pci_bus_id, None,
             "software devices have no PCI function\n{p}"

@@ -313,6 +313,12 @@ pub struct RdmaDeviceInfo {
     pub sysfs_path: Option<String>,
     /// NUMA node of the PCI device.
     pub numa_node: Option<i32>,
+    /// Whether the provider and kernel register dma-bufs (`ibv_reg_dmabuf_mr` with fd -1:
+    /// EBADF means supported, EOPNOTSUPP/EPROTONOSUPPORT not, as NCCL and UCX probe it);
+    /// `None` when libibverbs could not be asked.
+    pub dmabuf_registration: Option<bool>,
+    /// What that probe answered.
+    pub dmabuf_detail: Option<String>,
 }
 
 /// Whether this kernel has RDMA at all.
@@ -361,6 +367,9 @@ pub struct GdrProbe {
     pub rdma: RdmaStatus,
     /// RDMA devices.
     pub rdma_devices: Vec<RdmaDeviceInfo>,
+    /// What libibverbs says (`ibv_get_device_list`): a device count, or the typed error
+    /// (ENOSYS: no RDMA subsystem; library absent).
+    pub verbs: String,
     /// The distance limit in force.
     pub gdr_level: GdrLevel,
     /// Every GPU × NIC pair.
@@ -375,21 +384,26 @@ impl GdrProbe {
         Self::run_in(FsPath::new("/sys"), FsPath::new("/proc"), true)
     }
 
-    /// Probes with sysfs at `sys` and procfs at `proc`; `with_cuda = false` skips libcuda
-    /// (for tests on fake trees).
-    pub fn run_in(sys: &FsPath, proc: &FsPath, with_cuda: bool) -> Self {
+    /// Probes with sysfs at `sys` and procfs at `proc`; `live = false` skips libcuda and
+    /// libibverbs (for tests on fake trees).
+    pub fn run_in(sys: &FsPath, proc: &FsPath, live: bool) -> Self {
         let mut findings = Vec::new();
         let peer_memory = PeerMemoryClient::detect_in(sys);
         let driver = std::fs::read_to_string(proc.join("driver/nvidia/version"))
             .ok()
             .map(|t| NvidiaDriver::parse(&t));
 
-        let (cuda_driver_api, cuda_error, gpus) = if with_cuda {
+        let (cuda_driver_api, cuda_error, gpus) = if live {
             probe_gpus(sys)
         } else {
             (None, Some("not probed".into()), Vec::new())
         };
-        let (rdma, rdma_devices) = probe_rdma(sys);
+        let (mut rdma, mut rdma_devices) = probe_rdma(sys);
+        let verbs = if live {
+            probe_verbs(&mut rdma, &mut rdma_devices)
+        } else {
+            "not probed".to_string()
+        };
         let gdr_level = GdrLevel::from_env();
 
         let mut pairs = Vec::new();
@@ -460,6 +474,7 @@ impl GdrProbe {
             gpus,
             rdma,
             rdma_devices,
+            verbs,
             gdr_level,
             pairs,
             findings,
@@ -606,6 +621,8 @@ fn probe_rdma(sys: &FsPath) -> (RdmaStatus, Vec<RdmaDeviceInfo>) {
                 pci_bus_id,
                 sysfs_path,
                 numa_node,
+                dmabuf_registration: None,
+                dmabuf_detail: None,
             }
         })
         .collect();
@@ -615,6 +632,62 @@ fn probe_rdma(sys: &FsPath) -> (RdmaStatus, Vec<RdmaDeviceInfo>) {
         RdmaStatus::Devices
     };
     (status, devices)
+}
+
+/// Asks libibverbs: the device list (ENOSYS → no RDMA subsystem) and, per device, whether
+/// dma-buf registration is implemented.
+fn probe_verbs(rdma: &mut RdmaStatus, devices: &mut [RdmaDeviceInfo]) -> String {
+    use crate::error::Error;
+    let list = match super::devices() {
+        Ok(l) => l,
+        Err(Error::NoRdmaSubsystem { source }) => {
+            if !matches!(rdma, RdmaStatus::NoSubsystem { .. }) {
+                *rdma = RdmaStatus::NoSubsystem {
+                    detail: format!("ibv_get_device_list: {source}"),
+                };
+            }
+            return format!("ibv_get_device_list: {source} (kernel has no RDMA subsystem)");
+        }
+        Err(e) => return e.to_string(),
+    };
+    for d in devices.iter_mut() {
+        if !list.iter().any(|i| i.name == d.name) {
+            continue;
+        }
+        let (ok, detail) = match dmabuf_mr_support(&d.name) {
+            Ok((ok, detail)) => (Some(ok), detail),
+            Err(e) => (None, e.to_string()),
+        };
+        d.dmabuf_registration = ok;
+        d.dmabuf_detail = Some(detail);
+    }
+    format!("libibverbs: {} device(s)", list.len())
+}
+
+fn dmabuf_mr_support(name: &str) -> crate::Result<(bool, String)> {
+    use crate::error::Error;
+    let ctx = super::Context::open(name)?;
+    let pd = super::ProtectionDomain::new(&ctx)?;
+    // SAFETY: fd -1 is never an open file: the provider refuses the call before any memory is
+    // touched (EOPNOTSUPP when it has no dma-buf support, else EBADF from the kernel's
+    // dma_buf_get); were it ever accepted, the region would be deregistered at once.
+    let r = unsafe { pd.register_dmabuf_raw(0, 4096, 0, -1, super::AccessFlags::LOCAL_WRITE) };
+    Ok(match r {
+        Ok(_mr) => (
+            true,
+            "ibv_reg_dmabuf_mr(fd=-1) was accepted (unexpected)".into(),
+        ),
+        Err(Error::Unsupported { cause, .. }) => (false, cause.to_string()),
+        Err(Error::Verbs { source, .. }) if source.raw_os_error() == Some(libc::EBADF) => (
+            true,
+            "ibv_reg_dmabuf_mr(fd=-1) → EBADF: the provider and kernel implement dma-buf".into(),
+        ),
+        Err(Error::SymbolUnavailable { .. }) => (
+            false,
+            "libibverbs has no ibv_reg_dmabuf_mr (rdma-core < 34)".into(),
+        ),
+        Err(e) => (false, format!("ibv_reg_dmabuf_mr(fd=-1): {e}")),
+    })
 }
 
 fn decide_pair(sys: &FsPath, g: &GpuGdr, n: &RdmaDeviceInfo, level: &GdrLevel) -> GdrPair {
@@ -737,9 +810,22 @@ impl fmt::Display for GdrProbe {
                         n.numa_node.map_or("?".into(), |v| v.to_string()),
                         ports.join(", ")
                     )?;
+                    if let Some(d) = &n.dmabuf_detail {
+                        writeln!(
+                            f,
+                            "GDR: {} dma-buf registration: {} ({d})",
+                            n.name,
+                            match n.dmabuf_registration {
+                                Some(true) => "supported",
+                                Some(false) => "unsupported",
+                                None => "unknown",
+                            }
+                        )?;
+                    }
                 }
             }
         }
+        writeln!(f, "GDR: verbs: {}", self.verbs)?;
         for p in &self.pairs {
             writeln!(
                 f,
