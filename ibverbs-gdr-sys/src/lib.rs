@@ -39,4 +39,6 @@ pub use inline::*;
 pub use loader::{Ibverbs, LoadError, Rdmacm};
 
 #[cfg(test)]
+mod inline_tests;
+#[cfg(test)]
 mod layout_tests;

@@ -200,7 +200,6 @@ impl CompletionQueue {
     /// later [`poll`](Self::poll) calls. `Ok(None)` on timeout.
     pub(crate) fn wait_for(&self, wr_id: u64, timeout: Duration) -> Result<Option<WorkCompletion>> {
         let start = Instant::now();
-        let mut spins = 0u32;
         loop {
             {
                 let mut b = self.backlog.lock().unwrap_or_else(|p| p.into_inner());
@@ -230,11 +229,16 @@ impl CompletionQueue {
             if start.elapsed() >= timeout {
                 return Ok(None);
             }
-            spins += 1;
-            if spins > 1000 {
-                std::thread::sleep(Duration::from_micros(50));
-            } else {
+            // Busy-poll first (completions usually come within microseconds), then yield the
+            // core, and only sleep for waits that are long anyway: sleeping early costs a
+            // timer tick of latency.
+            let waited = start.elapsed();
+            if waited < Duration::from_micros(20) {
                 std::hint::spin_loop();
+            } else if waited < Duration::from_millis(50) {
+                std::thread::yield_now();
+            } else {
+                std::thread::sleep(Duration::from_micros(100));
             }
         }
     }

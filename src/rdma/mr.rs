@@ -80,6 +80,34 @@ impl Drop for MrHandle {
 /// A registered memory region (`struct ibv_mr`) and `B`, what it keeps alive: the host buffer
 /// ([`ProtectionDomain::register_host`]), a GPU allocation, or `()` for a raw registration.
 /// Teardown order is fixed by field order: deregister first, then release `B`, then the PD.
+///
+/// A borrowed buffer stays borrowed while it is registered, so it cannot be freed or touched
+/// behind the NIC's back:
+///
+/// ```compile_fail
+/// # use std::sync::Arc;
+/// # use gpudirect::rdma::{AccessFlags, ProtectionDomain};
+/// fn f(pd: &Arc<ProtectionDomain>) -> gpudirect::Result<()> {
+///     let mut buf = vec![0u8; 4096];
+///     let mr = pd.register_host(&mut buf[..], AccessFlags::LOCAL_WRITE)?;
+///     drop(buf); // error: `buf` is borrowed by the registration
+///     drop(mr);
+///     Ok(())
+/// }
+/// ```
+///
+/// and the post-and-wait helpers borrow the region for the whole operation:
+///
+/// ```compile_fail
+/// # use gpudirect::rdma::{MemoryRegion, QueuePair, RemoteMemory};
+/// fn f(qp: &QueuePair, mut mr: MemoryRegion<Vec<u8>>, remote: RemoteMemory) {
+///     let done = std::thread::scope(|s| {
+///         let h = s.spawn(|| qp.read(&mut mr, 0..64, remote));
+///         mr.as_mut_slice()[0] = 1; // error: `mr` is mutably borrowed by the read
+///         h.join()
+///     });
+/// }
+/// ```
 pub struct MemoryRegion<B = ()> {
     handle: MrHandle,
     owner: B,
