@@ -234,6 +234,13 @@ pub enum ExitStrategy {
     /// teardown at exit finds them alive. Costs nothing but the contexts staying resident until
     /// exit, which cuFile needs anyway. A non-primary context (`cuCtxCreate`) current at open
     /// cannot be retained this way: keep it alive yourself, or open the driver first.
+    ///
+    /// Once cuFile's statistics are turned on ([`Stats::start`](super::Stats::start)) the
+    /// driver is also closed from an `atexit` handler, as with [`CloseAtExit`](Self::CloseAtExit):
+    /// measured on cuFile 1.15 (2×H200, `scripts/cufile-exit-matrix`), a process that started
+    /// statistics segfaulted at exit under every strategy that leaves the driver open, and exited
+    /// cleanly under both strategies that close it; without statistics every strategy exited
+    /// cleanly.
     #[default]
     RetainContexts,
     /// [`RetainContexts`](Self::RetainContexts), plus an `atexit` handler, registered right after
@@ -581,7 +588,7 @@ extern "C" fn close_driver_at_exit() {
     }
 }
 
-fn register_close_at_exit() {
+pub(super) fn register_close_at_exit() {
     static ONCE: std::sync::Once = std::sync::Once::new();
     ONCE.call_once(|| {
         // SAFETY: `close_driver_at_exit` is a plain `extern "C" fn()` that never unwinds.

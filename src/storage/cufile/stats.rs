@@ -144,6 +144,11 @@ impl Stats {
         let lib = driver.lib();
         result::set_stats_level(lib, i32::from(level.clamp(1, 3)))?;
         result::stats_control(lib, StatsControl::Start)?;
+        if driver.exit_strategy() == super::driver::ExitStrategy::RetainContexts {
+            // A process with statistics on segfaults at exit unless the driver is closed
+            // first (measured on cuFile 1.15; see ExitStrategy::RetainContexts).
+            super::driver::register_close_at_exit();
+        }
         Ok(Stats { driver })
     }
 

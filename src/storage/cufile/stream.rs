@@ -51,12 +51,11 @@ impl CuFileHandle {
     ///
     /// Errors before anything is enqueued: a range outside `buf` → [`Error::InvalidArgument`];
     /// a capturing stream (cuFile's stream API does not work in CUDA graphs) →
-    /// [`Error::Unsupported`]; on an O_DIRECT handle whose IO takes cuFile's compatibility path
+    /// [`Error::Unsupported`]; on a handle whose IO takes cuFile's compatibility path
     /// (no nvidia-fs or P2PDMA), a size or file offset that is not a multiple of
     /// [`STREAM_COMPAT_ODIRECT_ALIGN`] → [`Error::Unsupported`]
-    /// (cuFile would hand the kernel an unaligned O_DIRECT request and report `EIO`; open the file
-    /// without O_DIRECT, as [`CuFileHandle::open`] does on such machines, or use the synchronous
-    /// calls, which cuFile aligns itself); cuFile's refusal (e.g. `CU_FILE_ASYNC_NOT_SUPPORTED`
+    /// (cuFile 1.15 fails such requests with `EIO`, O_DIRECT or not; the synchronous calls take
+    /// any alignment); cuFile's refusal (e.g. `CU_FILE_ASYNC_NOT_SUPPORTED`
     /// without a `cufile.json`) → [`Error::CuFile`]. In all these cases the buffer is dropped;
     /// use [`CuFileHandle::read`] for the synchronous path.
     ///
@@ -98,13 +97,15 @@ impl CuFileHandle {
 /// (512 B and 4 KiB).
 pub const STREAM_COMPAT_ODIRECT_ALIGN: u64 = 4096;
 
-/// True for an O_DIRECT handle whose IO takes cuFile's compatibility path.
+/// True for a handle whose IO takes cuFile's compatibility path: there stream-ordered IO needs
+/// aligned requests, O_DIRECT or not (measured on cuFile 1.15, 2×H200: an unaligned
+/// `cuFileReadAsync` failed with EIO on an O_DIRECT handle and on a buffered one alike).
 fn odirect_compat(h: &CuFileHandle) -> bool {
-    h.is_o_direct() && h.path_report().path != crate::Path::Gds
+    h.path_report().path != crate::Path::Gds
 }
 
 /// Refuses, before cuFile sees it, stream-ordered IO that cuFile's compatibility path would
-/// send to the kernel as an unaligned O_DIRECT request.
+/// fail with EIO (a size or file offset that is not a multiple of 4 KiB).
 fn check_alignment(h: &CuFileHandle, write: bool, len: usize, file_offset: u64) -> Result<()> {
     if !odirect_compat(h) {
         return Ok(());
@@ -120,20 +121,24 @@ fn check_alignment(h: &CuFileHandle, write: bool, len: usize, file_offset: u64) 
     }
     Err(Error::Unsupported {
         what: format!(
-            "stream-ordered {} on the O_DIRECT handle {} in cuFile's compatibility mode",
+            "stream-ordered {} on {} ({}) in cuFile's compatibility mode",
             if write { "write" } else { "read" },
-            h.path().display()
+            h.path().display(),
+            if h.is_o_direct() {
+                "O_DIRECT"
+            } else {
+                "buffered"
+            },
         ),
         cause: crate::Cause::Other {
             message: format!(
-                "{} not a multiple of {a} bytes, and cuFile's compatibility path would pass it \
-                 to the kernel unaligned (the IO fails with EIO)",
+                "{} not a multiple of {a} bytes: cuFile's compatibility path fails such \
+                 stream-ordered requests with EIO",
                 bad.join(", ")
             ),
             fix: format!(
-                "align size and file offset to {a} bytes, open the file without \
-                 O_DIRECT (CuFileHandle::open does so without nvidia-fs), or use the synchronous \
-                 read/write"
+                "align size and file offset to {a} bytes, or use the synchronous \
+                 CuFileHandle::read/write, which take any alignment"
             ),
         },
     })
