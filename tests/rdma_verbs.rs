@@ -164,7 +164,11 @@ fn rdma_write_and_read_byte_for_byte() {
             None,
             "RDMA read of {n} bytes"
         );
+        // Explicit teardown gives the buffers back.
+        let back = back.close().map_err(|(_, e)| e).unwrap();
+        assert_eq!(back.len(), n + 5);
     }
+    p.a.close().map_err(|(_, e)| e).unwrap();
 }
 
 #[test]

@@ -171,6 +171,23 @@ impl<B> MemoryRegion<B> {
         &self.handle.pd
     }
 
+    /// Deregisters now (`ibv_dereg_mr`) and returns what the region kept alive; on failure
+    /// the region comes back intact with the error (Drop would only log it).
+    pub fn close(self) -> std::result::Result<B, (Self, Error)> {
+        // SAFETY: the MR is live; on success it is not deregistered again (see below).
+        match unsafe { result::dereg_mr(self.handle.pd.context().lib(), self.handle.raw) } {
+            Ok(()) => {
+                let MemoryRegion { handle, owner } = self;
+                let handle = std::mem::ManuallyDrop::new(handle);
+                // SAFETY: the registration is gone, so MrHandle::drop must not run; the PD Arc
+                // is moved out exactly once and dropped here.
+                drop(unsafe { std::ptr::read(&handle.pd) });
+                Ok(owner)
+            }
+            Err(e) => Err((self, e)),
+        }
+    }
+
     /// What the region keeps alive.
     pub fn owner(&self) -> &B {
         &self.owner

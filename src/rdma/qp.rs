@@ -908,6 +908,31 @@ impl QueuePair {
     }
 }
 
+impl QueuePair {
+    /// Destroys the QP now (`ibv_destroy_qp`); on failure the QP comes back intact with the
+    /// error (Drop would only log it). Outstanding work requests are discarded: move the QP to
+    /// ERR with [`set_error`](Self::set_error) and drain the CQ first if their buffers matter.
+    // The (Self, Error) shape is the convention for fallible teardown; it is returned rarely.
+    #[allow(clippy::result_large_err)]
+    pub fn close(self) -> std::result::Result<(), (Self, Error)> {
+        // SAFETY: the QP is live; on success it is not destroyed again (see below).
+        match unsafe { result::destroy_qp(self.pd.context().lib(), self.raw) } {
+            Ok(()) => {
+                let me = std::mem::ManuallyDrop::new(self);
+                // SAFETY: the QP is gone, so Drop must not run; each Arc is moved out once and
+                // dropped here (QP first, then CQs, then PD, as Drop would).
+                unsafe {
+                    drop(std::ptr::read(&me.send_cq));
+                    drop(std::ptr::read(&me.recv_cq));
+                    drop(std::ptr::read(&me.pd));
+                }
+                Ok(())
+            }
+            Err(e) => Err((self, e)),
+        }
+    }
+}
+
 impl Drop for QueuePair {
     fn drop(&mut self) {
         // SAFETY: destroyed once; the PD and CQs (Arcs in our fields) are dropped after this.
