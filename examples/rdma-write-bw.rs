@@ -24,11 +24,12 @@
 //! buffer, so bind the server to the interface meant for it and use a real token.
 
 use std::cell::RefCell;
+use std::os::fd::AsRawFd;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use gpudirect::rdma::{
-    AccessFlags, CompletionQueue, Context, Exchange, GdrBuffer, GpuMemoryRegion, MemoryRegion,
+    AccessFlags, CompletionChannel, CompletionQueue, Context, Exchange, GdrBuffer, GpuMemoryRegion, MemoryRegion,
     ProtectionDomain, QpOptions, QueuePair, RemoteMemory, Sge, WorkCompletion,
 };
 use gpudirect::{Error, Path, Result};
@@ -116,7 +117,7 @@ fn parse_args() -> std::result::Result<Args, String> {
 
 /// The message buffer: host memory, or GPU memory registered for GPUDirect RDMA.
 enum Buffer {
-    Host(MemoryRegion<Vec<u8>>),
+    Host(MemoryRegion<&'static mut [u8]>),
     Gpu(GpuMemoryRegion<GdrBuffer<u8>>),
 }
 
@@ -125,7 +126,14 @@ impl Buffer {
         let access =
             AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE | AccessFlags::REMOTE_READ;
         match use_cuda {
-            None => Ok(Buffer::Host(pd.register_host(vec![0u8; len], access)?)),
+            None => {
+                // Page-aligned, as perftest allocates (a malloc'ed Vec starts 16 bytes into a
+                // page, and every MTU-sized packet then straddles two pages). Leaked: the
+                // buffer lives as long as the process.
+                let raw: &'static mut [u8] = Box::leak(vec![0u8; len + 4096].into_boxed_slice());
+                let off = raw.as_ptr().align_offset(4096);
+                Ok(Buffer::Host(pd.register_host(&mut raw[off..off + len], access)?))
+            }
             Some(dev) => {
                 let ctx = gpudirect::cuda::context(dev)?;
                 let stream = ctx.default_stream();
@@ -227,7 +235,8 @@ fn endpoint(
     a: &Args,
     len: usize,
 ) -> Result<Endpoint> {
-    let cq = CompletionQueue::new(ctx, a.tx_depth * 2 + 16)?;
+    let channel = CompletionChannel::new(ctx)?;
+    let cq = CompletionQueue::with_channel(ctx, a.tx_depth * 2 + 16, &channel)?;
     let opts = QpOptions {
         gid_index: a.gid_index,
         max_send_wr: a.tx_depth,
@@ -302,10 +311,20 @@ fn report(size: usize, a: &Args, dt: Duration, path: &str) {
 
 const NOTE_ID: u64 = 1 << 40;
 
-/// Polls until the completion `id` arrives (successful), keeping other notes for later.
+/// Waits until the completion `id` arrives (successful), keeping other notes for later.
+/// Notes are rare, so this sleeps in the kernel on the CQ's completion channel instead of
+/// spinning (a spinning passive side steals the CPU that a software RDMA device, or a peer on
+/// the same host, needs; ib_write_bw's server sleeps in a blocking read).
 fn wait_wc(ep: &Endpoint, id: u64, what: &str) -> Result<WorkCompletion> {
-    let t0 = Instant::now();
+    let deadline = Instant::now() + Duration::from_secs(120);
     let mut wcs = [WorkCompletion::default(); 4];
+    let mut drain = |ep: &Endpoint| -> Result<usize> {
+        let n = ep.cq.poll(&mut wcs)?;
+        for wc in &wcs[..n] {
+            ep.stash.borrow_mut().push(wc.ok()?);
+        }
+        Ok(n)
+    };
     loop {
         {
             let mut st = ep.stash.borrow_mut();
@@ -313,20 +332,26 @@ fn wait_wc(ep: &Endpoint, id: u64, what: &str) -> Result<WorkCompletion> {
                 return Ok(st.swap_remove(i));
             }
         }
-        let n = ep.cq.poll(&mut wcs)?;
-        for wc in &wcs[..n] {
-            ep.stash.borrow_mut().push(wc.ok()?);
+        if drain(ep)? > 0 {
+            continue;
         }
-        if n == 0 {
-            if t0.elapsed() > Duration::from_secs(120) {
-                return Err(Error::InvalidArgument(format!(
-                    "timed out waiting for {what}"
-                )));
-            }
-            // Notes are rare: do not spin (a spinning passive side steals the CPU that a
-            // software RDMA device, or a peer on the same host, needs; ib_write_bw's server
-            // sleeps in a blocking read).
-            std::thread::sleep(Duration::from_micros(200));
+        ep.cq.req_notify(false)?;
+        if drain(ep)? > 0 {
+            continue; // landed between the poll and the arming
+        }
+        let fd = ep.cq.channel().map(|c| c.as_raw_fd()).unwrap_or(-1);
+        let mut pfd = libc::pollfd {
+            fd,
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        // SAFETY: `pfd` is one valid pollfd for the call's duration.
+        let r = unsafe { libc::poll(&mut pfd, 1, 1000) };
+        if r > 0 {
+            ep.cq.wait_event()?; // readable: returns at once, and acknowledges the event
+        }
+        if Instant::now() > deadline {
+            return Err(Error::InvalidArgument(format!("timed out waiting for {what}")));
         }
     }
 }
