@@ -29,8 +29,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use gpudirect::rdma::{
-    AccessFlags, CompletionChannel, CompletionQueue, Context, Exchange, GdrBuffer, GpuMemoryRegion, MemoryRegion,
-    ProtectionDomain, QpOptions, QueuePair, RemoteMemory, Sge, WorkCompletion,
+    AccessFlags, CompletionChannel, CompletionQueue, Context, Exchange, GdrBuffer, GpuMemoryRegion,
+    MemoryRegion, ProtectionDomain, QpOptions, QueuePair, RemoteMemory, Sge, WorkCompletion,
 };
 use gpudirect::{Error, Path, Result};
 
@@ -132,7 +132,9 @@ impl Buffer {
                 // buffer lives as long as the process.
                 let raw: &'static mut [u8] = Box::leak(vec![0u8; len + 4096].into_boxed_slice());
                 let off = raw.as_ptr().align_offset(4096);
-                Ok(Buffer::Host(pd.register_host(&mut raw[off..off + len], access)?))
+                Ok(Buffer::Host(
+                    pd.register_host(&mut raw[off..off + len], access)?,
+                ))
             }
             Some(dev) => {
                 let ctx = gpudirect::cuda::context(dev)?;
@@ -351,7 +353,9 @@ fn wait_wc(ep: &Endpoint, id: u64, what: &str) -> Result<WorkCompletion> {
             ep.cq.wait_event()?; // readable: returns at once, and acknowledges the event
         }
         if Instant::now() > deadline {
-            return Err(Error::InvalidArgument(format!("timed out waiting for {what}")));
+            return Err(Error::InvalidArgument(format!(
+                "timed out waiting for {what}"
+            )));
         }
     }
 }

@@ -1057,6 +1057,41 @@ mod tests {
     }
 
     #[test]
+    fn both_paths_refused_names_both_causes_and_fixes() {
+        let c = Cause::GdrPathsRefused {
+            dmabuf: Box::new(Cause::DmaBufUnsupported {
+                detail: "the rxe0 provider does not implement dma-buf memory regions".into(),
+            }),
+            peermem: Box::new(Cause::NoPeerMemoryClient),
+        };
+        let s = c.to_string();
+        assert!(s.starts_with("no GPUDirect RDMA registration path: dma-buf refused (dma-buf registration unsupported: the rxe0 provider"), "{s}");
+        assert!(s.contains("peermem refused (no peer-memory client)"), "{s}");
+        assert!(s.contains("load nvidia_peermem"), "{s}");
+        assert!(s.contains("mlx5"), "{s}");
+        assert!(!s.ends_with('.'), "{s}");
+        // errors from a path keep their typed cause; others are wrapped with their text
+        let e = Error::Unsupported {
+            what: "x".into(),
+            cause: Cause::PoolMemoryNotGdrCapable,
+        };
+        assert_eq!(cause_of(e), Cause::PoolMemoryNotGdrCapable);
+        let e = Error::Verbs {
+            op: "ibv_reg_dmabuf_mr",
+            source: std::io::Error::from_raw_os_error(libc::EINVAL),
+        };
+        assert!(
+            matches!(cause_of(e), Cause::Other { message, .. } if message.contains("alignment"))
+        );
+        assert_eq!(Strategy::default(), Strategy::Auto);
+        let o = GpuRegisterOptions::default();
+        assert!(o
+            .access
+            .contains(AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE));
+        assert!(!o.force_non_gdr_memory);
+    }
+
+    #[test]
     fn host_page_is_a_power_of_two() {
         assert!(host_page_size().is_power_of_two());
         assert!(round_up(1, GPU_PAGE_SIZE) == Some(GPU_PAGE_SIZE));
