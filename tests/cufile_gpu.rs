@@ -362,19 +362,30 @@ fn gpu_cufile_stream_ordered_io() {
             }
             other => panic!("unaligned stream IO in compat mode: {other:?}"),
         }
-        let buf = stream.clone_htod(&random(70_000)).unwrap();
+        // An unaligned device address is refused too (EIO measured with size and offset aligned).
+        let buf = stream.clone_htod(&random(80_000)).unwrap();
+        let off = aligned_offset(&buf);
+        let buf = match h.read_async(buf, off + 11, 65_536, 8192) {
+            Err(Error::Unsupported { what, cause }) => {
+                eprintln!("refused as expected: {what}: {}", cause.what());
+                stream.clone_htod(&random(80_000)).unwrap()
+            }
+            other => panic!("unaligned device address in compat mode: {other:?}"),
+        };
+        // Fully aligned: must move exactly the right bytes.
+        let off = aligned_offset(&buf);
         let sentinel = dtoh(&stream, &buf);
         let (n, buf) = h
-            .read_async(buf, 11, 65_536, 8192)
+            .read_async(buf, off, 65_536, 8192)
             .and_then(|io| io.wait())
             .unwrap_or_else(|e| panic!("aligned cuFileReadAsync on {}: {e}", h.path_report()));
         assert_eq!(n, 65_536);
         let got = dtoh(&stream, &buf);
         assert!(
-            got[11..11 + 65_536] == file[8192..8192 + 65_536],
+            got[off..off + 65_536] == file[8192..8192 + 65_536],
             "read bytes differ"
         );
-        assert!(got[..11] == sentinel[..11] && got[11 + 65_536..] == sentinel[11 + 65_536..]);
+        assert!(got[..off] == sentinel[..off] && got[off + 65_536..] == sentinel[off + 65_536..]);
     }
     // Odd sizes and offsets where the path is direct.
     if !compat {
@@ -450,27 +461,29 @@ fn gpu_cufile_stream_ordered_io() {
     }
     let buf = stream.clone_htod(&random(3 * a + 64 * 1024)).unwrap();
     let sentinel = dtoh(&stream, &buf);
+    let a0 = aligned_offset(&buf); // device address of buf[a0] is 4 KiB aligned
     let (n, buf) = h
-        .read_async(buf, a, 64 * 1024, 2 * a as u64)
+        .read_async(buf, a0, 64 * 1024, 2 * a as u64)
         .and_then(|io| io.wait())
         .unwrap_or_else(|e| panic!("aligned cuFileReadAsync on O_DIRECT: {e}"));
     assert_eq!(n, 64 * 1024);
     let got = dtoh(&stream, &buf);
     assert!(
-        got[a..a + 64 * 1024] == expect[2 * a..2 * a + 64 * 1024],
+        got[a0..a0 + 64 * 1024] == expect[2 * a..2 * a + 64 * 1024],
         "aligned read differs"
     );
-    assert!(got[..a] == sentinel[..a] && got[a + 64 * 1024..] == sentinel[a + 64 * 1024..]);
+    assert!(got[..a0] == sentinel[..a0] && got[a0 + 64 * 1024..] == sentinel[a0 + 64 * 1024..]);
     let data = random(3 * a);
     let src = stream.clone_htod(&data).unwrap();
+    let a0 = aligned_offset(&src);
     let (n, _) = h
-        .write_async(src, a, 2 * a, 3 * a as u64)
+        .write_async(src, a0, 2 * a, 3 * a as u64)
         .and_then(|io| io.wait())
         .unwrap_or_else(|e| panic!("aligned cuFileWriteAsync on O_DIRECT: {e}"));
     assert_eq!(n, 2 * a);
     h.file().sync_data().unwrap();
     let mut expect = expect;
-    expect[3 * a..5 * a].copy_from_slice(&data[a..3 * a]);
+    expect[3 * a..5 * a].copy_from_slice(&data[a0..a0 + 2 * a]);
     assert!(
         std::fs::read(&path).unwrap() == expect,
         "file differs after the aligned write"
@@ -755,4 +768,11 @@ fn gpu_cufile_process_exits_cleanly() {
             );
         }
     }
+}
+
+/// The offset into `buf` at which its device address is 4 KiB aligned (cuFile's compatibility
+/// path needs aligned stream-ordered requests).
+fn aligned_offset(buf: &gpudirect::cudarc::driver::CudaSlice<u8>) -> usize {
+    let addr = gpudirect::rdma::GpuMemory::device_ptr(buf);
+    ((4096 - addr % 4096) % 4096) as usize
 }

@@ -52,7 +52,7 @@ impl CuFileHandle {
     /// Errors before anything is enqueued: a range outside `buf` → [`Error::InvalidArgument`];
     /// a capturing stream (cuFile's stream API does not work in CUDA graphs) →
     /// [`Error::Unsupported`]; on a handle whose IO takes cuFile's compatibility path
-    /// (no nvidia-fs or P2PDMA), a size or file offset that is not a multiple of
+    /// (no nvidia-fs or P2PDMA), a size, file offset or device address that is not a multiple of
     /// [`STREAM_COMPAT_ODIRECT_ALIGN`] → [`Error::Unsupported`]
     /// (cuFile 1.15 fails such requests with `EIO`, O_DIRECT or not; the synchronous calls take
     /// any alignment); cuFile's refusal (e.g. `CU_FILE_ASYNC_NOT_SUPPORTED`
@@ -105,17 +105,27 @@ fn odirect_compat(h: &CuFileHandle) -> bool {
 }
 
 /// Refuses, before cuFile sees it, stream-ordered IO that cuFile's compatibility path would
-/// fail with EIO (a size or file offset that is not a multiple of 4 KiB).
-fn check_alignment(h: &CuFileHandle, write: bool, len: usize, file_offset: u64) -> Result<()> {
+/// fail with EIO (a size, file offset or device address that is not a multiple of 4 KiB).
+fn check_alignment(
+    h: &CuFileHandle,
+    write: bool,
+    len: usize,
+    file_offset: u64,
+    dev_addr: u64,
+) -> Result<()> {
     if !odirect_compat(h) {
         return Ok(());
     }
     let a = STREAM_COMPAT_ODIRECT_ALIGN;
-    let bad: Vec<String> = [("size", len as u64), ("file offset", file_offset)]
-        .iter()
-        .filter(|(_, v)| v % a != 0)
-        .map(|(n, v)| format!("{n} {v}"))
-        .collect();
+    let bad: Vec<String> = [
+        ("size", len as u64),
+        ("file offset", file_offset),
+        ("device address", dev_addr),
+    ]
+    .iter()
+    .filter(|(_, v)| v % a != 0)
+    .map(|(n, v)| format!("{n} {v}"))
+    .collect();
     if bad.is_empty() {
         return Ok(());
     }
@@ -137,7 +147,7 @@ fn check_alignment(h: &CuFileHandle, write: bool, len: usize, file_offset: u64) 
                 bad.join(", ")
             ),
             fix: format!(
-                "align size and file offset to {a} bytes, or use the synchronous \
+                "align size, file offset and device address to {a} bytes, or use the synchronous \
                  CuFileHandle::read/write, which take any alignment"
             ),
         },
@@ -194,7 +204,7 @@ impl StreamIo {
         };
         let (base, _) = allocation_range(ptr)?;
         let dev_offset = ptr - base + buf_offset as u64;
-        check_alignment(h, write, len, file_offset)?;
+        check_alignment(h, write, len, file_offset, ptr + buf_offset as u64)?;
         // Reads stop at the end of file as it is now (see CuFileHandle::read); on an O_DIRECT
         // handle in compatibility mode only at the block holding it, to stay aligned (the
         // kernel then returns the short count itself).
