@@ -51,11 +51,9 @@ impl CuFileHandle {
     ///
     /// Errors before anything is enqueued: a range outside `buf` → [`Error::InvalidArgument`];
     /// a capturing stream (cuFile's stream API does not work in CUDA graphs) →
-    /// [`Error::Unsupported`]; on a handle whose IO takes cuFile's compatibility path
-    /// (no nvidia-fs or P2PDMA), a size, file offset or device address that is not a multiple of
-    /// [`STREAM_COMPAT_ODIRECT_ALIGN`] → [`Error::Unsupported`]
-    /// (cuFile 1.15 fails such requests with `EIO`, O_DIRECT or not; the synchronous calls take
-    /// any alignment); cuFile's refusal (e.g. `CU_FILE_ASYNC_NOT_SUPPORTED`
+    /// [`Error::Unsupported`]; a handle whose IO takes cuFile's compatibility path (no nvidia-fs
+    /// or P2PDMA) → [`Error::Unsupported`] (cuFile 1.15 fails stream-ordered IO there with `EIO`,
+    /// aligned or not, measured; the synchronous calls work); cuFile's refusal (e.g. `CU_FILE_ASYNC_NOT_SUPPORTED`
     /// without a `cufile.json`) → [`Error::CuFile`]. In all these cases the buffer is dropped;
     /// use [`CuFileHandle::read`] for the synchronous path.
     ///
@@ -97,15 +95,17 @@ impl CuFileHandle {
 /// (512 B and 4 KiB).
 pub const STREAM_COMPAT_ODIRECT_ALIGN: u64 = 4096;
 
-/// True for a handle whose IO takes cuFile's compatibility path: there stream-ordered IO needs
-/// aligned requests, O_DIRECT or not (measured on cuFile 1.15, 2×H200: an unaligned
-/// `cuFileReadAsync` failed with EIO on an O_DIRECT handle and on a buffered one alike).
+/// True for a handle whose IO takes cuFile's compatibility path, where gpudirect refuses
+/// stream-ordered IO (see `check_alignment`).
 fn odirect_compat(h: &CuFileHandle) -> bool {
     h.path_report().path != crate::Path::Gds
 }
 
-/// Refuses, before cuFile sees it, stream-ordered IO that cuFile's compatibility path would
-/// fail with EIO (a size, file offset or device address that is not a multiple of 4 KiB).
+/// Refuses, before cuFile sees it, stream-ordered IO on a handle whose IO takes cuFile's
+/// compatibility path. Measured on cuFile 1.15 (2×H200, no nvidia-fs, `/etc/cufile.json`
+/// present): `cuFileReadAsync` failed with EIO on O_DIRECT and buffered handles alike, for
+/// unaligned requests and for requests whose size, file offset and device address were all
+/// 4 KiB-aligned. KvikIO likewise avoids cuFile's stream API outside GDS.
 fn check_alignment(
     h: &CuFileHandle,
     write: bool,
@@ -116,40 +116,20 @@ fn check_alignment(
     if !odirect_compat(h) {
         return Ok(());
     }
-    let a = STREAM_COMPAT_ODIRECT_ALIGN;
-    let bad: Vec<String> = [
-        ("size", len as u64),
-        ("file offset", file_offset),
-        ("device address", dev_addr),
-    ]
-    .iter()
-    .filter(|(_, v)| v % a != 0)
-    .map(|(n, v)| format!("{n} {v}"))
-    .collect();
-    if bad.is_empty() {
-        return Ok(());
-    }
     Err(Error::Unsupported {
         what: format!(
-            "stream-ordered {} on {} ({}) in cuFile's compatibility mode",
+            "stream-ordered {} of {len} bytes at file offset {file_offset} (device address {dev_addr:#x}) on {} ({}) in cuFile's compatibility mode",
             if write { "write" } else { "read" },
             h.path().display(),
-            if h.is_o_direct() {
-                "O_DIRECT"
-            } else {
-                "buffered"
-            },
+            if h.is_o_direct() { "O_DIRECT" } else { "buffered" },
         ),
         cause: crate::Cause::Other {
-            message: format!(
-                "{} not a multiple of {a} bytes: cuFile's compatibility path fails such \
-                 stream-ordered requests with EIO",
-                bad.join(", ")
-            ),
-            fix: format!(
-                "align size, file offset and device address to {a} bytes, or use the synchronous \
-                 CuFileHandle::read/write, which take any alignment"
-            ),
+            message: "cuFile 1.15's compatibility path fails stream-ordered IO with EIO, aligned \
+                      or not (measured)"
+                .into(),
+            fix: "use the synchronous CuFileHandle::read/write or gpudirect::storage::GpuFile, \
+                  or load nvidia-fs so that IO takes the direct path"
+                .into(),
         },
     })
 }
