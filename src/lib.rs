@@ -100,3 +100,8 @@ pub mod storage;
 pub use cudarc;
 pub use error::{Error, Result};
 pub use path::{Cause, FallbackPolicy, Link, Path, PathReport};
+
+/// The README's code blocks, compiled as doctests so the front page cannot rot.
+#[doc = include_str!("../README.md")]
+#[cfg(doctest)]
+pub struct ReadmeDoctests;
