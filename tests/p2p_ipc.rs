@@ -2,7 +2,9 @@
 //! itself as the child (GPU 1) with `GPUDIRECT_P2P_IPC_CHILD=<socket>`; the parent (GPU 0)
 //! exports `cuMemAlloc` memory (legacy IPC handle) and pool memory (pool fd over SCM_RIGHTS +
 //! exported pointer); the child maps both, checks the path, reads every byte and writes back at
-//! an odd offset, which the parent checks. Run:
+//! an odd offset, which the parent checks. `multi_gpu_ipc_vmm_fd_across_processes` does the same
+//! for VMM memory (`cuMemCreate`, exported as a POSIX fd with `cuMemExportToShareableHandle`).
+//! Run:
 //! `cargo test --release --test p2p_ipc -- --ignored --test-threads=1`
 
 use std::io::{Read, Write};
@@ -11,15 +13,21 @@ use std::os::unix::net::{UnixListener, UnixStream};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use gpudirect::p2p::ipc::{self, ImportedPool, IpcMapping, IpcMemHandle, PoolPointer, SharedPool};
-use gpudirect::p2p::{copy_peer, DeviceBuffer, MemoryKind};
+use gpudirect::p2p::ipc::{
+    self, ImportedPool, IpcMapping, IpcMemHandle, PoolPointer, SharedPool, VmmImport,
+};
+use gpudirect::p2p::{copy_peer, plan_copy, DeviceBuffer, MemoryKind, VmmBuffer};
 use rand::{Rng, SeedableRng};
 
 const CHILD_ENV: &str = "GPUDIRECT_P2P_IPC_CHILD";
+const VMM_CHILD_ENV: &str = "GPUDIRECT_P2P_IPC_VMM_CHILD";
 const HINT2: &str = "needs 2 peer-capable CUDA GPUs (ordinals 0 and 1): run on the 2-GPU machine";
 const LEGACY_LEN: usize = 3 * (1 << 20) + 77;
 const POOL_LEN: usize = 5 * (1 << 20) + 3;
 const WB_OFF: usize = 5;
+const VMM_LEN: usize = 3 * (1 << 20) + 12345;
+const VMM_SEED: u64 = 0x5eed_0005;
+const VMM_WB_SEED: u64 = 0x5eed_0006;
 
 fn seeded(seed: u64, n: usize) -> Vec<u8> {
     let mut v = vec![0u8; n];
@@ -215,4 +223,187 @@ fn check_and_write_back(
         wb.len(),
         rep2.path
     )
+}
+
+/// Spawns this test binary as the child running `test` with `env=<socket>`; returns it and the
+/// accepted connection.
+fn spawn_child(test: &str, env: &str) -> (std::process::Child, UnixStream, std::path::PathBuf) {
+    let sock_path = test_dir().join(format!(
+        "gpudirect-p2p-ipc-{}-{}.sock",
+        test.len(),
+        std::process::id()
+    ));
+    let _ = std::fs::remove_file(&sock_path);
+    let listener = UnixListener::bind(&sock_path).unwrap();
+    listener.set_nonblocking(true).unwrap();
+    let mut kid = Command::new(std::env::current_exe().unwrap())
+        .args([
+            test,
+            "--exact",
+            "--ignored",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .env(env, &sock_path)
+        .spawn()
+        .unwrap();
+    let t0 = Instant::now();
+    let conn = loop {
+        match listener.accept() {
+            Ok((c, _)) => break c,
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                if let Some(st) = kid.try_wait().unwrap() {
+                    panic!("the child exited before connecting: {st}");
+                }
+                assert!(
+                    t0.elapsed() < Duration::from_secs(120),
+                    "child never connected"
+                );
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            Err(e) => panic!("accept: {e}"),
+        }
+    };
+    conn.set_nonblocking(false).unwrap();
+    conn.set_read_timeout(Some(Duration::from_secs(300)))
+        .unwrap();
+    (kid, conn, sock_path)
+}
+
+#[test]
+#[ignore = "needs 2 CUDA GPUs"]
+fn multi_gpu_ipc_vmm_fd_across_processes() {
+    if let Ok(sock) = std::env::var(VMM_CHILD_ENV) {
+        vmm_child(&sock);
+        return;
+    }
+    let n = gpudirect::cuda::device_count().unwrap_or_else(|e| panic!("{HINT2}: {e}"));
+    assert!(n >= 2, "{HINT2}: this process sees {n} device(s)");
+    let a = gpudirect::cuda::context(0).unwrap();
+    let sa = a.default_stream();
+    let b = gpudirect::cuda::context(1).unwrap();
+    let sb = b.default_stream();
+
+    // VMM memory on GPU 0 with random bytes (odd size: padded to the granularity inside).
+    let g = VmmBuffer::granularity(0).unwrap();
+    let data = seeded(VMM_SEED, VMM_LEN);
+    let mut buf = VmmBuffer::<u8>::alloc_zeros(&sa, VMM_LEN).unwrap();
+    assert_eq!(buf.len(), VMM_LEN);
+    assert_eq!(buf.mapped_bytes() % g, 0);
+    assert!(buf.mapped_bytes() >= VMM_LEN);
+    sa.memcpy_htod(&data, &mut buf.as_view_mut()).unwrap();
+    sa.synchronize().unwrap();
+    assert_eq!(sa.clone_dtoh(buf.slice()).unwrap(), data, "VMM round trip");
+
+    // In this process: GPU 1 reaches the mapping only after grant_access (cuMemGetAccess).
+    let mut local = sb.alloc_zeros::<u8>(VMM_LEN).unwrap();
+    let before = plan_copy(&buf.as_view(), &mut local, &sb).unwrap();
+    println!(
+        "parent: GPU0 VMM -> GPU1 before grant_access: {}",
+        before.path
+    );
+    assert_eq!(before.src_memory, MemoryKind::Vmm);
+    assert_eq!(before.src_device, 0);
+    assert!(!before.path.is_direct(), "{}", before.path);
+    buf.grant_access(1).unwrap();
+    let rep = copy_peer(&buf.as_view(), &mut local, &sb).unwrap();
+    println!("parent: GPU0 VMM -> GPU1 after grant_access: {}", rep.path);
+    assert_eq!(rep.src_memory, MemoryKind::Vmm);
+    assert!(rep.path.is_direct(), "{}", rep.path);
+    assert_eq!(
+        sb.clone_dtoh(&local).unwrap(),
+        data,
+        "in-process VMM peer copy"
+    );
+    drop(local);
+
+    // Across processes: the allocation's fd over SCM_RIGHTS, then its length and data seed.
+    let (mut kid, mut conn, sock_path) =
+        spawn_child("multi_gpu_ipc_vmm_fd_across_processes", VMM_CHILD_ENV);
+    let fd = buf.export_fd().unwrap();
+    ipc::send_fd(&conn, fd.as_fd(), b"vmm!").unwrap();
+    drop(fd);
+    let mut meta = buf.len_bytes().to_le_bytes().to_vec();
+    meta.extend_from_slice(&VMM_SEED.to_le_bytes());
+    send(&mut conn, &meta);
+    let reply = String::from_utf8(recv(&mut conn)).unwrap();
+    println!("parent: child says {reply}");
+    assert!(reply.starts_with("ok vmm"), "{reply}");
+    let got = sa.clone_dtoh(buf.slice()).unwrap();
+    let wb = seeded(VMM_WB_SEED, VMM_LEN - 2 * WB_OFF);
+    assert_eq!(&got[..WB_OFF], &data[..WB_OFF]);
+    assert_eq!(
+        &got[WB_OFF..VMM_LEN - WB_OFF],
+        &wb[..],
+        "child's write-back"
+    );
+    assert_eq!(&got[VMM_LEN - WB_OFF..], &data[VMM_LEN - WB_OFF..]);
+    println!("parent: all {VMM_LEN} bytes of the child's write-back verified");
+    send(&mut conn, b"bye");
+    let st = kid.wait().unwrap();
+    let _ = std::fs::remove_file(&sock_path);
+    drop(buf);
+    assert!(st.success(), "child failed: {st}");
+}
+
+fn vmm_child(sock: &str) {
+    let b = gpudirect::cuda::context(1).unwrap_or_else(|e| panic!("child: {HINT2}: {e}"));
+    let sb = b.default_stream();
+    let mut conn = UnixStream::connect(sock).unwrap();
+    let mut tag = [0u8; 4]; // exactly the tag: never read into the next frame
+    let (fd, n) = ipc::recv_fd(&conn, &mut tag).unwrap();
+    assert_eq!(&tag[..n], b"vmm!");
+    let meta = recv(&mut conn);
+    assert_eq!(meta.len(), 16);
+    let len_bytes = u64::from_le_bytes(meta[..8].try_into().unwrap());
+    let seed = u64::from_le_bytes(meta[8..].try_into().unwrap());
+
+    let mut m = VmmImport::<u8>::open(&sb, fd, len_bytes).unwrap();
+    println!(
+        "child: VMM import of GPU {} memory ({} bytes): {}",
+        m.owner_device(),
+        m.len(),
+        m.path()
+    );
+    assert_eq!(m.owner_device(), 0);
+    assert!(m.path().is_direct(), "{}", m.path());
+    let n = m.len();
+    assert_eq!(n as u64, len_bytes);
+
+    // Read every byte through a peer copy that reports its path.
+    let want = seeded(seed, n);
+    let mut local = sb.alloc_zeros::<u8>(n).unwrap();
+    let rep = copy_peer(&m.as_view(), &mut local, &sb).unwrap();
+    assert_eq!(rep.src_memory, MemoryKind::Vmm);
+    assert_eq!((rep.src_device, rep.dst_device), (0, 1));
+    assert!(rep.path.is_direct(), "read path: {}", rep.path);
+    let got = sb.clone_dtoh(&local).unwrap();
+    let bad = got.iter().zip(&want).filter(|(g, w)| g != w).count();
+    assert_eq!(
+        bad, 0,
+        "{bad} of {n} bytes differ when read through the VMM import"
+    );
+
+    // Write a pattern back at an odd offset.
+    let wb = seeded(VMM_WB_SEED, n - 2 * WB_OFF);
+    let src = sb.clone_htod(&wb).unwrap();
+    let mut dst = m.as_view_mut();
+    let mut dst = dst.slice_mut(WB_OFF..n - WB_OFF);
+    let rep2 = copy_peer(&src, &mut dst, &sb).unwrap();
+    assert_eq!(rep2.dst_memory, MemoryKind::Vmm);
+    assert!(rep2.path.is_direct(), "write path: {}", rep2.path);
+    sb.synchronize().unwrap();
+    drop(src);
+    drop(m);
+    send(
+        &mut conn,
+        format!(
+            "ok vmm: read {n} bytes, all equal ({}), wrote back {} bytes ({})",
+            rep.path,
+            wb.len(),
+            rep2.path
+        )
+        .as_bytes(),
+    );
+    assert_eq!(recv(&mut conn), b"bye");
 }

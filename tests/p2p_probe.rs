@@ -9,7 +9,7 @@ use std::os::unix::net::UnixStream;
 
 use gpudirect::p2p::{
     self, ipc, nvml_status, parse_pci_bus_id, Connection, GpuInfo, NvmlP2p, NvmlStatus, P2pState,
-    PairInfo, PeerAccess, Topology,
+    PairInfo, PeerAccess, Topology, VmmBuffer,
 };
 use gpudirect::Error;
 
@@ -207,4 +207,32 @@ fn fd_passing_over_a_unix_socket() {
         ipc::send_fd(&a, file.as_fd(), b""),
         Err(Error::InvalidArgument(_))
     ));
+}
+
+#[test]
+fn vmm_types_match_cuda_expectation() {
+    let g = VmmBuffer::granularity(0);
+    let buf = VmmBuffer::<u8>::alloc_zeros_on(0, 3 * (1 << 20) + 12345);
+    match expect_cuda().as_str() {
+        "absent" => {
+            assert!(matches!(g, Err(Error::LibraryUnavailable { .. })), "{g:?}");
+            assert!(
+                matches!(buf, Err(Error::LibraryUnavailable { .. })),
+                "{buf:?}"
+            );
+        }
+        "nodevice" => {
+            assert!(matches!(g, Err(Error::NoDevice { .. })), "{g:?}");
+            assert!(matches!(buf, Err(Error::NoDevice { .. })), "{buf:?}");
+        }
+        "present" => {
+            let g = g.expect("GPUDIRECT_EXPECT_CUDA=present but VMM granularity failed");
+            assert!(g > 0 && g.is_power_of_two(), "{g}");
+            let buf = buf.expect("GPUDIRECT_EXPECT_CUDA=present but VmmBuffer failed");
+            assert_eq!(buf.mapped_bytes() % g, 0);
+            let bad = VmmBuffer::<u8>::alloc_zeros_on(1000, 1);
+            assert!(matches!(bad, Err(Error::NoDevice { .. })), "{bad:?}");
+        }
+        other => panic!("GPUDIRECT_EXPECT_CUDA must be absent|present|nodevice, not {other}"),
+    }
 }

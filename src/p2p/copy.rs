@@ -83,10 +83,20 @@ pub(crate) fn inspect(ptr: sys::CUdeviceptr, ctx: &CudaContext) -> PtrInfo {
     .ok()
     .filter(|c| !c.is_null())
     .unwrap_or(ctx.cu_ctx());
+    // VMM memory (made here or imported from another process with a POSIX fd) names its
+    // physical device in its allocation properties, also where DEVICE_ORDINAL says nothing.
+    // SAFETY: `ptr` is a device address of this process; the call only retains/releases.
+    let vmm = unsafe { r::vmm_location(ptr) };
+    let device = match vmm {
+        Some(d) if d >= 0 => d as usize,
+        _ => device,
+    };
     let kind = if super::ipc::lookup_mapping(ptr).is_some() {
         MemoryKind::Imported
     } else if !pool.is_null() {
         MemoryKind::Pool
+    } else if vmm.is_some() {
+        MemoryKind::Vmm
     } else if
     // SAFETY: as above.
     unsafe {
@@ -100,10 +110,6 @@ pub(crate) fn inspect(ptr: sys::CUdeviceptr, ctx: &CudaContext) -> PtrInfo {
     .unwrap_or(false)
     {
         MemoryKind::Legacy
-    } else if
-    // SAFETY: `ptr` is a device address of this process; the call only retains/releases.
-    unsafe { r::is_vmm_mapped(ptr) } {
-        MemoryKind::Vmm
     } else if
     // SAFETY: MEMORY_TYPE writes a CUmemorytype (unsigned int); read from a zeroed u64.
     unsafe { r::pointer_attribute(ptr, A::CU_POINTER_ATTRIBUTE_MEMORY_TYPE, 0u64) }

@@ -30,6 +30,7 @@ mod memory;
 mod peer_access;
 mod result;
 mod topology;
+mod vmm;
 
 use serde::Serialize;
 
@@ -47,6 +48,7 @@ pub use topology::{
     nvml_status, parse_pci_bus_id, Connection, GpuInfo, NvmlP2p, NvmlStatus, P2pState, PairInfo,
     Topology,
 };
+pub use vmm::VmmBuffer;
 
 use crate::error::{Error, Result};
 use crate::path::PathReport;

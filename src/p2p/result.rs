@@ -188,20 +188,202 @@ pub(crate) unsafe fn pointer_attribute<T: Copy>(
     }
 }
 
-/// `cuMemRetainAllocationHandle` then `cuMemRelease`: true when `ptr` lies in a VMM mapping.
+/// `cuMemRetainAllocationHandle`, `cuMemGetAllocationPropertiesFromHandle`, `cuMemRelease`:
+/// `Some(device ordinal of the physical memory)` when `ptr` lies in a VMM mapping (made here
+/// or imported from another process), `None` otherwise.
 ///
 /// # Safety
 /// `ptr` must be a device address of this process.
-pub(crate) unsafe fn is_vmm_mapped(ptr: sys::CUdeviceptr) -> bool {
+pub(crate) unsafe fn vmm_location(ptr: sys::CUdeviceptr) -> Option<i32> {
     let mut handle: sys::CUmemGenericAllocationHandle = 0;
     // SAFETY: out-pointer valid; the driver only reads the address value.
     let rc = unsafe { sys::cuMemRetainAllocationHandle(&mut handle, ptr as *mut c_void) };
     if rc != sys::CUresult::CUDA_SUCCESS {
-        return false;
+        return None;
     }
-    // SAFETY: `handle` was retained by the successful call above; release our reference.
+    // SAFETY: `handle` was retained by the successful call above.
+    let props = unsafe { mem_allocation_props(handle) };
+    // SAFETY: `handle` was retained above; release our reference.
     let _ = unsafe { sys::cuMemRelease(handle) };
-    true
+    Some(props.map(|p| location_id(&p.location)).unwrap_or(-1))
+}
+
+/// The `id` of a `CUmemLocation`, whichever layout the selected CUDA headers use.
+pub(crate) fn location_id(loc: &sys::CUmemLocation) -> i32 {
+    #[cfg(not(any(feature = "cuda-13020")))]
+    {
+        loc.id
+    }
+    #[cfg(feature = "cuda-13020")]
+    {
+        // SAFETY: `id` is the union member every location type writes (cuda.h).
+        unsafe { loc.__bindgen_anon_1.id }
+    }
+}
+
+/// Allocation properties of pinned device memory on `ordinal` exportable as a POSIX fd.
+pub(crate) fn vmm_prop(ordinal: i32) -> sys::CUmemAllocationProp {
+    // SAFETY: CUmemAllocationProp is a plain C struct (ints, a null pointer) for which all-zero
+    // is the documented default.
+    let mut prop: sys::CUmemAllocationProp = unsafe { std::mem::zeroed() };
+    prop.type_ = sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED;
+    prop.requestedHandleTypes =
+        sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+    prop.location = device_location(ordinal);
+    prop
+}
+
+/// `cuMemGetAllocationGranularity(&g, prop, MINIMUM)`.
+pub(crate) fn mem_granularity(prop: &sys::CUmemAllocationProp) -> Result<usize> {
+    let mut g: usize = 0;
+    // SAFETY: out-pointer and `prop` valid for the call.
+    check("cuMemGetAllocationGranularity", unsafe {
+        sys::cuMemGetAllocationGranularity(
+            &mut g,
+            prop,
+            sys::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_MINIMUM,
+        )
+    })?;
+    Ok(g.max(1))
+}
+
+/// `cuMemCreate(&h, size, prop, 0)`: physical memory, released with [`mem_release`].
+pub(crate) fn mem_create(
+    size: usize,
+    prop: &sys::CUmemAllocationProp,
+) -> Result<sys::CUmemGenericAllocationHandle> {
+    let mut h: sys::CUmemGenericAllocationHandle = 0;
+    // SAFETY: out-pointer and `prop` valid for the call.
+    check("cuMemCreate", unsafe {
+        sys::cuMemCreate(&mut h, size, prop, 0)
+    })?;
+    Ok(h)
+}
+
+/// `cuMemRelease`.
+///
+/// # Safety
+/// `h` must be a handle we own (from `cuMemCreate` or `cuMemImportFromShareableHandle`),
+/// released once.
+pub(crate) unsafe fn mem_release(h: sys::CUmemGenericAllocationHandle) -> Result<()> {
+    // SAFETY: the caller's contract.
+    check("cuMemRelease", unsafe { sys::cuMemRelease(h) })
+}
+
+/// `cuMemAddressReserve(&p, size, align, 0, 0)`: a virtual range, freed with
+/// [`mem_address_free`].
+pub(crate) fn mem_address_reserve(size: usize, align: usize) -> Result<sys::CUdeviceptr> {
+    let mut p: sys::CUdeviceptr = 0;
+    // SAFETY: out-pointer valid; no fixed address requested.
+    check("cuMemAddressReserve", unsafe {
+        sys::cuMemAddressReserve(&mut p, size, align, 0, 0)
+    })?;
+    Ok(p)
+}
+
+/// `cuMemAddressFree(p, size)`.
+///
+/// # Safety
+/// `p`/`size` must be a range from `cuMemAddressReserve` with nothing mapped in it.
+pub(crate) unsafe fn mem_address_free(p: sys::CUdeviceptr, size: usize) -> Result<()> {
+    // SAFETY: the caller's contract.
+    check("cuMemAddressFree", unsafe {
+        sys::cuMemAddressFree(p, size)
+    })
+}
+
+/// `cuMemMap(p, size, 0, h, 0)`.
+///
+/// # Safety
+/// `p`/`size` must be an unmapped part of a reserved range and `h` a live handle of at least
+/// `size` bytes.
+pub(crate) unsafe fn mem_map(
+    p: sys::CUdeviceptr,
+    size: usize,
+    h: sys::CUmemGenericAllocationHandle,
+) -> Result<()> {
+    // SAFETY: the caller's contract.
+    check("cuMemMap", unsafe { sys::cuMemMap(p, size, 0, h, 0) })
+}
+
+/// `cuMemUnmap(p, size)`.
+///
+/// # Safety
+/// `p`/`size` must be a mapping made by `cuMemMap` that no queued work still uses.
+pub(crate) unsafe fn mem_unmap(p: sys::CUdeviceptr, size: usize) -> Result<()> {
+    // SAFETY: the caller's contract.
+    check("cuMemUnmap", unsafe { sys::cuMemUnmap(p, size) })
+}
+
+/// `cuMemSetAccess(p, size, {DEVICE accessor, flags}, 1)`.
+///
+/// # Safety
+/// `p`/`size` must be a live VMM mapping.
+pub(crate) unsafe fn mem_set_access(
+    p: sys::CUdeviceptr,
+    size: usize,
+    accessor: i32,
+    flags: sys::CUmemAccess_flags,
+) -> Result<()> {
+    let desc = sys::CUmemAccessDesc {
+        location: device_location(accessor),
+        flags,
+    };
+    // SAFETY: `desc` is one valid descriptor; the caller's contract on the range.
+    check("cuMemSetAccess", unsafe {
+        sys::cuMemSetAccess(p, size, &desc, 1)
+    })
+}
+
+/// `cuMemExportToShareableHandle(&fd, h, POSIX_FILE_DESCRIPTOR, 0)`: a fresh fd the caller owns.
+///
+/// # Safety
+/// `h` must be a live handle created with the POSIX fd handle type requested.
+pub(crate) unsafe fn mem_export_fd(h: sys::CUmemGenericAllocationHandle) -> Result<c_int> {
+    let mut fd: c_int = -1;
+    // SAFETY: for POSIX fds the handle out-pointer points to an int; the caller's contract.
+    check("cuMemExportToShareableHandle", unsafe {
+        sys::cuMemExportToShareableHandle(
+            &mut fd as *mut c_int as *mut c_void,
+            h,
+            sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
+            0,
+        )
+    })?;
+    Ok(fd)
+}
+
+/// `cuMemImportFromShareableHandle(&h, (void*)(uintptr_t)fd, POSIX_FILE_DESCRIPTOR)`.
+///
+/// # Safety
+/// `fd` must be an open descriptor (the driver checks it is an exported allocation).
+pub(crate) unsafe fn mem_import_fd(fd: c_int) -> Result<sys::CUmemGenericAllocationHandle> {
+    let mut h: sys::CUmemGenericAllocationHandle = 0;
+    // SAFETY: for POSIX fds the handle argument is the fd value cast to a pointer (cuda.h).
+    check("cuMemImportFromShareableHandle", unsafe {
+        sys::cuMemImportFromShareableHandle(
+            &mut h,
+            fd as isize as *mut c_void,
+            sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
+        )
+    })?;
+    Ok(h)
+}
+
+/// `cuMemGetAllocationPropertiesFromHandle`.
+///
+/// # Safety
+/// `h` must be a live allocation handle.
+pub(crate) unsafe fn mem_allocation_props(
+    h: sys::CUmemGenericAllocationHandle,
+) -> Result<sys::CUmemAllocationProp> {
+    // SAFETY: all-zero is a valid CUmemAllocationProp (see `vmm_prop`); the driver fills it.
+    let mut prop: sys::CUmemAllocationProp = unsafe { std::mem::zeroed() };
+    // SAFETY: out-pointer valid; the caller's contract on `h`.
+    check("cuMemGetAllocationPropertiesFromHandle", unsafe {
+        sys::cuMemGetAllocationPropertiesFromHandle(&mut prop, h)
+    })?;
+    Ok(prop)
 }
 
 /// `cuMemcpyPeerAsync(dst, dst_ctx, src, src_ctx, bytes, stream)`.

@@ -1,0 +1,288 @@
+//! [`VmmBuffer`]: device memory from the CUDA virtual memory management API (`cuMemCreate`,
+//! `cuMemAddressReserve`, `cuMemMap`, `cuMemSetAccess`), created exportable as a POSIX file
+//! descriptor (`cuMemExportToShareableHandle`) and seen as a cudarc [`CudaSlice`]. Another
+//! process maps it with [`VmmImport`](super::ipc::VmmImport). Peer access to VMM memory is per
+//! mapping ([`VmmBuffer::grant_access`]), not per context, and observable (`cuMemGetAccess`):
+//! [`copy_peer`](super::copy_peer) reports the path from it.
+
+use std::mem::ManuallyDrop;
+use std::os::fd::{FromRawFd, OwnedFd};
+use std::sync::Arc;
+
+use cudarc::driver::{
+    sys, CudaContext, CudaSlice, CudaStream, CudaView, CudaViewMut, DeviceRepr, ValidAsZeroBits,
+};
+
+use super::result as r;
+use crate::error::{Error, Result};
+use crate::path::Cause;
+
+/// A reserved virtual range with one allocation mapped at its start. Partial states (handle
+/// only, handle + reservation) are torn down as far as they got: unmap, address free, release.
+#[derive(Debug)]
+pub(crate) struct VmmRange {
+    pub(crate) handle: sys::CUmemGenericAllocationHandle,
+    /// 0 until reserved.
+    pub(crate) ptr: sys::CUdeviceptr,
+    /// The padded size (a multiple of the granularity).
+    pub(crate) size: usize,
+    mapped: bool,
+    ctx: Arc<CudaContext>,
+}
+
+impl VmmRange {
+    /// Takes ownership of `handle` (released on every error path), reserves `size` bytes
+    /// aligned to `granularity`, maps the handle there and grants `ctx`'s device read/write.
+    pub(crate) fn map(
+        ctx: &Arc<CudaContext>,
+        handle: sys::CUmemGenericAllocationHandle,
+        size: usize,
+        granularity: usize,
+    ) -> Result<Self> {
+        let mut range = VmmRange {
+            handle,
+            ptr: 0,
+            size,
+            mapped: false,
+            ctx: ctx.clone(),
+        };
+        range.ptr = r::mem_address_reserve(size, granularity)?;
+        // SAFETY: the range was just reserved with `size` bytes and nothing is mapped there; the
+        // handle is live (we own it) and holds `size` bytes (the caller's padded size).
+        unsafe { r::mem_map(range.ptr, size, handle) }?;
+        range.mapped = true;
+        range.set_access(ctx.ordinal())?;
+        Ok(range)
+    }
+
+    /// `cuMemSetAccess` read/write for device `ordinal` on the whole range.
+    pub(crate) fn set_access(&self, ordinal: usize) -> Result<()> {
+        // SAFETY: the range is mapped (only called after a successful cuMemMap) and lives as
+        // long as `self`.
+        unsafe {
+            r::mem_set_access(
+                self.ptr,
+                self.size,
+                ordinal as i32,
+                sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
+            )
+        }
+    }
+}
+
+impl Drop for VmmRange {
+    fn drop(&mut self) {
+        if let Err(e) = self.ctx.bind_to_thread() {
+            tracing::warn!(%e, "gpudirect VMM: cannot bind context before unmapping");
+        }
+        if self.mapped {
+            // SAFETY: mapped by us with this size; owners synchronize their stream before
+            // dropping the range, so no queued work uses it.
+            if let Err(e) = unsafe { r::mem_unmap(self.ptr, self.size) } {
+                tracing::warn!(%e, "gpudirect VMM: cuMemUnmap failed; range and memory leaked");
+                return;
+            }
+        }
+        if self.ptr != 0 {
+            // SAFETY: reserved by us with this size; nothing is mapped in it any more.
+            if let Err(e) = unsafe { r::mem_address_free(self.ptr, self.size) } {
+                tracing::warn!(%e, "gpudirect VMM: cuMemAddressFree failed");
+            }
+        }
+        // SAFETY: we own the handle and release it once; an importer's or exporter's other
+        // references keep the physical memory alive as long as they need it.
+        if let Err(e) = unsafe { r::mem_release(self.handle) } {
+            tracing::warn!(%e, "gpudirect VMM: cuMemRelease failed");
+        }
+    }
+}
+
+/// Fails with [`Error::Unsupported`] when device `ordinal` lacks VMM or POSIX fd handles.
+fn check_support(ordinal: usize) -> Result<()> {
+    use sys::CUdevice_attribute as A;
+    let vmm = crate::cuda::device_attribute(
+        ordinal,
+        A::CU_DEVICE_ATTRIBUTE_VIRTUAL_ADDRESS_MANAGEMENT_SUPPORTED,
+    )?;
+    let fd = crate::cuda::device_attribute(
+        ordinal,
+        A::CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED,
+    )?;
+    if vmm == 0 || fd == 0 {
+        return Err(Error::Unsupported {
+            what: format!("exportable VMM memory on GPU {ordinal}"),
+            cause: Cause::Other {
+                message: format!(
+                    "virtual memory management supported: {}, POSIX fd handles supported: {}",
+                    vmm != 0,
+                    fd != 0
+                ),
+                fix: "use a DeviceBuffer with IpcMemHandle, or a SharedPool, on this device".into(),
+            },
+        });
+    }
+    Ok(())
+}
+
+/// `n` rounded up to a multiple of `g` (at least `g`).
+pub(crate) fn round_up(n: usize, g: usize) -> Result<usize> {
+    n.max(1)
+        .checked_next_multiple_of(g)
+        .ok_or_else(|| Error::InvalidArgument(format!("{n} bytes overflow usize when padded")))
+}
+
+/// A zero-initialised VMM allocation of `len` elements on one device (`cuMemCreate` with the
+/// POSIX fd handle type, padded to the allocation granularity, reserved, mapped and
+/// `cuMemSetAccess`ed for its own device), usable wherever cudarc takes a `CudaSlice`/`CudaView`
+/// ([`VmmBuffer::slice`], [`VmmBuffer::as_view`], [`VmmBuffer::as_view_mut`]). On drop, after
+/// its stream finished: `cuMemUnmap`, `cuMemAddressFree`, `cuMemRelease` (importers in other
+/// processes keep the physical memory alive until they unmap it).
+#[derive(Debug)]
+pub struct VmmBuffer<T> {
+    /// Never dropped by cudarc: leaked in our Drop before the range is unmapped.
+    slice: ManuallyDrop<CudaSlice<T>>,
+    stream: Arc<CudaStream>,
+    range: VmmRange,
+}
+
+impl VmmBuffer<u8> {
+    /// The allocation granularity (`cuMemGetAllocationGranularity`, minimum) for exportable
+    /// pinned memory on device `ordinal`: every VmmBuffer's bytes are padded to it.
+    ///
+    /// Errors: [`Error::LibraryUnavailable`] without libcuda, [`Error::NoDevice`] without such a
+    /// device, [`Error::Unsupported`] when the device lacks VMM or POSIX fd handles.
+    pub fn granularity(ordinal: usize) -> Result<usize> {
+        check_support(ordinal)?;
+        r::mem_granularity(&r::vmm_prop(ordinal as i32))
+    }
+}
+
+impl<T: DeviceRepr + ValidAsZeroBits> VmmBuffer<T> {
+    /// [`VmmBuffer::alloc_zeros`] on the default stream of device `ordinal`'s primary context.
+    pub fn alloc_zeros_on(ordinal: usize, len: usize) -> Result<Self> {
+        let ctx = crate::cuda::context(ordinal)?;
+        Self::alloc_zeros(&ctx.default_stream(), len)
+    }
+
+    /// Allocates `len` zeroed elements on `stream`'s device.
+    pub fn alloc_zeros(stream: &Arc<CudaStream>, len: usize) -> Result<Self> {
+        let ctx = stream.context();
+        let ordinal = ctx.ordinal();
+        let bytes = len
+            .checked_mul(std::mem::size_of::<T>())
+            .ok_or_else(|| Error::InvalidArgument(format!("{len} elements overflow usize")))?;
+        let g = VmmBuffer::<u8>::granularity(ordinal)?;
+        let size = round_up(bytes, g)?;
+        ctx.bind_to_thread()
+            .map_err(|e| Error::cuda("cuCtxSetCurrent", e))?;
+        let handle = r::mem_create(size, &r::vmm_prop(ordinal as i32))?;
+        let range = VmmRange::map(ctx, handle, size, g)?;
+        // SAFETY: `range.ptr` maps `size >= bytes` bytes readable and writable by this device;
+        // it is zeroed right below, and the CudaSlice is never dropped by cudarc (ManuallyDrop,
+        // leaked in our Drop before the range is unmapped).
+        let mut slice =
+            ManuallyDrop::new(unsafe { stream.upgrade_device_ptr::<T>(range.ptr, len) });
+        let zeroed = stream.memset_zeros(&mut *slice);
+        let buf = VmmBuffer {
+            slice,
+            stream: stream.clone(),
+            range,
+        };
+        zeroed.map_err(|e| Error::cuda("cuMemsetD8Async", e))?;
+        Ok(buf)
+    }
+}
+
+impl<T> VmmBuffer<T> {
+    /// Grants device `peer` read/write access to this memory (`cuMemSetAccess`), so peer copies
+    /// executed by that device read/write it directly ([`copy_peer`](super::copy_peer) then
+    /// reports [`Path::PeerDirect`](crate::Path::PeerDirect)). Lasts as long as the buffer.
+    ///
+    /// Errors: [`Error::NoDevice`] for a bad ordinal, [`Error::Unsupported`] when the two
+    /// devices cannot access each other (`cuDeviceCanAccessPeer`).
+    pub fn grant_access(&self, peer: usize) -> Result<()> {
+        crate::cuda::check_ordinal(peer)?;
+        let me = self.stream.context().ordinal();
+        if peer != me && !r::can_access_peer(r::device(peer)?, r::device(me)?)? {
+            return Err(Error::Unsupported {
+                what: format!("access from GPU {peer} to VMM memory of GPU {me}"),
+                cause: Cause::PeerUnsupported { src: peer, dst: me },
+            });
+        }
+        self.stream
+            .context()
+            .bind_to_thread()
+            .map_err(|e| Error::cuda("cuCtxSetCurrent", e))?;
+        self.range.set_access(peer)
+    }
+
+    /// Exports the allocation as a POSIX file descriptor (`cuMemExportToShareableHandle`), to
+    /// send with [`send_fd`](super::ipc::send_fd) to a process that maps it with
+    /// [`VmmImport::open`](super::ipc::VmmImport::open), together with
+    /// [`VmmBuffer::len_bytes`].
+    pub fn export_fd(&self) -> Result<OwnedFd> {
+        // SAFETY: the handle is live (we own it) and was created with the POSIX fd type.
+        let fd = unsafe { r::mem_export_fd(self.range.handle) }?;
+        // SAFETY: the driver returned a fresh fd that we now own.
+        Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+    }
+
+    /// The buffer as a cudarc slice (for `clone_dtoh`, `memcpy_dtod`, kernel arguments, ...).
+    pub fn slice(&self) -> &CudaSlice<T> {
+        &self.slice
+    }
+
+    /// An immutable view of the whole buffer.
+    pub fn as_view(&self) -> CudaView<'_, T> {
+        self.slice.as_view()
+    }
+
+    /// A mutable view of the whole buffer (`memcpy_htod`, `copy_peer` destinations, ...).
+    pub fn as_view_mut(&mut self) -> CudaViewMut<'_, T> {
+        self.slice.as_view_mut()
+    }
+
+    /// Number of elements.
+    pub fn len(&self) -> usize {
+        self.slice.len()
+    }
+
+    /// True when empty.
+    pub fn is_empty(&self) -> bool {
+        self.slice.len() == 0
+    }
+
+    /// The size in bytes the elements occupy (what an importer passes to
+    /// [`VmmImport::open`](super::ipc::VmmImport::open)).
+    pub fn len_bytes(&self) -> u64 {
+        (self.slice.len() * std::mem::size_of::<T>()) as u64
+    }
+
+    /// The mapped size in bytes (the elements' bytes padded to the granularity).
+    pub fn mapped_bytes(&self) -> usize {
+        self.range.size
+    }
+
+    /// The raw device address (`CUdeviceptr`).
+    pub fn device_ptr(&self) -> sys::CUdeviceptr {
+        self.range.ptr
+    }
+
+    /// The stream the buffer was allocated on (and is unmapped after).
+    pub fn stream(&self) -> &Arc<CudaStream> {
+        &self.stream
+    }
+}
+
+impl<T> Drop for VmmBuffer<T> {
+    fn drop(&mut self) {
+        // SAFETY: taken exactly once, here; the field is not used afterwards.
+        let slice = unsafe { ManuallyDrop::take(&mut self.slice) };
+        // Orders the stream after the slice's recorded uses and releases cudarc's events.
+        let _ = slice.leak();
+        if let Err(e) = self.stream.synchronize() {
+            tracing::warn!(%e, "gpudirect VmmBuffer: stream synchronize failed before unmap");
+        }
+        // `range` is dropped right after this: unmap, address free, release.
+    }
+}
