@@ -175,30 +175,7 @@ impl<T> IpcMapping<T> {
         }
     }
 
-    /// The mapped memory as a cudarc slice (of this process's context).
-    pub fn slice(&self) -> &CudaSlice<T> {
-        &self.slice
-    }
-
-    /// An immutable view.
-    pub fn as_view(&self) -> CudaView<'_, T> {
-        self.slice.as_view()
-    }
-
-    /// A mutable view (writes land in the exporter's memory).
-    pub fn as_view_mut(&mut self) -> CudaViewMut<'_, T> {
-        self.slice.as_view_mut()
-    }
-
-    /// Number of elements.
-    pub fn len(&self) -> usize {
-        self.slice.len()
-    }
-
-    /// True when empty.
-    pub fn is_empty(&self) -> bool {
-        self.slice.len() == 0
-    }
+    slice_accessors!();
 
     /// The device the memory lives on, in this process's numbering.
     pub fn owner_device(&self) -> usize {
@@ -681,30 +658,7 @@ impl<T> VmmImport<T> {
         })
     }
 
-    /// The mapped memory as a cudarc slice (of this process's context).
-    pub fn slice(&self) -> &CudaSlice<T> {
-        &self.slice
-    }
-
-    /// An immutable view.
-    pub fn as_view(&self) -> CudaView<'_, T> {
-        self.slice.as_view()
-    }
-
-    /// A mutable view (writes land in the exporter's memory).
-    pub fn as_view_mut(&mut self) -> CudaViewMut<'_, T> {
-        self.slice.as_view_mut()
-    }
-
-    /// Number of elements.
-    pub fn len(&self) -> usize {
-        self.slice.len()
-    }
-
-    /// True when empty.
-    pub fn is_empty(&self) -> bool {
-        self.slice.len() == 0
-    }
+    slice_accessors!();
 
     /// The device the memory lives on, in this process's numbering.
     pub fn owner_device(&self) -> usize {

@@ -50,30 +50,7 @@ impl<T: DeviceRepr + ValidAsZeroBits> DeviceBuffer<T> {
 }
 
 impl<T> DeviceBuffer<T> {
-    /// The buffer as a cudarc slice (for `clone_dtoh`, `memcpy_dtod`, kernel arguments, ...).
-    pub fn slice(&self) -> &CudaSlice<T> {
-        &self.slice
-    }
-
-    /// An immutable view of the whole buffer.
-    pub fn as_view(&self) -> CudaView<'_, T> {
-        self.slice.as_view()
-    }
-
-    /// A mutable view of the whole buffer (`memcpy_htod`, `copy_peer` destinations, ...).
-    pub fn as_view_mut(&mut self) -> CudaViewMut<'_, T> {
-        self.slice.as_view_mut()
-    }
-
-    /// Number of elements.
-    pub fn len(&self) -> usize {
-        self.slice.len()
-    }
-
-    /// True when empty.
-    pub fn is_empty(&self) -> bool {
-        self.slice.len() == 0
-    }
+    slice_accessors!();
 
     /// The raw device address (`CUdeviceptr`).
     pub fn device_ptr(&self) -> sys::CUdeviceptr {

@@ -227,30 +227,7 @@ impl<T> VmmBuffer<T> {
         Ok(unsafe { OwnedFd::from_raw_fd(fd) })
     }
 
-    /// The buffer as a cudarc slice (for `clone_dtoh`, `memcpy_dtod`, kernel arguments, ...).
-    pub fn slice(&self) -> &CudaSlice<T> {
-        &self.slice
-    }
-
-    /// An immutable view of the whole buffer.
-    pub fn as_view(&self) -> CudaView<'_, T> {
-        self.slice.as_view()
-    }
-
-    /// A mutable view of the whole buffer (`memcpy_htod`, `copy_peer` destinations, ...).
-    pub fn as_view_mut(&mut self) -> CudaViewMut<'_, T> {
-        self.slice.as_view_mut()
-    }
-
-    /// Number of elements.
-    pub fn len(&self) -> usize {
-        self.slice.len()
-    }
-
-    /// True when empty.
-    pub fn is_empty(&self) -> bool {
-        self.slice.len() == 0
-    }
+    slice_accessors!();
 
     /// The size in bytes the elements occupy (what an importer passes to
     /// [`VmmImport::open`](super::ipc::VmmImport::open)).
