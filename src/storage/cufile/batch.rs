@@ -225,14 +225,7 @@ impl BatchIo {
                     "operation {i}: file offset {file_offset} is too large"
                 )));
             }
-            self.driver.retain_context(stream.context());
-            stream
-                .context()
-                .bind_to_thread()
-                .map_err(|e| Error::cuda("cuCtxSetCurrent", e))?;
-            stream
-                .synchronize()
-                .map_err(|e| Error::cuda("cuStreamSynchronize", e))?;
+            self.driver.enter(&stream, true)?;
             let (base, _) = allocation_range(ptr)?;
             // SAFETY: all-zero is valid for CUfileIOParams_t (integers and null pointers).
             let mut p: sys::CUfileIOParams_t = unsafe { std::mem::zeroed() };

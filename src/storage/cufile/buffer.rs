@@ -53,15 +53,8 @@ impl RegisteredBuffer {
             ));
         }
         let stream = Arc::clone(slice.stream());
-        driver.retain_context(stream.context());
-        stream
-            .context()
-            .bind_to_thread()
-            .map_err(|e| Error::cuda("cuCtxSetCurrent", e))?;
         // Finish pending work (e.g. the allocation itself, stream-ordered) before pinning.
-        stream
-            .synchronize()
-            .map_err(|e| Error::cuda("cuStreamSynchronize", e))?;
+        driver.enter(&stream, true)?;
         let ptr = {
             let (p, _sync) = cudarc::driver::DevicePtr::device_ptr(&slice, &stream);
             p

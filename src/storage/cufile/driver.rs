@@ -5,7 +5,7 @@ use std::ffi::OsString;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 
-use cudarc::driver::{sys as cu, CudaContext};
+use cudarc::driver::{sys as cu, CudaContext, CudaStream};
 
 use cufile_sys as sys;
 
@@ -746,6 +746,24 @@ impl Driver {
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .len()
+    }
+
+    /// Prepares `stream`'s memory to be handed to cuFile: retains the stream's context (see
+    /// [`Driver::retain_context`]), makes it current (cuFile needs a valid context) and, when
+    /// `synchronize` is set, waits for the stream's pending work (cuFile is ordered with no
+    /// stream).
+    pub(crate) fn enter(&self, stream: &CudaStream, synchronize: bool) -> Result<()> {
+        self.retain_context(stream.context());
+        stream
+            .context()
+            .bind_to_thread()
+            .map_err(|e| Error::cuda("cuCtxSetCurrent", e))?;
+        if synchronize {
+            stream
+                .synchronize()
+                .map_err(|e| Error::cuda("cuStreamSynchronize", e))?;
+        }
+        Ok(())
     }
 
     /// Keeps `ctx` alive for the life of the process (once per context), unless the strategy is

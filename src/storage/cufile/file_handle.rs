@@ -284,14 +284,7 @@ impl CuFileHandle {
         exact: bool,
     ) -> Result<usize> {
         let op = if write { "cuFileWrite" } else { "cuFileRead" };
-        self.inner.driver.retain_context(stream.context());
-        stream
-            .context()
-            .bind_to_thread()
-            .map_err(|e| Error::cuda("cuCtxSetCurrent", e))?;
-        stream
-            .synchronize()
-            .map_err(|e| Error::cuda("cuStreamSynchronize", e))?;
+        self.inner.driver.enter(stream, true)?;
         let (base, _) = allocation_range(ptr)?;
         let buf_offset = ptr - base;
         let lib = self.inner.driver.lib();

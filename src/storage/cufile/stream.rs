@@ -158,11 +158,7 @@ impl StreamIo {
             )));
         }
         let stream = Arc::clone(buf.stream());
-        h.driver().retain_context(stream.context());
-        stream
-            .context()
-            .bind_to_thread()
-            .map_err(|e| Error::cuda("cuCtxSetCurrent", e))?;
+        h.driver().enter(&stream, false)?;
         let mut capturing =
             cudarc::driver::sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
         // SAFETY: the stream is alive (we hold its Arc); `capturing` is a valid out-pointer.
@@ -288,11 +284,7 @@ impl std::fmt::Debug for StreamRegistration {
 impl StreamRegistration {
     /// Registers `stream` (`cuFileStreamRegister`).
     pub fn register(driver: Arc<super::Driver>, stream: Arc<CudaStream>) -> Result<Self> {
-        driver.retain_context(stream.context());
-        stream
-            .context()
-            .bind_to_thread()
-            .map_err(|e| Error::cuda("cuCtxSetCurrent", e))?;
+        driver.enter(&stream, false)?;
         // SAFETY: the stream is alive and stays so (its Arc is held) until deregistration in Drop.
         unsafe { result::stream_register(driver.lib(), stream.cu_stream().cast(), 0) }?;
         Ok(StreamRegistration { stream, driver })

@@ -23,14 +23,7 @@ impl CuFileHandle {
         let mut total = 0u64;
         for b in bufs.iter_mut() {
             let stream: Arc<CudaStream> = Arc::clone(b.stream());
-            self.driver().retain_context(stream.context());
-            stream
-                .context()
-                .bind_to_thread()
-                .map_err(|e| Error::cuda("cuCtxSetCurrent", e))?;
-            stream
-                .synchronize()
-                .map_err(|e| Error::cuda("cuStreamSynchronize", e))?;
+            self.driver().enter(&stream, true)?;
             let len = b.len();
             let (p, _rec) = b.device_ptr_mut(&stream);
             iov.push(sys::CUfileIOVec_t {
@@ -54,14 +47,7 @@ impl CuFileHandle {
         let mut total = 0u64;
         for b in bufs {
             let stream: Arc<CudaStream> = Arc::clone(b.stream());
-            self.driver().retain_context(stream.context());
-            stream
-                .context()
-                .bind_to_thread()
-                .map_err(|e| Error::cuda("cuCtxSetCurrent", e))?;
-            stream
-                .synchronize()
-                .map_err(|e| Error::cuda("cuStreamSynchronize", e))?;
+            self.driver().enter(&stream, true)?;
             let len = b.len();
             let (p, _rec) = b.device_ptr(&stream);
             iov.push(sys::CUfileIOVec_t {
