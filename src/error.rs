@@ -99,7 +99,7 @@ pub enum Error {
         op: &'static str,
         /// The raw status, decoded.
         #[source]
-        source: crate::storage::CuFileStatus,
+        source: crate::storage::cufile::CuFileStatus,
     },
 
     /// A verbs or rdma_cm call failed with an errno.

@@ -31,11 +31,11 @@
 //! transfers ([`GpuFile::pread_host`], [`GpuFile::pwrite_host`]) run on the same pool.
 
 pub mod config;
+pub mod cufile;
 pub(crate) mod engine;
 mod file;
-mod status;
-pub use status::{CuFileStatus, IoReturn};
-pub mod cufile;
+
+pub use cufile::{CuFileStatus, IoReturn};
 
 pub use config::{CompatMode, ODirect, Pipeline, StorageConfig};
 pub use file::{read_to_gpu, Backend, DeviceDst, DeviceSrc, GpuFile, GpuFileOptions, IoReport};

@@ -14,9 +14,9 @@ use cufile_sys as sys;
 
 use super::buffer::allocation_range;
 use super::file_handle::HandleInner;
+use super::status::IoReturn;
 use super::{result, CuFileHandle, Driver};
 use crate::error::{Error, Result};
-use crate::storage::status::IoReturn;
 
 /// One operation of a batch: read into or write from a device view, at a file offset.
 #[derive(Debug)]

@@ -10,8 +10,8 @@ use cudarc::driver::{sys as cu, CudaContext, CudaStream};
 use cufile_sys as sys;
 
 use super::result;
+use super::status::{self, CuFileStatus};
 use crate::error::{Error, Result};
-use crate::storage::status::{self, CuFileStatus};
 
 bitflags::bitflags! {
     /// `nvfs.dstatusflags` (`CUfileDriverStatusFlags`): the storage kinds the nvidia-fs driver

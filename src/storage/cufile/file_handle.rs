@@ -11,10 +11,10 @@ use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut};
 use cufile_sys as sys;
 
 use super::buffer::allocation_range;
+use super::status::CuFileStatus;
 use super::{result, Driver};
 use crate::error::{Error, Result};
 use crate::path::{Cause, Path, PathReport};
-use crate::storage::status::CuFileStatus;
 
 /// Largest request per cuFile call: Linux moves at most 2 GiB − 4 KiB per read/write, which
 /// bounds cuFile's POSIX path too.

@@ -13,7 +13,7 @@
 //! - `CuFileHandle::readv`/`writev` where the library has them (cuFile 1.19+).
 //!
 //! Every C call goes through the private `result` module; statuses decode through
-//! [`CuFileStatus`](crate::storage::CuFileStatus).
+//! [`CuFileStatus`] (`status.rs`).
 //!
 //! Before the driver opens, gpudirect checks that libcuda loads and a GPU exists (through
 //! [`crate::cuda`]): without them cuFile misbehaves (5033 plus a `cufile.log` in the working
@@ -27,11 +27,13 @@ mod driver;
 mod file_handle;
 pub(crate) mod result;
 mod stats;
+mod status;
 mod stream;
 mod vectored;
 
 pub use batch::{BatchCompletion, BatchIo, BatchOp};
 pub use stats::{OpCounter, PerGpuStats, Stats, StatsL1, StatsSnapshot};
+pub use status::{CuFileStatus, IoReturn};
 pub use stream::{StreamIo, StreamRegistration, STREAM_COMPAT_ODIRECT_ALIGN};
 
 pub use buffer::RegisteredBuffer;

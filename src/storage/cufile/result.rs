@@ -10,8 +10,8 @@ use std::time::Duration;
 
 use cufile_sys as sys;
 
+use super::status::{self, CuFileStatus, IoReturn};
 use crate::error::{Error, Result};
-use crate::storage::status::{self, CuFileStatus, IoReturn};
 
 /// The soname reported in errors.
 pub(crate) const LIB: &str = "libcufile.so.0";
