@@ -10,10 +10,12 @@ use cudarc::driver::{
 };
 use serde::Serialize;
 
-use super::config::{CompatMode, ODirect, Pipeline, StorageConfig};
-use super::engine::io::{self, Fds, OpenMode};
+use super::backend::cufile_glue;
+use super::config::{ODirect, Pipeline, StorageConfig};
+use super::engine::io::{self, Fds};
 use super::engine::plan::{plan, Dir};
 use super::engine::{self, Job, SegParams, Target};
+use super::options::GpuFileOptions;
 use crate::error::{Error, Result};
 use crate::path::{Cause, FallbackPolicy, Path, PathReport};
 
@@ -21,20 +23,6 @@ use crate::path::{Cause, FallbackPolicy, Path, PathReport};
 const AUTO_DIRECT_MIN: usize = 1 << 20;
 /// Pages sampled to decide whether a range is cold (see [`ODirect::Auto`]).
 const RESIDENCY_SAMPLES: usize = 64;
-
-/// Which implementation moves a [`GpuFile`]'s device bytes.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Default)]
-pub enum Backend {
-    /// Decided by [`CompatMode`] (`GPUDIRECT_COMPAT_MODE`, default AUTO): cuFile when it moves
-    /// bytes by DMA, else gpudirect's engine.
-    #[default]
-    Auto,
-    /// gpudirect's parallel engine, always.
-    Engine,
-    /// cuFile, always, including cuFile's own compatibility path; opening fails when cuFile
-    /// cannot register the file. Useful to test cuFile itself.
-    CuFile,
-}
 
 /// What one transfer did.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
@@ -100,208 +88,10 @@ impl DeviceSrc for CudaViewMut<'_, u8> {
     }
 }
 
-/// How to open a [`GpuFile`]; from [`GpuFile::options`]. Unset engine settings come from the
-/// environment (see [`config`](super::config)).
-#[derive(Debug, Clone, Default)]
-pub struct GpuFileOptions {
-    write: bool,
-    create: bool,
-    truncate: bool,
-    backend: Backend,
-    compat_mode: Option<CompatMode>,
-    threads: Option<usize>,
-    task_size: Option<usize>,
-    bounce_size: Option<usize>,
-    odirect_read: Option<ODirect>,
-    odirect_write: Option<ODirect>,
-    numa_pin: Option<bool>,
-    pipeline: Option<Pipeline>,
-    segment_size: Option<usize>,
-    segments: Option<usize>,
-    copy_streams: Option<usize>,
-    fallback: Option<FallbackPolicy>,
-    device: Option<usize>,
-    durable: bool,
-}
-
-impl GpuFileOptions {
-    /// Open for writing too.
-    pub fn write(mut self, yes: bool) -> Self {
-        self.write = yes;
-        self
-    }
-    /// Create the file if missing (implies `write`).
-    pub fn create(mut self, yes: bool) -> Self {
-        self.create = yes;
-        self.write |= yes;
-        self
-    }
-    /// Truncate to zero length on open (implies `write`).
-    pub fn truncate(mut self, yes: bool) -> Self {
-        self.truncate = yes;
-        self.write |= yes;
-        self
-    }
-    /// Which implementation moves device bytes (default [`Backend::Auto`]).
-    pub fn backend(mut self, b: Backend) -> Self {
-        self.backend = b;
-        self
-    }
-    /// The mode [`Backend::Auto`] follows (default: `GPUDIRECT_COMPAT_MODE`, else AUTO).
-    pub fn compat_mode(mut self, m: CompatMode) -> Self {
-        self.compat_mode = Some(m);
-        self
-    }
-    /// Engine worker threads for every transfer (default: `GPUDIRECT_NTHREADS`, else one per
-    /// CPU of the GPU's NUMA node, 4 to 16, and at least 32 for O_DIRECT transfers).
-    pub fn threads(mut self, n: usize) -> Self {
-        self.threads = Some(n.max(1));
-        self
-    }
-    /// Bytes per task (rounded up to 4 KiB; default `GPUDIRECT_TASK_SIZE`, else 4 MiB).
-    pub fn task_size(mut self, n: usize) -> Self {
-        self.task_size = Some(super::config::round_size(n));
-        self
-    }
-    /// Bytes per pinned bounce buffer (rounded up to 4 KiB; default `GPUDIRECT_BOUNCE_SIZE`,
-    /// else 2 MiB). Device transfers move `min(task size, bounce size)` per step.
-    pub fn bounce_size(mut self, n: usize) -> Self {
-        self.bounce_size = Some(super::config::round_size(n));
-        self
-    }
-    /// O_DIRECT for reads and writes (default `GPUDIRECT_ODIRECT*`, else [`ODirect::Auto`]).
-    pub fn odirect(mut self, m: ODirect) -> Self {
-        self.odirect_read = Some(m);
-        self.odirect_write = Some(m);
-        self
-    }
-    /// O_DIRECT for reads only.
-    pub fn odirect_read(mut self, m: ODirect) -> Self {
-        self.odirect_read = Some(m);
-        self
-    }
-    /// O_DIRECT for writes only.
-    pub fn odirect_write(mut self, m: ODirect) -> Self {
-        self.odirect_write = Some(m);
-        self
-    }
-    /// Pin workers to the GPU's NUMA node (default `GPUDIRECT_NUMA_PIN`, else on).
-    pub fn numa_pin(mut self, yes: bool) -> Self {
-        self.numa_pin = Some(yes);
-        self
-    }
-    /// How reads to the GPU are staged (default `GPUDIRECT_PIPELINE`, else
-    /// [`Pipeline::Segments`]).
-    pub fn pipeline(mut self, p: Pipeline) -> Self {
-        self.pipeline = Some(p);
-        self
-    }
-    /// [`Pipeline::Segments`]: bytes per pinned segment, one host→device copy each (rounded
-    /// down to a multiple of the piece size, at least one piece; default
-    /// `GPUDIRECT_SEGMENT_SIZE`, else 32 MiB).
-    pub fn segment_size(mut self, n: usize) -> Self {
-        self.segment_size = Some(super::config::round_size(n));
-        self
-    }
-    /// [`Pipeline::Segments`]: segments in the ring, 2 to 64 (default `GPUDIRECT_SEGMENTS`,
-    /// else 4).
-    pub fn segments(mut self, n: usize) -> Self {
-        self.segments = Some(n.clamp(2, 64));
-        self
-    }
-    /// [`Pipeline::Segments`]: CUDA streams the segment copies go on, 1 to 16 (default
-    /// `GPUDIRECT_COPY_STREAMS`, else 1).
-    pub fn copy_streams(mut self, n: usize) -> Self {
-        self.copy_streams = Some(n.clamp(1, 16));
-        self
-    }
-    /// What a device transfer does when it would not take a direct path (default
-    /// [`FallbackPolicy::global`]). Host-memory transfers have no direct path and ignore it.
-    pub fn fallback(mut self, p: FallbackPolicy) -> Self {
-        self.fallback = Some(p);
-        self
-    }
-    /// Accept only buffers of this device; others are an [`Error::InvalidArgument`]
-    /// (default: any device).
-    pub fn device(mut self, ordinal: usize) -> Self {
-        self.device = Some(ordinal);
-        self
-    }
-    /// `fsync` after every write, so a write that returns is on stable storage.
-    pub fn durable(mut self, yes: bool) -> Self {
-        self.durable = yes;
-        self
-    }
-
-    /// Opens `path` and decides the backend for device transfers.
-    ///
-    /// Errors: [`Error::InvalidArgument`] for anything but a regular file (directory, FIFO,
-    /// socket, device node) or an unparsable `GPUDIRECT_*` variable; [`Error::Io`] when
-    /// `open` fails; with [`Backend::CuFile`] or mode OFF, the cuFile error or
-    /// [`Error::Unsupported`] with its cause.
-    pub fn open(self, path: impl AsRef<FsPath>) -> Result<GpuFile> {
-        let path = path.as_ref();
-        let mut cfg = StorageConfig::from_env()?;
-        if let Some(m) = self.compat_mode {
-            cfg.compat_mode = m;
-            cfg.compat_source = Some(format!("CompatMode::{m:?} (GpuFileOptions::compat_mode)"));
-        }
-        if self.threads.is_some() {
-            cfg.threads = self.threads;
-        }
-        if let Some(n) = self.task_size {
-            cfg.task_size = n;
-        }
-        if let Some(n) = self.bounce_size {
-            cfg.bounce_size = n;
-        }
-        if let Some(m) = self.odirect_read {
-            cfg.odirect_read = m;
-        }
-        if let Some(m) = self.odirect_write {
-            cfg.odirect_write = m;
-        }
-        if let Some(p) = self.numa_pin {
-            cfg.numa_pin = p;
-        }
-        if let Some(p) = self.pipeline {
-            cfg.pipeline = p;
-        }
-        if let Some(n) = self.segment_size {
-            cfg.segment_size = n;
-        }
-        if let Some(n) = self.segments {
-            cfg.segments = n;
-        }
-        if let Some(n) = self.copy_streams {
-            cfg.copy_streams = n;
-        }
-        let fds = Fds::open(
-            path,
-            OpenMode {
-                write: self.write,
-                create: self.create,
-                truncate: self.truncate,
-            },
-        )?;
-        let (cufile, report) = decide_backend(self.backend, &cfg, path, self.write)?;
-        Ok(GpuFile {
-            fds: Arc::new(fds),
-            cufile,
-            report,
-            cfg,
-            policy: self.fallback.unwrap_or_else(FallbackPolicy::global),
-            device: self.device,
-            durable: self.durable,
-            warned: AtomicBool::new(false),
-        })
-    }
-}
-
 /// A file opened for transfers to and from GPU (and host) memory.
 ///
-/// The backend for device transfers is chosen once, at open (see [`Backend`] and
-/// [`CompatMode`]), and reported by [`GpuFile::path_report`] and in every [`IoReport`].
+/// The backend for device transfers is chosen once, at open (see [`Backend`](super::Backend) and
+/// [`CompatMode`](super::CompatMode)), and reported by [`GpuFile::path_report`] and in every [`IoReport`].
 ///
 /// # Ordering
 /// Device transfers synchronize the buffer's stream before the first byte moves and return
@@ -317,14 +107,14 @@ impl GpuFileOptions {
 /// `GpuFile` is `Send + Sync`; concurrent calls are allowed (the engine runs one transfer at a
 /// time per worker pool, each on every worker).
 pub struct GpuFile {
-    fds: Arc<Fds>,
-    cufile: Option<Box<dyn cufile_glue::CuFileIo>>,
-    report: PathReport,
-    cfg: StorageConfig,
-    policy: FallbackPolicy,
-    device: Option<usize>,
-    durable: bool,
-    warned: AtomicBool,
+    pub(super) fds: Arc<Fds>,
+    pub(super) cufile: Option<Box<dyn cufile_glue::CuFileIo>>,
+    pub(super) report: PathReport,
+    pub(super) cfg: StorageConfig,
+    pub(super) policy: FallbackPolicy,
+    pub(super) device: Option<usize>,
+    pub(super) durable: bool,
+    pub(super) warned: AtomicBool,
 }
 
 impl std::fmt::Debug for GpuFile {
@@ -335,68 +125,6 @@ impl std::fmt::Debug for GpuFile {
             .field("report", &self.report)
             .field("config", &self.cfg)
             .finish()
-    }
-}
-
-fn forced(setting: String) -> PathReport {
-    PathReport::fallback(Path::Posix, Cause::ForcedByConfig { setting })
-}
-
-/// Chooses cuFile or the engine for device transfers (see [`Backend`]).
-fn decide_backend(
-    backend: Backend,
-    cfg: &StorageConfig,
-    path: &FsPath,
-    write: bool,
-) -> Result<(Option<Box<dyn cufile_glue::CuFileIo>>, PathReport)> {
-    match backend {
-        Backend::Engine => Ok((None, forced("Backend::Engine".into()))),
-        Backend::CuFile => {
-            let h = cufile_glue::open(path, write)?;
-            let r = h.report();
-            Ok((Some(h), r))
-        }
-        Backend::Auto => match cfg.compat_mode {
-            CompatMode::On => Ok((
-                None,
-                forced(
-                    cfg.compat_source
-                        .clone()
-                        .unwrap_or_else(|| "GPUDIRECT_COMPAT_MODE=ON".into()),
-                ),
-            )),
-            CompatMode::Off => match cufile_glue::open(path, write) {
-                Ok(h) => {
-                    let r = h.report();
-                    Ok((Some(h), r))
-                }
-                Err(e) => Err(Error::Unsupported {
-                    what: format!(
-                        "cuFile for {} ({} requires it)",
-                        path.display(),
-                        cfg.compat_source
-                            .as_deref()
-                            .unwrap_or("GPUDIRECT_COMPAT_MODE=OFF")
-                    ),
-                    cause: cufile_glue::cause_of(&e, path),
-                }),
-            },
-            CompatMode::Auto => match cufile_glue::open(path, write) {
-                Ok(h) => {
-                    let r = h.report();
-                    if r.path == Path::Gds {
-                        Ok((Some(h), r))
-                    } else {
-                        let cause = r.cause.clone().unwrap_or(Cause::NoNvidiaFs);
-                        Ok((None, PathReport::fallback(Path::Posix, cause)))
-                    }
-                }
-                Err(e) => Ok((
-                    None,
-                    PathReport::fallback(Path::Posix, cufile_glue::cause_of(&e, path)),
-                )),
-            },
-        },
     }
 }
 
@@ -458,7 +186,7 @@ impl GpuFile {
     }
 
     /// True when device transfers go through cuFile (its DMA path or, with
-    /// [`Backend::CuFile`], its compat path).
+    /// [`Backend::CuFile`](super::Backend::CuFile), its compat path).
     pub fn uses_cufile(&self) -> bool {
         self.cufile.is_some()
     }
@@ -848,103 +576,4 @@ pub fn read_to_gpu(
         return Err(f.eof(0, size, r.bytes));
     }
     Ok((buf, r))
-}
-
-/// Where [`GpuFile`] meets the cuFile layer (`storage::cufile`).
-mod cufile_glue {
-    use super::*;
-
-    /// The operations a [`GpuFile`] needs from a registered cuFile handle.
-    pub(crate) trait CuFileIo: Send + Sync {
-        fn read(&self, dst: &mut CudaViewMut<'_, u8>, off: u64) -> Result<usize>;
-        fn write(&self, src: &CudaView<'_, u8>, off: u64) -> Result<usize>;
-        fn report(&self) -> PathReport;
-    }
-
-    use crate::storage::cufile::{classify_registration_failure, CuFileHandle, Driver, OpenMode};
-
-    struct Handle(CuFileHandle);
-
-    impl CuFileIo for Handle {
-        fn read(&self, dst: &mut CudaViewMut<'_, u8>, off: u64) -> Result<usize> {
-            self.0.read(dst, off)
-        }
-        fn write(&self, src: &CudaView<'_, u8>, off: u64) -> Result<usize> {
-            self.0.write(src, off)
-        }
-        fn report(&self) -> PathReport {
-            self.0.path_report().clone()
-        }
-    }
-
-    /// Bytes a cuFile read may write past the range it was asked for (cuFile's compat path
-    /// moves whole 4 KiB blocks); the tail of every read goes through a scratch buffer
-    /// this much larger than the tail, so the caller's bytes past the range stay untouched.
-    const CUFILE_OVERRUN: usize = 64 << 10;
-
-    /// Reads exactly `n` bytes (`n` ≤ the view, `off + n` ≤ the file's size: the caller
-    /// clamped to end of file) through cuFile. The last up-to-64 KiB piece goes through a
-    /// scratch device buffer with room to spare and is copied into place, because cuFile's
-    /// compat path was seen writing device bytes past what it reported.
-    pub(crate) fn read_clamped(
-        cf: &dyn CuFileIo,
-        view: &mut CudaViewMut<'_, u8>,
-        off: u64,
-        n: usize,
-    ) -> Result<usize> {
-        let tail = n.min(CUFILE_OVERRUN + ((off as usize + n) % 4096));
-        let body = n - tail;
-        let mut got = 0;
-        if body > 0 {
-            let mut v = view.slice_mut(..body);
-            got = cf.read(&mut v, off)?;
-            if got < body {
-                return Ok(got);
-            }
-        }
-        let stream = view.stream().clone();
-        let mut scratch = stream
-            .alloc_zeros::<u8>(tail + CUFILE_OVERRUN)
-            .map_err(|e| Error::cuda("cuMemAlloc", e))?;
-        let t = {
-            let mut sv = scratch.slice_mut(..tail);
-            cf.read(&mut sv, off + body as u64)?
-        };
-        if t > 0 {
-            let mut dst = view.slice_mut(body..body + t);
-            stream
-                .memcpy_dtod(&scratch.slice(..t), &mut dst)
-                .map_err(|e| Error::cuda("cuMemcpyDtoDAsync", e))?;
-        }
-        stream
-            .synchronize()
-            .map_err(|e| Error::cuda("cuStreamSynchronize", e))?;
-        got += t;
-        Ok(got)
-    }
-
-    /// Opens the driver and registers `path` with cuFile (the file already exists: `GpuFile`
-    /// created or truncated it).
-    pub(crate) fn open(path: &FsPath, write: bool) -> Result<Box<dyn CuFileIo>> {
-        let driver = Driver::open()?;
-        let mode = if write {
-            OpenMode::ReadWrite
-        } else {
-            OpenMode::Read
-        };
-        Ok(Box::new(Handle(CuFileHandle::open(driver, path, mode)?)))
-    }
-
-    /// The cause to report when cuFile could not be used.
-    pub(crate) fn cause_of(e: &Error, path: &FsPath) -> Cause {
-        match e {
-            Error::Unsupported { cause, .. } => cause.clone(),
-            Error::LibraryUnavailable { .. }
-            | Error::SymbolUnavailable { .. }
-            | Error::NoDevice { .. } => Cause::CuFileUnavailable {
-                reason: e.to_string(),
-            },
-            other => classify_registration_failure(other, path),
-        }
-    }
 }

@@ -30,15 +30,19 @@
 //! their aligned part; reads use it when the range is not in the page cache. Host-memory
 //! transfers ([`GpuFile::pread_host`], [`GpuFile::pwrite_host`]) run on the same pool.
 
+mod backend;
 pub mod config;
 pub mod cufile;
 pub(crate) mod engine;
 mod file;
+mod options;
 
 pub use cufile::{CuFileStatus, IoReturn};
 
+pub use backend::Backend;
 pub use config::{CompatMode, ODirect, Pipeline, StorageConfig};
-pub use file::{read_to_gpu, Backend, DeviceDst, DeviceSrc, GpuFile, GpuFileOptions, IoReport};
+pub use file::{read_to_gpu, DeviceDst, DeviceSrc, GpuFile, IoReport};
+pub use options::GpuFileOptions;
 
 /// The engine's default worker count for `device` (`None`: host memory): the CPUs of the
 /// GPU's NUMA node this process may use, 4 to 16 (see [`config`]).
