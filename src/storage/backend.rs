@@ -3,12 +3,13 @@
 
 use std::path::Path as FsPath;
 
-use cudarc::driver::{CudaView, CudaViewMut, DeviceSlice};
+use cudarc::driver::{CudaViewMut, DeviceSlice};
 use serde::Serialize;
 
 use super::config::{CompatMode, StorageConfig};
 use crate::error::{Error, Result};
 use crate::path::{Cause, Path, PathReport};
+use crate::storage::cufile::CuFileHandle;
 
 /// Which implementation moves a [`GpuFile`](super::GpuFile)'s device bytes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Default)]
@@ -34,12 +35,12 @@ pub(super) fn decide_backend(
     cfg: &StorageConfig,
     path: &FsPath,
     write: bool,
-) -> Result<(Option<Box<dyn cufile_glue::CuFileIo>>, PathReport)> {
+) -> Result<(Option<CuFileHandle>, PathReport)> {
     match backend {
         Backend::Engine => Ok((None, forced("Backend::Engine".into()))),
         Backend::CuFile => {
             let h = cufile_glue::open(path, write)?;
-            let r = h.report();
+            let r = h.path_report().clone();
             Ok((Some(h), r))
         }
         Backend::Auto => match cfg.compat_mode {
@@ -53,7 +54,7 @@ pub(super) fn decide_backend(
             )),
             CompatMode::Off => match cufile_glue::open(path, write) {
                 Ok(h) => {
-                    let r = h.report();
+                    let r = h.path_report().clone();
                     Ok((Some(h), r))
                 }
                 Err(e) => Err(Error::Unsupported {
@@ -69,7 +70,7 @@ pub(super) fn decide_backend(
             },
             CompatMode::Auto => match cufile_glue::open(path, write) {
                 Ok(h) => {
-                    let r = h.report();
+                    let r = h.path_report().clone();
                     if r.path == Path::Gds {
                         Ok((Some(h), r))
                     } else {
@@ -90,28 +91,7 @@ pub(super) fn decide_backend(
 pub(super) mod cufile_glue {
     use super::*;
 
-    /// The operations a [`GpuFile`](crate::storage::GpuFile) needs from a registered cuFile handle.
-    pub(crate) trait CuFileIo: Send + Sync {
-        fn read(&self, dst: &mut CudaViewMut<'_, u8>, off: u64) -> Result<usize>;
-        fn write(&self, src: &CudaView<'_, u8>, off: u64) -> Result<usize>;
-        fn report(&self) -> PathReport;
-    }
-
-    use crate::storage::cufile::{classify_registration_failure, CuFileHandle, Driver, OpenMode};
-
-    struct Handle(CuFileHandle);
-
-    impl CuFileIo for Handle {
-        fn read(&self, dst: &mut CudaViewMut<'_, u8>, off: u64) -> Result<usize> {
-            self.0.read(dst, off)
-        }
-        fn write(&self, src: &CudaView<'_, u8>, off: u64) -> Result<usize> {
-            self.0.write(src, off)
-        }
-        fn report(&self) -> PathReport {
-            self.0.path_report().clone()
-        }
-    }
+    use crate::storage::cufile::{classify_registration_failure, Driver, OpenMode};
 
     /// Bytes a cuFile read may write past the range it was asked for (cuFile's compat path
     /// moves whole 4 KiB blocks); the tail of every read goes through a scratch buffer
@@ -123,7 +103,7 @@ pub(super) mod cufile_glue {
     /// scratch device buffer with room to spare and is copied into place, because cuFile's
     /// compat path was seen writing device bytes past what it reported.
     pub(crate) fn read_clamped(
-        cf: &dyn CuFileIo,
+        cf: &CuFileHandle,
         view: &mut CudaViewMut<'_, u8>,
         off: u64,
         n: usize,
@@ -161,14 +141,14 @@ pub(super) mod cufile_glue {
 
     /// Opens the driver and registers `path` with cuFile (the file already exists: `GpuFile`
     /// created or truncated it).
-    pub(crate) fn open(path: &FsPath, write: bool) -> Result<Box<dyn CuFileIo>> {
+    pub(crate) fn open(path: &FsPath, write: bool) -> Result<CuFileHandle> {
         let driver = Driver::open()?;
         let mode = if write {
             OpenMode::ReadWrite
         } else {
             OpenMode::Read
         };
-        Ok(Box::new(Handle(CuFileHandle::open(driver, path, mode)?)))
+        CuFileHandle::open(driver, path, mode)
     }
 
     /// The cause to report when cuFile could not be used.

@@ -18,6 +18,7 @@ use super::engine::{self, Job, SegParams, Target};
 use super::options::GpuFileOptions;
 use crate::error::{Error, Result};
 use crate::path::{Cause, FallbackPolicy, Path, PathReport};
+use crate::storage::cufile::CuFileHandle;
 
 /// Reads smaller than this never use O_DIRECT under [`ODirect::Auto`].
 const AUTO_DIRECT_MIN: usize = 1 << 20;
@@ -108,7 +109,7 @@ impl DeviceSrc for CudaViewMut<'_, u8> {
 /// time per worker pool, each on every worker).
 pub struct GpuFile {
     pub(super) fds: Arc<Fds>,
-    pub(super) cufile: Option<Box<dyn cufile_glue::CuFileIo>>,
+    pub(super) cufile: Option<CuFileHandle>,
     pub(super) report: PathReport,
     pub(super) cfg: StorageConfig,
     pub(super) policy: FallbackPolicy,
@@ -328,11 +329,11 @@ impl GpuFile {
             let bytes = if n == 0 {
                 0
             } else {
-                cufile_glue::read_clamped(cf.as_ref(), &mut view, file_offset, n)?
+                cufile_glue::read_clamped(cf, &mut view, file_offset, n)?
             };
             return Ok(IoReport {
                 bytes,
-                path: cf.report(),
+                path: cf.path_report().clone(),
                 odirect: false,
             });
         }
@@ -429,7 +430,7 @@ impl GpuFile {
             };
             IoReport {
                 bytes,
-                path: cf.report(),
+                path: cf.path_report().clone(),
                 odirect: false,
             }
         } else if len == 0 {
