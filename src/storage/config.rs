@@ -39,7 +39,8 @@ pub const DEFAULT_TASK_SIZE: usize = 4 << 20;
 /// Default bounce-buffer size (2 MiB): small enough that a worker's two buffers can stay in the
 /// CPU's last-level cache between the `pread` that fills them and the DMA that drains them.
 pub const DEFAULT_BOUNCE_SIZE: usize = 2 << 20;
-/// Largest count one `pread`/`pwrite` moves on Linux (`0x7ffff000`): tasks never exceed it.
+/// Largest count one `pread`/`pwrite` moves on Linux (`0x7ffff000`, 2 GiB − 4 KiB): engine
+/// tasks and cuFile requests never exceed it.
 pub const MAX_IO_PER_CALL: usize = 0x7fff_f000;
 
 /// KvikIO-style mode: may a [`GpuFile`](super::GpuFile) use cuFile, and must it?

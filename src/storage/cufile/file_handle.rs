@@ -17,8 +17,8 @@ use crate::error::{Error, Result};
 use crate::path::{Cause, Path, PathReport};
 
 /// Largest request per cuFile call: Linux moves at most 2 GiB − 4 KiB per read/write, which
-/// bounds cuFile's POSIX path too.
-pub const MAX_IO_PER_CALL: usize = (1 << 31) - 4096;
+/// bounds cuFile's POSIX path too (the one constant the engine uses as well).
+pub use crate::storage::config::MAX_IO_PER_CALL;
 
 /// A registered cuFile handle plus the file it belongs to. Shared (`Arc`) with in-flight
 /// stream-ordered and batch IO, so the registration outlives every operation that uses it.
