@@ -448,3 +448,8 @@ mod tests {
         assert!(msg.contains(LIBRARY_ENV), "{msg}");
     }
 }
+
+/// The README's code blocks, compiled as doctests so the crates.io page cannot rot.
+#[doc = include_str!("../README.md")]
+#[cfg(doctest)]
+pub struct ReadmeDoctests;

@@ -42,3 +42,8 @@ pub use loader::{Ibverbs, LoadError, Rdmacm};
 mod inline_tests;
 #[cfg(test)]
 mod layout_tests;
+
+/// The README's code blocks, compiled as doctests so the crates.io page cannot rot.
+#[doc = include_str!("../README.md")]
+#[cfg(doctest)]
+pub struct ReadmeDoctests;
