@@ -270,7 +270,7 @@ fn run_size(ep: &Endpoint, remote: RemoteMemory, size: usize, a: &Args) -> Resul
     let t0 = Instant::now();
     while completed < a.iters {
         while posted < a.iters && posted - completed < a.tx_depth as usize {
-            let signaled = (posted + 1) % cq_mod == 0 || posted + 1 == a.iters;
+            let signaled = (posted + 1).is_multiple_of(cq_mod) || posted + 1 == a.iters;
             // SAFETY: the buffer stays registered and unmodified until every write completed:
             // this loop returns only after the last (signaled) completion, which on an RC QP
             // follows every earlier write's completion.

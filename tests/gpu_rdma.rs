@@ -54,7 +54,7 @@ fn gpu_gdr_buffer_roundtrip_interop_and_attributes() {
     let mut buf = GdrBuffer::<u8>::alloc(&stream, n).unwrap();
     assert_eq!(buf.len(), n);
     assert_eq!(buf.device_ptr() % GPU_PAGE_SIZE as u64, 0, "64 KiB aligned");
-    assert!(buf.capacity_bytes() >= n && buf.capacity_bytes() % GPU_PAGE_SIZE == 0);
+    assert!(buf.capacity_bytes() >= n && buf.capacity_bytes().is_multiple_of(GPU_PAGE_SIZE));
 
     let data = random(n);
     buf.copy_from_host(&data).unwrap();

@@ -113,7 +113,7 @@ impl PairBench {
     /// Allocates two `bytes`-byte buffers on each device (filled with a pattern) and one
     /// non-blocking stream per device.
     pub fn new(a: usize, b: usize, bytes: usize) -> Result<Self> {
-        if bytes == 0 || bytes % 16 != 0 {
+        if bytes == 0 || !bytes.is_multiple_of(16) {
             return Err(Error::InvalidArgument(format!(
                 "{bytes} bytes: use a positive multiple of 16 bytes"
             )));

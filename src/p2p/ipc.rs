@@ -221,7 +221,7 @@ impl<T> Drop for IpcMapping<T> {
 
 fn elements<T>(bytes: u64) -> Result<usize> {
     let size = std::mem::size_of::<T>().max(1) as u64;
-    if bytes % size != 0 {
+    if !bytes.is_multiple_of(size) {
         return Err(Error::InvalidArgument(format!(
             "the shared range has {bytes} bytes, not a multiple of the element size {size}: import with the exporter's element type"
         )));

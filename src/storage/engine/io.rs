@@ -184,7 +184,7 @@ pub(crate) unsafe fn pread_full(
         }
         done += r as usize;
         // An O_DIRECT read that stops short of an aligned count is at end of file.
-        if (r as usize) < n && (r as usize) % DIRECT_ALIGN != 0 && is_direct(fd) {
+        if (r as usize) < n && !(r as usize).is_multiple_of(DIRECT_ALIGN) && is_direct(fd) {
             break;
         }
     }

@@ -395,7 +395,7 @@ fn read_task(job: &Job<'_>, t: &Task, buf: *mut u8) -> Result<(usize, usize)> {
 /// Writes task `t` from `buf` (`t.len` bytes; aligned when `t.direct`).
 fn write_task(job: &Job<'_>, t: &Task, buf: *const u8) -> Result<()> {
     let fds = job.fds;
-    if t.direct && (buf as usize) % DIRECT_ALIGN == 0 {
+    if t.direct && (buf as usize).is_multiple_of(DIRECT_ALIGN) {
         if let Some(d) = fds.direct() {
             // SAFETY: buf is readable for t.len bytes (caller).
             match unsafe { io::pwrite_full(d, buf, t.len, t.file_off) } {
@@ -424,7 +424,7 @@ fn host_read(ws: &mut WorkerState, job: &Job<'_>, base: *mut u8) -> Result<()> {
             || job.fds.direct().is_none()
             || (plan::is_aligned(t.file_off)
                 && t.len % DIRECT_ALIGN == 0
-                && (user as usize) % DIRECT_ALIGN == 0);
+                && (user as usize).is_multiple_of(DIRECT_ALIGN));
         let n = if straight && !t.direct {
             // SAFETY: user is writable for t.len bytes.
             unsafe { io::pread_full(&job.fds.buffered, user, t.len, t.file_off) }
@@ -450,7 +450,7 @@ fn host_write(ws: &mut WorkerState, job: &Job<'_>, base: *const u8) -> Result<()
     while let Some((i, t)) = job.next() {
         // SAFETY: inside the caller's buffer (Job::new contract).
         let user = unsafe { base.add(t.buf_off) };
-        if t.direct && job.fds.direct().is_some() && (user as usize) % DIRECT_ALIGN != 0 {
+        if t.direct && job.fds.direct().is_some() && !(user as usize).is_multiple_of(DIRECT_ALIGN) {
             ws.ensure_slot(0, job.piece, false)?;
             let b = ws.slot_ptr(0);
             // SAFETY: user is readable for t.len bytes; b holds piece >= t.len bytes.

@@ -33,7 +33,7 @@ pub(crate) fn align_up(x: u64) -> u64 {
 }
 
 pub(crate) fn is_aligned(x: u64) -> bool {
-    x % DIRECT_ALIGN as u64 == 0
+    x.is_multiple_of(DIRECT_ALIGN as u64)
 }
 
 /// The aligned range an O_DIRECT read of `t` covers: `(io_off, io_len, head)` where the
@@ -56,7 +56,7 @@ pub(crate) fn direct_read_span(t: &Task) -> (u64, usize, usize) {
 /// an unaligned head and tail off as buffered tasks (O_DIRECT cannot write part of a block).
 /// The caller guarantees `off + len` does not overflow.
 pub(crate) fn plan(off: u64, len: usize, piece: usize, dir: Dir, direct: bool) -> Vec<Task> {
-    debug_assert!(piece >= DIRECT_ALIGN && piece % DIRECT_ALIGN == 0);
+    debug_assert!(piece >= DIRECT_ALIGN && piece.is_multiple_of(DIRECT_ALIGN));
     let mut tasks = Vec::with_capacity(len / piece + 3);
     if len == 0 {
         return tasks;
