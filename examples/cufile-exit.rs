@@ -52,7 +52,7 @@ fn strategy() -> Res<(String, Strategy)> {
     let s = match name.as_str() {
         "close-in-main" => Strategy::CloseInMain,
         "leak-all" => Strategy::LeakAll,
-        other => Strategy::Library(ExitStrategy::parse(other).ok_or_else(|| {
+        other => Strategy::Library(other.parse::<ExitStrategy>().map_err(|_| {
             format!(
                 "{EXIT_STRATEGY_ENV}={other:?}: use none, retain-ctx, close-at-exit, \
                  close-in-main or leak-all"

@@ -1,8 +1,9 @@
 //! The crate's one error type.
 //!
 //! Variants that callers branch on are promoted (`LibraryUnavailable`, `NoDevice`,
-//! `NoRdmaSubsystem`, `Unsupported`, `FallbackRefused`, `InvalidArgument`); every other failure
-//! names the C operation that failed and keeps the raw code as its `source`.
+//! `NoRdmaSubsystem`, `Unsupported`, `FallbackRefused`, `InvalidArgument`,
+//! `InvalidEnvironment`); every other failure names the C operation that failed and keeps the
+//! raw code as its `source`.
 
 use std::path::PathBuf;
 
@@ -81,6 +82,18 @@ pub enum Error {
     /// A caller-supplied argument is wrong; nothing was done.
     #[error("invalid argument: {0}")]
     InvalidArgument(String),
+
+    /// A `GPUDIRECT_*` environment variable has a value gpudirect does not accept (see the
+    /// table in CONTRIBUTING.md); nothing was done.
+    #[error("{variable}={value:?} is not valid: expected {expected}; fix or unset the variable")]
+    InvalidEnvironment {
+        /// The variable, e.g. `"GPUDIRECT_FALLBACK"`.
+        variable: &'static str,
+        /// Its value.
+        value: String,
+        /// The accepted values, e.g. `"allow, warn or deny"`.
+        expected: String,
+    },
 
     /// A CUDA driver call failed.
     #[error("{op} failed: {source}")]

@@ -49,6 +49,14 @@
 //! [`FallbackPolicy`] decides what a fallback does: `Allow`, `Warn` (default: a `tracing`
 //! warning naming the cause) or `Deny` ([`Error::FallbackRefused`] before any byte moves).
 //!
+//! # Configuration
+//!
+//! Every setting has an API (options structs, [`FallbackPolicy::set_global`]) and most have a
+//! `GPUDIRECT_*` environment variable. The environment is read once per process; a value that
+//! does not parse is [`Error::InvalidEnvironment`] naming the variable and the accepted values.
+//! Every variable, its values and its default: the README's table, [Environment
+//! variables](https://github.com/gpudirect-rs/gpudirect#environment-variables).
+//!
 //! # Library dependencies
 //!
 //! Nothing native is needed to build or to document: bindings are committed. At run time these
@@ -90,6 +98,7 @@
 
 pub mod cuda;
 pub mod diag;
+mod env;
 mod error;
 pub mod ffi;
 pub mod p2p;
@@ -98,6 +107,7 @@ pub mod rdma;
 pub mod storage;
 
 pub use cudarc;
+pub use env::ParseValueError;
 pub use error::{Error, Result};
 pub use path::{Cause, FallbackPolicy, Link, Path, PathReport};
 

@@ -5,6 +5,7 @@ use std::sync::atomic::{AtomicU8, Ordering};
 
 use serde::Serialize;
 
+use crate::env::{Env, ParseValueError};
 use crate::error::{Error, Result};
 
 /// The kind of link a direct GPU↔GPU path runs over.
@@ -392,37 +393,49 @@ pub enum FallbackPolicy {
 
 static GLOBAL_POLICY: AtomicU8 = AtomicU8::new(u8::MAX);
 
+impl std::str::FromStr for FallbackPolicy {
+    type Err = ParseValueError;
+    /// Parses `allow`, `warn` or `deny` (any case).
+    fn from_str(s: &str) -> std::result::Result<Self, ParseValueError> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "allow" => Ok(FallbackPolicy::Allow),
+            "warn" => Ok(FallbackPolicy::Warn),
+            "deny" => Ok(FallbackPolicy::Deny),
+            _ => Err(ParseValueError::new(s, "allow, warn or deny")),
+        }
+    }
+}
+
 impl FallbackPolicy {
-    /// The environment's choice: `GPUDIRECT_REQUIRE_DIRECT=1` means `Deny`;
-    /// `GPUDIRECT_FALLBACK=allow|warn|deny` names a policy; otherwise `None`.
-    pub fn from_env() -> Option<Self> {
-        if let Ok(v) = std::env::var("GPUDIRECT_REQUIRE_DIRECT") {
-            if matches!(v.trim(), "1" | "true" | "yes" | "on") {
-                return Some(FallbackPolicy::Deny);
-            }
-        }
-        match std::env::var("GPUDIRECT_FALLBACK")
-            .ok()?
-            .trim()
-            .to_ascii_lowercase()
-            .as_str()
-        {
-            "allow" => Some(FallbackPolicy::Allow),
-            "warn" => Some(FallbackPolicy::Warn),
-            "deny" => Some(FallbackPolicy::Deny),
-            _ => None,
-        }
+    /// The environment's choice (read once per process): `GPUDIRECT_REQUIRE_DIRECT` true
+    /// (`1`, `true`, `yes`, `on`) means `Deny`; otherwise `GPUDIRECT_FALLBACK=allow|warn|deny`
+    /// names a policy; `Ok(None)` when neither decides. Errors:
+    /// [`Error::InvalidEnvironment`] for a value of either that does not parse (e.g.
+    /// `GPUDIRECT_FALLBACK=dney`): a typo must not turn a refusal into a fallback.
+    pub fn from_env() -> Result<Option<Self>> {
+        Self::from_source(Env::process())
+    }
+
+    fn from_source(env: Env<'_>) -> Result<Option<Self>> {
+        let require = env.flag("GPUDIRECT_REQUIRE_DIRECT")?;
+        let named = env.var::<FallbackPolicy>("GPUDIRECT_FALLBACK")?;
+        Ok(if require == Some(true) {
+            Some(FallbackPolicy::Deny)
+        } else {
+            named
+        })
     }
 
     /// The process-wide policy: the one set with [`FallbackPolicy::set_global`], else the
-    /// environment's, else `Warn`.
-    pub fn global() -> Self {
-        match GLOBAL_POLICY.load(Ordering::Relaxed) {
+    /// environment's ([`FallbackPolicy::from_env`]), else `Warn`. Errors: as `from_env`, only
+    /// while no policy was set with `set_global`.
+    pub fn global() -> Result<Self> {
+        Ok(match GLOBAL_POLICY.load(Ordering::Relaxed) {
             0 => FallbackPolicy::Allow,
             1 => FallbackPolicy::Warn,
             2 => FallbackPolicy::Deny,
-            _ => FallbackPolicy::from_env().unwrap_or_default(),
-        }
+            _ => FallbackPolicy::from_env()?.unwrap_or_default(),
+        })
     }
 
     /// Sets the process-wide policy (overrides the environment).
@@ -502,6 +515,51 @@ mod tests {
         FallbackPolicy::Deny
             .check(&PathReport::direct(Path::Gds))
             .unwrap();
+    }
+
+    fn policy_from(pairs: &[(&str, &str)]) -> Result<Option<FallbackPolicy>> {
+        let m = pairs
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        FallbackPolicy::from_source(Env::from_map(&m))
+    }
+
+    #[test]
+    fn policy_from_environment_is_strict() {
+        assert_eq!(policy_from(&[]).unwrap(), None);
+        assert_eq!(
+            policy_from(&[("GPUDIRECT_REQUIRE_DIRECT", "TRUE")]).unwrap(),
+            Some(FallbackPolicy::Deny)
+        );
+        assert_eq!(
+            policy_from(&[("GPUDIRECT_REQUIRE_DIRECT", "0")]).unwrap(),
+            None
+        );
+        assert_eq!(
+            policy_from(&[("GPUDIRECT_FALLBACK", "Allow")]).unwrap(),
+            Some(FallbackPolicy::Allow)
+        );
+        assert_eq!(
+            policy_from(&[
+                ("GPUDIRECT_REQUIRE_DIRECT", "1"),
+                ("GPUDIRECT_FALLBACK", "allow")
+            ])
+            .unwrap(),
+            Some(FallbackPolicy::Deny)
+        );
+        for (var, val) in [
+            ("GPUDIRECT_FALLBACK", "dney"),
+            ("GPUDIRECT_REQUIRE_DIRECT", "please"),
+        ] {
+            match policy_from(&[(var, val)]) {
+                Err(e @ Error::InvalidEnvironment { variable, .. }) => {
+                    assert_eq!(variable, var);
+                    assert!(e.to_string().contains(val), "{e}");
+                }
+                other => panic!("{var}={val}: {other:?}"),
+            }
+        }
     }
 
     #[test]

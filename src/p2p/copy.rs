@@ -447,7 +447,10 @@ pub unsafe fn copy_peer_async_with<T, Src: DevicePtr<T>, Dst: DevicePtrMut<T>>(
     let planned = {
         let (dp, _record_dst) = dst.device_ptr_mut(stream);
         let planned = plan(sp, &src_ctx, dp, &dst_ctx, bytes, stream, opts)?;
-        let policy = opts.policy.unwrap_or_else(FallbackPolicy::global);
+        let policy = match opts.policy {
+            Some(p) => p,
+            None => FallbackPolicy::global()?,
+        };
         policy.check(&planned.report.path)?;
         if !same_ctx && !tracked {
             let ev = src

@@ -20,6 +20,7 @@ use cudarc::driver::{
 use serde::Serialize;
 
 use crate::cuda;
+use crate::env::Env;
 use crate::error::{Error, Result};
 use crate::path::{Cause, Path, PathReport};
 
@@ -654,10 +655,14 @@ impl<M: GpuMemory> fmt::Debug for GpuMemoryRegion<M> {
     }
 }
 
-fn env_disabled(var: &str) -> bool {
-    std::env::var(var)
-        .map(|v| matches!(v.trim(), "0" | "false" | "no" | "off"))
-        .unwrap_or(false)
+/// `Some("VAR=value")` when the environment turns a registration path off (`var` false by
+/// the one boolean table); an unparsable value is [`Error::InvalidEnvironment`].
+fn env_disabled(var: &'static str) -> Result<Option<String>> {
+    let env = Env::process();
+    Ok(match env.flag(var)? {
+        Some(false) => env.raw(var).map(|v| format!("{var}={v}")),
+        _ => None,
+    })
 }
 
 impl<M: GpuMemory> GpuMemoryRegion<M> {
@@ -702,17 +707,20 @@ impl<M: GpuMemory> GpuMemoryRegion<M> {
         }
         let mut refused: Vec<(Path, Cause)> = Vec::new();
         let forced = opts.strategy != Strategy::Auto;
+        let (dmabuf_off, peermem_off) = if forced {
+            (None, None)
+        } else {
+            (
+                env_disabled("GPUDIRECT_DMABUF_ENABLE")?,
+                env_disabled("GPUDIRECT_PEERMEM_ENABLE")?,
+            )
+        };
 
         // ---- dma-buf ----
         if opts.strategy == Strategy::PeerMem {
             // not asked for
-        } else if !forced && env_disabled("GPUDIRECT_DMABUF_ENABLE") {
-            refused.push((
-                Path::RdmaDmaBuf,
-                Cause::ForcedByConfig {
-                    setting: "GPUDIRECT_DMABUF_ENABLE=0".into(),
-                },
-            ));
+        } else if let Some(setting) = dmabuf_off {
+            refused.push((Path::RdmaDmaBuf, Cause::ForcedByConfig { setting }));
         } else {
             match Self::try_dmabuf(pd, &mem, &range, &info, opts.access) {
                 Ok((mr, exp)) => {
@@ -743,13 +751,8 @@ impl<M: GpuMemory> GpuMemoryRegion<M> {
         // ---- peer-memory client ----
         if opts.strategy == Strategy::DmaBuf {
             // not asked for
-        } else if !forced && env_disabled("GPUDIRECT_PEERMEM_ENABLE") {
-            refused.push((
-                Path::RdmaPeerMem,
-                Cause::ForcedByConfig {
-                    setting: "GPUDIRECT_PEERMEM_ENABLE=0".into(),
-                },
-            ));
+        } else if let Some(setting) = peermem_off {
+            refused.push((Path::RdmaPeerMem, Cause::ForcedByConfig { setting }));
         } else if !forced && !super::probe::PeerMemoryClient::detect().present() {
             refused.push((Path::RdmaPeerMem, Cause::NoPeerMemoryClient));
         } else {

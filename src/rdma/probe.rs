@@ -94,29 +94,29 @@ impl GdrLevel {
     /// NCCL's default: PXB (GDR only when GPU and NIC share a PCIe switch hierarchy).
     pub const DEFAULT: PciDistance = PciDistance::Pxb;
 
-    /// The level from `GPUDIRECT_GDR_LEVEL`, or the default; an unparsable value is reported
-    /// in the source and ignored.
-    pub fn from_env() -> Self {
-        Self::from_value(std::env::var(GDR_LEVEL_ENV).ok().as_deref())
+    /// The level from `GPUDIRECT_GDR_LEVEL` (read once per process), or the default. Errors:
+    /// [`Error::InvalidEnvironment`](crate::Error::InvalidEnvironment) for a value that is not
+    /// a level.
+    pub fn from_env() -> crate::Result<Self> {
+        Self::from_value(crate::env::Env::process().raw(GDR_LEVEL_ENV))
     }
 
-    fn from_value(v: Option<&str>) -> Self {
+    fn from_value(v: Option<&str>) -> crate::Result<Self> {
         match v {
-            None => GdrLevel {
+            None => Ok(GdrLevel {
                 level: Self::DEFAULT,
                 source: "default".into(),
-            },
+            }),
             Some(v) => match PciDistance::parse(v) {
-                Some(level) => GdrLevel {
+                Some(level) => Ok(GdrLevel {
                     level,
                     source: format!("{GDR_LEVEL_ENV}={v}"),
-                },
-                None => GdrLevel {
-                    level: Self::DEFAULT,
-                    source: format!(
-                        "default ({GDR_LEVEL_ENV}={v} ignored: use LOC, PIX, PXB, PHB, NODE or SYS)"
-                    ),
-                },
+                }),
+                None => Err(crate::env::invalid(
+                    GDR_LEVEL_ENV,
+                    v,
+                    "LOC, PIX, PXB, PHB, NODE or SYS (or 0 to 4)",
+                )),
             },
         }
     }
@@ -404,7 +404,15 @@ impl GdrProbe {
         } else {
             "not probed".to_string()
         };
-        let gdr_level = GdrLevel::from_env();
+        let gdr_level = GdrLevel::from_env().unwrap_or_else(|e| {
+            // The probe reports, it does not fail: the bad value is a finding, and the pairs
+            // below are judged at the default level.
+            findings.push(e.to_string());
+            GdrLevel {
+                level: GdrLevel::DEFAULT,
+                source: format!("default ({GDR_LEVEL_ENV} is invalid)"),
+            }
+        });
 
         let mut pairs = Vec::new();
         for g in &gpus {
@@ -892,14 +900,19 @@ mod tests {
 
     #[test]
     fn gdr_level_parses_names_and_legacy_integers() {
-        assert_eq!(GdrLevel::from_value(None).level, PciDistance::Pxb);
-        assert_eq!(GdrLevel::from_value(Some("sys")).level, PciDistance::Sys);
-        assert_eq!(GdrLevel::from_value(Some("PHB")).level, PciDistance::Phb);
-        assert_eq!(GdrLevel::from_value(Some("1")).level, PciDistance::Pix);
-        assert_eq!(GdrLevel::from_value(Some("4")).level, PciDistance::Sys);
-        let bad = GdrLevel::from_value(Some("far"));
-        assert_eq!(bad.level, PciDistance::Pxb);
-        assert!(bad.source.contains("ignored"), "{}", bad.source);
+        let level = |v| GdrLevel::from_value(v).unwrap().level;
+        assert_eq!(level(None), PciDistance::Pxb);
+        assert_eq!(level(Some("sys")), PciDistance::Sys);
+        assert_eq!(level(Some("PHB")), PciDistance::Phb);
+        assert_eq!(level(Some("1")), PciDistance::Pix);
+        assert_eq!(level(Some("4")), PciDistance::Sys);
+        match GdrLevel::from_value(Some("far")) {
+            Err(e @ crate::Error::InvalidEnvironment { variable, .. }) => {
+                assert_eq!(variable, GDR_LEVEL_ENV);
+                assert!(e.to_string().contains("PXB"), "{e}");
+            }
+            other => panic!("{other:?}"),
+        }
     }
 
     #[test]
@@ -985,11 +998,11 @@ mod tests {
             flush_options: Some(FlushOptions(1)),
             error: None,
         };
-        let pxb = GdrLevel::from_value(None);
+        let pxb = GdrLevel::from_value(None).unwrap();
         let pair = decide_pair(&sys, &g, &p.rdma_devices[0], &pxb);
         assert_eq!(pair.distance, Some(PciDistance::Pix));
         assert!(pair.allowed, "{pair:?}");
-        let loc = GdrLevel::from_value(Some("LOC"));
+        let loc = GdrLevel::from_value(Some("LOC")).unwrap();
         let pair = decide_pair(&sys, &g, &p.rdma_devices[0], &loc);
         assert!(
             !pair.allowed && pair.reason.contains("GPUDIRECT_GDR_LEVEL=PIX"),

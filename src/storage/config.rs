@@ -3,31 +3,30 @@
 //!
 //! # Environment variables
 //!
-//! Read once per [`StorageConfig::from_env`] call (every `GpuFile::open` without explicit
-//! settings calls it). A value that does not parse is an [`Error::InvalidArgument`] naming
-//! the variable, never silently ignored.
+//! Read once per process: [`GpuFile::open`](super::GpuFile::open)
+//! and [`GpuFile::options`](super::GpuFile::options) start from [`StorageConfig::from_env`];
+//! setting a variable after the first use has no effect. A value that does not parse, or lies
+//! outside its range, is an [`Error::InvalidEnvironment`] naming the variable and the accepted
+//! values, never silently ignored or clamped. [`GpuFileOptions`](super::GpuFileOptions)'s
+//! setters are checked by the same rules ([`StorageConfig::validate`]).
 //!
-//! | Variable | Values | Default | Meaning |
-//! |---|---|---|---|
-//! | `GPUDIRECT_COMPAT_MODE` | `auto`, `on`, `off` (also `1/0`, `true/false`, `yes/no`) | `auto` | `auto`: cuFile only when it moves bytes by DMA ([`Path::Gds`](crate::Path::Gds)), else gpudirect's engine; `on`: always gpudirect's engine; `off`: cuFile required (its compat path allowed), an error otherwise |
-//! | `GPUDIRECT_NTHREADS` | integer ≥ 1 | CPUs of the GPU's NUMA node this process may run on (at least 4, at most 16); O_DIRECT transfers at least 32 | worker threads of the engine (set: used for every transfer) |
-//! | `GPUDIRECT_TASK_SIZE` | bytes, suffixes `K`, `M`, `G` (powers of 1024) | `4M` | the unit of work one worker takes at a time (rounded up to 4 KiB) |
-//! | `GPUDIRECT_BOUNCE_SIZE` | bytes, as above | `2M` | each pinned bounce buffer (two per worker); device IO moves at most this much per step |
-//! | `GPUDIRECT_ODIRECT` | `auto`, `on`, `off` | `auto` | O_DIRECT for both directions (see [`ODirect`]) |
-//! | `GPUDIRECT_ODIRECT_READ`, `GPUDIRECT_ODIRECT_WRITE` | as above | `GPUDIRECT_ODIRECT` | per direction |
-//! | `GPUDIRECT_NUMA_PIN` | `1`/`0` | `1` | pin workers (and so their bounce buffers) to the GPU's NUMA node |
-//! | `GPUDIRECT_PIPELINE` | `segments`, `lanes` | `segments` | how reads to the GPU are staged (see [`Pipeline`]) |
-//! | `GPUDIRECT_SEGMENT_SIZE` | bytes, as above | `32M` | [`Pipeline::Segments`]: bytes per pinned segment, one host→device copy each (a multiple of the piece size) |
-//! | `GPUDIRECT_SEGMENTS` | integer 2 to 64 | `4` | [`Pipeline::Segments`]: segments in the ring |
-//! | `GPUDIRECT_COPY_STREAMS` | integer 1 to 16 | `1` | [`Pipeline::Segments`]: CUDA streams the segment copies are issued on (round robin) |
+//! The variables (`GPUDIRECT_COMPAT_MODE`, `GPUDIRECT_NTHREADS`, `GPUDIRECT_TASK_SIZE`,
+//! `GPUDIRECT_BOUNCE_SIZE`, `GPUDIRECT_ODIRECT`, `GPUDIRECT_ODIRECT_READ`,
+//! `GPUDIRECT_ODIRECT_WRITE`, `GPUDIRECT_NUMA_PIN`, `GPUDIRECT_PIPELINE`,
+//! `GPUDIRECT_SEGMENT_SIZE`, `GPUDIRECT_SEGMENTS`, `GPUDIRECT_COPY_STREAMS`), their accepted
+//! values and defaults are in the one table of the README, [Environment
+//! variables](https://github.com/gpudirect-rs/gpudirect#environment-variables); each
+//! [`StorageConfig`] field names its variable.
 //!
 //! `GPUDIRECT_REQUIRE_DIRECT` and `GPUDIRECT_FALLBACK` choose the
 //! [`FallbackPolicy`](crate::FallbackPolicy) (see there).
 
 use std::fmt;
+use std::str::FromStr;
 
 use serde::Serialize;
 
+use crate::env::{self, Env, ParseValueError};
 use crate::error::{Error, Result};
 
 /// Alignment gpudirect uses for O_DIRECT: file offsets, lengths and buffer addresses of
@@ -57,15 +56,34 @@ pub enum CompatMode {
     Off,
 }
 
+/// `auto`, or a boolean (`on` = [`CompatMode::On`]).
+const AUTO_OR_BOOL: &str = "auto, or on/off (1/0, true/false, yes/no)";
+
+/// `auto`, else the one boolean table: `true` is `on`, `false` is `off`.
+fn auto_or_bool<T>(s: &str, auto: T, on: T, off: T) -> std::result::Result<T, ParseValueError> {
+    if s.trim().eq_ignore_ascii_case("auto") {
+        return Ok(auto);
+    }
+    match env::parse_bool(s) {
+        Some(true) => Ok(on),
+        Some(false) => Ok(off),
+        None => Err(ParseValueError::new(s, AUTO_OR_BOOL)),
+    }
+}
+
+impl FromStr for CompatMode {
+    type Err = ParseValueError;
+    /// Parses `auto`, `on`/`true`/`yes`/`1`, `off`/`false`/`no`/`0` (any case).
+    fn from_str(s: &str) -> std::result::Result<Self, ParseValueError> {
+        auto_or_bool(s, CompatMode::Auto, CompatMode::On, CompatMode::Off)
+    }
+}
+
 impl CompatMode {
     /// Parses `auto`, `on`/`true`/`yes`/`1`, `off`/`false`/`no`/`0` (any case).
+    #[deprecated(note = "use str::parse (FromStr), whose error lists the spellings")]
     pub fn parse(s: &str) -> Option<Self> {
-        match s.trim().to_ascii_lowercase().as_str() {
-            "auto" => Some(CompatMode::Auto),
-            "on" | "true" | "yes" | "1" => Some(CompatMode::On),
-            "off" | "false" | "no" | "0" => Some(CompatMode::Off),
-            _ => None,
-        }
+        s.parse().ok()
     }
 }
 
@@ -98,15 +116,19 @@ pub enum ODirect {
     Off,
 }
 
+impl FromStr for ODirect {
+    type Err = ParseValueError;
+    /// Parses `auto`, `on`/`1`/`true`/`yes`, `off`/`0`/`false`/`no` (any case).
+    fn from_str(s: &str) -> std::result::Result<Self, ParseValueError> {
+        auto_or_bool(s, ODirect::Auto, ODirect::On, ODirect::Off)
+    }
+}
+
 impl ODirect {
     /// Parses `auto`, `on`/`1`/`true`/`yes`, `off`/`0`/`false`/`no` (any case).
+    #[deprecated(note = "use str::parse (FromStr), whose error lists the spellings")]
     pub fn parse(s: &str) -> Option<Self> {
-        match s.trim().to_ascii_lowercase().as_str() {
-            "auto" => Some(ODirect::Auto),
-            "on" | "true" | "yes" | "1" => Some(ODirect::On),
-            "off" | "false" | "no" | "0" => Some(ODirect::Off),
-            _ => None,
-        }
+        s.parse().ok()
     }
 }
 
@@ -123,14 +145,23 @@ pub enum Pipeline {
     Lanes,
 }
 
+impl FromStr for Pipeline {
+    type Err = ParseValueError;
+    /// Parses `segments` (`segment`, `seg`) or `lanes` (`lane`), any case.
+    fn from_str(s: &str) -> std::result::Result<Self, ParseValueError> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "segments" | "segment" | "seg" => Ok(Pipeline::Segments),
+            "lanes" | "lane" => Ok(Pipeline::Lanes),
+            _ => Err(ParseValueError::new(s, "segments or lanes")),
+        }
+    }
+}
+
 impl Pipeline {
     /// Parses `segments` (`seg`) or `lanes` (any case).
+    #[deprecated(note = "use str::parse (FromStr), whose error lists the spellings")]
     pub fn parse(s: &str) -> Option<Self> {
-        match s.trim().to_ascii_lowercase().as_str() {
-            "segments" | "segment" | "seg" => Some(Pipeline::Segments),
-            "lanes" | "lane" => Some(Pipeline::Lanes),
-            _ => None,
-        }
+        s.parse().ok()
     }
 }
 
@@ -190,16 +221,6 @@ impl Default for StorageConfig {
     }
 }
 
-fn env(name: &str) -> Option<String> {
-    std::env::var(name).ok().filter(|v| !v.trim().is_empty())
-}
-
-fn bad(name: &str, value: &str, expected: &str) -> Error {
-    Error::InvalidArgument(format!(
-        "{name}={value:?} is not valid: expected {expected}; fix or unset the variable"
-    ))
-}
-
 /// Parses a byte size: a plain integer or one with a `K`, `M`, `G` suffix (×1024ⁿ, an
 /// optional trailing `B`/`iB` allowed).
 pub fn parse_size(s: &str) -> Option<usize> {
@@ -217,76 +238,186 @@ pub fn parse_size(s: &str) -> Option<usize> {
     num.trim().parse::<usize>().ok()?.checked_mul(mult)
 }
 
+/// One bounded setting: its variable, its builder method, its range and the range's text.
+#[derive(Debug)]
+struct Bound {
+    var: &'static str,
+    setter: &'static str,
+    lo: usize,
+    hi: usize,
+    expected: &'static str,
+}
+
+const THREADS: Bound = Bound {
+    var: "GPUDIRECT_NTHREADS",
+    setter: "threads",
+    lo: 1,
+    hi: 1024,
+    expected: "an integer from 1 to 1024",
+};
+const SEGMENTS: Bound = Bound {
+    var: "GPUDIRECT_SEGMENTS",
+    setter: "segments",
+    lo: 2,
+    hi: 64,
+    expected: "an integer from 2 to 64",
+};
+const COPY_STREAMS: Bound = Bound {
+    var: "GPUDIRECT_COPY_STREAMS",
+    setter: "copy_streams",
+    lo: 1,
+    hi: 16,
+    expected: "an integer from 1 to 16",
+};
+/// Sizes: 1 byte to 1 GiB, rounded up to [`DIRECT_ALIGN`] once checked.
+const SIZE_EXPECTED: &str = "a size from 1 byte to 1G, e.g. 4M";
+const TASK_SIZE: Bound = Bound {
+    var: "GPUDIRECT_TASK_SIZE",
+    setter: "task_size",
+    lo: 1,
+    hi: 1 << 30,
+    expected: SIZE_EXPECTED,
+};
+const BOUNCE_SIZE: Bound = Bound {
+    var: "GPUDIRECT_BOUNCE_SIZE",
+    setter: "bounce_size",
+    lo: 1,
+    hi: 1 << 30,
+    expected: SIZE_EXPECTED,
+};
+const SEGMENT_SIZE: Bound = Bound {
+    var: "GPUDIRECT_SEGMENT_SIZE",
+    setter: "segment_size",
+    lo: 1,
+    hi: 1 << 30,
+    expected: SIZE_EXPECTED,
+};
+
+/// A setting outside its range: which one, and the accepted range.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct OutOfRange {
+    bound: &'static Bound,
+    value: usize,
+}
+
+impl OutOfRange {
+    /// As the environment's error (the value came from `GPUDIRECT_*`).
+    pub(crate) fn env_error(self) -> Error {
+        env::invalid(self.bound.var, &self.value.to_string(), self.bound.expected)
+    }
+
+    /// As an API error (the value came from a `GpuFileOptions` setter or a `StorageConfig`).
+    pub(crate) fn api_error(self) -> Error {
+        Error::InvalidArgument(format!(
+            "{} = {} is out of range: expected {} (GpuFileOptions::{}, or {})",
+            self.bound.setter, self.value, self.bound.expected, self.bound.setter, self.bound.var
+        ))
+    }
+}
+
+impl Bound {
+    fn contains(&self, value: usize) -> bool {
+        (self.lo..=self.hi).contains(&value)
+    }
+}
+
+fn check(bound: &'static Bound, value: usize) -> std::result::Result<(), OutOfRange> {
+    if bound.contains(value) {
+        Ok(())
+    } else {
+        Err(OutOfRange { bound, value })
+    }
+}
+
 impl StorageConfig {
-    /// Defaults overridden by the `GPUDIRECT_*` environment variables listed in the module
-    /// docs. Errors: [`Error::InvalidArgument`] naming a variable whose value does not parse.
+    /// The defaults overridden by the `GPUDIRECT_*` environment variables listed in the module
+    /// docs (read once per process). Errors: [`Error::InvalidEnvironment`] naming a variable
+    /// whose value does not parse or is out of range.
     pub fn from_env() -> Result<Self> {
+        Self::from_source(Env::process())
+    }
+
+    pub(crate) fn from_source(env: Env<'_>) -> Result<Self> {
         let mut c = StorageConfig::default();
-        if let Some(v) = env("GPUDIRECT_COMPAT_MODE") {
-            c.compat_mode = CompatMode::parse(&v)
-                .ok_or_else(|| bad("GPUDIRECT_COMPAT_MODE", &v, "auto, on or off"))?;
-            c.compat_source = Some(format!("GPUDIRECT_COMPAT_MODE={v}"));
+        if let Some(m) = env.var::<CompatMode>("GPUDIRECT_COMPAT_MODE")? {
+            c.compat_mode = m;
+            c.compat_source = env
+                .raw("GPUDIRECT_COMPAT_MODE")
+                .map(|v| format!("GPUDIRECT_COMPAT_MODE={v}"));
         }
-        if let Some(v) = env("GPUDIRECT_NTHREADS") {
-            let n = v
-                .trim()
-                .parse::<usize>()
-                .ok()
-                .filter(|n| (1..=1024).contains(n))
-                .ok_or_else(|| bad("GPUDIRECT_NTHREADS", &v, "an integer from 1 to 1024"))?;
+        // Range-checked here too, so the error quotes the variable's own text.
+        let int = |b: &'static Bound| {
+            env.parse(b.var, b.expected, |v| {
+                v.trim().parse::<usize>().ok().filter(|n| b.contains(*n))
+            })
+        };
+        let size = |b: &'static Bound| {
+            env.parse(b.var, b.expected, |v| {
+                parse_size(v).filter(|n| b.contains(*n))
+            })
+        };
+        if let Some(n) = int(&THREADS)? {
             c.threads = Some(n);
         }
-        if let Some(v) = env("GPUDIRECT_PIPELINE") {
-            c.pipeline = Pipeline::parse(&v)
-                .ok_or_else(|| bad("GPUDIRECT_PIPELINE", &v, "segments or lanes"))?;
+        if let Some(p) = env.var::<Pipeline>("GPUDIRECT_PIPELINE")? {
+            c.pipeline = p;
         }
-        for (name, slot, lo, hi) in [
-            ("GPUDIRECT_SEGMENTS", &mut c.segments, 2usize, 64usize),
-            ("GPUDIRECT_COPY_STREAMS", &mut c.copy_streams, 1, 16),
-        ] {
-            if let Some(v) = env(name) {
-                *slot = v
-                    .trim()
-                    .parse::<usize>()
-                    .ok()
-                    .filter(|n| (lo..=hi).contains(n))
-                    .ok_or_else(|| bad(name, &v, &format!("an integer from {lo} to {hi}")))?;
-            }
+        if let Some(n) = int(&SEGMENTS)? {
+            c.segments = n;
         }
-        for (name, slot) in [
-            ("GPUDIRECT_TASK_SIZE", &mut c.task_size),
-            ("GPUDIRECT_BOUNCE_SIZE", &mut c.bounce_size),
-            ("GPUDIRECT_SEGMENT_SIZE", &mut c.segment_size),
-        ] {
-            if let Some(v) = env(name) {
-                let n = parse_size(&v)
-                    .filter(|n| (1..=1 << 30).contains(n))
-                    .ok_or_else(|| bad(name, &v, "a size from 1 byte to 1G, e.g. 4M"))?;
-                *slot = round_size(n);
-            }
+        if let Some(n) = int(&COPY_STREAMS)? {
+            c.copy_streams = n;
         }
-        if let Some(v) = env("GPUDIRECT_ODIRECT") {
-            let m = ODirect::parse(&v)
-                .ok_or_else(|| bad("GPUDIRECT_ODIRECT", &v, "auto, on or off"))?;
+        if let Some(n) = size(&TASK_SIZE)? {
+            c.task_size = n;
+        }
+        if let Some(n) = size(&BOUNCE_SIZE)? {
+            c.bounce_size = n;
+        }
+        if let Some(n) = size(&SEGMENT_SIZE)? {
+            c.segment_size = n;
+        }
+        if let Some(m) = env.var::<ODirect>("GPUDIRECT_ODIRECT")? {
             c.odirect_read = m;
             c.odirect_write = m;
         }
-        if let Some(v) = env("GPUDIRECT_ODIRECT_READ") {
-            c.odirect_read = ODirect::parse(&v)
-                .ok_or_else(|| bad("GPUDIRECT_ODIRECT_READ", &v, "auto, on or off"))?;
+        if let Some(m) = env.var::<ODirect>("GPUDIRECT_ODIRECT_READ")? {
+            c.odirect_read = m;
         }
-        if let Some(v) = env("GPUDIRECT_ODIRECT_WRITE") {
-            c.odirect_write = ODirect::parse(&v)
-                .ok_or_else(|| bad("GPUDIRECT_ODIRECT_WRITE", &v, "auto, on or off"))?;
+        if let Some(m) = env.var::<ODirect>("GPUDIRECT_ODIRECT_WRITE")? {
+            c.odirect_write = m;
         }
-        if let Some(v) = env("GPUDIRECT_NUMA_PIN") {
-            c.numa_pin = match v.trim().to_ascii_lowercase().as_str() {
-                "1" | "on" | "true" | "yes" => true,
-                "0" | "off" | "false" | "no" => false,
-                _ => return Err(bad("GPUDIRECT_NUMA_PIN", &v, "1 or 0")),
-            };
+        if let Some(p) = env.flag("GPUDIRECT_NUMA_PIN")? {
+            c.numa_pin = p;
         }
-        Ok(c)
+        c.checked().map_err(OutOfRange::env_error)
+    }
+
+    /// Checks every bounded setting against its documented range (the same rule for the
+    /// environment, [`GpuFileOptions`](super::GpuFileOptions) and a `StorageConfig` built by
+    /// hand): threads 1 to 1024, sizes 1 byte to 1 GiB, segments 2 to 64, copy streams 1 to 16.
+    /// Nothing is clamped. Errors: [`Error::InvalidArgument`] naming the setting and its range.
+    pub fn validate(&self) -> Result<()> {
+        self.clone()
+            .checked()
+            .map(drop)
+            .map_err(OutOfRange::api_error)
+    }
+
+    /// [`validate`](Self::validate), then sizes rounded up to a multiple of [`DIRECT_ALIGN`].
+    pub(crate) fn checked(mut self) -> std::result::Result<Self, OutOfRange> {
+        if let Some(n) = self.threads {
+            check(&THREADS, n)?;
+        }
+        check(&SEGMENTS, self.segments)?;
+        check(&COPY_STREAMS, self.copy_streams)?;
+        check(&TASK_SIZE, self.task_size)?;
+        check(&BOUNCE_SIZE, self.bounce_size)?;
+        check(&SEGMENT_SIZE, self.segment_size)?;
+        self.task_size = round_size(self.task_size);
+        self.bounce_size = round_size(self.bounce_size);
+        self.segment_size = round_size(self.segment_size);
+        Ok(self)
     }
 
     /// The size one pipeline step moves through a bounce buffer: `min(task, bounce)`.
@@ -320,15 +451,161 @@ mod tests {
 
     #[test]
     fn modes_parse() {
-        assert_eq!(CompatMode::parse("AUTO"), Some(CompatMode::Auto));
-        assert_eq!(CompatMode::parse("yes"), Some(CompatMode::On));
-        assert_eq!(CompatMode::parse("0"), Some(CompatMode::Off));
-        assert_eq!(CompatMode::parse("maybe"), None);
-        assert_eq!(ODirect::parse("On"), Some(ODirect::On));
-        assert_eq!(ODirect::parse("nope"), None);
-        assert_eq!(Pipeline::parse("Segments"), Some(Pipeline::Segments));
-        assert_eq!(Pipeline::parse("lanes"), Some(Pipeline::Lanes));
-        assert_eq!(Pipeline::parse("fast"), None);
+        assert_eq!("AUTO".parse(), Ok(CompatMode::Auto));
+        assert_eq!("yes".parse(), Ok(CompatMode::On));
+        assert_eq!("0".parse(), Ok(CompatMode::Off));
+        let e = "maybe".parse::<CompatMode>().unwrap_err();
+        assert!(e.to_string().contains("auto, or on/off"), "{e}");
+        assert_eq!("On".parse(), Ok(ODirect::On));
+        assert!("nope".parse::<ODirect>().is_err());
+        assert_eq!("Segments".parse(), Ok(Pipeline::Segments));
+        assert_eq!("lanes".parse(), Ok(Pipeline::Lanes));
+        let e = "fast".parse::<Pipeline>().unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "\"fast\" is not valid: expected segments or lanes"
+        );
+    }
+
+    fn from_pairs(pairs: &[(&str, &str)]) -> Result<StorageConfig> {
+        let m = pairs
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        StorageConfig::from_source(Env::from_map(&m))
+    }
+
+    #[test]
+    fn environment_sets_every_knob() {
+        assert_eq!(from_pairs(&[]).unwrap(), StorageConfig::default());
+        let d = StorageConfig::default();
+        assert_eq!((d.task_size, d.bounce_size), (4 << 20, 2 << 20));
+        assert_eq!(
+            (d.pipeline, d.segment_size, d.segments, d.copy_streams),
+            (Pipeline::Segments, 32 << 20, 4, 1)
+        );
+        let c = from_pairs(&[
+            ("GPUDIRECT_PIPELINE", "lanes"),
+            ("GPUDIRECT_SEGMENT_SIZE", "16M"),
+            ("GPUDIRECT_SEGMENTS", "8"),
+            ("GPUDIRECT_COPY_STREAMS", "2"),
+        ])
+        .unwrap();
+        assert_eq!(
+            (c.pipeline, c.segment_size, c.segments, c.copy_streams),
+            (Pipeline::Lanes, 16 << 20, 8, 2)
+        );
+        let c = from_pairs(&[
+            ("GPUDIRECT_COMPAT_MODE", "on"),
+            ("GPUDIRECT_NTHREADS", "12"),
+            ("GPUDIRECT_TASK_SIZE", "8M"),
+            ("GPUDIRECT_BOUNCE_SIZE", "1000"),
+            ("GPUDIRECT_ODIRECT", "off"),
+            ("GPUDIRECT_ODIRECT_WRITE", "on"),
+            ("GPUDIRECT_NUMA_PIN", "0"),
+        ])
+        .unwrap();
+        assert_eq!(c.compat_mode, CompatMode::On);
+        assert_eq!(c.compat_source.as_deref(), Some("GPUDIRECT_COMPAT_MODE=on"));
+        assert_eq!(c.threads, Some(12));
+        assert_eq!(c.task_size, 8 << 20);
+        assert_eq!(c.bounce_size, 4096, "rounded up to 4 KiB");
+        assert_eq!(
+            (c.odirect_read, c.odirect_write),
+            (ODirect::Off, ODirect::On)
+        );
+        assert!(!c.numa_pin);
+        assert!(from_pairs(&[("GPUDIRECT_NUMA_PIN", "OFF")]).is_ok_and(|c| !c.numa_pin));
+    }
+
+    #[test]
+    fn environment_garbage_and_out_of_range_values_are_typed_errors() {
+        for (var, val, expected) in [
+            ("GPUDIRECT_COMPAT_MODE", "sometimes", "auto, or on/off"),
+            ("GPUDIRECT_NTHREADS", "0", "1 to 1024"),
+            ("GPUDIRECT_NTHREADS", "many", "1 to 1024"),
+            ("GPUDIRECT_NTHREADS", "2000", "1 to 1024"),
+            ("GPUDIRECT_TASK_SIZE", "4Q", "1G"),
+            ("GPUDIRECT_TASK_SIZE", "2G", "1G"),
+            ("GPUDIRECT_ODIRECT", "maybe", "auto, or on/off"),
+            ("GPUDIRECT_ODIRECT_READ", "maybe", "auto, or on/off"),
+            ("GPUDIRECT_NUMA_PIN", "2", "true"),
+            ("GPUDIRECT_PIPELINE", "fast", "segments or lanes"),
+            ("GPUDIRECT_SEGMENTS", "1", "2 to 64"),
+            ("GPUDIRECT_SEGMENTS", "100", "2 to 64"),
+            ("GPUDIRECT_COPY_STREAMS", "0", "1 to 16"),
+            ("GPUDIRECT_SEGMENT_SIZE", "huge", "1G"),
+        ] {
+            match from_pairs(&[(var, val)]) {
+                Err(e @ Error::InvalidEnvironment { variable, .. }) => {
+                    assert_eq!(variable, var);
+                    let m = e.to_string();
+                    assert!(m.contains(val) && m.contains(expected), "{m}");
+                }
+                other => panic!("{var}={val}: {other:?}"),
+            }
+        }
+    }
+
+    #[test]
+    fn the_api_path_uses_the_same_ranges_without_clamping() {
+        StorageConfig::default().validate().unwrap();
+        for (c, setter) in [
+            (
+                StorageConfig {
+                    segments: 100,
+                    ..Default::default()
+                },
+                "segments",
+            ),
+            (
+                StorageConfig {
+                    segments: 1,
+                    ..Default::default()
+                },
+                "segments",
+            ),
+            (
+                StorageConfig {
+                    copy_streams: 17,
+                    ..Default::default()
+                },
+                "copy_streams",
+            ),
+            (
+                StorageConfig {
+                    threads: Some(0),
+                    ..Default::default()
+                },
+                "threads",
+            ),
+            (
+                StorageConfig {
+                    task_size: usize::MAX,
+                    ..Default::default()
+                },
+                "task_size",
+            ),
+            (
+                StorageConfig {
+                    bounce_size: 0,
+                    ..Default::default()
+                },
+                "bounce_size",
+            ),
+        ] {
+            match c.validate() {
+                Err(Error::InvalidArgument(m)) => assert!(m.contains(setter), "{m}"),
+                other => panic!("{setter}: {other:?}"),
+            }
+        }
+        let c = StorageConfig {
+            task_size: 1000,
+            ..Default::default()
+        }
+        .checked()
+        .unwrap();
+        assert_eq!(c.task_size, 4096);
     }
 
     #[test]

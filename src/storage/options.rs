@@ -11,28 +11,46 @@ use super::file::GpuFile;
 use crate::error::Result;
 use crate::path::FallbackPolicy;
 
-/// How to open a [`GpuFile`]; from [`GpuFile::options`]. Unset engine settings come from the
-/// environment (see [`config`](super::config)).
-#[derive(Debug, Clone, Default)]
+/// How to open a [`GpuFile`]; from [`GpuFile::options`].
+///
+/// Engine settings start from the environment's ([`StorageConfig::from_env`], read once per
+/// process); each setter overrides one of them and [`config`](Self::config) replaces them all.
+/// [`open`](Self::open) checks them by the rules the environment is checked by
+/// ([`StorageConfig::validate`]): a value out of range is an error, never clamped.
+#[derive(Debug, Clone)]
 pub struct GpuFileOptions {
     write: bool,
     create: bool,
     truncate: bool,
     backend: Backend,
-    compat_mode: Option<CompatMode>,
-    threads: Option<usize>,
-    task_size: Option<usize>,
-    bounce_size: Option<usize>,
-    odirect_read: Option<ODirect>,
-    odirect_write: Option<ODirect>,
-    numa_pin: Option<bool>,
-    pipeline: Option<Pipeline>,
-    segment_size: Option<usize>,
-    segments: Option<usize>,
-    copy_streams: Option<usize>,
+    config: StorageConfig,
+    /// The environment's settings did not parse (`open` reports why) and no
+    /// [`config`](Self::config) replaced them.
+    env_invalid: bool,
     fallback: Option<FallbackPolicy>,
     device: Option<usize>,
     durable: bool,
+}
+
+impl Default for GpuFileOptions {
+    /// As [`GpuFile::options`].
+    fn default() -> Self {
+        let (config, env_invalid) = match StorageConfig::from_env() {
+            Ok(c) => (c, false),
+            Err(_) => (StorageConfig::default(), true),
+        };
+        GpuFileOptions {
+            write: false,
+            create: false,
+            truncate: false,
+            backend: Backend::Auto,
+            config,
+            env_invalid,
+            fallback: None,
+            device: None,
+            durable: false,
+        }
+    }
 }
 
 impl GpuFileOptions {
@@ -58,72 +76,83 @@ impl GpuFileOptions {
         self.backend = b;
         self
     }
+    /// Every engine setting at once, instead of the environment's (which is then not consulted
+    /// for them); later setters override single fields of it.
+    pub fn config(mut self, config: StorageConfig) -> Self {
+        self.config = config;
+        self.env_invalid = false;
+        self
+    }
     /// The mode [`Backend::Auto`] follows (default: `GPUDIRECT_COMPAT_MODE`, else AUTO).
     pub fn compat_mode(mut self, m: CompatMode) -> Self {
-        self.compat_mode = Some(m);
+        self.config.compat_mode = m;
+        self.config.compat_source =
+            Some(format!("CompatMode::{m:?} (GpuFileOptions::compat_mode)"));
         self
     }
-    /// Engine worker threads for every transfer (default: `GPUDIRECT_NTHREADS`, else one per
-    /// CPU of the GPU's NUMA node, 4 to 16, and at least 32 for O_DIRECT transfers).
+    /// Engine worker threads for every transfer, 1 to 1024 (default: `GPUDIRECT_NTHREADS`, else
+    /// one per CPU of the GPU's NUMA node, 4 to 16, and at least 32 for O_DIRECT transfers).
     pub fn threads(mut self, n: usize) -> Self {
-        self.threads = Some(n.max(1));
+        self.config.threads = Some(n);
         self
     }
-    /// Bytes per task (rounded up to 4 KiB; default `GPUDIRECT_TASK_SIZE`, else 4 MiB).
+    /// Bytes per task, 1 byte to 1 GiB, rounded up to 4 KiB (default `GPUDIRECT_TASK_SIZE`,
+    /// else 4 MiB).
     pub fn task_size(mut self, n: usize) -> Self {
-        self.task_size = Some(super::config::round_size(n));
+        self.config.task_size = n;
         self
     }
-    /// Bytes per pinned bounce buffer (rounded up to 4 KiB; default `GPUDIRECT_BOUNCE_SIZE`,
-    /// else 2 MiB). Device transfers move `min(task size, bounce size)` per step.
+    /// Bytes per pinned bounce buffer, 1 byte to 1 GiB, rounded up to 4 KiB (default
+    /// `GPUDIRECT_BOUNCE_SIZE`, else 2 MiB). Device transfers move `min(task size, bounce
+    /// size)` per step.
     pub fn bounce_size(mut self, n: usize) -> Self {
-        self.bounce_size = Some(super::config::round_size(n));
+        self.config.bounce_size = n;
         self
     }
     /// O_DIRECT for reads and writes (default `GPUDIRECT_ODIRECT*`, else [`ODirect::Auto`]).
     pub fn odirect(mut self, m: ODirect) -> Self {
-        self.odirect_read = Some(m);
-        self.odirect_write = Some(m);
+        self.config.odirect_read = m;
+        self.config.odirect_write = m;
         self
     }
     /// O_DIRECT for reads only.
     pub fn odirect_read(mut self, m: ODirect) -> Self {
-        self.odirect_read = Some(m);
+        self.config.odirect_read = m;
         self
     }
     /// O_DIRECT for writes only.
     pub fn odirect_write(mut self, m: ODirect) -> Self {
-        self.odirect_write = Some(m);
+        self.config.odirect_write = m;
         self
     }
     /// Pin workers to the GPU's NUMA node (default `GPUDIRECT_NUMA_PIN`, else on).
     pub fn numa_pin(mut self, yes: bool) -> Self {
-        self.numa_pin = Some(yes);
+        self.config.numa_pin = yes;
         self
     }
     /// How reads to the GPU are staged (default `GPUDIRECT_PIPELINE`, else
     /// [`Pipeline::Segments`]).
     pub fn pipeline(mut self, p: Pipeline) -> Self {
-        self.pipeline = Some(p);
+        self.config.pipeline = p;
         self
     }
-    /// [`Pipeline::Segments`]: bytes per pinned segment, one host→device copy each (rounded
-    /// down to a multiple of the piece size, at least one piece; default
-    /// `GPUDIRECT_SEGMENT_SIZE`, else 32 MiB).
+    /// [`Pipeline::Segments`]: bytes per pinned segment, one host→device copy each, 1 byte to
+    /// 1 GiB (rounded up to 4 KiB, then down to a multiple of the piece size, at least one
+    /// piece; default `GPUDIRECT_SEGMENT_SIZE`, else 32 MiB).
     pub fn segment_size(mut self, n: usize) -> Self {
-        self.segment_size = Some(super::config::round_size(n));
+        self.config.segment_size = n;
         self
     }
     /// [`Pipeline::Segments`]: segments in the ring, 2 to 64 (default `GPUDIRECT_SEGMENTS`,
     /// else 4).
     pub fn segments(mut self, n: usize) -> Self {
-        self.segments = Some(n.clamp(2, 64));
+        self.config.segments = n;
         self
     }
     /// [`Pipeline::Segments`]: CUDA streams the segment copies go on, 1 to 16 (default
     /// `GPUDIRECT_COPY_STREAMS`, else 1).
     pub fn copy_streams(mut self, n: usize) -> Self {
-        self.copy_streams = Some(n.clamp(1, 16));
+        self.config.copy_streams = n;
         self
     }
     /// What a device transfer does when it would not take a direct path (default
@@ -146,47 +175,26 @@ impl GpuFileOptions {
 
     /// Opens `path` and decides the backend for device transfers.
     ///
-    /// Errors: [`Error::InvalidArgument`](crate::Error::InvalidArgument) for anything but a regular file (directory, FIFO,
-    /// socket, device node) or an unparsable `GPUDIRECT_*` variable; [`Error::Io`](crate::Error::Io) when
-    /// `open` fails; with [`Backend::CuFile`] or mode OFF, the cuFile error or
-    /// [`Error::Unsupported`](crate::Error::Unsupported) with its cause.
+    /// Errors: [`Error::InvalidEnvironment`](crate::Error::InvalidEnvironment) for an unparsable
+    /// `GPUDIRECT_*` variable (unless [`config`](Self::config) replaced the environment's
+    /// settings); [`Error::InvalidArgument`](crate::Error::InvalidArgument) for a setting out of
+    /// range or anything but a regular file (directory, FIFO, socket, device node);
+    /// [`Error::Io`](crate::Error::Io) when `open` fails; with [`Backend::CuFile`] or mode OFF,
+    /// the cuFile error or [`Error::Unsupported`](crate::Error::Unsupported) with its cause.
     pub fn open(self, path: impl AsRef<FsPath>) -> Result<GpuFile> {
         let path = path.as_ref();
-        let mut cfg = StorageConfig::from_env()?;
-        if let Some(m) = self.compat_mode {
-            cfg.compat_mode = m;
-            cfg.compat_source = Some(format!("CompatMode::{m:?} (GpuFileOptions::compat_mode)"));
+        if self.env_invalid {
+            // The snapshot is fixed for the process: this returns the same error again.
+            StorageConfig::from_env()?;
         }
-        if self.threads.is_some() {
-            cfg.threads = self.threads;
-        }
-        if let Some(n) = self.task_size {
-            cfg.task_size = n;
-        }
-        if let Some(n) = self.bounce_size {
-            cfg.bounce_size = n;
-        }
-        if let Some(m) = self.odirect_read {
-            cfg.odirect_read = m;
-        }
-        if let Some(m) = self.odirect_write {
-            cfg.odirect_write = m;
-        }
-        if let Some(p) = self.numa_pin {
-            cfg.numa_pin = p;
-        }
-        if let Some(p) = self.pipeline {
-            cfg.pipeline = p;
-        }
-        if let Some(n) = self.segment_size {
-            cfg.segment_size = n;
-        }
-        if let Some(n) = self.segments {
-            cfg.segments = n;
-        }
-        if let Some(n) = self.copy_streams {
-            cfg.copy_streams = n;
-        }
+        let cfg = self
+            .config
+            .checked()
+            .map_err(super::config::OutOfRange::api_error)?;
+        let policy = match self.fallback {
+            Some(p) => p,
+            None => FallbackPolicy::global()?,
+        };
         let fds = Fds::open(
             path,
             OpenMode {
@@ -201,7 +209,7 @@ impl GpuFileOptions {
             cufile,
             report,
             cfg,
-            policy: self.fallback.unwrap_or_else(FallbackPolicy::global),
+            policy,
             device: self.device,
             durable: self.durable,
             warned: AtomicBool::new(false),

@@ -252,28 +252,36 @@ pub enum ExitStrategy {
     Nothing,
 }
 
-impl ExitStrategy {
-    /// Parses the values of [`EXIT_STRATEGY_ENV`]: `retain-ctx`, `close-at-exit`, `none`.
-    pub fn parse(s: &str) -> Option<ExitStrategy> {
+impl std::str::FromStr for ExitStrategy {
+    type Err = crate::ParseValueError;
+    /// Parses the values of [`EXIT_STRATEGY_ENV`]: `retain-ctx` (also `retain`, `default`),
+    /// `close-at-exit`, `none` (any case).
+    fn from_str(s: &str) -> std::result::Result<Self, crate::ParseValueError> {
         match s.trim().to_ascii_lowercase().as_str() {
-            "retain-ctx" | "retain" | "default" | "" => Some(ExitStrategy::RetainContexts),
-            "close-at-exit" => Some(ExitStrategy::CloseAtExit),
-            "none" => Some(ExitStrategy::Nothing),
-            _ => None,
+            "retain-ctx" | "retain" | "default" | "" => Ok(ExitStrategy::RetainContexts),
+            "close-at-exit" => Ok(ExitStrategy::CloseAtExit),
+            "none" => Ok(ExitStrategy::Nothing),
+            _ => Err(crate::ParseValueError::new(
+                s,
+                "retain-ctx, close-at-exit or none",
+            )),
         }
     }
+}
 
-    /// The strategy [`EXIT_STRATEGY_ENV`] names (the default when unset); an unknown value is
-    /// [`Error::InvalidArgument`].
+impl ExitStrategy {
+    /// Parses the values of [`EXIT_STRATEGY_ENV`]: `retain-ctx`, `close-at-exit`, `none`.
+    #[deprecated(note = "use str::parse (FromStr), whose error lists the spellings")]
+    pub fn parse(s: &str) -> Option<ExitStrategy> {
+        s.parse().ok()
+    }
+
+    /// The strategy [`EXIT_STRATEGY_ENV`] names (read once per process; the default when
+    /// unset); an unknown value is [`Error::InvalidEnvironment`].
     pub fn from_env() -> Result<ExitStrategy> {
-        match std::env::var(EXIT_STRATEGY_ENV) {
-            Err(_) => Ok(ExitStrategy::default()),
-            Ok(v) => ExitStrategy::parse(&v).ok_or_else(|| {
-                Error::InvalidArgument(format!(
-                    "{EXIT_STRATEGY_ENV}={v:?} is not a strategy: use retain-ctx, close-at-exit or none (or unset it)"
-                ))
-            }),
-        }
+        Ok(crate::env::Env::process()
+            .var::<ExitStrategy>(EXIT_STRATEGY_ENV)?
+            .unwrap_or_default())
     }
 
     fn retains(self) -> bool {
@@ -795,16 +803,14 @@ mod tests {
     #[test]
     fn exit_strategy_parses_and_defaults_to_retaining() {
         assert_eq!(ExitStrategy::default(), ExitStrategy::RetainContexts);
-        assert_eq!(
-            ExitStrategy::parse("retain-ctx"),
-            Some(ExitStrategy::RetainContexts)
+        assert_eq!("retain-ctx".parse(), Ok(ExitStrategy::RetainContexts));
+        assert_eq!(" Close-At-Exit ".parse(), Ok(ExitStrategy::CloseAtExit));
+        assert_eq!("none".parse(), Ok(ExitStrategy::Nothing));
+        let e = "leak".parse::<ExitStrategy>().unwrap_err();
+        assert!(
+            e.to_string().contains("retain-ctx, close-at-exit or none"),
+            "{e}"
         );
-        assert_eq!(
-            ExitStrategy::parse(" Close-At-Exit "),
-            Some(ExitStrategy::CloseAtExit)
-        );
-        assert_eq!(ExitStrategy::parse("none"), Some(ExitStrategy::Nothing));
-        assert_eq!(ExitStrategy::parse("leak"), None);
         assert!(ExitStrategy::RetainContexts.retains() && ExitStrategy::CloseAtExit.retains());
         assert!(!ExitStrategy::Nothing.retains());
     }
