@@ -328,24 +328,69 @@ impl BatchIo {
     /// Cancels and reaps until nothing is in flight (bounded: gives up after 30 s of no
     /// progress, leaking the context rather than freeing memory the device may still use).
     fn cancel_and_drain(&mut self) -> bool {
-        if self.in_flight == 0 {
-            return true;
-        }
-        if let Err(e) = self.cancel() {
-            tracing::warn!(error = %e, "cuFileBatchIOCancel failed");
-        }
-        let deadline = Instant::now() + Duration::from_secs(30);
-        while self.in_flight > 0 && Instant::now() < deadline {
-            match self.poll(1, Some(Duration::from_millis(100))) {
-                Ok(_) => {}
-                Err(e) => {
-                    tracing::warn!(error = %e, "draining a cancelled batch failed");
-                    return false;
-                }
+        cancel_and_drain(self, &DrainPolicy::DEFAULT)
+    }
+}
+
+/// What draining needs from a batch: the seam that lets the drain policy be tested without
+/// cuFile.
+pub(crate) trait Reap {
+    /// Operations submitted and not yet reaped.
+    fn in_flight(&self) -> usize;
+    /// Cancels everything in flight.
+    fn cancel(&mut self) -> Result<()>;
+    /// Waits up to `wait` for at least one completion and reaps what arrived.
+    fn reap(&mut self, wait: Duration) -> Result<()>;
+}
+
+impl Reap for BatchIo {
+    fn in_flight(&self) -> usize {
+        self.in_flight
+    }
+    fn cancel(&mut self) -> Result<()> {
+        BatchIo::cancel(self)
+    }
+    fn reap(&mut self, wait: Duration) -> Result<()> {
+        self.poll(1, Some(wait)).map(|_| ())
+    }
+}
+
+/// How [`cancel_and_drain`] waits.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct DrainPolicy {
+    /// Each poll waits up to this long.
+    pub(crate) poll: Duration,
+    /// Time without progress after which draining gives up.
+    pub(crate) patience: Duration,
+}
+
+impl DrainPolicy {
+    pub(crate) const DEFAULT: DrainPolicy = DrainPolicy {
+        poll: Duration::from_millis(100),
+        patience: Duration::from_secs(30),
+    };
+}
+
+/// Cancels and reaps until nothing is in flight; false when it gave up (a poll failed, or
+/// `policy.patience` passed).
+pub(crate) fn cancel_and_drain(b: &mut impl Reap, policy: &DrainPolicy) -> bool {
+    if b.in_flight() == 0 {
+        return true;
+    }
+    if let Err(e) = b.cancel() {
+        tracing::warn!(error = %e, "cuFileBatchIOCancel failed");
+    }
+    let deadline = Instant::now() + policy.patience;
+    while b.in_flight() > 0 && Instant::now() < deadline {
+        match b.reap(policy.poll) {
+            Ok(()) => {}
+            Err(e) => {
+                tracing::warn!(error = %e, "draining a cancelled batch failed");
+                return false;
             }
         }
-        self.in_flight == 0
     }
+    b.in_flight() == 0
 }
 
 impl Drop for BatchIo {
