@@ -760,3 +760,88 @@ fn aligned_offset(buf: &gpudirect::cudarc::driver::CudaSlice<u8>) -> usize {
     let addr = gpudirect::rdma::GpuMemory::device_ptr(buf);
     ((4096 - addr % 4096) % 4096) as usize
 }
+
+/// A cancelled batch is drained: every operation is reported, completed (with the right bytes)
+/// or cancelled, so `BatchIo::run`'s and `Drop`'s drain (which never returns while anything is
+/// in flight) ends. If cuFile did not report cancelled operations, this test fails at its 20 s
+/// deadline instead of hanging.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gpu_cufile_batch_cancel_reports_every_operation() {
+    let stream = gpu();
+    let d = driver();
+    let path = scratch("batch-cancel");
+    let file = random((4 << 20) + 333);
+    let Some(h) = register(&d, &path, &file) else {
+        return std::fs::remove_file(&path).unwrap();
+    };
+    let mut batch = match BatchIo::new(Arc::clone(&d), 8) {
+        Ok(b) => b,
+        Err(e) => {
+            eprintln!("batch setup refused: {e}");
+            assert!(matches!(e, Error::CuFile { .. }), "{e:?}");
+            return std::fs::remove_file(&path).unwrap();
+        }
+    };
+    let size = 512 << 10;
+    let mut bufs: Vec<CudaSlice<u8>> = (0..8)
+        .map(|_| stream.clone_htod(&random(size)).unwrap())
+        .collect();
+    let mut statuses = Vec::new();
+    {
+        let mut ops: Vec<BatchOp<'_>> = bufs
+            .iter_mut()
+            .enumerate()
+            .map(|(i, b)| BatchOp::Read {
+                handle: &h,
+                dst: b.as_view_mut(),
+                file_offset: (i * size) as u64,
+            })
+            .collect();
+        // SAFETY: `ops` borrows every buffer and `h` until the end of this block, and the
+        // block polls until nothing is in flight (or panics, and the batch's Drop, which runs
+        // before the borrow ends, drains it).
+        if let Err(e) = unsafe { batch.submit(&mut ops) } {
+            eprintln!("batch submission refused: {e}");
+            assert!(
+                matches!(e, Error::CuFile { .. } | Error::Io { .. }),
+                "{e:?}"
+            );
+            drop(batch);
+            return std::fs::remove_file(&path).unwrap();
+        }
+        batch.cancel().expect("cuFileBatchIOCancel");
+        let deadline = std::time::Instant::now() + Duration::from_secs(20);
+        while batch.in_flight() > 0 {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "{} cancelled operations were never reported by cuFileBatchIOGetStatus",
+                batch.in_flight()
+            );
+            for c in batch.poll(1, Some(Duration::from_millis(100))).unwrap() {
+                statuses.push((c.index, c.status, c.result.map_err(|e| e.to_string())));
+            }
+        }
+    }
+    eprintln!("completions after cancel: {statuses:?}");
+    let mut seen: Vec<usize> = statuses.iter().map(|s| s.0).collect();
+    seen.sort_unstable();
+    assert_eq!(
+        seen,
+        (0..8).collect::<Vec<_>>(),
+        "each operation reported once"
+    );
+    for (i, status, result) in &statuses {
+        let got = dtoh(&stream, &bufs[*i]);
+        match result {
+            Ok(n) => {
+                assert_eq!(*n, size, "op {i}");
+                assert!(got == file[i * size..(i + 1) * size], "op {i}: wrong bytes");
+            }
+            Err(e) => eprintln!("op {i} (status {status:#x}) ended without data: {e}"),
+        }
+    }
+    drop(batch);
+    drop(h);
+    std::fs::remove_file(&path).unwrap();
+}

@@ -1,7 +1,8 @@
 //! Batch IO (`cuFileBatchIOSetUp` / `Submit` / `GetStatus` / `Cancel` / `Destroy`).
 //!
 //! [`BatchIo::run`] is the safe form: it submits, waits for every completion (cancelling and
-//! draining on error) and returns, so nothing the device touches outlives the borrow.
+//! draining on error, blocking until the drain ends or aborting the process when cuFile stops
+//! answering) and returns, so nothing the device touches outlives the borrow.
 //! [`BatchIo::submit`] + [`BatchIo::poll`] is the overlapping form and is `unsafe`: the caller
 //! keeps buffers and handles alive until their completions are reaped.
 
@@ -116,8 +117,12 @@ impl BatchIo {
     /// Submits `ops`, waits for all of them (each poll waits up to `timeout`; the whole run
     /// fails after `timeout` without progress) and returns their completions in order.
     ///
-    /// Synchronous and safe: on any error the batch is cancelled and drained before returning.
-    /// Each view's stream is synchronised before submission.
+    /// Synchronous and safe: on any error the batch is cancelled and drained before returning,
+    /// so no operation can still write a buffer once `run` returns, `Ok` or `Err`. If cancelled
+    /// operations do not finish, `run` keeps waiting (logging every 30 s); if cuFile's polls
+    /// keep failing for 30 s, nothing can tell whether the device is done with the buffers, and
+    /// the process aborts rather than return. Each view's stream is synchronised before
+    /// submission.
     pub fn run(
         &mut self,
         ops: &mut [BatchOp<'_>],
@@ -182,7 +187,8 @@ impl BatchIo {
     /// # Safety
     /// Every buffer named in `ops` must stay allocated and unaccessed by anything else until
     /// its completion has been returned by [`poll`](Self::poll), or until [`cancel`](Self::cancel)
-    /// followed by polls has drained the batch (dropping the `BatchIo` does that). The file
+    /// followed by polls has drained the batch (dropping the `BatchIo` does that: its drop
+    /// blocks until nothing is in flight, or aborts as [`run`](Self::run) does). The file
     /// registrations are held by the batch itself.
     pub unsafe fn submit(&mut self, ops: &mut [BatchOp<'_>]) -> Result<()> {
         let free = self.capacity as usize - self.in_flight;
@@ -325,9 +331,9 @@ impl BatchIo {
         unsafe { result::batch_cancel(self.driver.lib(), self.handle) }
     }
 
-    /// Cancels and reaps until nothing is in flight (bounded: gives up after 30 s of no
-    /// progress, leaking the context rather than freeing memory the device may still use).
-    fn cancel_and_drain(&mut self) -> bool {
+    /// Cancels and reaps until nothing is in flight; never returns before (see
+    /// [`cancel_and_drain`]).
+    fn cancel_and_drain(&mut self) {
         cancel_and_drain(self, &DrainPolicy::DEFAULT)
     }
 }
@@ -360,7 +366,8 @@ impl Reap for BatchIo {
 pub(crate) struct DrainPolicy {
     /// Each poll waits up to this long.
     pub(crate) poll: Duration,
-    /// Time without progress after which draining gives up.
+    /// How often a drain without progress is logged (and the cancel repeated), and how long
+    /// polls may keep failing before the process aborts.
     pub(crate) patience: Duration,
 }
 
@@ -371,41 +378,193 @@ impl DrainPolicy {
     };
 }
 
-/// Cancels and reaps until nothing is in flight; false when it gave up (a poll failed, or
-/// `policy.patience` passed).
-pub(crate) fn cancel_and_drain(b: &mut impl Reap, policy: &DrainPolicy) -> bool {
+/// Cancels and reaps until nothing is in flight, and only then returns.
+///
+/// The operations write buffers the batch only borrows, so returning earlier would let the
+/// caller free or reuse memory the device may still write. Hence: while polls succeed without
+/// a completion (a hung storage target), it keeps waiting, logging and cancelling again every
+/// `policy.patience`; when polls keep failing for `policy.patience` (nothing can tell any more
+/// whether the device is done), it aborts the process with a message.
+pub(crate) fn cancel_and_drain(b: &mut impl Reap, policy: &DrainPolicy) {
     if b.in_flight() == 0 {
-        return true;
+        return;
     }
     if let Err(e) = b.cancel() {
         tracing::warn!(error = %e, "cuFileBatchIOCancel failed");
     }
-    let deadline = Instant::now() + policy.patience;
-    while b.in_flight() > 0 && Instant::now() < deadline {
+    let start = Instant::now();
+    let mut last_log = start;
+    let mut failing_since: Option<Instant> = None;
+    while b.in_flight() > 0 {
         match b.reap(policy.poll) {
-            Ok(()) => {}
+            Ok(()) => failing_since = None,
             Err(e) => {
-                tracing::warn!(error = %e, "draining a cancelled batch failed");
-                return false;
+                let since = *failing_since.get_or_insert_with(|| {
+                    tracing::warn!(error = %e, "polling a cancelled cuFile batch failed; retrying");
+                    Instant::now()
+                });
+                if since.elapsed() >= policy.patience {
+                    abort_in_flight(b.in_flight(), &e);
+                }
+                std::thread::sleep(policy.poll);
             }
         }
+        if b.in_flight() > 0 && last_log.elapsed() >= policy.patience {
+            tracing::warn!(
+                in_flight = b.in_flight(),
+                waited = ?start.elapsed(),
+                "a cancelled cuFile batch still has operations in flight; waiting for them \
+                 (their buffers are borrowed, so returning before they finish is not safe)"
+            );
+            if let Err(e) = b.cancel() {
+                tracing::warn!(error = %e, "cuFileBatchIOCancel failed");
+            }
+            last_log = Instant::now();
+        }
     }
-    b.in_flight() == 0
+}
+
+/// Ends the process: batch IO may still write borrowed memory and cuFile no longer answers.
+#[cold]
+fn abort_in_flight(in_flight: usize, e: &Error) -> ! {
+    let msg = format!(
+        "gpudirect: cuFile batch IO may still be in flight ({in_flight} operations) and polling \
+         it keeps failing ({e}); aborting, because returning would release buffers the device \
+         may still write"
+    );
+    tracing::error!("{msg}");
+    eprintln!("{msg}");
+    std::process::abort()
 }
 
 impl Drop for BatchIo {
     fn drop(&mut self) {
-        if self.cancel_and_drain() {
-            // SAFETY: the handle is live and nothing is in flight.
-            unsafe { result::batch_destroy(self.driver.lib(), self.handle) };
-        } else {
-            tracing::warn!(
-                in_flight = self.in_flight,
-                "cuFile batch did not drain; leaking its context and registrations"
-            );
-            for h in self.holds.drain(..) {
-                std::mem::forget(h);
-            }
+        // Blocks until nothing is in flight (or aborts): `submit`'s callers rely on the drop to
+        // keep their borrowed buffers safe.
+        self.cancel_and_drain();
+        // SAFETY: the handle is live and nothing is in flight.
+        unsafe { result::batch_destroy(self.driver.lib(), self.handle) };
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A batch whose operations complete one per `reap` after `stall` empty polls, and whose
+    /// polls fail `failures` times first.
+    struct Fake {
+        in_flight: usize,
+        stall: usize,
+        failures: usize,
+        cancels: usize,
+        reaps: usize,
+    }
+
+    impl Reap for Fake {
+        fn in_flight(&self) -> usize {
+            self.in_flight
         }
+        fn cancel(&mut self) -> Result<()> {
+            self.cancels += 1;
+            Ok(())
+        }
+        fn reap(&mut self, wait: Duration) -> Result<()> {
+            self.reaps += 1;
+            if self.failures > 0 {
+                self.failures -= 1;
+                return Err(Error::InvalidArgument("fake poll failure".into()));
+            }
+            if self.stall > 0 {
+                self.stall -= 1;
+                std::thread::sleep(wait);
+                return Ok(());
+            }
+            self.in_flight -= 1;
+            Ok(())
+        }
+    }
+
+    const FAST: DrainPolicy = DrainPolicy {
+        poll: Duration::from_millis(2),
+        patience: Duration::from_millis(40),
+    };
+
+    #[test]
+    fn drain_does_not_return_while_io_is_in_flight_after_a_long_stall() {
+        // 60 empty polls of 2 ms: longer than the patience.
+        let mut b = Fake {
+            in_flight: 3,
+            stall: 60,
+            failures: 0,
+            cancels: 0,
+            reaps: 0,
+        };
+        cancel_and_drain(&mut b, &FAST);
+        assert_eq!(
+            b.in_flight, 0,
+            "cancel_and_drain returned with operations in flight (their buffers may still be written)"
+        );
+        assert!(b.cancels >= 1);
+    }
+
+    #[test]
+    fn drain_does_not_return_while_io_is_in_flight_after_a_poll_error() {
+        let mut b = Fake {
+            in_flight: 2,
+            stall: 0,
+            failures: 3,
+            cancels: 0,
+            reaps: 0,
+        };
+        cancel_and_drain(&mut b, &FAST);
+        assert_eq!(
+            b.in_flight, 0,
+            "cancel_and_drain returned after a poll error with operations in flight"
+        );
+        assert_eq!(b.reaps, 5);
+    }
+
+    const ABORT_CHILD: &str = "GPUDIRECT_TEST_DRAIN_ABORT_CHILD";
+
+    /// Polls that keep failing: nothing can prove the device is done with the buffers, so the
+    /// process aborts rather than return. Runs the drain in a child process (this test binary,
+    /// filtered to this test) and checks that it died of SIGABRT with a message.
+    #[test]
+    fn drain_aborts_when_polls_keep_failing() {
+        if std::env::var_os(ABORT_CHILD).is_some() {
+            let mut b = Fake {
+                in_flight: 1,
+                stall: 0,
+                failures: usize::MAX,
+                cancels: 0,
+                reaps: 0,
+            };
+            cancel_and_drain(&mut b, &FAST);
+            // Reaching this line is the failure the parent detects (exit status 0).
+            return;
+        }
+        let out = std::process::Command::new(std::env::current_exe().unwrap())
+            .args([
+                "--exact",
+                "storage::cufile::batch::tests::drain_aborts_when_polls_keep_failing",
+                "--nocapture",
+                "--test-threads=1",
+            ])
+            .env(ABORT_CHILD, "1")
+            .output()
+            .unwrap();
+        use std::os::unix::process::ExitStatusExt;
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(
+            out.status.signal(),
+            Some(libc::SIGABRT),
+            "the drain returned instead of aborting (status {:?}); stderr:\n{stderr}",
+            out.status
+        );
+        assert!(
+            stderr.contains("cuFile batch IO may still be in flight"),
+            "{stderr}"
+        );
     }
 }
