@@ -845,3 +845,108 @@ fn gpu_cufile_batch_cancel_reports_every_operation() {
     drop(h);
     std::fs::remove_file(&path).unwrap();
 }
+
+/// `BatchIo::run` while operations of an earlier `unsafe submit` are in flight would wait for
+/// them too and take their completions as its own (both submissions' cookies started at 0): it
+/// is refused before anything is submitted, and the earlier submission's completions keep their
+/// own submission number and index.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gpu_cufile_batch_run_after_submit_is_refused() {
+    let stream = gpu();
+    let d = driver();
+    let path = scratch("batch-cookies");
+    let file = random((2 << 20) + 5);
+    let Some(h) = register(&d, &path, &file) else {
+        return std::fs::remove_file(&path).unwrap();
+    };
+    let mut batch = match BatchIo::new(Arc::clone(&d), 4) {
+        Ok(b) => b,
+        Err(e) => {
+            eprintln!("batch setup refused: {e}");
+            assert!(matches!(e, Error::CuFile { .. }), "{e:?}");
+            return std::fs::remove_file(&path).unwrap();
+        }
+    };
+    let sizes = [300_000usize, 4096 + 1];
+    let offsets = [0u64, 1 << 20];
+    let mut first_bufs: Vec<CudaSlice<u8>> = sizes
+        .iter()
+        .map(|&n| stream.clone_htod(&random(n)).unwrap())
+        .collect();
+    let mut second_buf = stream.clone_htod(&random(8192)).unwrap();
+    let second_before = dtoh(&stream, &second_buf);
+    let mut reaped = Vec::new();
+    {
+        let mut first: Vec<BatchOp<'_>> = first_bufs
+            .iter_mut()
+            .zip(offsets)
+            .map(|(b, file_offset)| BatchOp::Read {
+                handle: &h,
+                dst: b.as_view_mut(),
+                file_offset,
+            })
+            .collect();
+        // SAFETY: `first` borrows its buffers and `h` until the end of this block, which polls
+        // until nothing is in flight (a panic drops the batch first, which drains it).
+        let submission = match unsafe { batch.submit(&mut first) } {
+            Ok(s) => s,
+            Err(e) => {
+                eprintln!("batch submission refused: {e}");
+                assert!(
+                    matches!(e, Error::CuFile { .. } | Error::Io { .. }),
+                    "{e:?}"
+                );
+                drop(batch);
+                return std::fs::remove_file(&path).unwrap();
+            }
+        };
+        let mut second = vec![BatchOp::Read {
+            handle: &h,
+            dst: second_buf.as_view_mut(),
+            file_offset: 12345,
+        }];
+        match batch.run(&mut second, Duration::from_secs(30)) {
+            Err(Error::InvalidArgument(msg)) => {
+                eprintln!("refused as expected: {msg}");
+                assert!(msg.contains("in flight"), "{msg}");
+            }
+            other => panic!(
+                "run with an earlier submission in flight must be refused before it submits \
+                 (it would take that submission's completions for its own): {other:?}"
+            ),
+        }
+        let deadline = std::time::Instant::now() + Duration::from_secs(30);
+        while batch.in_flight() > 0 {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "batch never completed"
+            );
+            reaped.extend(batch.poll(1, Some(Duration::from_millis(100))).unwrap());
+        }
+        assert!(
+            reaped.iter().all(|c| c.submission == submission),
+            "{reaped:?}"
+        );
+    }
+    let mut idx: Vec<usize> = reaped.iter().map(|c| c.index).collect();
+    idx.sort_unstable();
+    assert_eq!(idx, vec![0, 1], "{reaped:?}");
+    for c in &reaped {
+        let i = c.index;
+        let n = *c.result.as_ref().unwrap_or_else(|e| panic!("op {i}: {e}"));
+        assert_eq!(n, sizes[i]);
+        let o = offsets[i] as usize;
+        assert!(
+            dtoh(&stream, &first_bufs[i]) == file[o..o + sizes[i]],
+            "op {i}"
+        );
+    }
+    assert!(
+        dtoh(&stream, &second_buf) == second_before,
+        "the refused run moved bytes"
+    );
+    drop(batch);
+    drop(h);
+    std::fs::remove_file(&path).unwrap();
+}

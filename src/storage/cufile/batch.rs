@@ -46,7 +46,9 @@ pub enum BatchOp<'a> {
 /// [`BatchIo::run`].
 #[derive(Debug)]
 pub struct BatchCompletion {
-    /// Index of the operation in the submitted slice (the cookie).
+    /// The submission the operation belongs to: the number [`BatchIo::submit`] returned.
+    pub submission: u64,
+    /// Index of the operation in its submitted slice.
     pub index: usize,
     /// Raw `CUfileStatus_t` (`CUFILE_COMPLETE` = 0x10, `CUFILE_FAILED` = 0x40, ...).
     pub status: u32,
@@ -60,6 +62,8 @@ pub struct BatchIo {
     handle: sys::CUfileBatchHandle_t,
     capacity: u32,
     in_flight: usize,
+    /// The number the next submission gets; part of every cookie (see [`cookie`]).
+    next_submission: u64,
     // Registrations used by in-flight operations stay alive until they are drained.
     holds: Vec<Arc<HandleInner>>,
     driver: Arc<Driver>,
@@ -83,7 +87,7 @@ impl BatchIo {
     /// `capacity` must be within the driver's `max_batch_io_size`.
     pub fn new(driver: Arc<Driver>, capacity: u32) -> Result<Self> {
         let max = driver.properties().max_batch_io_size();
-        if capacity == 0 || (max > 0 && capacity > max) {
+        if capacity == 0 || (max > 0 && capacity > max) || capacity as usize > MAX_INDEX {
             return Err(Error::InvalidArgument(format!(
                 "batch capacity {capacity} is outside 1..={max} (the driver's max_batch_io_size)"
             )));
@@ -93,6 +97,7 @@ impl BatchIo {
             handle,
             capacity,
             in_flight: 0,
+            next_submission: 0,
             holds: Vec::new(),
             driver,
         })
@@ -122,7 +127,8 @@ impl BatchIo {
     /// operations do not finish, `run` keeps waiting (logging every 30 s); if cuFile's polls
     /// keep failing for 30 s, nothing can tell whether the device is done with the buffers, and
     /// the process aborts rather than return. Each view's stream is synchronised before
-    /// submission.
+    /// submission. Refused ([`Error::InvalidArgument`], nothing submitted) while operations of
+    /// an earlier [`submit`](Self::submit) are in flight: reap them with [`poll`](Self::poll).
     pub fn run(
         &mut self,
         ops: &mut [BatchOp<'_>],
@@ -131,9 +137,18 @@ impl BatchIo {
         if ops.is_empty() {
             return Ok(Vec::new());
         }
+        if self.in_flight > 0 {
+            // Waiting for "everything in flight" would take the earlier submission's
+            // completions; refuse before submitting anything.
+            return Err(Error::InvalidArgument(format!(
+                "{} operations of an earlier BatchIo::submit are still in flight: reap them with \
+                 poll before calling run",
+                self.in_flight
+            )));
+        }
         // SAFETY: every buffer and handle is borrowed by `ops` for this call, and this call
         // does not return before every operation has completed or been cancelled and drained.
-        unsafe { self.submit(ops) }?;
+        let mine = unsafe { self.submit(ops) }?;
         let mut done: Vec<Option<BatchCompletion>> = (0..ops.len()).map(|_| None).collect();
         let mut last_progress = Instant::now();
         while self.in_flight > 0 {
@@ -155,7 +170,7 @@ impl BatchIo {
                     }
                     for c in got {
                         let i = c.index;
-                        if i < done.len() {
+                        if c.submission == mine && i < done.len() {
                             done[i] = Some(c);
                         }
                     }
@@ -171,6 +186,7 @@ impl BatchIo {
             .enumerate()
             .map(|(index, c)| {
                 c.unwrap_or(BatchCompletion {
+                    submission: mine,
                     index,
                     status: 0,
                     result: Err(Error::InvalidArgument(format!(
@@ -181,8 +197,9 @@ impl BatchIo {
             .collect())
     }
 
-    /// Submits `ops` (`cuFileBatchIOSubmit`) without waiting. Cookies are the indices into
-    /// `ops`.
+    /// Submits `ops` (`cuFileBatchIOSubmit`) without waiting and returns the submission's
+    /// number: each [`BatchCompletion`] of these operations carries it, with the operation's
+    /// index in `ops`, so completions of different submissions never mix.
     ///
     /// # Safety
     /// Every buffer named in `ops` must stay allocated and unaccessed by anything else until
@@ -190,7 +207,7 @@ impl BatchIo {
     /// followed by polls has drained the batch (dropping the `BatchIo` does that: its drop
     /// blocks until nothing is in flight, or aborts as [`run`](Self::run) does). The file
     /// registrations are held by the batch itself.
-    pub unsafe fn submit(&mut self, ops: &mut [BatchOp<'_>]) -> Result<()> {
+    pub unsafe fn submit(&mut self, ops: &mut [BatchOp<'_>]) -> Result<u64> {
         let free = self.capacity as usize - self.in_flight;
         if ops.len() > free {
             return Err(Error::InvalidArgument(format!(
@@ -198,6 +215,7 @@ impl BatchIo {
                 ops.len()
             )));
         }
+        let submission = self.next_submission;
         let mut params = Vec::with_capacity(ops.len());
         let mut holds = Vec::with_capacity(ops.len());
         for (i, op) in ops.iter_mut().enumerate() {
@@ -244,7 +262,7 @@ impl BatchIo {
             };
             p.fh = handle.inner().fh;
             p.opcode = opcode;
-            p.cookie = i as *mut c_void;
+            p.cookie = cookie(submission, i);
             params.push(p);
             holds.push(Arc::clone(handle.inner()));
         }
@@ -253,7 +271,8 @@ impl BatchIo {
         unsafe { result::batch_submit(self.driver.lib(), self.handle, &mut params) }?;
         self.in_flight += params.len();
         self.holds.extend(holds);
-        Ok(())
+        self.next_submission = self.next_submission.wrapping_add(1);
+        Ok(submission)
     }
 
     /// Waits for at least `min_nr` completions or `timeout` (`cuFileBatchIOGetStatus`) and
@@ -309,8 +328,10 @@ impl BatchIo {
                     )),
                 }
             };
+            let (submission, index) = decode_cookie(ev.cookie);
             out.push(BatchCompletion {
-                index: ev.cookie as usize,
+                submission,
+                index,
                 status,
                 result,
             });
@@ -336,6 +357,26 @@ impl BatchIo {
     fn cancel_and_drain(&mut self) {
         cancel_and_drain(self, &DrainPolicy::DEFAULT)
     }
+}
+
+/// Bits of a cookie holding the operation's index in its submission (the capacity is bounded
+/// to fit); the bits above hold the submission's number, modulo what fits.
+const INDEX_BITS: u32 = 24;
+const MAX_INDEX: usize = (1 << INDEX_BITS) - 1;
+
+/// The cookie of operation `index` of submission `submission`: distinct for every operation
+/// of the last 2^40 submissions (64-bit), so completions of one submission are never taken for
+/// another's.
+fn cookie(submission: u64, index: usize) -> *mut c_void {
+    debug_assert!(index <= MAX_INDEX);
+    let sub = (submission as usize) & (usize::MAX >> INDEX_BITS);
+    ((sub << INDEX_BITS) | (index & MAX_INDEX)) as *mut c_void
+}
+
+/// The inverse of [`cookie`]: `(submission, index)`, the submission modulo the bits it has.
+fn decode_cookie(c: *mut c_void) -> (u64, usize) {
+    let v = c as usize;
+    ((v >> INDEX_BITS) as u64, v & MAX_INDEX)
 }
 
 /// What draining needs from a batch: the seam that lets the drain policy be tested without
@@ -483,6 +524,21 @@ mod tests {
             self.in_flight -= 1;
             Ok(())
         }
+    }
+
+    #[test]
+    fn cookies_are_distinct_across_submissions_and_decode() {
+        let mut seen = std::collections::HashSet::new();
+        for sub in [0u64, 1, 2, 77, (1 << 40) - 1] {
+            for i in [0usize, 1, 2, 255, MAX_INDEX] {
+                let c = cookie(sub, i);
+                assert!(seen.insert(c as usize), "cookie of ({sub}, {i}) repeats");
+                assert_eq!(decode_cookie(c), (sub, i));
+            }
+        }
+        // The first operation of two submissions: the collision the old cookies (the index
+        // alone) had.
+        assert_ne!(cookie(0, 0), cookie(1, 0));
     }
 
     const FAST: DrainPolicy = DrainPolicy {
