@@ -31,6 +31,28 @@ pub(crate) fn allocation_range(ptr: cu::CUdeviceptr) -> Result<(cu::CUdeviceptr,
 ///
 /// Dropping it calls `cuFileBufDeregister` (failures are logged, never panic), then frees the
 /// slice.
+///
+/// The slice is reachable only through views ([`as_view`](Self::as_view),
+/// [`as_view_mut`](Self::as_view_mut)) and `&CudaSlice` ([`slice`](Self::slice)), never as
+/// `&mut CudaSlice`: with one, `mem::replace` could move the registered allocation out and free
+/// it while cuFile keeps it registered (seen on an H200: the freed address stayed registered).
+/// Kernels and copies take the mutable view:
+///
+/// ```no_run
+/// # use gpudirect::storage::cufile::RegisteredBuffer;
+/// fn fill(rb: &mut RegisteredBuffer, stream: &std::sync::Arc<gpudirect::cudarc::driver::CudaStream>) {
+///     let mut view = rb.as_view_mut();
+///     stream.memset_zeros(&mut view).unwrap();
+/// }
+/// ```
+///
+/// ```compile_fail,E0599
+/// # use gpudirect::storage::cufile::RegisteredBuffer;
+/// # use gpudirect::cudarc::driver::CudaSlice;
+/// fn swap(rb: &mut RegisteredBuffer, other: CudaSlice<u8>) -> CudaSlice<u8> {
+///     std::mem::replace(rb.slice_mut(), other) // no `&mut CudaSlice` to swap
+/// }
+/// ```
 #[derive(Debug)]
 pub struct RegisteredBuffer {
     // Field order: deregistration happens in Drop's body, then `slice` is freed.
@@ -108,11 +130,6 @@ impl RegisteredBuffer {
         self.slice.as_ref().expect("slice is present until drop")
     }
 
-    /// The owned slice, mutably (for kernels and copies).
-    pub fn slice_mut(&mut self) -> &mut CudaSlice<u8> {
-        self.slice.as_mut().expect("slice is present until drop")
-    }
-
     /// A view of the whole buffer.
     pub fn as_view(&self) -> CudaView<'_, u8> {
         self.slice().as_view()
@@ -120,7 +137,11 @@ impl RegisteredBuffer {
 
     /// A mutable view of the whole buffer (pass it to `CuFileHandle::read`).
     pub fn as_view_mut(&mut self) -> CudaViewMut<'_, u8> {
-        self.slice_mut().as_view_mut()
+        // A view, never `&mut CudaSlice`: it cannot be swapped for another allocation.
+        self.slice
+            .as_mut()
+            .expect("slice is present until drop")
+            .as_view_mut()
     }
 
     /// Deregisters and returns the slice; a failed `cuFileBufDeregister` gives the buffer back.
