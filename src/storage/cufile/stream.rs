@@ -134,11 +134,24 @@ fn check_alignment(
     })
 }
 
+/// The device pointer of `buf` for stream-ordered IO on `stream`, with cudarc's guard.
+fn io_pointer<'a>(
+    buf: &'a mut CudaSlice<u8>,
+    stream: &'a CudaStream,
+    write: bool,
+) -> (
+    cudarc::driver::sys::CUdeviceptr,
+    cudarc::driver::SyncOnDrop<'a>,
+) {
+    let _ = write;
+    buf.device_ptr(stream)
+}
+
 impl StreamIo {
     fn enqueue(
         h: &CuFileHandle,
         write: bool,
-        buf: CudaSlice<u8>,
+        mut buf: CudaSlice<u8>,
         buf_offset: usize,
         len: usize,
         file_offset: u64,
@@ -175,7 +188,7 @@ impl StreamIo {
             });
         }
         let ptr = {
-            let (p, _record) = buf.device_ptr(&stream);
+            let (p, _record) = io_pointer(&mut buf, &stream, write);
             p
         };
         let (base, _) = allocation_range(ptr)?;
