@@ -9,7 +9,7 @@
 use std::ffi::c_void;
 use std::sync::Arc;
 
-use cudarc::driver::{CudaSlice, CudaStream, DevicePtr};
+use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
 
 use super::buffer::allocation_range;
 use super::file_handle::{clamp_to_eof, HandleInner};
@@ -134,7 +134,11 @@ fn check_alignment(
     })
 }
 
-/// The device pointer of `buf` for stream-ordered IO on `stream`, with cudarc's guard.
+/// The device pointer of `buf` for stream-ordered IO on `stream`, with cudarc's guard, taken
+/// with the IO's real intent: a write reads the buffer (`device_ptr`: the stream waits for
+/// pending writes of it), a read writes it (`device_ptr_mut`: the stream also waits for pending
+/// reads on other streams). Drop the guard only after the IO is enqueued, so the event cudarc
+/// records then covers the IO.
 fn io_pointer<'a>(
     buf: &'a mut CudaSlice<u8>,
     stream: &'a CudaStream,
@@ -143,8 +147,11 @@ fn io_pointer<'a>(
     cudarc::driver::sys::CUdeviceptr,
     cudarc::driver::SyncOnDrop<'a>,
 ) {
-    let _ = write;
-    buf.device_ptr(stream)
+    if write {
+        buf.device_ptr(stream)
+    } else {
+        buf.device_ptr_mut(stream)
+    }
 }
 
 impl StreamIo {
@@ -187,10 +194,8 @@ impl StreamIo {
                 },
             });
         }
-        let ptr = {
-            let (p, _record) = io_pointer(&mut buf, &stream, write);
-            p
-        };
+        // `record` lives until the IO is enqueued (see io_pointer).
+        let (ptr, record) = io_pointer(&mut buf, &stream, write);
         let (base, _) = allocation_range(ptr)?;
         let dev_offset = ptr - base + buf_offset as u64;
         check_alignment(h, write, len, file_offset, ptr + buf_offset as u64)?;
@@ -232,6 +237,7 @@ impl StreamIo {
                 stream.cu_stream().cast(),
             )
         }?;
+        drop(record);
         Ok(StreamIo {
             params: Some(params),
             buf: Some(buf),
@@ -318,5 +324,109 @@ impl Drop for StreamRegistration {
         if let Err(e) = rc {
             tracing::warn!(error = %e, "cuFileStreamDeregister failed");
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::mpsc::{channel, Receiver, Sender};
+    use std::time::Duration;
+
+    use cudarc::driver::sys as cu;
+
+    use super::*;
+
+    /// Holds a stream at a host function until released (or 30 s pass).
+    struct Gate(Option<Sender<()>>);
+
+    unsafe extern "C" fn wait_for_release(data: *mut c_void) {
+        // SAFETY: `data` is the Box<Receiver> leaked by `Gate::block`, handed over exactly once;
+        // the callback makes no CUDA call.
+        let rx = unsafe { Box::from_raw(data.cast::<Receiver<()>>()) };
+        let _ = rx.recv_timeout(Duration::from_secs(30));
+    }
+
+    impl Gate {
+        fn block(stream: &CudaStream) -> Gate {
+            let (tx, rx) = channel::<()>();
+            let rx = Box::into_raw(Box::new(rx));
+            // SAFETY: the stream is alive; on success the callback owns `rx`.
+            let rc = unsafe {
+                cu::cuLaunchHostFunc(stream.cu_stream(), Some(wait_for_release), rx.cast())
+            };
+            if rc != cu::CUresult::CUDA_SUCCESS {
+                // SAFETY: a failed launch did not hand `rx` over.
+                drop(unsafe { Box::from_raw(rx) });
+                panic!("cuLaunchHostFunc: {rc:?}");
+            }
+            Gate(Some(tx))
+        }
+        fn release(&mut self) {
+            if let Some(tx) = self.0.take() {
+                let _ = tx.send(());
+            }
+        }
+    }
+
+    impl Drop for Gate {
+        fn drop(&mut self) {
+            self.release();
+        }
+    }
+
+    /// A stream-ordered *read* writes the buffer, so its stream must wait for reads of the
+    /// buffer still pending on other streams (cudarc's `device_ptr_mut`), not only for writes
+    /// (`device_ptr`, the old behaviour: a write-after-read race with cuFile's DMA).
+    #[test]
+    #[ignore = "needs a CUDA GPU"]
+    fn gpu_stream_read_waits_for_pending_readers_on_other_streams() {
+        let ctx = crate::cuda::context(0).unwrap_or_else(|e| {
+            panic!("this test needs a CUDA GPU (run gpu_* tests on a GPU machine): {e}")
+        });
+        let io_stream = ctx.new_stream().unwrap();
+        let reader = ctx.new_stream().unwrap();
+        let mut buf = io_stream.alloc_zeros::<u8>(1 << 20).unwrap();
+        let mut copy = reader.alloc_zeros::<u8>(1 << 20).unwrap();
+        io_stream.synchronize().unwrap();
+        reader.synchronize().unwrap();
+        // A reader of `buf` on another stream, held behind a gate: cudarc records `buf`'s read
+        // event after it.
+        let mut gate = Gate::block(&reader);
+        reader.memcpy_dtod(&buf, &mut copy).unwrap();
+        let marker = ctx.new_event(None).unwrap();
+        {
+            let (_ptr, _record) = io_pointer(&mut buf, &io_stream, false);
+            // Where the IO would be enqueued.
+            marker.record(&io_stream).unwrap();
+        }
+        std::thread::sleep(Duration::from_millis(200));
+        let pending = marker.try_is_complete();
+        gate.release();
+        reader.synchronize().unwrap();
+        io_stream.synchronize().unwrap();
+        assert_eq!(
+            pending,
+            Ok(false),
+            "the IO stream ran ahead of a pending reader of the buffer on another stream: \
+             a stream-ordered read must take the pointer with write intent (device_ptr_mut)"
+        );
+        // The write intent is recorded after the IO, so a later reader elsewhere waits for it.
+        let later = ctx.new_event(None).unwrap();
+        let mut gate = Gate::block(&io_stream);
+        {
+            let (_ptr, _record) = io_pointer(&mut buf, &io_stream, false);
+        }
+        reader.memcpy_dtod(&buf, &mut copy).unwrap();
+        later.record(&reader).unwrap();
+        std::thread::sleep(Duration::from_millis(200));
+        let pending = later.try_is_complete();
+        gate.release();
+        io_stream.synchronize().unwrap();
+        reader.synchronize().unwrap();
+        assert_eq!(
+            pending,
+            Ok(false),
+            "a reader on another stream did not wait for the stream-ordered read's write"
+        );
     }
 }
