@@ -254,12 +254,7 @@ impl StreamIo {
             .synchronize()
             .map_err(|e| Error::cuda("cuStreamSynchronize", e))?;
         let bytes = self.params.as_ref().map_or(0, |p| p.bytes);
-        let op = if self.write {
-            "cuFileWriteAsync"
-        } else {
-            "cuFileReadAsync"
-        };
-        let n = result::decode_ssize(op, bytes)?;
+        let n = decode_bytes(self.write, bytes)?;
         let buf = self.buf.take().expect("buffer present until wait or drop");
         Ok((n, buf))
     }
@@ -268,6 +263,30 @@ impl StreamIo {
     pub fn stream(&self) -> &Arc<CudaStream> {
         &self.stream
     }
+}
+
+/// Decodes the byte count cuFile wrote into the parameter block when the stream executed the
+/// IO. cuFile's rule is that of the synchronous calls, except for `-1`: the `errno` that goes
+/// with it was set on whichever thread executed the operation, long before `wait`, so this
+/// thread's `errno` says nothing about it and is never read.
+fn decode_bytes(write: bool, bytes: isize) -> Result<usize> {
+    let op = if write {
+        "cuFileWriteAsync"
+    } else {
+        "cuFileReadAsync"
+    };
+    if bytes == -1 {
+        return Err(Error::io(
+            op,
+            None,
+            std::io::Error::other(
+                "the operation failed with -1, whose errno cuFile set on the thread that executed \
+                 it (not recoverable here); the synchronous CuFileHandle::read/write reports the \
+                 OS error",
+            ),
+        ));
+    }
+    result::decode_ssize(op, bytes)
 }
 
 impl Drop for StreamIo {
@@ -372,6 +391,40 @@ mod tests {
         fn drop(&mut self) {
             self.release();
         }
+    }
+
+    #[test]
+    fn stream_io_failure_does_not_report_the_waiting_threads_errno() {
+        // cuFile sets errno on the thread that executed the IO; the thread that waits has its
+        // own, unrelated one (here: EACCES from something else).
+        // SAFETY: __errno_location returns this thread's errno slot.
+        unsafe { *libc::__errno_location() = libc::EACCES };
+        let e = decode_bytes(false, -1).unwrap_err();
+        if let Error::Io { source, .. } = &e {
+            assert_ne!(
+                source.raw_os_error(),
+                Some(libc::EACCES),
+                "the waiting thread's stale errno was reported as the IO's error: {e}"
+            );
+        }
+        let msg = e.to_string();
+        assert!(msg.contains("cuFileReadAsync"), "{msg}");
+        // -errno and cuFile codes are carried in the value itself and still decode.
+        match decode_bytes(true, -(libc::ENOSPC as isize)) {
+            Err(Error::Io { op, source, .. }) => {
+                assert_eq!(op, "cuFileWriteAsync");
+                assert_eq!(source.raw_os_error(), Some(libc::ENOSPC));
+            }
+            other => panic!("{other:?}"),
+        }
+        assert!(matches!(
+            decode_bytes(false, -5011),
+            Err(Error::CuFile {
+                op: "cuFileReadAsync",
+                ..
+            })
+        ));
+        assert_eq!(decode_bytes(false, 4099).unwrap(), 4099);
     }
 
     /// A stream-ordered *read* writes the buffer, so its stream must wait for reads of the
