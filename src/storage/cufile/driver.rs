@@ -195,13 +195,25 @@ impl DriverProperties {
 }
 
 /// Where cuFile writes its log (`cufile.log`, by default into the working directory).
+///
+/// cuFile takes a log *file* only from the `CUFILE_LOGFILE_PATH` environment variable, and a
+/// program may change its environment only while no other thread runs (C code on other
+/// threads — libcuda, NVML, cuFile's own — calls `getenv` without Rust's lock). So gpudirect
+/// sets that variable only when the driver opens in a process with a single thread; otherwise
+/// it sets cuFile's log *directory* (`CUFILE_PARAM_LOG_DIR`, cuFile 1.14+) before
+/// `cuFileDriverOpen`, and the environment is never touched.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum LogTarget {
-    /// `CUFILE_LOGFILE_PATH` if the user set it, else a file in the temporary directory
-    /// (`gpudirect-cufile-<pid>.log`). The default.
+    /// `CUFILE_LOGFILE_PATH` if the user set it, else the temporary directory: the file
+    /// `gpudirect-cufile-<pid>.log` there when the process has one thread at open, else
+    /// `cufile.log` in the directory `gpudirect-cufile-<uid>` there. The default.
     TempDir,
-    /// This file.
+    /// This file. Needs the process to have a single thread when the driver opens (the file
+    /// can only be named through the environment); otherwise opening the driver fails with
+    /// [`Error::Unsupported`] saying what to do.
     File(PathBuf),
+    /// `cufile.log` in this directory (`CUFILE_PARAM_LOG_DIR`), with any number of threads.
+    Dir(PathBuf),
     /// Whatever cuFile does on its own (the working directory unless configured).
     CuFileDefault,
 }
@@ -436,8 +448,8 @@ impl DriverBuilder {
         self
     }
 
-    /// True when the builder stages any driver setting (the log target is not one: it is an
-    /// environment variable read at open).
+    /// True when the builder stages any driver setting (the log target is not one: it applies
+    /// only when this call opens the driver, and is ignored otherwise, like the exit strategy).
     fn has_settings(&self) -> bool {
         !self.settings.is_empty()
     }
@@ -493,7 +505,13 @@ impl DriverBuilder {
                 other => other,
             })?;
         }
-        let log_file = direct_log(&self.log);
+        let log_file = direct_log(&self.log, process_is_single_threaded(), |dir| {
+            result::set_parameter_string(
+                lib,
+                sys::CUFILE_PARAM_LOG_DIR,
+                &result::c_string("log directory", &dir.to_string_lossy())?,
+            )
+        })?;
         // The context cuFile will adopt at open (the thread's current one), retained first so
         // that it outlives cuFile's exit-time teardown.
         let mut retained = Vec::new();
@@ -528,26 +546,79 @@ impl DriverBuilder {
     }
 }
 
-/// Points cuFile's log away from the working directory (unless asked not to) by setting
-/// `CUFILE_LOGFILE_PATH`, which libcufile reads at `cuFileDriverOpen` (verified on 1.15.1.6;
-/// the `CUFILE_PARAM_ENV_LOGFILE_PATH` parameter did not move the log there).
-fn direct_log(target: &LogTarget) -> Option<PathBuf> {
+/// The name cuFile gives its log file in the log directory.
+const LOG_NAME: &str = "cufile.log";
+
+/// True when this process runs exactly one thread (the caller), counted in `/proc/self/task`;
+/// false when it cannot tell. With one thread, nothing can read the environment while this
+/// thread changes it, and no other thread can start meanwhile but through this one.
+fn process_is_single_threaded() -> bool {
+    std::fs::read_dir("/proc/self/task").is_ok_and(|d| d.take(2).count() == 1)
+}
+
+/// Points cuFile's log away from the working directory (unless asked not to) and returns where
+/// it goes. `CUFILE_LOGFILE_PATH`, which libcufile reads at `cuFileDriverOpen` (verified on
+/// 1.15.1.6; the `CUFILE_PARAM_ENV_LOGFILE_PATH` parameter did not move the log), is set only
+/// when `single_threaded` (see [`LogTarget`]); otherwise `set_log_dir` sets cuFile's log
+/// directory.
+fn direct_log(
+    target: &LogTarget,
+    single_threaded: bool,
+    set_log_dir: impl FnOnce(&std::path::Path) -> Result<()>,
+) -> Result<Option<PathBuf>> {
     const VAR: &str = "CUFILE_LOGFILE_PATH";
-    let path = match target {
-        LogTarget::CuFileDefault => return std::env::var_os(VAR).map(PathBuf::from),
-        LogTarget::File(p) => p.clone(),
-        LogTarget::TempDir => match std::env::var_os(VAR).filter(|v| !v.is_empty()) {
-            Some(user) => return Some(PathBuf::from(user)),
-            None => {
-                std::env::temp_dir().join(format!("gpudirect-cufile-{}.log", std::process::id()))
+    let user = std::env::var_os(VAR).filter(|v| !v.is_empty());
+    match target {
+        LogTarget::CuFileDefault => Ok(user.map(PathBuf::from)),
+        LogTarget::File(p) if single_threaded => {
+            std::env::set_var(VAR, OsString::from(p.as_os_str()));
+            Ok(Some(p.clone()))
+        }
+        LogTarget::File(p) => Err(Error::Unsupported {
+            what: format!("cuFile's log in {}", p.display()),
+            cause: crate::Cause::Other {
+                message: "cuFile takes a log file only from CUFILE_LOGFILE_PATH, and changing \
+                          the environment while other threads run is undefined behaviour"
+                    .into(),
+                fix: "set CUFILE_LOGFILE_PATH before the program starts threads, open the \
+                      driver before starting any, or use LogTarget::Dir"
+                    .into(),
+            },
+        }),
+        LogTarget::Dir(d) => {
+            set_log_dir(d)?;
+            Ok(Some(d.join(LOG_NAME)))
+        }
+        LogTarget::TempDir => {
+            if let Some(user) = user {
+                return Ok(Some(PathBuf::from(user)));
             }
-        },
-    };
-    // set_var races with getenv on other threads; it runs once, under the driver lock, right
-    // before cuFileDriverOpen (the only reader that matters), which is as safe as it gets
-    // without an API that cuFile honours.
-    std::env::set_var(VAR, OsString::from(path.as_os_str()));
-    Some(path)
+            let tmp = std::env::temp_dir();
+            if single_threaded {
+                let path = tmp.join(format!("gpudirect-cufile-{}.log", std::process::id()));
+                std::env::set_var(VAR, OsString::from(path.as_os_str()));
+                return Ok(Some(path));
+            }
+            // SAFETY: getuid has no preconditions and cannot fail.
+            let dir = tmp.join(format!("gpudirect-cufile-{}", unsafe { libc::getuid() }));
+            let applied = std::fs::create_dir_all(&dir)
+                .map_err(|e| Error::io("mkdir", Some(dir.clone()), e))
+                .and_then(|()| set_log_dir(&dir));
+            match applied {
+                Ok(()) => Ok(Some(dir.join(LOG_NAME))),
+                Err(e) => {
+                    tracing::warn!(
+                        error = %e,
+                        "could not point cuFile's log at {}; it goes where cuFile puts it \
+                         (the working directory unless configured): set CUFILE_LOGFILE_PATH \
+                         before starting threads to choose",
+                        dir.display()
+                    );
+                    Ok(None)
+                }
+            }
+        }
+    }
 }
 
 /// A retained reference to the primary context of the device whose context is current on this
@@ -799,6 +870,51 @@ pub fn library_version() -> Result<i32> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// `set_var` while other threads run races with C code calling `getenv` (libcuda, NVML,
+    /// cuFile's threads): the driver must never change the environment then.
+    #[test]
+    fn log_redirect_never_sets_the_environment_while_other_threads_run() {
+        let (tx, rx) = std::sync::mpsc::channel::<()>();
+        let other = std::thread::spawn(move || rx.recv());
+        let before = std::env::var_os("CUFILE_LOGFILE_PATH");
+        let mut dir_set = None;
+        let single = process_is_single_threaded();
+        assert!(!single, "another thread is running");
+        let got = direct_log(&LogTarget::TempDir, single, |d| {
+            dir_set = Some(d.to_path_buf());
+            Ok(())
+        });
+        let after = std::env::var_os("CUFILE_LOGFILE_PATH");
+        tx.send(()).unwrap();
+        other.join().unwrap().unwrap();
+        assert_eq!(
+            after, before,
+            "CUFILE_LOGFILE_PATH was set while another thread was running"
+        );
+        if before.is_none() {
+            // The log directory was set instead, in the temporary directory.
+            let dir = dir_set.expect("cuFile's log directory is set instead");
+            assert!(dir.starts_with(std::env::temp_dir()), "{}", dir.display());
+            assert_eq!(got.unwrap(), Some(dir.join(LOG_NAME)));
+        }
+        // A log file by name needs the environment: refused, typed, with other threads.
+        let file = std::env::temp_dir().join("x.log");
+        match direct_log(&LogTarget::File(file), false, |_| unreachable!()) {
+            Err(Error::Unsupported { cause, .. }) => {
+                assert!(cause.to_string().contains("CUFILE_LOGFILE_PATH"), "{cause}")
+            }
+            other => panic!("{other:?}"),
+        }
+        let mut asked = None;
+        let got = direct_log(&LogTarget::Dir("/some/dir".into()), false, |d| {
+            asked = Some(d.to_path_buf());
+            Ok(())
+        });
+        assert_eq!(got.unwrap(), Some(PathBuf::from("/some/dir/cufile.log")));
+        assert_eq!(asked, Some(PathBuf::from("/some/dir")));
+        assert_eq!(after, std::env::var_os("CUFILE_LOGFILE_PATH"));
+    }
 
     #[test]
     fn exit_strategy_parses_and_defaults_to_retaining() {
