@@ -950,3 +950,173 @@ fn gpu_cufile_batch_run_after_submit_is_refused() {
     drop(h);
     std::fs::remove_file(&path).unwrap();
 }
+
+/// Bytes of guard on each side of the view in the overrun checks: twice the 64 KiB that
+/// `GpuFile`'s workaround assumes cuFile may write past a read.
+const GUARD: usize = 128 << 10;
+
+/// How far outside `[start, start + n)` the bytes of `after` differ from `before` (which was
+/// random, so a write of file bytes shows with probability 255/256 per byte): `(bytes before
+/// the range, bytes past it)`, each the distance to the furthest changed byte.
+fn overrun(before: &[u8], after: &[u8], start: usize, n: usize) -> (usize, usize) {
+    let head = (0..start)
+        .find(|&i| before[i] != after[i])
+        .map_or(0, |i| start - i);
+    let tail = (start + n..before.len())
+        .rev()
+        .find(|&i| before[i] != after[i])
+        .map_or(0, |i| i + 1 - (start + n));
+    (head, tail)
+}
+
+/// `cuFileRead` called directly (not through gpudirect), on a descriptor of our own, into
+/// `buf[start..start + len]`: returns the raw result. Measures cuFile itself.
+fn raw_cufile_read(
+    path: &Path,
+    o_direct: bool,
+    buf: &mut CudaSlice<u8>,
+    start: usize,
+    len: usize,
+    file_offset: u64,
+) -> isize {
+    use gpudirect::cudarc::driver::{sys as cu, DevicePtrMut};
+    use gpudirect::ffi::cufile as sys;
+    use std::os::fd::AsRawFd;
+    let lib = sys::library().expect("libcufile loads");
+    let mut opts = std::fs::OpenOptions::new();
+    opts.read(true);
+    if o_direct {
+        opts.custom_flags(libc::O_DIRECT);
+    }
+    let file = opts.open(path).unwrap();
+    let stream = Arc::clone(buf.stream());
+    stream.synchronize().unwrap();
+    let (ptr, _rec) = buf.device_ptr_mut(&stream);
+    let (mut base, mut size) = (0, 0);
+    // SAFETY: valid out-pointers; `ptr` is a live allocation of this context (current: the
+    // stream's operations bound it).
+    let rc = unsafe { cu::cuMemGetAddressRange_v2(&mut base, &mut size, ptr) };
+    assert_eq!(rc, cu::CUresult::CUDA_SUCCESS);
+    // SAFETY: all-zero is a valid descriptor (null fs_ops).
+    let mut descr: sys::CUfileDescr_t = unsafe { std::mem::zeroed() };
+    descr.type_ = sys::CU_FILE_HANDLE_TYPE_OPAQUE_FD;
+    descr.handle.fd = file.as_raw_fd();
+    let mut fh: sys::CUfileHandle_t = std::ptr::null_mut();
+    // SAFETY: valid pointers; the driver is open (the caller opened it through gpudirect).
+    let e = unsafe { lib.cuFileHandleRegister.unwrap()(&mut fh, &mut descr) };
+    assert_eq!(e.err, 0, "raw cuFileHandleRegister: {}", e.err);
+    // SAFETY: the range `base + (ptr - base) + start .. + len` lies in `buf`, which the guard
+    // borrows mutably; the stream is idle; `fh` is registered; the call is synchronous.
+    let got = unsafe {
+        lib.cuFileRead.unwrap()(
+            fh,
+            base as *mut std::ffi::c_void,
+            len,
+            file_offset as i64,
+            (ptr - base) as i64 + start as i64,
+        )
+    };
+    // SAFETY: registered above, no IO in flight.
+    unsafe { lib.cuFileHandleDeregister.unwrap()(fh) };
+    drop(file);
+    got
+}
+
+/// Issue 9 item 13: does a cuFile read write device bytes outside the range it was given (in
+/// compatibility mode, which moves whole 4 KiB blocks)? Three cases from the audit, on a
+/// buffered and an O_DIRECT descriptor: an unaligned interior read, a read crossing end of
+/// file, one block at file offset 1 — plus an aligned control. Each view sits inside a larger
+/// random buffer with 128 KiB of guard on each side.
+///
+/// Prints, per case, what raw `cuFileRead` (no gpudirect protection) wrote outside its range
+/// ("RAW ... outside: head H, tail T"; any non-zero T or H means cuFile overruns and the
+/// protection is needed), then asserts that `CuFileHandle::read` wrote exactly its view's bytes:
+/// on code without the protection this fails wherever the raw line shows an overrun.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gpu_cufile_read_stays_inside_the_view() {
+    let stream = gpu();
+    let d = driver();
+    let path = scratch("overrun");
+    let file = random((1 << 20) + 333);
+    let Some(buffered) = register(&d, &path, &file) else {
+        return std::fs::remove_file(&path).unwrap();
+    };
+    let direct = CuFileHandle::open_with(Arc::clone(&d), &path, OpenMode::Read, true).unwrap();
+    let size = file.len() as u64;
+    // (name, length asked, file offset, extra offset of the view inside the guard)
+    let cases: [(&str, usize, u64, usize); 4] = [
+        ("interior unaligned", 5000, 4097, 13),
+        ("crossing end of file", 10_000, size - 3000, 7),
+        ("one block at offset 1", 4096, 1, 0),
+        ("aligned control", 8192, 8192, 0),
+    ];
+    let mut raw_overruns = Vec::new();
+    let mut failures = Vec::new();
+    for h in [&buffered, &direct] {
+        let kind = if h.is_o_direct() {
+            "O_DIRECT"
+        } else {
+            "buffered"
+        };
+        eprintln!("handle {kind}: {}", h.path_report());
+        for &(name, len, off, skew) in &cases {
+            let expect = (size - off).min(len as u64) as usize;
+            // The view starts at a 4 KiB-aligned device address plus `skew`.
+            let total = 2 * GUARD + len + 8192;
+            let mut buf = stream.clone_htod(&random(total)).unwrap();
+            let start = GUARD + aligned_offset(&buf) + skew;
+            let before = dtoh(&stream, &buf);
+
+            // Raw cuFile.
+            let got = raw_cufile_read(&path, h.is_o_direct(), &mut buf, start, len, off);
+            let after = dtoh(&stream, &buf);
+            let n = got.max(0) as usize;
+            let (head, tail) = overrun(&before, &after, start, n);
+            eprintln!(
+                "RAW cuFileRead {kind} {name}: asked {len} at {off}, returned {got}, outside: \
+                 head {head}, tail {tail}"
+            );
+            if got >= 0 && after[start..start + n] != file[off as usize..off as usize + n] {
+                eprintln!("RAW cuFileRead {kind} {name}: the returned bytes differ from the file");
+            }
+            if head > 0 || tail > 0 {
+                raw_overruns.push(format!("{kind} {name}: head {head}, tail {tail}"));
+            }
+
+            // gpudirect's handle, on fresh random bytes.
+            let mut buf = stream.clone_htod(&random(total)).unwrap();
+            let start = GUARD + aligned_offset(&buf) + skew;
+            let before = dtoh(&stream, &buf);
+            let n = h
+                .read(&mut buf.slice_mut(start..start + len), off)
+                .unwrap_or_else(|e| panic!("CuFileHandle::read {kind} {name}: {e}"));
+            let after = dtoh(&stream, &buf);
+            assert_eq!(n, expect, "{kind} {name}: byte count");
+            assert!(
+                after[start..start + n] == file[off as usize..off as usize + n],
+                "{kind} {name}: the bytes read differ from the file"
+            );
+            let (head, tail) = overrun(&before, &after, start, n);
+            if head > 0 || tail > 0 {
+                failures.push(format!(
+                    "{kind} {name}: CuFileHandle::read wrote outside its range (head {head}, \
+                     tail {tail} bytes)"
+                ));
+            }
+        }
+    }
+    eprintln!(
+        "RAW verdict: {}",
+        if raw_overruns.is_empty() {
+            "cuFile wrote nothing outside any range (the tail protection is not needed here)"
+                .to_string()
+        } else {
+            format!("cuFile overran: {raw_overruns:?}")
+        }
+    );
+    assert!(failures.is_empty(), "{failures:#?}");
+    drop(direct);
+    drop(buffered);
+    std::fs::remove_file(&path).unwrap();
+}

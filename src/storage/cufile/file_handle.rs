@@ -215,7 +215,10 @@ impl CuFileHandle {
     /// looped over short transfers and split at [`MAX_IO_PER_CALL`]). Returns the bytes read:
     /// fewer than asked only at end of file, 0 at or past it (as `pread`). A zero-length `dst`
     /// returns 0 without calling cuFile. The read is clamped to the file's size at the time of
-    /// the call (`fstat`), so bytes of `dst` past the end of file are never written.
+    /// the call (`fstat`), so bytes of `dst` past the end of file are never written, and no byte
+    /// outside `dst` is written either: the last piece of every read (up to 68 KiB) goes through
+    /// a scratch device buffer and is copied into place, because cuFile's compatibility path
+    /// moves whole blocks and was seen writing past what it reported.
     ///
     /// Ordering: `dst`'s stream is synchronised first; the bytes are in place on return.
     pub fn read<D: DevicePtrMut<u8>>(&self, dst: &mut D, file_offset: u64) -> Result<usize> {
@@ -277,7 +280,7 @@ impl CuFileHandle {
     fn sync_io(
         &self,
         write: bool,
-        stream: &CudaStream,
+        stream: &Arc<CudaStream>,
         ptr: cudarc::driver::sys::CUdeviceptr,
         len: usize,
         file_offset: u64,
@@ -287,37 +290,16 @@ impl CuFileHandle {
         self.inner.driver.enter(stream, true)?;
         let (base, _) = allocation_range(ptr)?;
         let buf_offset = ptr - base;
-        let lib = self.inner.driver.lib();
-        // Reads stop at the file's end as it is now: cuFile's compatibility path may write past
-        // the bytes it reports when a read crosses end of file, so gpudirect never asks it to.
         let want = len;
-        let len = if write {
-            len
+        let done = if write {
+            self.transfer(true, base, buf_offset, len, file_offset)?
         } else {
-            clamp_to_eof(&self.inner.file, &self.path, file_offset, len)?
+            // Reads stop at the file's end as it is now: cuFile's compatibility path may write
+            // past the bytes it reports when a read crosses end of file, so gpudirect never
+            // asks it to.
+            let len = clamp_to_eof(&self.inner.file, &self.path, file_offset, len)?;
+            self.read_inside(stream, ptr, len, file_offset)?
         };
-        let mut done = 0usize;
-        while done < len {
-            let n = (len - done).min(MAX_IO_PER_CALL);
-            let foff = (file_offset + done as u64) as i64;
-            let boff = (buf_offset + done as u64) as i64;
-            // SAFETY: `base + boff .. + n` lies inside the live allocation behind `ptr` (the
-            // caller's view of `len` bytes, borrowed for this call); the context is current;
-            // the stream was synchronised so no kernel touches the bytes concurrently; the
-            // handle is registered (owned by `inner`).
-            let got = unsafe {
-                if write {
-                    result::write(lib, self.inner.fh, base as *const c_void, n, foff, boff)
-                } else {
-                    result::read(lib, self.inner.fh, base as *mut c_void, n, foff, boff)
-                }
-            }
-            .map_err(|e| with_path(e, &self.path))?;
-            if got == 0 {
-                break;
-            }
-            done += got.min(n);
-        }
         if exact && done < want {
             return Err(Error::io(
                 op,
@@ -333,7 +315,113 @@ impl CuFileHandle {
         }
         Ok(done)
     }
+
+    /// cuFile calls moving `len` bytes between the file at `file_offset` and the device
+    /// memory at `base + buf_offset` (`base` the allocation's), looped over short transfers and
+    /// split at [`MAX_IO_PER_CALL`]; stops early at a 0 return (end of file).
+    fn transfer(
+        &self,
+        write: bool,
+        base: cudarc::driver::sys::CUdeviceptr,
+        buf_offset: u64,
+        len: usize,
+        file_offset: u64,
+    ) -> Result<usize> {
+        let lib = self.inner.driver.lib();
+        let mut done = 0usize;
+        while done < len {
+            let n = (len - done).min(MAX_IO_PER_CALL);
+            let foff = (file_offset + done as u64) as i64;
+            let boff = (buf_offset + done as u64) as i64;
+            // SAFETY: `base + boff .. + n` lies inside the live allocation behind `ptr` (the
+            // caller's view of `len` bytes, borrowed for this call, or the scratch buffer of
+            // `read_inside`); the context is current; the stream was synchronised so no kernel
+            // touches the bytes concurrently; the handle is registered (owned by `inner`).
+            let got = unsafe {
+                if write {
+                    result::write(lib, self.inner.fh, base as *const c_void, n, foff, boff)
+                } else {
+                    result::read(lib, self.inner.fh, base as *mut c_void, n, foff, boff)
+                }
+            }
+            .map_err(|e| with_path(e, &self.path))?;
+            if got == 0 {
+                break;
+            }
+            done += got.min(n);
+        }
+        Ok(done)
+    }
+
+    /// Reads `len` bytes (already clamped to end of file) from `file_offset` into device memory
+    /// at `ptr`, writing no device byte outside `ptr .. ptr + len`.
+    ///
+    /// cuFile's compatibility path moves whole 4 KiB blocks and was seen writing device bytes
+    /// past what it reported (commit 00dac31; `gpu_cufile_read_stays_inside_the_view` measures
+    /// raw `cuFileRead`), which would land in memory outside the caller's view — another view
+    /// of the same allocation, or memory a kernel is reading. So the last piece (up to
+    /// [`READ_OVERRUN`] plus the bytes to the next 4 KiB file boundary) goes through a scratch
+    /// buffer with [`READ_OVERRUN`] bytes to spare, and is copied into place; everything before
+    /// it is read directly (any overrun of it lands inside the range, where the tail read then
+    /// writes the right bytes).
+    fn read_inside(
+        &self,
+        stream: &Arc<CudaStream>,
+        ptr: cudarc::driver::sys::CUdeviceptr,
+        len: usize,
+        file_offset: u64,
+    ) -> Result<usize> {
+        if len == 0 {
+            return Ok(0);
+        }
+        let to_block = ((file_offset + len as u64) % 4096) as usize;
+        let tail = len.min(READ_OVERRUN + to_block);
+        let body = len - tail;
+        let mut got = 0;
+        if body > 0 {
+            let (base, _) = allocation_range(ptr)?;
+            got = self.transfer(false, base, ptr - base, body, file_offset)?;
+            if got < body {
+                return Ok(got);
+            }
+        }
+        // SAFETY: u8 needs no initialisation; only the bytes cuFile reports are copied out.
+        let mut scratch = unsafe { stream.alloc::<u8>(tail + READ_OVERRUN) }
+            .map_err(|e| Error::cuda("cuMemAlloc", e))?;
+        let t = {
+            let (sp, _record) = scratch.device_ptr_mut(stream);
+            // The allocation is stream-ordered: it must exist before cuFile (unordered) uses it.
+            stream
+                .synchronize()
+                .map_err(|e| Error::cuda("cuStreamSynchronize", e))?;
+            let (sbase, _) = allocation_range(sp)?;
+            self.transfer(false, sbase, sp - sbase, tail, file_offset + body as u64)?
+        };
+        if t > 0 {
+            let (sp, _record) = scratch.device_ptr(stream);
+            // SAFETY: `ptr + body .. + t` lies inside the caller's range (t <= tail); `sp .. + t`
+            // inside the scratch buffer; both in the stream's context, which is current; the
+            // stream is synchronised below, before the scratch buffer is freed or we return.
+            unsafe {
+                cudarc::driver::result::memcpy_dtod_async(
+                    ptr + body as u64,
+                    sp,
+                    t,
+                    stream.cu_stream(),
+                )
+            }
+            .map_err(|e| Error::cuda("cuMemcpyDtoDAsync", e))?;
+        }
+        stream
+            .synchronize()
+            .map_err(|e| Error::cuda("cuStreamSynchronize", e))?;
+        Ok(got + t)
+    }
 }
+
+/// Bytes a cuFile read may write past its range, as far as gpudirect guards against (see
+/// `CuFileHandle::read_inside`).
+const READ_OVERRUN: usize = 64 << 10;
 
 /// `len`, shortened so that `file_offset + len` does not pass the end of `file` (0 at or past
 /// it), from `fstat` at the time of the call.
