@@ -3,7 +3,7 @@
 
 use std::path::Path as FsPath;
 
-use cudarc::driver::{CudaViewMut, DeviceSlice};
+use cudarc::driver::CudaViewMut;
 use serde::Serialize;
 
 use super::config::{CompatMode, StorageConfig};
@@ -93,50 +93,18 @@ pub(super) mod cufile_glue {
 
     use crate::storage::cufile::{classify_registration_failure, Driver, OpenMode};
 
-    /// Bytes a cuFile read may write past the range it was asked for (cuFile's compat path
-    /// moves whole 4 KiB blocks); the tail of every read goes through a scratch buffer
-    /// this much larger than the tail, so the caller's bytes past the range stay untouched.
-    const CUFILE_OVERRUN: usize = 64 << 10;
-
     /// Reads exactly `n` bytes (`n` ≤ the view, `off + n` ≤ the file's size: the caller
-    /// clamped to end of file) through cuFile. The last up-to-64 KiB piece goes through a
-    /// scratch device buffer with room to spare and is copied into place, because cuFile's
-    /// compat path was seen writing device bytes past what it reported.
+    /// clamped to end of file) through cuFile into the start of `view`. No byte of `view` past
+    /// `n` (nor outside it) is written: [`CuFileHandle::read`] sends the tail of every read
+    /// through a scratch buffer, because cuFile's compat path was seen writing device bytes
+    /// past what it reported.
     pub(crate) fn read_clamped(
         cf: &CuFileHandle,
         view: &mut CudaViewMut<'_, u8>,
         off: u64,
         n: usize,
     ) -> Result<usize> {
-        let tail = n.min(CUFILE_OVERRUN + ((off as usize + n) % 4096));
-        let body = n - tail;
-        let mut got = 0;
-        if body > 0 {
-            let mut v = view.slice_mut(..body);
-            got = cf.read(&mut v, off)?;
-            if got < body {
-                return Ok(got);
-            }
-        }
-        let stream = view.stream().clone();
-        let mut scratch = stream
-            .alloc_zeros::<u8>(tail + CUFILE_OVERRUN)
-            .map_err(|e| Error::cuda("cuMemAlloc", e))?;
-        let t = {
-            let mut sv = scratch.slice_mut(..tail);
-            cf.read(&mut sv, off + body as u64)?
-        };
-        if t > 0 {
-            let mut dst = view.slice_mut(body..body + t);
-            stream
-                .memcpy_dtod(&scratch.slice(..t), &mut dst)
-                .map_err(|e| Error::cuda("cuMemcpyDtoDAsync", e))?;
-        }
-        stream
-            .synchronize()
-            .map_err(|e| Error::cuda("cuStreamSynchronize", e))?;
-        got += t;
-        Ok(got)
+        cf.read(&mut view.slice_mut(..n), off)
     }
 
     /// Opens the driver and registers `path` with cuFile (the file already exists: `GpuFile`
