@@ -14,7 +14,7 @@ use serde::Serialize;
 
 use super::copy;
 use super::peer_access::PeerAccess;
-use super::result as r;
+use crate::cuda::result as r;
 use crate::error::{Error, Result};
 use crate::path::Link;
 

@@ -20,7 +20,7 @@ use std::time::Duration;
 use cudarc::driver::{sys, CudaContext, CudaStream, DevicePtr, DevicePtrMut};
 use serde::Serialize;
 
-use super::result as r;
+use crate::cuda::result as r;
 use crate::error::{Error, Result};
 use crate::path::{Cause, FallbackPolicy, Path, PathReport};
 

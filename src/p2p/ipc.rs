@@ -27,7 +27,7 @@ use std::sync::{Arc, Mutex};
 use cudarc::driver::{sys, CudaContext, CudaSlice, CudaStream, CudaView, CudaViewMut};
 
 use super::memory::DeviceBuffer;
-use super::result as r;
+use crate::cuda::result as r;
 use crate::error::{Error, Result};
 use crate::path::{Cause, Path, PathReport};
 

@@ -9,7 +9,7 @@ use cudarc::driver::{
     sys, CudaSlice, CudaStream, CudaView, CudaViewMut, DeviceRepr, ValidAsZeroBits,
 };
 
-use super::result as r;
+use crate::cuda::result as r;
 use crate::error::{Error, Result};
 
 /// A zero-initialised `cuMemAlloc` allocation of `len` elements, usable wherever cudarc takes a

@@ -61,7 +61,6 @@ mod copy;
 pub mod ipc;
 mod memory;
 mod peer_access;
-mod result;
 mod topology;
 mod vmm;
 

@@ -6,7 +6,7 @@ use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 
 use cudarc::driver::{sys, CudaContext};
 
-use super::result as r;
+use crate::cuda::result as r;
 use crate::error::{Error, Result};
 use crate::path::Cause;
 

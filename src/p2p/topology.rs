@@ -13,7 +13,7 @@ use std::sync::OnceLock;
 use cudarc::driver::sys;
 use serde::Serialize;
 
-use super::result as r;
+use crate::cuda::result as r;
 use crate::error::Result;
 use crate::path::Link;
 

@@ -13,7 +13,7 @@ use cudarc::driver::{
     sys, CudaContext, CudaSlice, CudaStream, CudaView, CudaViewMut, DeviceRepr, ValidAsZeroBits,
 };
 
-use super::result as r;
+use crate::cuda::result as r;
 use crate::error::{Error, Result};
 use crate::path::Cause;
 

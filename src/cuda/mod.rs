@@ -4,9 +4,11 @@
 //! Every other module reaches cudarc's `sys`/`result` layer only after [`driver_version`] or
 //! [`context`] succeeded in this process.
 
+pub(crate) mod result;
+
 use std::sync::{Arc, OnceLock};
 
-use cudarc::driver::{result, sys, CudaContext};
+use cudarc::driver::{result as cu_result, sys, CudaContext};
 
 use crate::error::{Error, Result};
 
@@ -47,7 +49,7 @@ fn probe() -> &'static Probe {
         if version < MIN_DRIVER_VERSION {
             return Probe::TooOld { version };
         }
-        match result::init() {
+        match cu_result::init() {
             Ok(()) => Probe::Ready { version },
             Err(e) => Probe::InitFailed { code: e.0 },
         }
@@ -96,7 +98,7 @@ pub fn driver_version() -> Result<i32> {
 /// Number of CUDA devices visible to this process (0 is an error: [`Error::NoDevice`]).
 pub fn device_count() -> Result<usize> {
     driver_version()?;
-    let n = result::device::get_count().map_err(|e| Error::cuda("cuDeviceGetCount", e))?;
+    let n = cu_result::device::get_count().map_err(|e| Error::cuda("cuDeviceGetCount", e))?;
     if n <= 0 {
         return Err(Error::NoDevice {
             what: "CUDA GPU".into(),
@@ -137,9 +139,9 @@ pub(crate) fn check(op: &'static str, rc: sys::CUresult) -> Result<()> {
 /// Reads a device attribute (`cuDeviceGetAttribute`).
 pub fn device_attribute(ordinal: usize, attr: sys::CUdevice_attribute) -> Result<i32> {
     check_ordinal(ordinal)?;
-    let dev = result::device::get(ordinal as i32).map_err(|e| Error::cuda("cuDeviceGet", e))?;
+    let dev = cu_result::device::get(ordinal as i32).map_err(|e| Error::cuda("cuDeviceGet", e))?;
     // SAFETY: `dev` is a valid device handle returned by cuDeviceGet after cuInit succeeded.
-    unsafe { result::device::get_attribute(dev, attr) }
+    unsafe { cu_result::device::get_attribute(dev, attr) }
         .map_err(|e| Error::cuda("cuDeviceGetAttribute", e))
 }
 

@@ -1,5 +1,5 @@
-//! The thin private result layer for the CUDA driver calls the P2P module makes: one function
-//! per C call, turning the raw `CUresult` into [`Result`]. Safe types call only these.
+//! The thin private result layer for the CUDA driver calls gpudirect makes: one function per C
+//! call, turning the raw `CUresult` into [`Result`]. Safe types call only these.
 //!
 //! Every function here may only be called after [`crate::cuda::driver_version`] (or
 //! [`crate::cuda::context`]) succeeded in this process: cudarc's loader panics otherwise.
