@@ -8,7 +8,7 @@ pub(crate) mod result;
 
 use std::sync::{Arc, OnceLock};
 
-use cudarc::driver::{result as cu_result, sys, CudaContext};
+use cudarc::driver::{sys, CudaContext};
 
 use crate::error::{Error, Result};
 
@@ -28,8 +28,7 @@ enum Probe {
 fn probe() -> &'static Probe {
     static PROBE: OnceLock<Probe> = OnceLock::new();
     PROBE.get_or_init(|| {
-        // SAFETY: is_culib_present only dlopens candidate names and drops the handles.
-        if !unsafe { sys::is_culib_present() } {
+        if !result::driver::is_present() {
             let mut tried: Vec<String> = Vec::new();
             for name in cudarc::get_lib_name_candidates("cuda") {
                 if !tried.contains(&name) {
@@ -40,18 +39,16 @@ fn probe() -> &'static Probe {
         }
         // libcuda is loadable, so cudarc's own loader will not panic. cuDriverGetVersion has
         // existed since CUDA 2.2, cuInit since 2.0.
-        let mut version = 0;
-        // SAFETY: `version` is a valid out-pointer for the call's duration.
-        let rc = unsafe { sys::cuDriverGetVersion(&mut version) };
-        if rc != sys::CUresult::CUDA_SUCCESS {
-            return Probe::InitFailed { code: rc };
-        }
+        let version = match result::driver::version() {
+            Ok(v) => v,
+            Err(code) => return Probe::InitFailed { code },
+        };
         if version < MIN_DRIVER_VERSION {
             return Probe::TooOld { version };
         }
-        match cu_result::init() {
+        match result::driver::init() {
             Ok(()) => Probe::Ready { version },
-            Err(e) => Probe::InitFailed { code: e.0 },
+            Err(code) => Probe::InitFailed { code },
         }
     })
 }
@@ -98,7 +95,7 @@ pub fn driver_version() -> Result<i32> {
 /// Number of CUDA devices visible to this process (0 is an error: [`Error::NoDevice`]).
 pub fn device_count() -> Result<usize> {
     driver_version()?;
-    let n = cu_result::device::get_count().map_err(|e| Error::cuda("cuDeviceGetCount", e))?;
+    let n = result::device::count()?;
     if n <= 0 {
         return Err(Error::NoDevice {
             what: "CUDA GPU".into(),
@@ -127,22 +124,10 @@ pub fn context(ordinal: usize) -> Result<Arc<CudaContext>> {
     CudaContext::new(ordinal).map_err(|e| Error::cuda("cuDevicePrimaryCtxRetain", e))
 }
 
-/// Turns a raw `CUresult` into `Result`, naming the call.
-pub(crate) fn check(op: &'static str, rc: sys::CUresult) -> Result<()> {
-    if rc == sys::CUresult::CUDA_SUCCESS {
-        Ok(())
-    } else {
-        Err(Error::cuda(op, cudarc::driver::DriverError(rc)))
-    }
-}
-
 /// Reads a device attribute (`cuDeviceGetAttribute`).
 pub fn device_attribute(ordinal: usize, attr: sys::CUdevice_attribute) -> Result<i32> {
     check_ordinal(ordinal)?;
-    let dev = cu_result::device::get(ordinal as i32).map_err(|e| Error::cuda("cuDeviceGet", e))?;
-    // SAFETY: `dev` is a valid device handle returned by cuDeviceGet after cuInit succeeded.
-    unsafe { cu_result::device::get_attribute(dev, attr) }
-        .map_err(|e| Error::cuda("cuDeviceGetAttribute", e))
+    result::device::attribute(result::device::get(ordinal)?, attr)
 }
 
 #[cfg(test)]

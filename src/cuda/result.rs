@@ -1,16 +1,26 @@
-//! The thin private result layer for the CUDA driver calls gpudirect makes: one function per C
-//! call, turning the raw `CUresult` into [`Result`]. Safe types call only these.
+//! The thin private result layer for the CUDA driver: one function per C call, turning the raw
+//! `CUresult` into [`Result`]; safe types in every room call only these (no other module calls
+//! cudarc's `sys` or `result` functions). Grouped by C object as cudarc's `driver::result` is:
+//! `device::get` is `cuDeviceGet`, `mem_pool::set_access` is `cuMemPoolSetAccess`.
 //!
-//! Every function here may only be called after [`crate::cuda::driver_version`] (or
-//! [`crate::cuda::context`]) succeeded in this process: cudarc's loader panics otherwise.
+//! Every function here except those of [`driver`] may only be called after
+//! [`crate::cuda::driver_version`] (or [`crate::cuda::context`]) succeeded in this process:
+//! cudarc's loader panics otherwise.
 
 use std::ffi::{c_int, c_void};
-use std::mem::MaybeUninit;
 
 use cudarc::driver::sys;
 
-use crate::cuda::check;
 use crate::error::{Error, Result};
+
+/// Turns a raw `CUresult` into `Result`, naming the call.
+pub(crate) fn check(op: &'static str, rc: sys::CUresult) -> Result<()> {
+    if rc == sys::CUresult::CUDA_SUCCESS {
+        Ok(())
+    } else {
+        Err(Error::cuda(op, cudarc::driver::DriverError(rc)))
+    }
+}
 
 /// `CUmemLocation` for a device, whichever layout the selected CUDA headers use.
 pub(crate) fn device_location(ordinal: i32) -> sys::CUmemLocation {
@@ -30,184 +40,6 @@ pub(crate) fn device_location(ordinal: i32) -> sys::CUmemLocation {
     }
 }
 
-/// `cuDeviceGet`.
-pub(crate) fn device(ordinal: usize) -> Result<sys::CUdevice> {
-    cudarc::driver::result::device::get(ordinal as c_int).map_err(|e| Error::cuda("cuDeviceGet", e))
-}
-
-/// `cuDeviceCanAccessPeer(&can, dev, peer)`.
-pub(crate) fn can_access_peer(dev: sys::CUdevice, peer: sys::CUdevice) -> Result<bool> {
-    let mut can: c_int = 0;
-    // SAFETY: `can` is a valid out-pointer; the device handles come from cuDeviceGet.
-    check("cuDeviceCanAccessPeer", unsafe {
-        sys::cuDeviceCanAccessPeer(&mut can, dev, peer)
-    })?;
-    Ok(can != 0)
-}
-
-/// `cuDeviceGetP2PAttribute(&v, attr, src, dst)`.
-pub(crate) fn p2p_attribute(
-    attr: sys::CUdevice_P2PAttribute,
-    src: sys::CUdevice,
-    dst: sys::CUdevice,
-) -> Result<i32> {
-    let mut v: c_int = 0;
-    // SAFETY: `v` is a valid out-pointer; the device handles come from cuDeviceGet.
-    check("cuDeviceGetP2PAttribute", unsafe {
-        sys::cuDeviceGetP2PAttribute(&mut v, attr, src, dst)
-    })?;
-    Ok(v)
-}
-
-/// `cuDeviceGetPCIBusId`: the device's PCI address, e.g. `0000:18:00.0`.
-pub(crate) fn pci_bus_id(dev: sys::CUdevice) -> Result<String> {
-    let mut buf = [0 as std::ffi::c_char; 32];
-    // SAFETY: `buf` holds 32 bytes and we pass that length; the driver NUL-terminates.
-    check("cuDeviceGetPCIBusId", unsafe {
-        sys::cuDeviceGetPCIBusId(buf.as_mut_ptr(), buf.len() as c_int, dev)
-    })?;
-    // SAFETY: the driver wrote a NUL-terminated string into `buf` (len <= 32).
-    let s = unsafe { std::ffi::CStr::from_ptr(buf.as_ptr()) };
-    Ok(s.to_string_lossy().into_owned())
-}
-
-/// What `cuCtxEnablePeerAccess` did.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Enabled {
-    /// This call enabled access.
-    Now,
-    /// Access was already enabled (`CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED`, 704).
-    Already,
-}
-
-/// `cuCtxEnablePeerAccess(peer, 0)` for the *current* context.
-///
-/// # Safety
-/// The current context must be the accessor's, and `peer` a live context.
-pub(crate) unsafe fn ctx_enable_peer_access(
-    peer: sys::CUcontext,
-) -> Result<Enabled, sys::CUresult> {
-    // SAFETY: the caller guarantees a current context and a live peer context; flags must be 0.
-    let rc = unsafe { sys::cuCtxEnablePeerAccess(peer, 0) };
-    match rc {
-        sys::CUresult::CUDA_SUCCESS => Ok(Enabled::Now),
-        sys::CUresult::CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED => Ok(Enabled::Already),
-        other => Err(other),
-    }
-}
-
-/// `cuCtxDisablePeerAccess(peer)` for the *current* context.
-///
-/// # Safety
-/// The current context must be the accessor's, and `peer` a live context.
-pub(crate) unsafe fn ctx_disable_peer_access(peer: sys::CUcontext) -> Result<()> {
-    // SAFETY: the caller guarantees a current context and a live peer context.
-    check("cuCtxDisablePeerAccess", unsafe {
-        sys::cuCtxDisablePeerAccess(peer)
-    })
-}
-
-/// `cuDeviceGetDefaultMemPool`.
-pub(crate) fn default_mem_pool(dev: sys::CUdevice) -> Result<sys::CUmemoryPool> {
-    let mut pool = MaybeUninit::uninit();
-    // SAFETY: `pool` is a valid out-pointer; `dev` comes from cuDeviceGet.
-    check("cuDeviceGetDefaultMemPool", unsafe {
-        sys::cuDeviceGetDefaultMemPool(pool.as_mut_ptr(), dev)
-    })?;
-    // SAFETY: written by the successful call above.
-    Ok(unsafe { pool.assume_init() })
-}
-
-/// `cuMemPoolSetAccess(pool, {DEVICE accessor, flags}, 1)`.
-///
-/// # Safety
-/// `pool` must be a live memory pool.
-pub(crate) unsafe fn mem_pool_set_access(
-    pool: sys::CUmemoryPool,
-    accessor: i32,
-    flags: sys::CUmemAccess_flags,
-) -> Result<()> {
-    let desc = sys::CUmemAccessDesc {
-        location: device_location(accessor),
-        flags,
-    };
-    // SAFETY: `desc` is one valid descriptor; the caller guarantees `pool` is live.
-    check("cuMemPoolSetAccess", unsafe {
-        sys::cuMemPoolSetAccess(pool, &desc, 1)
-    })
-}
-
-/// `cuMemPoolGetAccess(&flags, pool, {DEVICE accessor})`.
-///
-/// # Safety
-/// `pool` must be a live memory pool.
-pub(crate) unsafe fn mem_pool_get_access(
-    pool: sys::CUmemoryPool,
-    accessor: i32,
-) -> Result<sys::CUmemAccess_flags> {
-    let mut loc = device_location(accessor);
-    let mut flags = sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_NONE;
-    // SAFETY: out-pointers are valid; the caller guarantees `pool` is live.
-    check("cuMemPoolGetAccess", unsafe {
-        sys::cuMemPoolGetAccess(&mut flags, pool, &mut loc)
-    })?;
-    Ok(flags)
-}
-
-/// `cuMemGetAccess(&flags, {DEVICE accessor}, ptr)` for VMM-mapped memory; the raw bits.
-///
-/// # Safety
-/// `ptr` must lie in a live VMM mapping.
-pub(crate) unsafe fn mem_get_access(ptr: sys::CUdeviceptr, accessor: i32) -> Result<u64> {
-    let loc = device_location(accessor);
-    let mut flags: std::ffi::c_ulonglong = 0;
-    // SAFETY: out-pointer valid; the caller guarantees `ptr` is mapped.
-    check("cuMemGetAccess", unsafe {
-        sys::cuMemGetAccess(&mut flags, &loc, ptr)
-    })?;
-    Ok(flags as u64)
-}
-
-/// `cuPointerGetAttribute` for an attribute whose value is a plain `T` (int, pointer, handle).
-///
-/// # Safety
-/// `T` must be the exact type the driver writes for `attr` (`c_int`/`u32` for ordinals and
-/// booleans, `CUcontext`, `CUmemoryPool`, `CUdeviceptr`, `usize` for sizes).
-pub(crate) unsafe fn pointer_attribute<T: Copy>(
-    ptr: sys::CUdeviceptr,
-    attr: sys::CUpointer_attribute,
-    zero: T,
-) -> Result<T, sys::CUresult> {
-    let mut v = zero;
-    // SAFETY: `v` has the type the attribute writes (caller's contract) and lives for the call.
-    let rc = unsafe { sys::cuPointerGetAttribute(&mut v as *mut T as *mut c_void, attr, ptr) };
-    if rc == sys::CUresult::CUDA_SUCCESS {
-        Ok(v)
-    } else {
-        Err(rc)
-    }
-}
-
-/// `cuMemRetainAllocationHandle`, `cuMemGetAllocationPropertiesFromHandle`, `cuMemRelease`:
-/// `Some(device ordinal of the physical memory)` when `ptr` lies in a VMM mapping (made here
-/// or imported from another process), `None` otherwise.
-///
-/// # Safety
-/// `ptr` must be a device address of this process.
-pub(crate) unsafe fn vmm_location(ptr: sys::CUdeviceptr) -> Option<i32> {
-    let mut handle: sys::CUmemGenericAllocationHandle = 0;
-    // SAFETY: out-pointer valid; the driver only reads the address value.
-    let rc = unsafe { sys::cuMemRetainAllocationHandle(&mut handle, ptr as *mut c_void) };
-    if rc != sys::CUresult::CUDA_SUCCESS {
-        return None;
-    }
-    // SAFETY: `handle` was retained by the successful call above.
-    let props = unsafe { mem_allocation_props(handle) };
-    // SAFETY: `handle` was retained above; release our reference.
-    let _ = unsafe { sys::cuMemRelease(handle) };
-    Some(props.map(|p| location_id(&p.location)).unwrap_or(-1))
-}
-
 /// The `id` of a `CUmemLocation`, whichever layout the selected CUDA headers use.
 pub(crate) fn location_id(loc: &sys::CUmemLocation) -> i32 {
     #[cfg(not(any(feature = "cuda-13020")))]
@@ -221,372 +53,849 @@ pub(crate) fn location_id(loc: &sys::CUmemLocation) -> i32 {
     }
 }
 
-/// Allocation properties of pinned device memory on `ordinal` exportable as a POSIX fd.
-pub(crate) fn vmm_prop(ordinal: i32) -> sys::CUmemAllocationProp {
-    // SAFETY: CUmemAllocationProp is a plain C struct (ints, a null pointer) for which all-zero
-    // is the documented default.
-    let mut prop: sys::CUmemAllocationProp = unsafe { std::mem::zeroed() };
-    prop.type_ = sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED;
-    prop.requestedHandleTypes =
-        sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
-    prop.location = device_location(ordinal);
-    prop
+/// The driver itself: whether libcuda loads, its version, `cuInit`. The probe in
+/// [`crate::cuda`] calls these first; every other function of this layer runs only after it
+/// succeeded.
+pub(crate) mod driver {
+    use super::*;
+
+    /// Whether libcuda can be opened (cudarc's `is_culib_present`: dlopens the candidate names and
+    /// drops the handles). The only call allowed before the probe in [`crate::cuda`] succeeded.
+    pub(crate) fn is_present() -> bool {
+        // SAFETY: is_culib_present only dlopens candidate names and drops the handles.
+        unsafe { sys::is_culib_present() }
+    }
+
+    /// `cuDriverGetVersion`; call only after [`is_present`] (cuDriverGetVersion exists since CUDA 2.2).
+    pub(crate) fn version() -> Result<i32, sys::CUresult> {
+        let mut version = 0;
+        // SAFETY: `version` is a valid out-pointer for the call's duration.
+        let rc = unsafe { sys::cuDriverGetVersion(&mut version) };
+        if rc == sys::CUresult::CUDA_SUCCESS {
+            Ok(version)
+        } else {
+            Err(rc)
+        }
+    }
+
+    /// `cuInit(0)`; call only after [`is_present`].
+    pub(crate) fn init() -> Result<(), sys::CUresult> {
+        cudarc::driver::result::init().map_err(|e| e.0)
+    }
 }
 
-/// `cuMemGetAllocationGranularity(&g, prop, MINIMUM)`.
-pub(crate) fn mem_granularity(prop: &sys::CUmemAllocationProp) -> Result<usize> {
-    let mut g: usize = 0;
-    // SAFETY: out-pointer and `prop` valid for the call.
-    check("cuMemGetAllocationGranularity", unsafe {
-        sys::cuMemGetAllocationGranularity(
-            &mut g,
-            prop,
-            sys::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_MINIMUM,
-        )
-    })?;
-    Ok(g.max(1))
+/// `CUdevice`: `cuDeviceGet*`, peer capabilities, the default memory pool.
+pub(crate) mod device {
+    use super::*;
+    use std::mem::MaybeUninit;
+
+    /// `cuDeviceGet`.
+    pub(crate) fn get(ordinal: usize) -> Result<sys::CUdevice> {
+        cudarc::driver::result::device::get(ordinal as c_int)
+            .map_err(|e| Error::cuda("cuDeviceGet", e))
+    }
+
+    /// `cuDeviceCanAccessPeer(&can, dev, peer)`.
+    pub(crate) fn can_access_peer(dev: sys::CUdevice, peer: sys::CUdevice) -> Result<bool> {
+        let mut can: c_int = 0;
+        // SAFETY: `can` is a valid out-pointer; the device handles come from cuDeviceGet.
+        check("cuDeviceCanAccessPeer", unsafe {
+            sys::cuDeviceCanAccessPeer(&mut can, dev, peer)
+        })?;
+        Ok(can != 0)
+    }
+
+    /// `cuDeviceGetP2PAttribute(&v, attr, src, dst)`.
+    pub(crate) fn p2p_attribute(
+        attr: sys::CUdevice_P2PAttribute,
+        src: sys::CUdevice,
+        dst: sys::CUdevice,
+    ) -> Result<i32> {
+        let mut v: c_int = 0;
+        // SAFETY: `v` is a valid out-pointer; the device handles come from cuDeviceGet.
+        check("cuDeviceGetP2PAttribute", unsafe {
+            sys::cuDeviceGetP2PAttribute(&mut v, attr, src, dst)
+        })?;
+        Ok(v)
+    }
+
+    /// `cuDeviceGetPCIBusId`: the device's PCI address, e.g. `0000:18:00.0`.
+    pub(crate) fn pci_bus_id(dev: sys::CUdevice) -> Result<String> {
+        let mut buf = [0 as std::ffi::c_char; 32];
+        // SAFETY: `buf` holds 32 bytes and we pass that length; the driver NUL-terminates.
+        check("cuDeviceGetPCIBusId", unsafe {
+            sys::cuDeviceGetPCIBusId(buf.as_mut_ptr(), buf.len() as c_int, dev)
+        })?;
+        // SAFETY: the driver wrote a NUL-terminated string into `buf` (len <= 32).
+        let s = unsafe { std::ffi::CStr::from_ptr(buf.as_ptr()) };
+        Ok(s.to_string_lossy().into_owned())
+    }
+
+    /// `cuDeviceGetDefaultMemPool`.
+    pub(crate) fn default_mem_pool(dev: sys::CUdevice) -> Result<sys::CUmemoryPool> {
+        let mut pool = MaybeUninit::uninit();
+        // SAFETY: `pool` is a valid out-pointer; `dev` comes from cuDeviceGet.
+        check("cuDeviceGetDefaultMemPool", unsafe {
+            sys::cuDeviceGetDefaultMemPool(pool.as_mut_ptr(), dev)
+        })?;
+        // SAFETY: written by the successful call above.
+        Ok(unsafe { pool.assume_init() })
+    }
+
+    /// `cuDeviceGetCount`.
+    pub(crate) fn count() -> Result<c_int> {
+        cudarc::driver::result::device::get_count().map_err(|e| Error::cuda("cuDeviceGetCount", e))
+    }
+
+    /// `cuDeviceGetAttribute`.
+    pub(crate) fn attribute(dev: sys::CUdevice, attr: sys::CUdevice_attribute) -> Result<i32> {
+        // SAFETY: `dev` is a valid device handle returned by cuDeviceGet after cuInit succeeded.
+        unsafe { cudarc::driver::result::device::get_attribute(dev, attr) }
+            .map_err(|e| Error::cuda("cuDeviceGetAttribute", e))
+    }
+
+    /// `cuDeviceGetName`.
+    pub(crate) fn name(dev: sys::CUdevice) -> Result<String> {
+        cudarc::driver::result::device::get_name(dev).map_err(|e| Error::cuda("cuDeviceGetName", e))
+    }
 }
 
-/// `cuMemCreate(&h, size, prop, 0)`: physical memory, released with [`mem_release`].
-pub(crate) fn mem_create(
-    size: usize,
-    prop: &sys::CUmemAllocationProp,
-) -> Result<sys::CUmemGenericAllocationHandle> {
-    let mut h: sys::CUmemGenericAllocationHandle = 0;
-    // SAFETY: out-pointer and `prop` valid for the call.
-    check("cuMemCreate", unsafe {
-        sys::cuMemCreate(&mut h, size, prop, 0)
-    })?;
-    Ok(h)
+/// `CUcontext`: the current context, context peer access.
+pub(crate) mod ctx {
+    use super::*;
+
+    /// What `cuCtxEnablePeerAccess` did.
+    #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+    pub(crate) enum Enabled {
+        /// This call enabled access.
+        Now,
+        /// Access was already enabled (`CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED`, 704).
+        Already,
+    }
+
+    /// `cuCtxEnablePeerAccess(peer, 0)` for the *current* context.
+    ///
+    /// # Safety
+    /// The current context must be the accessor's, and `peer` a live context.
+    pub(crate) unsafe fn enable_peer_access(
+        peer: sys::CUcontext,
+    ) -> Result<Enabled, sys::CUresult> {
+        // SAFETY: the caller guarantees a current context and a live peer context; flags must be 0.
+        let rc = unsafe { sys::cuCtxEnablePeerAccess(peer, 0) };
+        match rc {
+            sys::CUresult::CUDA_SUCCESS => Ok(Enabled::Now),
+            sys::CUresult::CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED => Ok(Enabled::Already),
+            other => Err(other),
+        }
+    }
+
+    /// `cuCtxDisablePeerAccess(peer)` for the *current* context.
+    ///
+    /// # Safety
+    /// The current context must be the accessor's, and `peer` a live context.
+    pub(crate) unsafe fn disable_peer_access(peer: sys::CUcontext) -> Result<()> {
+        // SAFETY: the caller guarantees a current context and a live peer context.
+        check("cuCtxDisablePeerAccess", unsafe {
+            sys::cuCtxDisablePeerAccess(peer)
+        })
+    }
+
+    /// `cuCtxGetCurrent`: the calling thread's current context, `None` when there is none (or the
+    /// call fails).
+    pub(crate) fn current() -> Option<sys::CUcontext> {
+        let mut cur: sys::CUcontext = std::ptr::null_mut();
+        // SAFETY: `cur` is a valid out-pointer.
+        let rc = unsafe { sys::cuCtxGetCurrent(&mut cur) };
+        (rc == sys::CUresult::CUDA_SUCCESS && !cur.is_null()).then_some(cur)
+    }
+
+    /// `cuCtxGetDevice` for the current context.
+    ///
+    /// # Safety
+    /// A context must be current on the calling thread.
+    pub(crate) unsafe fn device() -> Result<sys::CUdevice, sys::CUresult> {
+        let mut dev: sys::CUdevice = 0;
+        // SAFETY: a context is current (the caller's contract); `dev` is a valid out-pointer.
+        let rc = unsafe { sys::cuCtxGetDevice(&mut dev) };
+        if rc == sys::CUresult::CUDA_SUCCESS {
+            Ok(dev)
+        } else {
+            Err(rc)
+        }
+    }
+
+    /// `cuCtxSetCurrent`; the raw status (callers restoring a previous context ignore it).
+    ///
+    /// # Safety
+    /// `ctx` must be a live context (or null, to unbind).
+    pub(crate) unsafe fn set_current(ctx: sys::CUcontext) -> sys::CUresult {
+        // SAFETY: the caller's contract.
+        unsafe { sys::cuCtxSetCurrent(ctx) }
+    }
 }
 
-/// `cuMemRelease`.
-///
-/// # Safety
-/// `h` must be a handle we own (from `cuMemCreate` or `cuMemImportFromShareableHandle`),
-/// released once.
-pub(crate) unsafe fn mem_release(h: sys::CUmemGenericAllocationHandle) -> Result<()> {
-    // SAFETY: the caller's contract.
-    check("cuMemRelease", unsafe { sys::cuMemRelease(h) })
+/// `CUstream`.
+pub(crate) mod stream {
+    use super::*;
+
+    /// `cuStreamIsCapturing`: true while `stream` is capturing a CUDA graph.
+    ///
+    /// # Safety
+    /// `stream` must be a live stream.
+    pub(crate) unsafe fn is_capturing(stream: sys::CUstream) -> Result<bool> {
+        let mut capturing = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
+        // SAFETY: the stream is alive (the caller's contract); `capturing` is a valid out-pointer.
+        check("cuStreamIsCapturing", unsafe {
+            sys::cuStreamIsCapturing(stream, &mut capturing)
+        })?;
+        Ok(capturing != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE)
+    }
+
+    /// `cuStreamSynchronize`.
+    ///
+    /// # Safety
+    /// `stream` must be a live stream (or null: the legacy default stream) of the current
+    /// context.
+    #[allow(dead_code)] // the storage engine's next pipeline uses it
+    pub(crate) unsafe fn synchronize(stream: sys::CUstream) -> Result<()> {
+        // SAFETY: the caller's contract.
+        check("cuStreamSynchronize", unsafe {
+            sys::cuStreamSynchronize(stream)
+        })
+    }
+
+    /// `cuStreamQuery`: true when every piece of work on `stream` has completed.
+    ///
+    /// # Safety
+    /// As [`synchronize`].
+    #[allow(dead_code)] // the storage engine's next pipeline uses it
+    pub(crate) unsafe fn is_idle(stream: sys::CUstream) -> bool {
+        // SAFETY: the caller's contract.
+        unsafe { sys::cuStreamQuery(stream) == sys::CUresult::CUDA_SUCCESS }
+    }
 }
 
-/// `cuMemAddressReserve(&p, size, align, 0, 0)`: a virtual range, freed with
-/// [`mem_address_free`].
-pub(crate) fn mem_address_reserve(size: usize, align: usize) -> Result<sys::CUdeviceptr> {
-    let mut p: sys::CUdeviceptr = 0;
-    // SAFETY: out-pointer valid; no fixed address requested.
-    check("cuMemAddressReserve", unsafe {
-        sys::cuMemAddressReserve(&mut p, size, align, 0, 0)
-    })?;
-    Ok(p)
+/// Linear device memory (`cuMemAlloc`), host registration, copies, dma-buf export.
+pub(crate) mod mem {
+    use super::*;
+
+    /// `cuMemcpyPeerAsync(dst, dst_ctx, src, src_ctx, bytes, stream)`.
+    ///
+    /// # Safety
+    /// Both ranges must be live device memory of the named contexts for `bytes` bytes until the
+    /// stream has executed the copy; `stream` must be live.
+    pub(crate) unsafe fn memcpy_peer_async(
+        dst: sys::CUdeviceptr,
+        dst_ctx: sys::CUcontext,
+        src: sys::CUdeviceptr,
+        src_ctx: sys::CUcontext,
+        bytes: usize,
+        stream: sys::CUstream,
+    ) -> Result<()> {
+        // SAFETY: the caller's contract.
+        check("cuMemcpyPeerAsync", unsafe {
+            sys::cuMemcpyPeerAsync(dst, dst_ctx, src, src_ctx, bytes, stream)
+        })
+    }
+
+    /// `cuMemAlloc_v2` in the current context.
+    ///
+    /// # Safety
+    /// A context must be current.
+    pub(crate) unsafe fn alloc(bytes: usize) -> Result<sys::CUdeviceptr> {
+        let mut p: sys::CUdeviceptr = 0;
+        // SAFETY: out-pointer valid; the caller guarantees a current context.
+        check("cuMemAlloc", unsafe {
+            sys::cuMemAlloc_v2(&mut p, bytes.max(1))
+        })?;
+        Ok(p)
+    }
+
+    /// `cuMemFree_v2`.
+    ///
+    /// # Safety
+    /// `p` must come from `cuMemAlloc` and no work may still use it.
+    pub(crate) unsafe fn free(p: sys::CUdeviceptr) -> Result<()> {
+        // SAFETY: the caller's contract.
+        check("cuMemFree", unsafe { sys::cuMemFree_v2(p) })
+    }
+
+    /// `cuMemGetAddressRange_v2`: the base and size of the allocation holding `ptr`.
+    ///
+    /// # Safety
+    /// libcuda must be initialised (a cudarc buffer or context exists).
+    pub(crate) unsafe fn get_address_range(
+        ptr: sys::CUdeviceptr,
+    ) -> Result<(sys::CUdeviceptr, usize)> {
+        let mut base: sys::CUdeviceptr = 0;
+        let mut size: usize = 0;
+        // SAFETY: both out-pointers are valid; the driver only reads `ptr`'s value.
+        check("cuMemGetAddressRange", unsafe {
+            sys::cuMemGetAddressRange_v2(&mut base, &mut size, ptr)
+        })?;
+        Ok((base, size))
+    }
+
+    /// `cuMemHostRegister_v2` with `CU_MEMHOSTREGISTER_PORTABLE` (usable from every context).
+    ///
+    /// # Safety
+    /// `[ptr, ptr + len)` must be mapped host memory that stays mapped until it is unregistered;
+    /// a context must be current.
+    pub(crate) unsafe fn host_register(ptr: *mut u8, len: usize) -> Result<()> {
+        // SAFETY: the caller's contract.
+        check("cuMemHostRegister", unsafe {
+            sys::cuMemHostRegister_v2(ptr.cast(), len, sys::CU_MEMHOSTREGISTER_PORTABLE)
+        })
+    }
+
+    /// `cuMemHostUnregister`.
+    ///
+    /// # Safety
+    /// `ptr` must have been registered by [`host_register`] and no copy may still use it.
+    pub(crate) unsafe fn host_unregister(ptr: *mut u8) -> Result<()> {
+        // SAFETY: the caller's contract.
+        check("cuMemHostUnregister", unsafe {
+            sys::cuMemHostUnregister(ptr.cast())
+        })
+    }
+
+    /// `cuMemcpyHtoDAsync_v2`.
+    ///
+    /// # Safety
+    /// `src` must be readable for `len` bytes until the copy completes (page-locked for the copy
+    /// to be asynchronous), `dst` device memory writable for `len` bytes in the current context,
+    /// `stream` a live stream of that context.
+    pub(crate) unsafe fn memcpy_htod_async(
+        dst: sys::CUdeviceptr,
+        src: *const u8,
+        len: usize,
+        stream: sys::CUstream,
+    ) -> Result<()> {
+        // SAFETY: the caller's contract.
+        check("cuMemcpyHtoDAsync", unsafe {
+            sys::cuMemcpyHtoDAsync_v2(dst, src.cast(), len, stream)
+        })
+    }
+
+    /// `cuMemcpyDtoHAsync_v2`.
+    ///
+    /// # Safety
+    /// As [`memcpy_htod_async`], the other way: `dst` host memory writable for `len` bytes until
+    /// the copy completes, `src` device memory readable for `len` bytes.
+    pub(crate) unsafe fn memcpy_dtoh_async(
+        dst: *mut u8,
+        src: sys::CUdeviceptr,
+        len: usize,
+        stream: sys::CUstream,
+    ) -> Result<()> {
+        // SAFETY: the caller's contract.
+        check("cuMemcpyDtoHAsync", unsafe {
+            sys::cuMemcpyDtoHAsync_v2(dst.cast(), src, len, stream)
+        })
+    }
+
+    /// `cuMemGetHandleForAddressRange(&fd, start, len, CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD, 0)`:
+    /// the raw status and the fd the driver wrote (a new fd the caller owns on success).
+    ///
+    /// # Safety
+    /// `[start, start + len)` must be host-page aligned device memory the caller keeps alive while
+    /// the fd is in use; a context must be current.
+    pub(crate) unsafe fn get_dmabuf_fd(
+        start: sys::CUdeviceptr,
+        len: usize,
+    ) -> (sys::CUresult, c_int) {
+        let mut fd: c_int = -1;
+        // SAFETY: `fd` is a valid out-location for the `int` this handle type returns; the
+        // caller's contract on the range.
+        let rc = unsafe {
+            sys::cuMemGetHandleForAddressRange(
+                &mut fd as *mut c_int as *mut c_void,
+                start,
+                len,
+                sys::CUmemRangeHandleType::CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD,
+                0,
+            )
+        };
+        (rc, fd)
+    }
 }
 
-/// `cuMemAddressFree(p, size)`.
-///
-/// # Safety
-/// `p`/`size` must be a range from `cuMemAddressReserve` with nothing mapped in it.
-pub(crate) unsafe fn mem_address_free(p: sys::CUdeviceptr, size: usize) -> Result<()> {
-    // SAFETY: the caller's contract.
-    check("cuMemAddressFree", unsafe {
-        sys::cuMemAddressFree(p, size)
-    })
+/// `cuPointerGetAttribute` / `cuPointerSetAttribute`.
+pub(crate) mod pointer {
+    use super::*;
+
+    /// `cuPointerGetAttribute` for an attribute whose value is a plain `T` (int, pointer, handle).
+    ///
+    /// # Safety
+    /// `T` must be the exact type the driver writes for `attr` (`c_int`/`u32` for ordinals and
+    /// booleans, `CUcontext`, `CUmemoryPool`, `CUdeviceptr`, `usize` for sizes).
+    pub(crate) unsafe fn get_attribute<T: Copy>(
+        ptr: sys::CUdeviceptr,
+        attr: sys::CUpointer_attribute,
+        zero: T,
+    ) -> Result<T, sys::CUresult> {
+        let mut v = zero;
+        // SAFETY: `v` has the type the attribute writes (caller's contract) and lives for the call.
+        let rc = unsafe { sys::cuPointerGetAttribute(&mut v as *mut T as *mut c_void, attr, ptr) };
+        if rc == sys::CUresult::CUDA_SUCCESS {
+            Ok(v)
+        } else {
+            Err(rc)
+        }
+    }
+
+    /// Sets `CU_POINTER_ATTRIBUTE_SYNC_MEMOPS` on the allocation holding `ptr`
+    /// (`cuPointerSetAttribute`).
+    ///
+    /// # Safety
+    /// libcuda must be initialised; the driver validates `ptr`.
+    pub(crate) unsafe fn set_sync_memops(ptr: sys::CUdeviceptr) -> Result<()> {
+        let one: u32 = 1;
+        // SAFETY: `one` is a valid `unsigned int` for the call's duration, as SYNC_MEMOPS expects.
+        check("cuPointerSetAttribute(SYNC_MEMOPS)", unsafe {
+            sys::cuPointerSetAttribute(
+                &one as *const u32 as *const c_void,
+                sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_SYNC_MEMOPS,
+                ptr,
+            )
+        })
+    }
 }
 
-/// `cuMemMap(p, size, 0, h, 0)`.
-///
-/// # Safety
-/// `p`/`size` must be an unmapped part of a reserved range and `h` a live handle of at least
-/// `size` bytes.
-pub(crate) unsafe fn mem_map(
-    p: sys::CUdeviceptr,
-    size: usize,
-    h: sys::CUmemGenericAllocationHandle,
-) -> Result<()> {
-    // SAFETY: the caller's contract.
-    check("cuMemMap", unsafe { sys::cuMemMap(p, size, 0, h, 0) })
+/// Virtual memory management: `cuMemCreate`, `cuMemMap`, access, shareable handles.
+pub(crate) mod vmm {
+    use super::*;
+
+    /// `cuMemGetAccess(&flags, {DEVICE accessor}, ptr)` for VMM-mapped memory; the raw bits.
+    ///
+    /// # Safety
+    /// `ptr` must lie in a live VMM mapping.
+    pub(crate) unsafe fn get_access(ptr: sys::CUdeviceptr, accessor: i32) -> Result<u64> {
+        let loc = device_location(accessor);
+        let mut flags: std::ffi::c_ulonglong = 0;
+        // SAFETY: out-pointer valid; the caller guarantees `ptr` is mapped.
+        check("cuMemGetAccess", unsafe {
+            sys::cuMemGetAccess(&mut flags, &loc, ptr)
+        })?;
+        Ok(flags as u64)
+    }
+
+    /// `cuMemSetAccess(p, size, {DEVICE accessor, flags}, 1)`.
+    ///
+    /// # Safety
+    /// `p`/`size` must be a live VMM mapping.
+    pub(crate) unsafe fn set_access(
+        p: sys::CUdeviceptr,
+        size: usize,
+        accessor: i32,
+        flags: sys::CUmemAccess_flags,
+    ) -> Result<()> {
+        let desc = sys::CUmemAccessDesc {
+            location: device_location(accessor),
+            flags,
+        };
+        // SAFETY: `desc` is one valid descriptor; the caller's contract on the range.
+        check("cuMemSetAccess", unsafe {
+            sys::cuMemSetAccess(p, size, &desc, 1)
+        })
+    }
+
+    /// `cuMemRetainAllocationHandle`, `cuMemGetAllocationPropertiesFromHandle`, `cuMemRelease`:
+    /// `Some(device ordinal of the physical memory)` when `ptr` lies in a VMM mapping (made here
+    /// or imported from another process), `None` otherwise.
+    ///
+    /// # Safety
+    /// `ptr` must be a device address of this process.
+    pub(crate) unsafe fn location(ptr: sys::CUdeviceptr) -> Option<i32> {
+        let mut handle: sys::CUmemGenericAllocationHandle = 0;
+        // SAFETY: out-pointer valid; the driver only reads the address value.
+        let rc = unsafe { sys::cuMemRetainAllocationHandle(&mut handle, ptr as *mut c_void) };
+        if rc != sys::CUresult::CUDA_SUCCESS {
+            return None;
+        }
+        // SAFETY: `handle` was retained by the successful call above.
+        let props = unsafe { allocation_props(handle) };
+        // SAFETY: `handle` was retained above; release our reference.
+        let _ = unsafe { sys::cuMemRelease(handle) };
+        Some(props.map(|p| location_id(&p.location)).unwrap_or(-1))
+    }
+
+    /// Allocation properties of pinned device memory on `ordinal` exportable as a POSIX fd.
+    pub(crate) fn prop(ordinal: i32) -> sys::CUmemAllocationProp {
+        // SAFETY: CUmemAllocationProp is a plain C struct (ints, a null pointer) for which all-zero
+        // is the documented default.
+        let mut prop: sys::CUmemAllocationProp = unsafe { std::mem::zeroed() };
+        prop.type_ = sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED;
+        prop.requestedHandleTypes =
+            sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+        prop.location = device_location(ordinal);
+        prop
+    }
+
+    /// `cuMemGetAllocationGranularity(&g, prop, MINIMUM)`.
+    pub(crate) fn granularity(prop: &sys::CUmemAllocationProp) -> Result<usize> {
+        let mut g: usize = 0;
+        // SAFETY: out-pointer and `prop` valid for the call.
+        check("cuMemGetAllocationGranularity", unsafe {
+            sys::cuMemGetAllocationGranularity(
+                &mut g,
+                prop,
+                sys::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_MINIMUM,
+            )
+        })?;
+        Ok(g.max(1))
+    }
+
+    /// `cuMemCreate(&h, size, prop, 0)`: physical memory, released with [`release`].
+    pub(crate) fn create(
+        size: usize,
+        prop: &sys::CUmemAllocationProp,
+    ) -> Result<sys::CUmemGenericAllocationHandle> {
+        let mut h: sys::CUmemGenericAllocationHandle = 0;
+        // SAFETY: out-pointer and `prop` valid for the call.
+        check("cuMemCreate", unsafe {
+            sys::cuMemCreate(&mut h, size, prop, 0)
+        })?;
+        Ok(h)
+    }
+
+    /// `cuMemRelease`.
+    ///
+    /// # Safety
+    /// `h` must be a handle we own (from `cuMemCreate` or `cuMemImportFromShareableHandle`),
+    /// released once.
+    pub(crate) unsafe fn release(h: sys::CUmemGenericAllocationHandle) -> Result<()> {
+        // SAFETY: the caller's contract.
+        check("cuMemRelease", unsafe { sys::cuMemRelease(h) })
+    }
+
+    /// `cuMemAddressReserve(&p, size, align, 0, 0)`: a virtual range, freed with
+    /// [`address_free`].
+    pub(crate) fn address_reserve(size: usize, align: usize) -> Result<sys::CUdeviceptr> {
+        let mut p: sys::CUdeviceptr = 0;
+        // SAFETY: out-pointer valid; no fixed address requested.
+        check("cuMemAddressReserve", unsafe {
+            sys::cuMemAddressReserve(&mut p, size, align, 0, 0)
+        })?;
+        Ok(p)
+    }
+
+    /// `cuMemAddressFree(p, size)`.
+    ///
+    /// # Safety
+    /// `p`/`size` must be a range from `cuMemAddressReserve` with nothing mapped in it.
+    pub(crate) unsafe fn address_free(p: sys::CUdeviceptr, size: usize) -> Result<()> {
+        // SAFETY: the caller's contract.
+        check("cuMemAddressFree", unsafe {
+            sys::cuMemAddressFree(p, size)
+        })
+    }
+
+    /// `cuMemMap(p, size, 0, h, 0)`.
+    ///
+    /// # Safety
+    /// `p`/`size` must be an unmapped part of a reserved range and `h` a live handle of at least
+    /// `size` bytes.
+    pub(crate) unsafe fn map(
+        p: sys::CUdeviceptr,
+        size: usize,
+        h: sys::CUmemGenericAllocationHandle,
+    ) -> Result<()> {
+        // SAFETY: the caller's contract.
+        check("cuMemMap", unsafe { sys::cuMemMap(p, size, 0, h, 0) })
+    }
+
+    /// `cuMemUnmap(p, size)`.
+    ///
+    /// # Safety
+    /// `p`/`size` must be a mapping made by `cuMemMap` that no queued work still uses.
+    pub(crate) unsafe fn unmap(p: sys::CUdeviceptr, size: usize) -> Result<()> {
+        // SAFETY: the caller's contract.
+        check("cuMemUnmap", unsafe { sys::cuMemUnmap(p, size) })
+    }
+
+    /// `cuMemExportToShareableHandle(&fd, h, POSIX_FILE_DESCRIPTOR, 0)`: a fresh fd the caller owns.
+    ///
+    /// # Safety
+    /// `h` must be a live handle created with the POSIX fd handle type requested.
+    pub(crate) unsafe fn export_fd(h: sys::CUmemGenericAllocationHandle) -> Result<c_int> {
+        let mut fd: c_int = -1;
+        // SAFETY: for POSIX fds the handle out-pointer points to an int; the caller's contract.
+        check("cuMemExportToShareableHandle", unsafe {
+            sys::cuMemExportToShareableHandle(
+                &mut fd as *mut c_int as *mut c_void,
+                h,
+                sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
+                0,
+            )
+        })?;
+        Ok(fd)
+    }
+
+    /// `cuMemImportFromShareableHandle(&h, (void*)(uintptr_t)fd, POSIX_FILE_DESCRIPTOR)`.
+    ///
+    /// # Safety
+    /// `fd` must be an open descriptor (the driver checks it is an exported allocation).
+    pub(crate) unsafe fn import_fd(fd: c_int) -> Result<sys::CUmemGenericAllocationHandle> {
+        let mut h: sys::CUmemGenericAllocationHandle = 0;
+        // SAFETY: for POSIX fds the handle argument is the fd value cast to a pointer (cuda.h).
+        check("cuMemImportFromShareableHandle", unsafe {
+            sys::cuMemImportFromShareableHandle(
+                &mut h,
+                fd as isize as *mut c_void,
+                sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
+            )
+        })?;
+        Ok(h)
+    }
+
+    /// `cuMemGetAllocationPropertiesFromHandle`.
+    ///
+    /// # Safety
+    /// `h` must be a live allocation handle.
+    pub(crate) unsafe fn allocation_props(
+        h: sys::CUmemGenericAllocationHandle,
+    ) -> Result<sys::CUmemAllocationProp> {
+        // SAFETY: all-zero is a valid CUmemAllocationProp (see `vmm_prop`); the driver fills it.
+        let mut prop: sys::CUmemAllocationProp = unsafe { std::mem::zeroed() };
+        // SAFETY: out-pointer valid; the caller's contract on `h`.
+        check("cuMemGetAllocationPropertiesFromHandle", unsafe {
+            sys::cuMemGetAllocationPropertiesFromHandle(&mut prop, h)
+        })?;
+        Ok(prop)
+    }
 }
 
-/// `cuMemUnmap(p, size)`.
-///
-/// # Safety
-/// `p`/`size` must be a mapping made by `cuMemMap` that no queued work still uses.
-pub(crate) unsafe fn mem_unmap(p: sys::CUdeviceptr, size: usize) -> Result<()> {
-    // SAFETY: the caller's contract.
-    check("cuMemUnmap", unsafe { sys::cuMemUnmap(p, size) })
+/// `CUmemoryPool`: stream-ordered pools, their access and IPC.
+pub(crate) mod mem_pool {
+    use super::*;
+    use std::mem::MaybeUninit;
+
+    /// `cuMemPoolSetAccess(pool, {DEVICE accessor, flags}, 1)`.
+    ///
+    /// # Safety
+    /// `pool` must be a live memory pool.
+    pub(crate) unsafe fn set_access(
+        pool: sys::CUmemoryPool,
+        accessor: i32,
+        flags: sys::CUmemAccess_flags,
+    ) -> Result<()> {
+        let desc = sys::CUmemAccessDesc {
+            location: device_location(accessor),
+            flags,
+        };
+        // SAFETY: `desc` is one valid descriptor; the caller guarantees `pool` is live.
+        check("cuMemPoolSetAccess", unsafe {
+            sys::cuMemPoolSetAccess(pool, &desc, 1)
+        })
+    }
+
+    /// `cuMemPoolGetAccess(&flags, pool, {DEVICE accessor})`.
+    ///
+    /// # Safety
+    /// `pool` must be a live memory pool.
+    pub(crate) unsafe fn get_access(
+        pool: sys::CUmemoryPool,
+        accessor: i32,
+    ) -> Result<sys::CUmemAccess_flags> {
+        let mut loc = device_location(accessor);
+        let mut flags = sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_NONE;
+        // SAFETY: out-pointers are valid; the caller guarantees `pool` is live.
+        check("cuMemPoolGetAccess", unsafe {
+            sys::cuMemPoolGetAccess(&mut flags, pool, &mut loc)
+        })?;
+        Ok(flags)
+    }
+
+    /// `cuMemPoolCreate` for a device pool exportable as a POSIX file descriptor.
+    pub(crate) fn create_exportable(ordinal: i32) -> Result<sys::CUmemoryPool> {
+        // SAFETY: CUmemPoolProps is a plain C struct for which all-zero is the documented default.
+        let mut props: sys::CUmemPoolProps = unsafe { std::mem::zeroed() };
+        props.allocType = sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED;
+        props.handleTypes =
+            sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+        props.location = device_location(ordinal);
+        let mut pool = MaybeUninit::uninit();
+        // SAFETY: out-pointer valid; `props` fully initialised.
+        check("cuMemPoolCreate", unsafe {
+            sys::cuMemPoolCreate(pool.as_mut_ptr(), &props)
+        })?;
+        // SAFETY: written by the successful call.
+        Ok(unsafe { pool.assume_init() })
+    }
+
+    /// `cuMemPoolDestroy`.
+    ///
+    /// # Safety
+    /// `pool` must be a live pool created or imported by this process.
+    pub(crate) unsafe fn destroy(pool: sys::CUmemoryPool) -> Result<()> {
+        // SAFETY: the caller's contract.
+        check("cuMemPoolDestroy", unsafe { sys::cuMemPoolDestroy(pool) })
+    }
+
+    /// `cuMemAllocFromPoolAsync`.
+    ///
+    /// # Safety
+    /// `pool` and `stream` must be live.
+    pub(crate) unsafe fn alloc_async(
+        bytes: usize,
+        pool: sys::CUmemoryPool,
+        stream: sys::CUstream,
+    ) -> Result<sys::CUdeviceptr> {
+        let mut p: sys::CUdeviceptr = 0;
+        // SAFETY: out-pointer valid; the caller's contract.
+        check("cuMemAllocFromPoolAsync", unsafe {
+            sys::cuMemAllocFromPoolAsync(&mut p, bytes.max(1), pool, stream)
+        })?;
+        Ok(p)
+    }
+
+    /// `cuMemPoolExportToShareableHandle(&fd, pool, POSIX_FILE_DESCRIPTOR, 0)`.
+    ///
+    /// # Safety
+    /// `pool` must be a live pool created with the POSIX fd handle type.
+    pub(crate) unsafe fn export_fd(pool: sys::CUmemoryPool) -> Result<c_int> {
+        let mut fd: c_int = -1;
+        // SAFETY: for POSIX fds the handle out-pointer points to an int; the caller's contract.
+        check("cuMemPoolExportToShareableHandle", unsafe {
+            sys::cuMemPoolExportToShareableHandle(
+                &mut fd as *mut c_int as *mut c_void,
+                pool,
+                sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
+                0,
+            )
+        })?;
+        Ok(fd)
+    }
+
+    /// `cuMemPoolImportFromShareableHandle(&pool, (void*)(uintptr_t)fd, POSIX_FILE_DESCRIPTOR, 0)`.
+    ///
+    /// # Safety
+    /// `fd` must be an open pool fd exported by `cuMemPoolExportToShareableHandle`.
+    pub(crate) unsafe fn import_fd(fd: c_int) -> Result<sys::CUmemoryPool> {
+        let mut pool = MaybeUninit::uninit();
+        // SAFETY: for POSIX fds the handle argument is the fd value cast to a pointer (cuda.h).
+        check("cuMemPoolImportFromShareableHandle", unsafe {
+            sys::cuMemPoolImportFromShareableHandle(
+                pool.as_mut_ptr(),
+                fd as isize as *mut c_void,
+                sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
+                0,
+            )
+        })?;
+        // SAFETY: written by the successful call.
+        Ok(unsafe { pool.assume_init() })
+    }
+
+    /// `cuMemPoolExportPointer`.
+    ///
+    /// # Safety
+    /// `p` must be a live allocation from an exportable pool.
+    pub(crate) unsafe fn export_pointer(p: sys::CUdeviceptr) -> Result<[u8; 64]> {
+        let mut d = sys::CUmemPoolPtrExportData { reserved: [0; 64] };
+        // SAFETY: out-pointer valid; the caller's contract.
+        check("cuMemPoolExportPointer", unsafe {
+            sys::cuMemPoolExportPointer(&mut d, p)
+        })?;
+        Ok(d.reserved)
+    }
+
+    /// `cuMemPoolImportPointer`.
+    ///
+    /// # Safety
+    /// `pool` must be a live imported pool.
+    pub(crate) unsafe fn import_pointer(
+        pool: sys::CUmemoryPool,
+        data: &[u8; 64],
+    ) -> Result<sys::CUdeviceptr> {
+        let mut d = sys::CUmemPoolPtrExportData { reserved: *data };
+        let mut p: sys::CUdeviceptr = 0;
+        // SAFETY: pointers valid for the call; the caller's contract on `pool`.
+        check("cuMemPoolImportPointer", unsafe {
+            sys::cuMemPoolImportPointer(&mut p, pool, &mut d)
+        })?;
+        Ok(p)
+    }
+
+    /// `cuMemFreeAsync`.
+    ///
+    /// # Safety
+    /// `p` must be pool memory (allocated or imported) no other work still uses.
+    pub(crate) unsafe fn free_async(p: sys::CUdeviceptr, stream: sys::CUstream) -> Result<()> {
+        // SAFETY: the caller's contract.
+        check("cuMemFreeAsync", unsafe { sys::cuMemFreeAsync(p, stream) })
+    }
 }
 
-/// `cuMemSetAccess(p, size, {DEVICE accessor, flags}, 1)`.
-///
-/// # Safety
-/// `p`/`size` must be a live VMM mapping.
-pub(crate) unsafe fn mem_set_access(
-    p: sys::CUdeviceptr,
-    size: usize,
-    accessor: i32,
-    flags: sys::CUmemAccess_flags,
-) -> Result<()> {
-    let desc = sys::CUmemAccessDesc {
-        location: device_location(accessor),
-        flags,
-    };
-    // SAFETY: `desc` is one valid descriptor; the caller's contract on the range.
-    check("cuMemSetAccess", unsafe {
-        sys::cuMemSetAccess(p, size, &desc, 1)
-    })
+/// Legacy CUDA IPC (`cuIpcGetMemHandle` and friends).
+pub(crate) mod ipc {
+    use super::*;
+    use std::mem::MaybeUninit;
+
+    /// `cuIpcGetMemHandle`.
+    ///
+    /// # Safety
+    /// `p` must be the base of a live `cuMemAlloc` allocation.
+    pub(crate) unsafe fn get_mem_handle(p: sys::CUdeviceptr) -> Result<[u8; 64]> {
+        let mut h = MaybeUninit::<sys::CUipcMemHandle>::zeroed();
+        // SAFETY: out-pointer valid; the caller's contract on `p`.
+        check("cuIpcGetMemHandle", unsafe {
+            sys::cuIpcGetMemHandle(h.as_mut_ptr(), p)
+        })?;
+        // SAFETY: written by the successful call; the handle is 64 plain bytes.
+        let h = unsafe { h.assume_init() };
+        Ok(h.reserved.map(|c| c as u8))
+    }
+
+    /// `cuIpcOpenMemHandle_v2(&p, handle, CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS)` in the current context.
+    ///
+    /// # Safety
+    /// A context must be current.
+    pub(crate) unsafe fn open_mem_handle(handle: &[u8; 64]) -> Result<sys::CUdeviceptr> {
+        let h = sys::CUipcMemHandle {
+            reserved: handle.map(|b| b as std::ffi::c_char),
+        };
+        let mut p: sys::CUdeviceptr = 0;
+        // SAFETY: out-pointer valid; the handle is passed by value; a context is current.
+        check("cuIpcOpenMemHandle", unsafe {
+            sys::cuIpcOpenMemHandle_v2(
+                &mut p,
+                h,
+                sys::CUipcMem_flags::CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS as u32,
+            )
+        })?;
+        Ok(p)
+    }
+
+    /// `cuIpcCloseMemHandle`.
+    ///
+    /// # Safety
+    /// `p` must come from `cuIpcOpenMemHandle` and no work may still use it.
+    pub(crate) unsafe fn close_mem_handle(p: sys::CUdeviceptr) -> Result<()> {
+        // SAFETY: the caller's contract.
+        check("cuIpcCloseMemHandle", unsafe {
+            sys::cuIpcCloseMemHandle(p)
+        })
+    }
 }
 
-/// `cuMemExportToShareableHandle(&fd, h, POSIX_FILE_DESCRIPTOR, 0)`: a fresh fd the caller owns.
-///
-/// # Safety
-/// `h` must be a live handle created with the POSIX fd handle type requested.
-pub(crate) unsafe fn mem_export_fd(h: sys::CUmemGenericAllocationHandle) -> Result<c_int> {
-    let mut fd: c_int = -1;
-    // SAFETY: for POSIX fds the handle out-pointer points to an int; the caller's contract.
-    check("cuMemExportToShareableHandle", unsafe {
-        sys::cuMemExportToShareableHandle(
-            &mut fd as *mut c_int as *mut c_void,
-            h,
-            sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
-            0,
-        )
-    })?;
-    Ok(fd)
-}
+/// GPUDirect RDMA support calls.
+pub(crate) mod rdma {
+    use super::*;
 
-/// `cuMemImportFromShareableHandle(&h, (void*)(uintptr_t)fd, POSIX_FILE_DESCRIPTOR)`.
-///
-/// # Safety
-/// `fd` must be an open descriptor (the driver checks it is an exported allocation).
-pub(crate) unsafe fn mem_import_fd(fd: c_int) -> Result<sys::CUmemGenericAllocationHandle> {
-    let mut h: sys::CUmemGenericAllocationHandle = 0;
-    // SAFETY: for POSIX fds the handle argument is the fd value cast to a pointer (cuda.h).
-    check("cuMemImportFromShareableHandle", unsafe {
-        sys::cuMemImportFromShareableHandle(
-            &mut h,
-            fd as isize as *mut c_void,
-            sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
-        )
-    })?;
-    Ok(h)
-}
-
-/// `cuMemGetAllocationPropertiesFromHandle`.
-///
-/// # Safety
-/// `h` must be a live allocation handle.
-pub(crate) unsafe fn mem_allocation_props(
-    h: sys::CUmemGenericAllocationHandle,
-) -> Result<sys::CUmemAllocationProp> {
-    // SAFETY: all-zero is a valid CUmemAllocationProp (see `vmm_prop`); the driver fills it.
-    let mut prop: sys::CUmemAllocationProp = unsafe { std::mem::zeroed() };
-    // SAFETY: out-pointer valid; the caller's contract on `h`.
-    check("cuMemGetAllocationPropertiesFromHandle", unsafe {
-        sys::cuMemGetAllocationPropertiesFromHandle(&mut prop, h)
-    })?;
-    Ok(prop)
-}
-
-/// `cuMemcpyPeerAsync(dst, dst_ctx, src, src_ctx, bytes, stream)`.
-///
-/// # Safety
-/// Both ranges must be live device memory of the named contexts for `bytes` bytes until the
-/// stream has executed the copy; `stream` must be live.
-pub(crate) unsafe fn memcpy_peer_async(
-    dst: sys::CUdeviceptr,
-    dst_ctx: sys::CUcontext,
-    src: sys::CUdeviceptr,
-    src_ctx: sys::CUcontext,
-    bytes: usize,
-    stream: sys::CUstream,
-) -> Result<()> {
-    // SAFETY: the caller's contract.
-    check("cuMemcpyPeerAsync", unsafe {
-        sys::cuMemcpyPeerAsync(dst, dst_ctx, src, src_ctx, bytes, stream)
-    })
-}
-
-/// `cuMemAlloc_v2` in the current context.
-///
-/// # Safety
-/// A context must be current.
-pub(crate) unsafe fn mem_alloc(bytes: usize) -> Result<sys::CUdeviceptr> {
-    let mut p: sys::CUdeviceptr = 0;
-    // SAFETY: out-pointer valid; the caller guarantees a current context.
-    check("cuMemAlloc", unsafe {
-        sys::cuMemAlloc_v2(&mut p, bytes.max(1))
-    })?;
-    Ok(p)
-}
-
-/// `cuMemFree_v2`.
-///
-/// # Safety
-/// `p` must come from `cuMemAlloc` and no work may still use it.
-pub(crate) unsafe fn mem_free(p: sys::CUdeviceptr) -> Result<()> {
-    // SAFETY: the caller's contract.
-    check("cuMemFree", unsafe { sys::cuMemFree_v2(p) })
-}
-
-/// `cuIpcGetMemHandle`.
-///
-/// # Safety
-/// `p` must be the base of a live `cuMemAlloc` allocation.
-pub(crate) unsafe fn ipc_get_mem_handle(p: sys::CUdeviceptr) -> Result<[u8; 64]> {
-    let mut h = MaybeUninit::<sys::CUipcMemHandle>::zeroed();
-    // SAFETY: out-pointer valid; the caller's contract on `p`.
-    check("cuIpcGetMemHandle", unsafe {
-        sys::cuIpcGetMemHandle(h.as_mut_ptr(), p)
-    })?;
-    // SAFETY: written by the successful call; the handle is 64 plain bytes.
-    let h = unsafe { h.assume_init() };
-    Ok(h.reserved.map(|c| c as u8))
-}
-
-/// `cuIpcOpenMemHandle_v2(&p, handle, CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS)` in the current context.
-///
-/// # Safety
-/// A context must be current.
-pub(crate) unsafe fn ipc_open_mem_handle(handle: &[u8; 64]) -> Result<sys::CUdeviceptr> {
-    let h = sys::CUipcMemHandle {
-        reserved: handle.map(|b| b as std::ffi::c_char),
-    };
-    let mut p: sys::CUdeviceptr = 0;
-    // SAFETY: out-pointer valid; the handle is passed by value; a context is current.
-    check("cuIpcOpenMemHandle", unsafe {
-        sys::cuIpcOpenMemHandle_v2(
-            &mut p,
-            h,
-            sys::CUipcMem_flags::CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS as u32,
-        )
-    })?;
-    Ok(p)
-}
-
-/// `cuIpcCloseMemHandle`.
-///
-/// # Safety
-/// `p` must come from `cuIpcOpenMemHandle` and no work may still use it.
-pub(crate) unsafe fn ipc_close_mem_handle(p: sys::CUdeviceptr) -> Result<()> {
-    // SAFETY: the caller's contract.
-    check("cuIpcCloseMemHandle", unsafe {
-        sys::cuIpcCloseMemHandle(p)
-    })
-}
-
-/// `cuMemPoolCreate` for a device pool exportable as a POSIX file descriptor.
-pub(crate) fn mem_pool_create_exportable(ordinal: i32) -> Result<sys::CUmemoryPool> {
-    // SAFETY: CUmemPoolProps is a plain C struct for which all-zero is the documented default.
-    let mut props: sys::CUmemPoolProps = unsafe { std::mem::zeroed() };
-    props.allocType = sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED;
-    props.handleTypes = sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
-    props.location = device_location(ordinal);
-    let mut pool = MaybeUninit::uninit();
-    // SAFETY: out-pointer valid; `props` fully initialised.
-    check("cuMemPoolCreate", unsafe {
-        sys::cuMemPoolCreate(pool.as_mut_ptr(), &props)
-    })?;
-    // SAFETY: written by the successful call.
-    Ok(unsafe { pool.assume_init() })
-}
-
-/// `cuMemPoolDestroy`.
-///
-/// # Safety
-/// `pool` must be a live pool created or imported by this process.
-pub(crate) unsafe fn mem_pool_destroy(pool: sys::CUmemoryPool) -> Result<()> {
-    // SAFETY: the caller's contract.
-    check("cuMemPoolDestroy", unsafe { sys::cuMemPoolDestroy(pool) })
-}
-
-/// `cuMemAllocFromPoolAsync`.
-///
-/// # Safety
-/// `pool` and `stream` must be live.
-pub(crate) unsafe fn mem_alloc_from_pool_async(
-    bytes: usize,
-    pool: sys::CUmemoryPool,
-    stream: sys::CUstream,
-) -> Result<sys::CUdeviceptr> {
-    let mut p: sys::CUdeviceptr = 0;
-    // SAFETY: out-pointer valid; the caller's contract.
-    check("cuMemAllocFromPoolAsync", unsafe {
-        sys::cuMemAllocFromPoolAsync(&mut p, bytes.max(1), pool, stream)
-    })?;
-    Ok(p)
-}
-
-/// `cuMemPoolExportToShareableHandle(&fd, pool, POSIX_FILE_DESCRIPTOR, 0)`.
-///
-/// # Safety
-/// `pool` must be a live pool created with the POSIX fd handle type.
-pub(crate) unsafe fn mem_pool_export_fd(pool: sys::CUmemoryPool) -> Result<c_int> {
-    let mut fd: c_int = -1;
-    // SAFETY: for POSIX fds the handle out-pointer points to an int; the caller's contract.
-    check("cuMemPoolExportToShareableHandle", unsafe {
-        sys::cuMemPoolExportToShareableHandle(
-            &mut fd as *mut c_int as *mut c_void,
-            pool,
-            sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
-            0,
-        )
-    })?;
-    Ok(fd)
-}
-
-/// `cuMemPoolImportFromShareableHandle(&pool, (void*)(uintptr_t)fd, POSIX_FILE_DESCRIPTOR, 0)`.
-///
-/// # Safety
-/// `fd` must be an open pool fd exported by `cuMemPoolExportToShareableHandle`.
-pub(crate) unsafe fn mem_pool_import_fd(fd: c_int) -> Result<sys::CUmemoryPool> {
-    let mut pool = MaybeUninit::uninit();
-    // SAFETY: for POSIX fds the handle argument is the fd value cast to a pointer (cuda.h).
-    check("cuMemPoolImportFromShareableHandle", unsafe {
-        sys::cuMemPoolImportFromShareableHandle(
-            pool.as_mut_ptr(),
-            fd as isize as *mut c_void,
-            sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
-            0,
-        )
-    })?;
-    // SAFETY: written by the successful call.
-    Ok(unsafe { pool.assume_init() })
-}
-
-/// `cuMemPoolExportPointer`.
-///
-/// # Safety
-/// `p` must be a live allocation from an exportable pool.
-pub(crate) unsafe fn mem_pool_export_pointer(p: sys::CUdeviceptr) -> Result<[u8; 64]> {
-    let mut d = sys::CUmemPoolPtrExportData { reserved: [0; 64] };
-    // SAFETY: out-pointer valid; the caller's contract.
-    check("cuMemPoolExportPointer", unsafe {
-        sys::cuMemPoolExportPointer(&mut d, p)
-    })?;
-    Ok(d.reserved)
-}
-
-/// `cuMemPoolImportPointer`.
-///
-/// # Safety
-/// `pool` must be a live imported pool.
-pub(crate) unsafe fn mem_pool_import_pointer(
-    pool: sys::CUmemoryPool,
-    data: &[u8; 64],
-) -> Result<sys::CUdeviceptr> {
-    let mut d = sys::CUmemPoolPtrExportData { reserved: *data };
-    let mut p: sys::CUdeviceptr = 0;
-    // SAFETY: pointers valid for the call; the caller's contract on `pool`.
-    check("cuMemPoolImportPointer", unsafe {
-        sys::cuMemPoolImportPointer(&mut p, pool, &mut d)
-    })?;
-    Ok(p)
-}
-
-/// `cuMemFreeAsync`.
-///
-/// # Safety
-/// `p` must be pool memory (allocated or imported) no other work still uses.
-pub(crate) unsafe fn mem_free_async(p: sys::CUdeviceptr, stream: sys::CUstream) -> Result<()> {
-    // SAFETY: the caller's contract.
-    check("cuMemFreeAsync", unsafe { sys::cuMemFreeAsync(p, stream) })
+    /// `cuFlushGPUDirectRDMAWrites(CU_FLUSH_GPU_DIRECT_RDMA_WRITES_TARGET_CURRENT_CTX, scope)`.
+    ///
+    /// # Safety
+    /// A context must be current.
+    pub(crate) unsafe fn flush_gpudirect_rdma_writes(
+        scope: sys::CUflushGPUDirectRDMAWritesScope,
+    ) -> Result<()> {
+        // SAFETY: a context is current (the caller's contract); the call takes only enum values.
+        check("cuFlushGPUDirectRDMAWrites", unsafe {
+            sys::cuFlushGPUDirectRDMAWrites(
+                sys::CUflushGPUDirectRDMAWritesTarget::CU_FLUSH_GPU_DIRECT_RDMA_WRITES_TARGET_CURRENT_CTX,
+                scope,
+            )
+        })
+    }
 }

@@ -216,7 +216,7 @@ impl PairBench {
         let ms = Self::timed(&sb, iters, || {
             // SAFETY: both buffers are owned by self and live until self drops, after the
             // event synchronization in `timed`.
-            unsafe { r::memcpy_peer_async(d, cb, s, ca, bytes, sb.cu_stream()) }
+            unsafe { r::mem::memcpy_peer_async(d, cb, s, ca, bytes, sb.cu_stream()) }
         })?;
         Ok(self.gbps(iters, ms))
     }
@@ -252,9 +252,9 @@ impl PairBench {
         let (sa, sb) = (self.sa.clone(), self.sb.clone());
         self.bidirectional(iters, |dir| match dir {
             // SAFETY: all buffers live in self; `bidirectional` synchronizes both streams.
-            0 => unsafe { r::memcpy_peer_async(b_dst, cb, a_src, ca, bytes, sb.cu_stream()) },
+            0 => unsafe { r::mem::memcpy_peer_async(b_dst, cb, a_src, ca, bytes, sb.cu_stream()) },
             // SAFETY: as above.
-            _ => unsafe { r::memcpy_peer_async(a_dst, ca, b_src, cb, bytes, sa.cu_stream()) },
+            _ => unsafe { r::mem::memcpy_peer_async(a_dst, ca, b_src, cb, bytes, sa.cu_stream()) },
         })
     }
 
@@ -369,7 +369,7 @@ impl PairBench {
         let sb = self.sb.clone();
         let ms = Self::timed(&sb, iters.max(1), || {
             // SAFETY: both buffers are live and hold at least 16 bytes.
-            unsafe { r::memcpy_peer_async(d, cb, s, ca, 8, sb.cu_stream()) }
+            unsafe { r::mem::memcpy_peer_async(d, cb, s, ca, 8, sb.cu_stream()) }
         })?;
         Ok(ms as f64 * 1e3 / iters.max(1) as f64)
     }
@@ -548,8 +548,8 @@ pub fn measure(opts: &BandwidthOptions) -> Result<BandwidthMatrix> {
             if a == b {
                 continue;
             }
-            let (da, db) = (r::device(a)?, r::device(b)?);
-            if !r::can_access_peer(da, db)? || !r::can_access_peer(db, da)? {
+            let (da, db) = (r::device::get(a)?, r::device::get(b)?);
+            if !r::device::can_access_peer(da, db)? || !r::device::can_access_peer(db, da)? {
                 continue;
             }
             let mut bench = PairBench::new(a, b, opts.bytes)?;

@@ -60,12 +60,13 @@ pub(crate) fn inspect(ptr: sys::CUdeviceptr, ctx: &CudaContext) -> PtrInfo {
     // little-endian hosts), MEMPOOL_HANDLE a CUmemoryPool, CONTEXT a CUcontext. The driver only
     // reads `ptr`'s value and validates it.
     // SAFETY: see above.
-    let device = unsafe { r::pointer_attribute(ptr, A::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, 0u64) }
-        .map(|v| (v & 0xffff_ffff) as usize)
-        .unwrap_or(ctx.ordinal());
+    let device =
+        unsafe { r::pointer::get_attribute(ptr, A::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, 0u64) }
+            .map(|v| (v & 0xffff_ffff) as usize)
+            .unwrap_or(ctx.ordinal());
     // SAFETY: as above.
     let pool = unsafe {
-        r::pointer_attribute(
+        r::pointer::get_attribute(
             ptr,
             A::CU_POINTER_ATTRIBUTE_MEMPOOL_HANDLE,
             std::ptr::null_mut::<sys::CUmemPoolHandle_st>() as sys::CUmemoryPool,
@@ -74,7 +75,7 @@ pub(crate) fn inspect(ptr: sys::CUdeviceptr, ctx: &CudaContext) -> PtrInfo {
     .unwrap_or(std::ptr::null_mut());
     // SAFETY: as above.
     let owner_ctx = unsafe {
-        r::pointer_attribute(
+        r::pointer::get_attribute(
             ptr,
             A::CU_POINTER_ATTRIBUTE_CONTEXT,
             std::ptr::null_mut::<sys::CUctx_st>() as sys::CUcontext,
@@ -86,7 +87,7 @@ pub(crate) fn inspect(ptr: sys::CUdeviceptr, ctx: &CudaContext) -> PtrInfo {
     // VMM memory (made here or imported from another process with a POSIX fd) names its
     // physical device in its allocation properties, also where DEVICE_ORDINAL says nothing.
     // SAFETY: `ptr` is a device address of this process; the call only retains/releases.
-    let vmm = unsafe { r::vmm_location(ptr) };
+    let vmm = unsafe { r::vmm::location(ptr) };
     let device = match vmm {
         Some(d) if d >= 0 => d as usize,
         _ => device,
@@ -100,7 +101,7 @@ pub(crate) fn inspect(ptr: sys::CUdeviceptr, ctx: &CudaContext) -> PtrInfo {
     } else if
     // SAFETY: as above.
     unsafe {
-        r::pointer_attribute(
+        r::pointer::get_attribute(
             ptr,
             A::CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE,
             0u64,
@@ -112,7 +113,7 @@ pub(crate) fn inspect(ptr: sys::CUdeviceptr, ctx: &CudaContext) -> PtrInfo {
         MemoryKind::Legacy
     } else if
     // SAFETY: MEMORY_TYPE writes a CUmemorytype (unsigned int); read from a zeroed u64.
-    unsafe { r::pointer_attribute(ptr, A::CU_POINTER_ATTRIBUTE_MEMORY_TYPE, 0u64) }
+    unsafe { r::pointer::get_attribute(ptr, A::CU_POINTER_ATTRIBUTE_MEMORY_TYPE, 0u64) }
         .is_ok_and(|v| v & 0xffff_ffff == sys::CUmemorytype::CU_MEMORYTYPE_DEVICE as u64)
     {
         // Device memory that is neither pool nor VMM memory: cuMemAlloc.
@@ -140,9 +141,9 @@ pub(crate) fn access(
     if accessor == mem.device {
         return Ok(Some(Ok(())));
     }
-    let a = r::device(accessor)?;
-    let o = r::device(mem.device)?;
-    if !r::can_access_peer(a, o)? {
+    let a = r::device::get(accessor)?;
+    let o = r::device::get(mem.device)?;
+    if !r::device::can_access_peer(a, o)? {
         return Ok(Some(Err(Cause::PeerUnsupported {
             src: accessor,
             dst: mem.device,
@@ -151,7 +152,7 @@ pub(crate) fn access(
     Ok(match mem.kind {
         MemoryKind::Pool => {
             // SAFETY: the pool handle came from the driver for a live allocation.
-            let flags = unsafe { r::mem_pool_get_access(mem.pool, accessor as i32) }?;
+            let flags = unsafe { r::mem_pool::get_access(mem.pool, accessor as i32) }?;
             let ok = match flags {
                 sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE => true,
                 sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READ => !write,
@@ -168,7 +169,7 @@ pub(crate) fn access(
         }
         MemoryKind::Vmm => {
             // SAFETY: `mem.ptr` lies in a live VMM mapping (checked by `inspect`).
-            let bits = unsafe { r::mem_get_access(mem.ptr, accessor as i32) }?;
+            let bits = unsafe { r::vmm::get_access(mem.ptr, accessor as i32) }?;
             let need = if write { 3 } else { 1 };
             Some(if bits & need == need {
                 Ok(())
@@ -466,7 +467,7 @@ pub unsafe fn copy_peer_async_with<T, Src: DevicePtr<T>, Dst: DevicePtrMut<T>>(
             // (cudarc buffers of equal length); the caller keeps them alive until the stream ran
             // the copy (this function's contract).
             unsafe {
-                r::memcpy_peer_async(
+                r::mem::memcpy_peer_async(
                     dp,
                     planned.dst_ctx,
                     sp,

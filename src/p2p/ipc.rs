@@ -74,7 +74,7 @@ impl IpcMemHandle {
             .bind_to_thread()
             .map_err(|e| Error::cuda("cuCtxSetCurrent", e))?;
         // SAFETY: `buf` owns a live cuMemAlloc allocation starting at `device_ptr()`.
-        let handle = unsafe { r::ipc_get_mem_handle(buf.device_ptr()) }?;
+        let handle = unsafe { r::ipc::get_mem_handle(buf.device_ptr()) }?;
         Ok(IpcMemHandle {
             handle,
             len_bytes: (buf.len() * std::mem::size_of::<T>()) as u64,
@@ -137,7 +137,7 @@ impl<T> IpcMapping<T> {
         ctx.bind_to_thread()
             .map_err(|e| Error::cuda("cuCtxSetCurrent", e))?;
         // SAFETY: the stream's context is current.
-        let ptr = unsafe { r::ipc_open_mem_handle(&handle.handle) }?;
+        let ptr = unsafe { r::ipc::open_mem_handle(&handle.handle) }?;
         let owner = owner_device(ptr, ctx);
         // With LAZY_ENABLE_PEER_ACCESS the driver enables peer access from this context to the
         // owner's: reads and writes go straight over the link.
@@ -203,14 +203,16 @@ impl<T> Drop for IpcMapping<T> {
         }
         let res = match &self.release {
             // SAFETY: `ptr` came from cuIpcOpenMemHandle and no queued work uses it any more.
-            Release::Legacy => unsafe { r::ipc_close_mem_handle(self.ptr) },
+            Release::Legacy => unsafe { r::ipc::close_mem_handle(self.ptr) },
             Release::Pool(_) => {
                 // SAFETY: `ptr` came from cuMemPoolImportPointer; the stream finished using it.
-                unsafe { r::mem_free_async(self.ptr, self.stream.cu_stream()) }.and_then(|()| {
-                    self.stream
-                        .synchronize()
-                        .map_err(|e| Error::cuda("cuStreamSynchronize", e))
-                })
+                unsafe { r::mem_pool::free_async(self.ptr, self.stream.cu_stream()) }.and_then(
+                    |()| {
+                        self.stream
+                            .synchronize()
+                            .map_err(|e| Error::cuda("cuStreamSynchronize", e))
+                    },
+                )
             }
         };
         if let Err(e) = res {
@@ -232,7 +234,7 @@ fn elements<T>(bytes: u64) -> Result<usize> {
 fn owner_device(ptr: sys::CUdeviceptr, ctx: &CudaContext) -> usize {
     // SAFETY: DEVICE_ORDINAL writes an int; read from a zeroed u64 (see copy::inspect).
     unsafe {
-        r::pointer_attribute(
+        r::pointer::get_attribute(
             ptr,
             sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
             0u64,
@@ -265,7 +267,7 @@ impl Drop for PoolHandle {
             return;
         }
         // SAFETY: we created or imported this pool and destroy it once.
-        if let Err(e) = unsafe { r::mem_pool_destroy(self.pool) } {
+        if let Err(e) = unsafe { r::mem_pool::destroy(self.pool) } {
             tracing::warn!(%e, "gpudirect pool: cuMemPoolDestroy failed");
         }
     }
@@ -283,7 +285,7 @@ impl SharedPool {
     pub fn new(ctx: &Arc<CudaContext>) -> Result<Self> {
         ctx.bind_to_thread()
             .map_err(|e| Error::cuda("cuCtxSetCurrent", e))?;
-        let pool = r::mem_pool_create_exportable(ctx.ordinal() as i32)?;
+        let pool = r::mem_pool::create_exportable(ctx.ordinal() as i32)?;
         Ok(SharedPool {
             inner: Arc::new(PoolHandle {
                 pool,
@@ -329,8 +331,7 @@ impl SharedPool {
             .bind_to_thread()
             .map_err(|e| Error::cuda("cuCtxSetCurrent", e))?;
         // SAFETY: pool and stream are live; the stream's context is current.
-        let ptr =
-            unsafe { r::mem_alloc_from_pool_async(bytes, self.inner.pool, stream.cu_stream()) }?;
+        let ptr = unsafe { r::mem_pool::alloc_async(bytes, self.inner.pool, stream.cu_stream()) }?;
         // SAFETY: `ptr` holds `bytes` bytes of pool memory on this stream; cudarc frees it with
         // cuMemFreeAsync (the context has async alloc), which is how pool memory is freed.
         let mut slice = unsafe { stream.upgrade_device_ptr::<T>(ptr, len) };
@@ -343,7 +344,7 @@ impl SharedPool {
     /// Exports the pool as a POSIX file descriptor (`cuMemPoolExportToShareableHandle`).
     pub fn export_fd(&self) -> Result<OwnedFd> {
         // SAFETY: the pool is live and was created with the POSIX fd handle type.
-        let fd = unsafe { r::mem_pool_export_fd(self.inner.pool) }?;
+        let fd = unsafe { r::mem_pool::export_fd(self.inner.pool) }?;
         // SAFETY: the driver returned a fresh fd that we now own.
         Ok(unsafe { OwnedFd::from_raw_fd(fd) })
     }
@@ -353,7 +354,7 @@ impl SharedPool {
         let (ptr, _sync) = cudarc::driver::DevicePtr::device_ptr(slice, slice.stream());
         // SAFETY: `ptr` is a live allocation (borrowed for the call); the driver checks that it
         // belongs to an exportable pool.
-        let data = unsafe { r::mem_pool_export_pointer(ptr) }?;
+        let data = unsafe { r::mem_pool::export_pointer(ptr) }?;
         Ok(PoolPointer {
             data,
             len_bytes: (slice.len() * std::mem::size_of::<T>()) as u64,
@@ -402,7 +403,7 @@ impl ImportedPool {
         ctx.bind_to_thread()
             .map_err(|e| Error::cuda("cuCtxSetCurrent", e))?;
         // SAFETY: `fd` is an open descriptor we own for the call's duration.
-        let pool = unsafe { r::mem_pool_import_fd(fd.as_raw_fd()) }?;
+        let pool = unsafe { r::mem_pool::import_fd(fd.as_raw_fd()) }?;
         drop(fd);
         Ok(ImportedPool {
             inner: Arc::new(PoolHandle {
@@ -422,14 +423,14 @@ impl ImportedPool {
         ctx.bind_to_thread()
             .map_err(|e| Error::cuda("cuCtxSetCurrent", e))?;
         // SAFETY: the imported pool is live (we hold it).
-        let p = unsafe { r::mem_pool_import_pointer(self.inner.pool, &ptr.data) }?;
+        let p = unsafe { r::mem_pool::import_pointer(self.inner.pool, &ptr.data) }?;
         let owner = owner_device(p, ctx);
         let me = ctx.ordinal();
         // Grant this device access even when the driver names it as the owner (it then refuses
         // harmlessly): access settings of the exporter's pool do not travel with the fd.
         // SAFETY: the imported pool is live (we hold it).
         let granted = unsafe {
-            r::mem_pool_set_access(
+            r::mem_pool::set_access(
                 self.inner.pool,
                 me as i32,
                 sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
@@ -444,7 +445,7 @@ impl ImportedPool {
                 tracing::warn!(%e, "gpudirect ImportedPool: granting access to the imported pool failed");
             }
             // SAFETY: the imported pool is live (we hold it).
-            match unsafe { r::mem_pool_get_access(self.inner.pool, me as i32) } {
+            match unsafe { r::mem_pool::get_access(self.inner.pool, me as i32) } {
                 Ok(sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE) => {
                     PathReport::direct(Path::PeerDirect {
                         link: super::topology::link_between(me, owner),
@@ -592,25 +593,25 @@ impl<T> VmmImport<T> {
         ctx.bind_to_thread()
             .map_err(|e| Error::cuda("cuCtxSetCurrent", e))?;
         // SAFETY: `fd` is an open descriptor we own for the call's duration.
-        let handle = unsafe { r::mem_import_fd(fd.as_raw_fd()) }?;
+        let handle = unsafe { r::vmm::import_fd(fd.as_raw_fd()) }?;
         drop(fd);
         // SAFETY: `handle` is live (imported above).
-        let props = match unsafe { r::mem_allocation_props(handle) } {
+        let props = match unsafe { r::vmm::allocation_props(handle) } {
             Ok(p) => p,
             Err(e) => {
                 // SAFETY: imported above, released once on this error path.
-                let _ = unsafe { r::mem_release(handle) };
+                let _ = unsafe { r::vmm::release(handle) };
                 return Err(e);
             }
         };
         let owner = usize::try_from(r::location_id(&props.location)).unwrap_or(me);
-        let padded = r::mem_granularity(&props)
+        let padded = r::vmm::granularity(&props)
             .and_then(|g| super::vmm::round_up(len_bytes as usize, g).map(|s| (s, g)));
         let (size, g) = match padded {
             Ok(v) => v,
             Err(e) => {
                 // SAFETY: imported above, released once on this error path.
-                let _ = unsafe { r::mem_release(handle) };
+                let _ = unsafe { r::vmm::release(handle) };
                 return Err(e);
             }
         };
@@ -629,7 +630,7 @@ impl<T> VmmImport<T> {
             })
         } else {
             // SAFETY: the range is mapped and lives in `range`.
-            match unsafe { r::mem_get_access(range.ptr, me as i32) } {
+            match unsafe { r::vmm::get_access(range.ptr, me as i32) } {
                 Ok(bits) if bits & 3 == 3 => PathReport::direct(Path::PeerDirect {
                     link: super::topology::link_between(me, owner),
                 }),

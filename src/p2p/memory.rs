@@ -34,7 +34,7 @@ impl<T: DeviceRepr + ValidAsZeroBits> DeviceBuffer<T> {
             .bind_to_thread()
             .map_err(|e| Error::cuda("cuCtxSetCurrent", e))?;
         // SAFETY: the stream's context is current (bound above).
-        let ptr = unsafe { r::mem_alloc(bytes) }?;
+        let ptr = unsafe { r::mem::alloc(bytes) }?;
         // SAFETY: `ptr` is a fresh allocation of at least `bytes` bytes in this context; it is
         // zeroed right below, and the CudaSlice is never dropped by cudarc (ManuallyDrop).
         let mut slice = ManuallyDrop::new(unsafe { stream.upgrade_device_ptr::<T>(ptr, len) });
@@ -78,7 +78,7 @@ impl<T> Drop for DeviceBuffer<T> {
         }
         // SAFETY: `ptr` came from cuMemAlloc in this context and the stream has finished all
         // work that used it; cudarc no longer owns it (leaked above).
-        if let Err(e) = unsafe { r::mem_free(self.ptr) } {
+        if let Err(e) = unsafe { r::mem::free(self.ptr) } {
             tracing::warn!(%e, "gpudirect DeviceBuffer: cuMemFree failed");
         }
     }

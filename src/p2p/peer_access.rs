@@ -120,7 +120,7 @@ impl PeerAccess {
     pub fn enable(accessor: &Arc<CudaContext>, owner: &Arc<CudaContext>) -> Result<Self> {
         let mut pa = PeerAccess { grants: Vec::new() };
         pa.grant_context(accessor, owner)?;
-        let pool = r::default_mem_pool(owner.cu_device())?;
+        let pool = r::device::default_mem_pool(owner.cu_device())?;
         pa.grant_pool(accessor, owner.ordinal(), pool)?;
         Ok(pa)
     }
@@ -197,7 +197,7 @@ impl PeerAccess {
                 cause: Cause::SameDevice,
             });
         }
-        if !r::can_access_peer(accessor.cu_device(), owner.cu_device())? {
+        if !r::device::can_access_peer(accessor.cu_device(), owner.cu_device())? {
             return Err(Error::Unsupported {
                 what: format!("peer access from GPU {ao} to GPU {oo}"),
                 cause: Cause::PeerUnsupported { src: ao, dst: oo },
@@ -213,10 +213,10 @@ impl PeerAccess {
                 .map_err(|e| Error::cuda("cuCtxSetCurrent", e))?;
             // SAFETY: the accessor's context is current (bound above) and the owner's context is
             // alive (we hold its Arc).
-            match unsafe { r::ctx_enable_peer_access(owner.cu_ctx()) } {
-                Ok(r::Enabled::Now) => enabled_now = true,
+            match unsafe { r::ctx::enable_peer_access(owner.cu_ctx()) } {
+                Ok(r::ctx::Enabled::Now) => enabled_now = true,
                 // Already on: enabled by someone else (never disable what we did not enable).
-                Ok(r::Enabled::Already) => {}
+                Ok(r::ctx::Enabled::Already) => {}
                 Err(code) => return Err(map_enable_error(code, ao, oo)),
             }
         }
@@ -250,11 +250,11 @@ impl PeerAccess {
         } else {
             // SAFETY: `pool` is the owner's default pool (alive as long as the device) or a pool
             // the caller guaranteed live (`with_pool`'s contract).
-            let previous = unsafe { r::mem_pool_get_access(pool, dev) }?;
+            let previous = unsafe { r::mem_pool::get_access(pool, dev) }?;
             if previous != sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE {
                 // SAFETY: as above.
                 unsafe {
-                    r::mem_pool_set_access(
+                    r::mem_pool::set_access(
                         pool,
                         dev,
                         sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
@@ -330,7 +330,7 @@ fn release_context(accessor: &Arc<CudaContext>, owner: &Arc<CudaContext>) {
         return;
     }
     // SAFETY: the accessor's context is current and the owner's context alive (Arc held).
-    match unsafe { r::ctx_disable_peer_access(owner.cu_ctx()) } {
+    match unsafe { r::ctx::disable_peer_access(owner.cu_ctx()) } {
         Ok(()) => {
             e.enabled_by_us = false;
             e.known_on = false;
@@ -358,7 +358,7 @@ fn release_pool(accessor: &Arc<CudaContext>, pool: sys::CUmemoryPool) {
     }
     // SAFETY: the pool is the owner's default pool or one the caller keeps alive for the
     // PeerAccess's lifetime (`with_pool`'s contract).
-    if let Err(err) = unsafe { r::mem_pool_set_access(pool, dev, previous) } {
+    if let Err(err) = unsafe { r::mem_pool::set_access(pool, dev, previous) } {
         tracing::warn!(%err, "gpudirect PeerAccess: restoring pool access failed");
     }
 }

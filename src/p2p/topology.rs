@@ -195,11 +195,10 @@ impl Topology {
         let mut devices = Vec::with_capacity(n);
         let mut handles = Vec::with_capacity(n);
         for i in 0..n {
-            let dev = r::device(i)?;
+            let dev = r::device::get(i)?;
             handles.push(dev);
-            let name = cudarc::driver::result::device::get_name(dev)
-                .map_err(|e| crate::Error::cuda("cuDeviceGetName", e))?;
-            let pci_bus_id = r::pci_bus_id(dev)?;
+            let name = r::device::name(dev)?;
+            let pci_bus_id = r::device::pci_bus_id(dev)?;
             let (numa_node, cpu_affinity) = sysfs_affinity(&pci_bus_id);
             devices.push(GpuInfo {
                 ordinal: i,
@@ -217,12 +216,12 @@ impl Topology {
                     continue;
                 }
                 let (a, b) = (handles[i], handles[j]);
-                let attr = |x: sys::CUdevice_P2PAttribute| r::p2p_attribute(x, a, b).ok();
+                let attr = |x: sys::CUdevice_P2PAttribute| r::device::p2p_attribute(x, a, b).ok();
                 use sys::CUdevice_P2PAttribute as A;
                 pairs.push(PairInfo {
                     src: i,
                     dst: j,
-                    can_access_peer: r::can_access_peer(a, b)?,
+                    can_access_peer: r::device::can_access_peer(a, b)?,
                     performance_rank: attr(A::CU_DEVICE_P2P_ATTRIBUTE_PERFORMANCE_RANK),
                     access_supported: attr(A::CU_DEVICE_P2P_ATTRIBUTE_ACCESS_SUPPORTED)
                         .map(|v| v != 0),

@@ -46,10 +46,10 @@ impl VmmRange {
             mapped: false,
             ctx: ctx.clone(),
         };
-        range.ptr = r::mem_address_reserve(size, granularity)?;
+        range.ptr = r::vmm::address_reserve(size, granularity)?;
         // SAFETY: the range was just reserved with `size` bytes and nothing is mapped there; the
         // handle is live (we own it) and holds `size` bytes (the caller's padded size).
-        unsafe { r::mem_map(range.ptr, size, handle) }?;
+        unsafe { r::vmm::map(range.ptr, size, handle) }?;
         range.mapped = true;
         range.set_access(ctx.ordinal())?;
         Ok(range)
@@ -60,7 +60,7 @@ impl VmmRange {
         // SAFETY: the range is mapped (only called after a successful cuMemMap) and lives as
         // long as `self`.
         unsafe {
-            r::mem_set_access(
+            r::vmm::set_access(
                 self.ptr,
                 self.size,
                 ordinal as i32,
@@ -78,20 +78,20 @@ impl Drop for VmmRange {
         if self.mapped {
             // SAFETY: mapped by us with this size; owners synchronize their stream before
             // dropping the range, so no queued work uses it.
-            if let Err(e) = unsafe { r::mem_unmap(self.ptr, self.size) } {
+            if let Err(e) = unsafe { r::vmm::unmap(self.ptr, self.size) } {
                 tracing::warn!(%e, "gpudirect VMM: cuMemUnmap failed; range and memory leaked");
                 return;
             }
         }
         if self.ptr != 0 {
             // SAFETY: reserved by us with this size; nothing is mapped in it any more.
-            if let Err(e) = unsafe { r::mem_address_free(self.ptr, self.size) } {
+            if let Err(e) = unsafe { r::vmm::address_free(self.ptr, self.size) } {
                 tracing::warn!(%e, "gpudirect VMM: cuMemAddressFree failed");
             }
         }
         // SAFETY: we own the handle and release it once; an importer's or exporter's other
         // references keep the physical memory alive as long as they need it.
-        if let Err(e) = unsafe { r::mem_release(self.handle) } {
+        if let Err(e) = unsafe { r::vmm::release(self.handle) } {
             tracing::warn!(%e, "gpudirect VMM: cuMemRelease failed");
         }
     }
@@ -153,7 +153,7 @@ impl VmmBuffer<u8> {
     /// device, [`Error::Unsupported`] when the device lacks VMM or POSIX fd handles.
     pub fn granularity(ordinal: usize) -> Result<usize> {
         check_support(ordinal)?;
-        r::mem_granularity(&r::vmm_prop(ordinal as i32))
+        r::vmm::granularity(&r::vmm::prop(ordinal as i32))
     }
 }
 
@@ -175,7 +175,7 @@ impl<T: DeviceRepr + ValidAsZeroBits> VmmBuffer<T> {
         let size = round_up(bytes, g)?;
         ctx.bind_to_thread()
             .map_err(|e| Error::cuda("cuCtxSetCurrent", e))?;
-        let handle = r::mem_create(size, &r::vmm_prop(ordinal as i32))?;
+        let handle = r::vmm::create(size, &r::vmm::prop(ordinal as i32))?;
         let range = VmmRange::map(ctx, handle, size, g)?;
         // SAFETY: `range.ptr` maps `size >= bytes` bytes readable and writable by this device;
         // it is zeroed right below, and the CudaSlice is never dropped by cudarc (ManuallyDrop,
@@ -203,7 +203,7 @@ impl<T> VmmBuffer<T> {
     pub fn grant_access(&self, peer: usize) -> Result<()> {
         crate::cuda::check_ordinal(peer)?;
         let me = self.stream.context().ordinal();
-        if peer != me && !r::can_access_peer(r::device(peer)?, r::device(me)?)? {
+        if peer != me && !r::device::can_access_peer(r::device::get(peer)?, r::device::get(me)?)? {
             return Err(Error::Unsupported {
                 what: format!("access from GPU {peer} to VMM memory of GPU {me}"),
                 cause: Cause::PeerUnsupported { src: peer, dst: me },
@@ -222,7 +222,7 @@ impl<T> VmmBuffer<T> {
     /// [`VmmBuffer::len_bytes`].
     pub fn export_fd(&self) -> Result<OwnedFd> {
         // SAFETY: the handle is live (we own it) and was created with the POSIX fd type.
-        let fd = unsafe { r::mem_export_fd(self.range.handle) }?;
+        let fd = unsafe { r::vmm::export_fd(self.range.handle) }?;
         // SAFETY: the driver returned a fresh fd that we now own.
         Ok(unsafe { OwnedFd::from_raw_fd(fd) })
     }

@@ -190,14 +190,8 @@ impl RdmaWriteFlush {
         self.ctx
             .bind_to_thread()
             .map_err(|e| Error::cuda("cuCtxSetCurrent", e))?;
-        // SAFETY: a context is current (bound above); the call takes only enum values.
-        let rc = unsafe {
-            sys::cuFlushGPUDirectRDMAWrites(
-                sys::CUflushGPUDirectRDMAWritesTarget::CU_FLUSH_GPU_DIRECT_RDMA_WRITES_TARGET_CURRENT_CTX,
-                scope.raw(),
-            )
-        };
-        cuda::check("cuFlushGPUDirectRDMAWrites", rc)?;
+        // SAFETY: a context is current (bound above).
+        unsafe { cuda::result::rdma::flush_gpudirect_rdma_writes(scope.raw()) }?;
         Ok(FlushOutcome::Flushed)
     }
 }

@@ -14,9 +14,7 @@ use std::ops::Range;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::sync::Arc;
 
-use cudarc::driver::{
-    result, sys, CudaContext, CudaSlice, CudaStream, CudaView, CudaViewMut, DeviceRepr,
-};
+use cudarc::driver::{sys, CudaContext, CudaSlice, CudaStream, CudaView, CudaViewMut, DeviceRepr};
 use serde::Serialize;
 
 use crate::cuda;
@@ -110,20 +108,18 @@ impl<T: DeviceRepr> GdrBuffer<T> {
             .map_err(|e| Error::cuda("cuCtxSetCurrent", e))?;
         // SAFETY: a context is current (bound above); the memory is only handed out as
         // `T: DeviceRepr` through cudarc, whose users must initialize it before reading (doc).
-        let mut base =
-            unsafe { result::malloc_sync(rounded) }.map_err(|e| Error::cuda("cuMemAlloc", e))?;
+        let mut base = unsafe { cuda::result::mem::alloc(rounded) }?;
         let mut alloc_bytes = rounded;
         if base % GPU_PAGE_SIZE as u64 != 0 {
             // cuMemAlloc guarantees 256 B alignment only: over-allocate by one GPU page and start
             // on the next boundary (as GDRCopy's tests do).
             // SAFETY: `base` came from cuMemAlloc above and nothing else refers to it.
-            if let Err(e) = unsafe { result::free_sync(base) } {
+            if let Err(e) = unsafe { cuda::result::mem::free(base) } {
                 tracing::warn!(error = %e, "cuMemFree of a misaligned GdrBuffer attempt failed");
             }
             alloc_bytes = rounded + GPU_PAGE_SIZE;
             // SAFETY: as above.
-            base = unsafe { result::malloc_sync(alloc_bytes) }
-                .map_err(|e| Error::cuda("cuMemAlloc", e))?;
+            base = unsafe { cuda::result::mem::alloc(alloc_bytes) }?;
         }
         let start = base.next_multiple_of(GPU_PAGE_SIZE as u64);
         let capacity = (base + alloc_bytes as u64 - start) as usize;
@@ -131,7 +127,7 @@ impl<T: DeviceRepr> GdrBuffer<T> {
         // SYNC_MEMOPS: synchronous cuMemcpy/cuMemset complete before a NIC can read the bytes.
         if let Err(e) = set_sync_memops(start) {
             // SAFETY: `base` came from cuMemAlloc above; nothing refers to it yet.
-            let _ = unsafe { result::free_sync(base) };
+            let _ = unsafe { cuda::result::mem::free(base) };
             return Err(e);
         }
         // SAFETY: `start..start + bytes` lies inside the cuMemAlloc allocation (capacity >=
@@ -283,7 +279,7 @@ impl<T> Drop for GdrBuffer<T> {
         }
         // SAFETY: `base` came from cuMemAlloc in `alloc`, is freed only here, and the stream
         // that ordered all cudarc work on it was synchronized above.
-        if let Err(e) = unsafe { result::free_sync(self.base) } {
+        if let Err(e) = unsafe { cuda::result::mem::free(self.base) } {
             tracing::warn!(error = %e, "GdrBuffer: cuMemFree failed");
         }
     }
@@ -374,15 +370,12 @@ impl PointerInfo {
     }
 }
 
-fn get_attr<V: Default>(attr: sys::CUpointer_attribute, ptr: sys::CUdeviceptr) -> Result<V> {
-    let mut v = V::default();
-    // SAFETY: `v` is a valid out-location of the type the attribute returns (the callers pick
-    // V per the CUDA docs: i32 for ordinal/bools, u32 for the memory type, u64 for addresses,
-    // usize/pointer for the pool handle and range size).
-    let rc =
-        unsafe { sys::cuPointerGetAttribute(&mut v as *mut V as *mut std::ffi::c_void, attr, ptr) };
-    cuda::check("cuPointerGetAttribute", rc)?;
-    Ok(v)
+fn get_attr<V: Default + Copy>(attr: sys::CUpointer_attribute, ptr: sys::CUdeviceptr) -> Result<V> {
+    // SAFETY: `V` is the type the attribute writes (the callers pick V per the CUDA docs: i32
+    // for ordinal/bools, u32 for the memory type, u64 for addresses, usize/pointer for the pool
+    // handle and range size).
+    let rc = unsafe { cuda::result::pointer::get_attribute(ptr, attr, V::default()) };
+    rc.map_err(|rc| Error::cuda("cuPointerGetAttribute", cudarc::driver::DriverError(rc)))
 }
 
 /// Classifies a device pointer: which device, whether it is GPUDirect-RDMA capable, whether
@@ -414,16 +407,8 @@ pub fn pointer_info(ptr: sys::CUdeviceptr) -> Result<PointerInfo> {
 /// NIC reading right after sees the bytes. Idempotent.
 pub fn set_sync_memops(ptr: sys::CUdeviceptr) -> Result<()> {
     cuda::driver_version()?;
-    let one: u32 = 1;
-    // SAFETY: `one` is a valid `unsigned int` for the call's duration, as SYNC_MEMOPS expects.
-    let rc = unsafe {
-        sys::cuPointerSetAttribute(
-            &one as *const u32 as *const std::ffi::c_void,
-            sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_SYNC_MEMOPS,
-            ptr,
-        )
-    };
-    cuda::check("cuPointerSetAttribute(SYNC_MEMOPS)", rc)
+    // SAFETY: libcuda is initialised (checked above); the driver validates `ptr`.
+    unsafe { cuda::result::pointer::set_sync_memops(ptr) }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -525,18 +510,10 @@ pub fn export_dmabuf<M: GpuMemory + ?Sized>(mem: &M, range: Range<usize>) -> Res
     let addr = mem.device_ptr() + range.start as u64;
     let plan = DmaBufPlan::new(addr, range.len() as u64, host_page_size() as u64)?;
     set_sync_memops(addr)?;
-    let mut fd: i32 = -1;
-    // SAFETY: `fd` is a valid out-location for the `int` this handle type returns; the range
-    // lies in memory `mem` owns (checked above), aligned to the host page as the call requires.
-    let rc = unsafe {
-        sys::cuMemGetHandleForAddressRange(
-            &mut fd as *mut i32 as *mut std::ffi::c_void,
-            plan.export_start,
-            plan.export_len as usize,
-            sys::CUmemRangeHandleType::CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD,
-            0,
-        )
-    };
+    // SAFETY: the range lies in memory `mem` owns (checked above), aligned to the host page as
+    // the call requires; the context is current (bound above).
+    let (rc, fd) =
+        unsafe { cuda::result::mem::get_dmabuf_fd(plan.export_start, plan.export_len as usize) };
     match rc {
         sys::CUresult::CUDA_SUCCESS if fd >= 0 => Ok(DmaBufExport {
             // SAFETY: the driver returned a new fd that nothing else owns.

@@ -539,20 +539,12 @@ fn probe_gpus(_sys: &FsPath) -> (Option<i32>, Option<String>, Vec<GpuGdr>) {
             attr(A::CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WRITES_ORDERING).map(WritesOrdering);
         let flush_options =
             attr(A::CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_FLUSH_WRITES_OPTIONS).map(FlushOptions);
-        let dev = cudarc::driver::result::device::get(ordinal as i32).ok();
-        let name = dev.and_then(|d| cudarc::driver::result::device::get_name(d).ok());
+        let dev = cuda::result::device::get(ordinal).ok();
+        let name = dev.and_then(|d| cuda::result::device::name(d).ok());
         let pci_bus_id = dev.and_then(|d| {
-            let mut buf = [0 as std::ffi::c_char; 32];
-            // SAFETY: `buf` is writable for its whole length, which is passed; `d` is a valid
-            // device handle (cuDeviceGet succeeded after cuInit).
-            let rc = unsafe {
-                cudarc::driver::sys::cuDeviceGetPCIBusId(buf.as_mut_ptr(), buf.len() as i32, d)
-            };
-            (rc == cudarc::driver::sys::CUresult::CUDA_SUCCESS).then(|| {
-                // SAFETY: the driver NUL-terminates within the length given.
-                let s = unsafe { std::ffi::CStr::from_ptr(buf.as_ptr()) };
-                normalize_bdf(&s.to_string_lossy())
-            })
+            cuda::result::device::pci_bus_id(d)
+                .ok()
+                .map(|s| normalize_bdf(&s))
         });
         gpus.push(GpuGdr {
             ordinal,

@@ -13,13 +13,9 @@ use crate::error::{Error, Result};
 /// cuFile wants the allocation (or registered) base plus an offset, not an interior pointer.
 /// Only called with pointers of live cudarc buffers, whose context exists, so libcuda is loaded.
 pub(crate) fn allocation_range(ptr: cu::CUdeviceptr) -> Result<(cu::CUdeviceptr, usize)> {
-    let mut base: cu::CUdeviceptr = 0;
-    let mut size: usize = 0;
-    // SAFETY: both out-pointers are valid; a cudarc buffer exists, so libcuda is loaded and
-    // initialised (crate::cuda's door was passed to create its context).
-    let rc = unsafe { cu::cuMemGetAddressRange_v2(&mut base, &mut size, ptr) };
-    crate::cuda::check("cuMemGetAddressRange", rc)?;
-    Ok((base, size))
+    // SAFETY: a cudarc buffer exists, so libcuda is loaded and initialised (crate::cuda's door
+    // was passed to create its context).
+    unsafe { crate::cuda::result::mem::get_address_range(ptr) }
 }
 
 /// A device buffer registered with cuFile (`cuFileBufRegister`) for the life of this value.

@@ -5,7 +5,9 @@ use std::ffi::OsString;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 
-use cudarc::driver::{sys as cu, CudaContext, CudaStream};
+use cudarc::driver::{CudaContext, CudaStream};
+
+use crate::cuda::result as cu;
 
 use cufile_sys as sys;
 
@@ -626,24 +628,16 @@ fn direct_log(
 /// or for a non-primary context, which cannot be retained through cudarc). The thread's current
 /// context is left as it was.
 fn retain_current_primary_context() -> Option<Arc<CudaContext>> {
-    let mut cur: cu::CUcontext = std::ptr::null_mut();
-    // SAFETY: crate::cuda::device_count() succeeded, so libcuda is loaded and initialised;
-    // `cur` is a valid out-pointer.
-    if unsafe { cu::cuCtxGetCurrent(&mut cur) } != cu::CUresult::CUDA_SUCCESS || cur.is_null() {
-        return None;
-    }
-    let mut dev: cu::CUdevice = 0;
-    // SAFETY: a context is current; `dev` is a valid out-pointer.
-    if unsafe { cu::cuCtxGetDevice(&mut dev) } != cu::CUresult::CUDA_SUCCESS {
-        return None;
-    }
+    // crate::cuda::device_count() succeeded, so libcuda is loaded and initialised.
+    let cur = cu::ctx::current()?;
+    // SAFETY: a context is current (`cur`).
+    let dev = unsafe { cu::ctx::device() }.ok()?;
     let n = crate::cuda::device_count().ok()?;
-    let ordinal =
-        (0..n).find(|&i| cudarc::driver::result::device::get(i as i32).is_ok_and(|d| d == dev))?;
+    let ordinal = (0..n).find(|&i| cu::device::get(i).is_ok_and(|d| d == dev))?;
     // cudarc retains the primary context and binds it to this thread; put the caller's back.
     let ctx = crate::cuda::context(ordinal).ok();
     // SAFETY: `cur` was current a moment ago and is still alive (its owner holds it).
-    unsafe { cu::cuCtxSetCurrent(cur) };
+    unsafe { cu::ctx::set_current(cur) };
     let ctx = ctx?;
     if ctx.cu_ctx() != cur {
         tracing::debug!(

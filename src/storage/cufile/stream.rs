@@ -179,13 +179,8 @@ impl StreamIo {
         }
         let stream = Arc::clone(buf.stream());
         h.driver().enter(&stream, false)?;
-        let mut capturing =
-            cudarc::driver::sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
-        // SAFETY: the stream is alive (we hold its Arc); `capturing` is a valid out-pointer.
-        let rc =
-            unsafe { cudarc::driver::sys::cuStreamIsCapturing(stream.cu_stream(), &mut capturing) };
-        crate::cuda::check("cuStreamIsCapturing", rc)?;
-        if capturing != cudarc::driver::sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE {
+        // SAFETY: the stream is alive (we hold its Arc).
+        if unsafe { crate::cuda::result::stream::is_capturing(stream.cu_stream()) }? {
             return Err(Error::Unsupported {
                 what: "stream-ordered cuFile IO on a capturing stream".into(),
                 cause: crate::Cause::Other {

@@ -61,17 +61,9 @@ impl BounceBuf {
         if self.registered {
             return Ok(());
         }
-        use cudarc::driver::sys;
         // SAFETY: [ptr, ptr+len) is our live mapping; it stays mapped until Drop, which
-        // unregisters first.
-        let rc = unsafe {
-            sys::cuMemHostRegister_v2(
-                self.ptr.as_ptr().cast(),
-                self.len,
-                sys::CU_MEMHOSTREGISTER_PORTABLE,
-            )
-        };
-        crate::cuda::check("cuMemHostRegister", rc)?;
+        // unregisters first; the caller bound a context.
+        unsafe { crate::cuda::result::mem::host_register(self.ptr.as_ptr(), self.len) }?;
         self.registered = true;
         Ok(())
     }
@@ -94,8 +86,8 @@ impl Drop for BounceBuf {
         if self.registered {
             // SAFETY: the pointer was registered by `register`; no copy uses it any more (the
             // engine synchronizes every stream before a job returns).
-            let rc = unsafe { cudarc::driver::sys::cuMemHostUnregister(self.ptr.as_ptr().cast()) };
-            if let Err(e) = crate::cuda::check("cuMemHostUnregister", rc) {
+            if let Err(e) = unsafe { crate::cuda::result::mem::host_unregister(self.ptr.as_ptr()) }
+            {
                 tracing::warn!(%e, "leaking a bounce buffer that CUDA would not unregister");
                 return;
             }

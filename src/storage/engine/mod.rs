@@ -484,15 +484,14 @@ fn dev_read(
                 // SAFETY: the source is n bytes of our registered bounce buffer, untouched
                 // until the event recorded below completes; the destination lies inside the
                 // caller's device buffer (Job::new contract); ctx is current (lane()).
-                let rc = unsafe {
-                    sys::cuMemcpyHtoDAsync_v2(
+                unsafe {
+                    crate::cuda::result::mem::memcpy_htod_async(
                         dptr + t.buf_off as u64,
-                        bufs[s].add(head).cast(),
+                        bufs[s].add(head),
                         n,
                         lane.stream.cu_stream(),
                     )
-                };
-                crate::cuda::check("cuMemcpyHtoDAsync", rc)?;
+                }?;
                 lane.record_slot(s)?;
             }
             job.done[i].store(n, Ordering::Relaxed);
@@ -524,15 +523,14 @@ fn dev_write(
                 // SAFETY: the destination is our registered bounce buffer (piece >= t.len
                 // bytes), not read until the event below completes; the source lies inside
                 // the caller's device buffer (Job::new contract); ctx is current.
-                let rc = unsafe {
-                    sys::cuMemcpyDtoHAsync_v2(
-                        bufs[s].cast(),
+                unsafe {
+                    crate::cuda::result::mem::memcpy_dtoh_async(
+                        bufs[s],
                         dptr + t.buf_off as u64,
                         t.len,
                         lane.stream.cu_stream(),
                     )
-                };
-                crate::cuda::check("cuMemcpyDtoHAsync", rc)?;
+                }?;
                 lane.record_slot(s)?;
             }
             if let Some((ps, pi, pt)) = pending.take() {

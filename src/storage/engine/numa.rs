@@ -1,7 +1,5 @@
 //! Where a GPU sits: its NUMA node and the CPUs this process may use there.
 
-use std::ffi::CStr;
-
 /// Parses a kernel cpulist such as `0-15,32-47`.
 pub(crate) fn parse_cpulist(s: &str) -> Vec<usize> {
     let mut out = Vec::new();
@@ -57,17 +55,9 @@ pub(crate) fn pin_current_thread(cpus: &[usize]) -> bool {
 
 /// The PCI bus id of a CUDA device (`cuDeviceGetPCIBusId`), lowercased as sysfs spells it.
 pub(crate) fn pci_bus_id(ordinal: usize) -> crate::Result<String> {
-    use cudarc::driver::sys;
+    use crate::cuda::result::device;
     crate::cuda::check_ordinal(ordinal)?;
-    let dev = cudarc::driver::result::device::get(ordinal as i32)
-        .map_err(|e| crate::Error::cuda("cuDeviceGet", e))?;
-    let mut buf = [0 as std::ffi::c_char; 64];
-    // SAFETY: buf holds 64 bytes and we pass its length; dev is valid after cuInit.
-    let rc = unsafe { sys::cuDeviceGetPCIBusId(buf.as_mut_ptr(), buf.len() as i32, dev) };
-    crate::cuda::check("cuDeviceGetPCIBusId", rc)?;
-    // SAFETY: the driver NUL-terminates within the given length.
-    let s = unsafe { CStr::from_ptr(buf.as_ptr()) };
-    Ok(s.to_string_lossy().to_ascii_lowercase())
+    Ok(device::pci_bus_id(device::get(ordinal)?)?.to_ascii_lowercase())
 }
 
 /// What the engine knows about a GPU's placement.

@@ -222,18 +222,14 @@ impl<'r> SegJob<'r> {
             // docs; len <= the segment's payload), not rewritten until the event recorded
             // below completes (wait()); the destination lies inside the caller's device buffer
             // (Job::new contract); the context is current on this worker.
-            let rc = unsafe {
-                sys::cuMemcpyHtoDAsync_v2(
+            unsafe {
+                crate::cuda::result::mem::memcpy_htod_async(
                     self.dptr + first.buf_off as u64,
-                    self.res
-                        .slot_ptr(r)
-                        .add((first.file_off - base) as usize)
-                        .cast(),
+                    self.res.slot_ptr(r).add((first.file_off - base) as usize),
                     len,
                     stream.cu_stream(),
                 )
-            };
-            crate::cuda::check("cuMemcpyHtoDAsync", rc)?;
+            }?;
         }
         self.res.events[r]
             .record(stream)
