@@ -703,6 +703,87 @@ mod tests {
         );
     }
 
+    /// The SM kernels on one GPU (source and destination in the same device's memory): the copy
+    /// kernel over a size that runs both its unrolled loop and its remainder loop, every byte
+    /// checked; the pointer chase through a random chain, its end checked. This is what
+    /// `scripts/gpu-suite sanitize` runs under compute-sanitizer's racecheck and synccheck.
+    #[test]
+    #[ignore = "needs a CUDA GPU"]
+    fn gpu_sm_kernels_on_one_device() {
+        let ctx = crate::cuda::context(0).unwrap_or_else(|e| {
+            panic!("this test needs a CUDA GPU (run gpu_* tests on a GPU machine): {e}")
+        });
+        let s = ctx.new_stream().unwrap();
+        let k = load_kernels(&ctx).unwrap();
+        let cfg = LaunchConfig {
+            grid_dim: (k.blocks, 1, 1),
+            block_dim: (512, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let stride = k.blocks as usize * 512;
+        let n16 = 4 * stride + 777;
+        let mut x: u64 = 0x2545_F491_4F6C_DD1D;
+        let mut next = move || {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x
+        };
+        let data: Vec<u8> = (0..n16 * 16).map(|_| next() as u8).collect();
+        let src = s.clone_htod(&data).unwrap();
+        let junk: Vec<u8> = (0..n16 * 16 + 64).map(|_| next() as u8).collect();
+        let dst = s.clone_htod(&junk).unwrap();
+        let (sp, dp, n) = (dptr(&src), dptr(&dst), n16 as u64);
+        let mut lb = s.launch_builder(&k.copy);
+        lb.arg(&sp).arg(&dp).arg(&n);
+        // SAFETY: gd_copy_v4 reads n 16-byte elements of `src` (n16 * 16 bytes) and writes as
+        // many of `dst` (n16 * 16 + 64 bytes); both live until after the synchronisation below.
+        unsafe { lb.launch(cfg) }.unwrap();
+        s.synchronize().unwrap();
+        let got = s.clone_dtoh(&dst).unwrap();
+        assert!(
+            got[..n16 * 16] == data[..],
+            "the copy kernel's bytes differ"
+        );
+        assert!(
+            got[n16 * 16..] == junk[n16 * 16..],
+            "the copy kernel wrote past n"
+        );
+
+        const STRIDE: usize = 512;
+        let nodes = 64;
+        let mut order: Vec<usize> = (0..nodes).collect();
+        for i in (1..nodes).rev() {
+            order.swap(i, (next() % (i as u64 + 1)) as usize);
+        }
+        let mut chain = s.alloc_zeros::<u64>(nodes * STRIDE / 8).unwrap();
+        let base = dptr(&chain);
+        let mut host = vec![0u64; nodes * STRIDE / 8];
+        for w in 0..nodes {
+            host[order[w] * STRIDE / 8] = base + (order[(w + 1) % nodes] * STRIDE) as u64;
+        }
+        s.memcpy_htod(&host, &mut chain).unwrap();
+        let out = s.alloc_zeros::<u64>(1).unwrap();
+        let (start, hops, out_p) = (base + (order[0] * STRIDE) as u64, 1000u64, dptr(&out));
+        let mut lb = s.launch_builder(&k.chase);
+        lb.arg(&start).arg(&hops).arg(&out_p);
+        let one = LaunchConfig {
+            grid_dim: (1, 1, 1),
+            block_dim: (1, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: every node of `chain` points to a node of `chain`; `out` holds one u64; both
+        // live until after the synchronisation below.
+        unsafe { lb.launch(one) }.unwrap();
+        s.synchronize().unwrap();
+        let end = s.clone_dtoh(&out).unwrap()[0];
+        assert_eq!(
+            end,
+            base + (order[1000 % nodes] * STRIDE) as u64,
+            "the pointer chase ended at the wrong node"
+        );
+    }
+
     #[test]
     fn display_marks_missing_pairs() {
         let m = BandwidthMatrix {
