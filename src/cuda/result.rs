@@ -377,6 +377,23 @@ pub(crate) mod mem {
         })
     }
 
+    /// `cuMemcpyDtoDAsync_v2`.
+    ///
+    /// # Safety
+    /// `src` readable and `dst` writable device memory for `len` bytes until the copy completes,
+    /// both in the current context; `stream` a live stream of that context.
+    pub(crate) unsafe fn memcpy_dtod_async(
+        dst: sys::CUdeviceptr,
+        src: sys::CUdeviceptr,
+        len: usize,
+        stream: sys::CUstream,
+    ) -> Result<()> {
+        // SAFETY: the caller's contract.
+        check("cuMemcpyDtoDAsync", unsafe {
+            sys::cuMemcpyDtoDAsync_v2(dst, src, len, stream)
+        })
+    }
+
     /// `cuMemcpyDtoHAsync_v2`.
     ///
     /// # Safety

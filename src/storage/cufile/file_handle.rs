@@ -403,14 +403,13 @@ impl CuFileHandle {
             // inside the scratch buffer; both in the stream's context, which is current; the
             // stream is synchronised below, before the scratch buffer is freed or we return.
             unsafe {
-                cudarc::driver::result::memcpy_dtod_async(
+                crate::cuda::result::mem::memcpy_dtod_async(
                     ptr + body as u64,
                     sp,
                     t,
                     stream.cu_stream(),
                 )
-            }
-            .map_err(|e| Error::cuda("cuMemcpyDtoDAsync", e))?;
+            }?;
         }
         stream
             .synchronize()
