@@ -156,6 +156,19 @@ pub enum Error {
         source: std::io::Error,
     },
 
+    /// A checkpoint (safetensors file, index or model directory) is wrong, or cannot be loaded
+    /// or saved as asked; nothing partial was reported as success.
+    #[cfg(feature = "safetensors")]
+    #[error("{}{}: {problem}", file.display(), tensor.as_ref().map(|t| format!(": tensor {t:?}")).unwrap_or_default())]
+    Checkpoint {
+        /// The file (or directory) concerned.
+        file: PathBuf,
+        /// The tensor to blame, when there is one.
+        tensor: Option<String>,
+        /// What is wrong.
+        problem: crate::safetensors::Problem,
+    },
+
     /// A setting was given after the point where the library still honours it.
     #[error("{setting} must be set before {before}: {hint}")]
     TooLate {

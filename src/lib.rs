@@ -7,6 +7,9 @@
 //!   dma-buf or a peer-memory client, the GDR probe.
 //! - [`storage`]: files↔GPU — cuFile where it moves bytes by DMA, gpudirect's parallel POSIX
 //!   engine everywhere else.
+//! - `safetensors` (feature `safetensors`, on by default): the checkpoint room — load a
+//!   safetensors file, shards or a model directory onto the GPU in one job, save GPU tensors
+//!   atomically.
 //! - [`diag`]: the findings the `doctor` example prints.
 //!
 //! # Quick start
@@ -104,6 +107,8 @@ pub mod ffi;
 pub mod p2p;
 mod path;
 pub mod rdma;
+#[cfg(feature = "safetensors")]
+pub mod safetensors;
 pub mod storage;
 
 pub use cudarc;

@@ -1,0 +1,1252 @@
+//! Loading onto the GPU: [`Checkpoint`] (typed views into one device allocation) and
+//! [`OwnedCheckpoint`] (a `CudaSlice<T>` per tensor).
+
+use std::collections::{BTreeMap, HashMap};
+use std::fmt;
+use std::path::{Path as FsPath, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use cudarc::driver::{CudaSlice, CudaStream, CudaView, CudaViewMut, DeviceSlice};
+
+use super::dtype::{Dtype, Element, F8E4M3, F8E5M2};
+use super::filter::Filter;
+use super::plan::{self, Chunk, Read, Selected};
+use super::problem::Problem;
+use super::source::{self, Index, Shard, Source};
+use crate::error::{Error, Result};
+use crate::path::{Cause, FallbackPolicy, PathReport};
+use crate::storage::{GpuFile, GpuFileOptions, IoReport};
+
+/// Progress of a load, given to the callback of [`LoadOptions::progress`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Progress {
+    /// Bytes in device memory so far.
+    pub done: u64,
+    /// Bytes the load moves in all.
+    pub total: u64,
+}
+
+type ProgressFn = Arc<dyn Fn(Progress) + Send + Sync>;
+
+/// How to load; [`load`](super::load) and [`load_owned`](super::load_owned) use the defaults.
+#[derive(Clone, Default)]
+pub struct LoadOptions {
+    filter: Option<Filter>,
+    staging: Option<u64>,
+    file: Option<GpuFileOptions>,
+    fallback: Option<FallbackPolicy>,
+    progress: Option<(ProgressFn, u64)>,
+}
+
+impl fmt::Debug for LoadOptions {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("LoadOptions")
+            .field("filter", &self.filter)
+            .field("staging", &self.staging)
+            .field("file", &self.file)
+            .field("fallback", &self.fallback)
+            .field("progress", &self.progress.as_ref().map(|p| p.1))
+            .finish()
+    }
+}
+
+/// Bytes between progress callbacks: reads are split into pieces this large only when a
+/// callback is set (each piece is one storage job).
+const PROGRESS_STEP: u64 = 512 << 20;
+
+impl LoadOptions {
+    /// The defaults: every tensor, settings from the environment, the global fallback policy.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Load only the tensors whose names match one of `patterns` (exact names, or globs with
+    /// `*` and `?`); the bytes of the others are never read. Every pattern must match some
+    /// tensor ([`Problem::FilterMatchedNothing`]).
+    pub fn filter<I, S>(mut self, patterns: I) -> Self
+    where
+        I: IntoIterator<Item = S>,
+        S: Into<String>,
+    {
+        self.filter = Some(Filter::new(patterns));
+        self
+    }
+
+    /// Owned mode's extra device memory: reads land in a staging buffer of at most this many
+    /// bytes and are copied (device to device) into each tensor's allocation; a tensor larger
+    /// than this is read straight into its own allocation. Default: a quarter of the bytes
+    /// loaded, at least 64 MiB and at most 1 GiB (never more than the bytes loaded).
+    pub fn staging_bytes(mut self, n: u64) -> Self {
+        self.staging = Some(n.max(1));
+        self
+    }
+
+    /// Storage settings for every shard (backend, threads, O_DIRECT, ...). Use
+    /// [`LoadOptions::fallback`] for the fallback policy.
+    pub fn file_options(mut self, o: GpuFileOptions) -> Self {
+        self.file = Some(o);
+        self
+    }
+
+    /// The fallback policy for this load (default [`FallbackPolicy::global`]). With `Deny`,
+    /// every shard's path is checked before any byte moves.
+    pub fn fallback(mut self, p: FallbackPolicy) -> Self {
+        self.fallback = Some(p);
+        self
+    }
+
+    /// Calls `f` after every piece of at most 512 MiB reaches device memory (reads are split
+    /// into such pieces only when a callback is set).
+    pub fn progress(mut self, f: impl Fn(Progress) + Send + Sync + 'static) -> Self {
+        self.progress = Some((Arc::new(f), PROGRESS_STEP));
+        self
+    }
+
+    /// Loads `src` into one device allocation on `stream`: see [`Checkpoint`].
+    pub fn load(&self, src: impl Into<Source>, stream: &Arc<CudaStream>) -> Result<Checkpoint> {
+        load_one(self, src.into(), stream)
+    }
+
+    /// Loads `src` into one `CudaSlice` per tensor on `stream`: see [`OwnedCheckpoint`].
+    pub fn load_owned(
+        &self,
+        src: impl Into<Source>,
+        stream: &Arc<CudaStream>,
+    ) -> Result<OwnedCheckpoint> {
+        load_owned(self, src.into(), stream)
+    }
+}
+
+/// The path one device's bytes took (folded from the storage reports).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DevicePath {
+    /// The GPU.
+    pub device: usize,
+    /// The path, and for a fallback its cause, as the storage layer reported it.
+    pub path: PathReport,
+    /// Bytes that took it.
+    pub bytes: u64,
+}
+
+/// What one load (or save) did: one per job.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LoadReport {
+    /// Tensor bytes moved.
+    pub bytes: u64,
+    /// Tensors loaded.
+    pub tensors: usize,
+    /// Files read (shards with at least one selected byte).
+    pub files: usize,
+    /// Storage reads issued (after merging adjacent tensors).
+    pub reads: usize,
+    /// Bytes of tensors the filter excluded (never read).
+    pub skipped_bytes: u64,
+    /// From the start of the call until every byte was in place (headers, planning,
+    /// allocation and reads included).
+    pub elapsed: Duration,
+    /// The path per device, one entry per distinct storage report.
+    pub paths: Vec<DevicePath>,
+    /// Whether any byte went through O_DIRECT.
+    pub odirect: bool,
+}
+
+impl LoadReport {
+    /// Bytes per second over [`LoadReport::elapsed`], in GB/s (10^9).
+    pub fn gb_per_s(&self) -> f64 {
+        let s = self.elapsed.as_secs_f64();
+        if s > 0.0 {
+            self.bytes as f64 / s / 1e9
+        } else {
+            0.0
+        }
+    }
+
+    /// The cause of the first fallback, if any path was not direct.
+    pub fn fallback_cause(&self) -> Option<&Cause> {
+        self.paths.iter().find_map(|p| p.path.cause.as_ref())
+    }
+
+    pub(crate) fn add(&mut self, device: usize, r: &IoReport) {
+        self.odirect |= r.odirect;
+        match self
+            .paths
+            .iter_mut()
+            .find(|p| p.device == device && p.path == r.path)
+        {
+            Some(p) => p.bytes += r.bytes as u64,
+            None => self.paths.push(DevicePath {
+                device,
+                path: r.path.clone(),
+                bytes: r.bytes as u64,
+            }),
+        }
+    }
+}
+
+impl fmt::Display for LoadReport {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "{} bytes ({} tensors, {} files, {} reads) in {:.1} ms = {:.2} GB/s",
+            self.bytes,
+            self.tensors,
+            self.files,
+            self.reads,
+            self.elapsed.as_secs_f64() * 1e3,
+            self.gb_per_s()
+        )?;
+        for p in &self.paths {
+            write!(f, "; GPU {}: {} via {}", p.device, p.bytes, p.path)?;
+        }
+        if self.odirect {
+            f.write_str(" with O_DIRECT")?;
+        }
+        if self.skipped_bytes > 0 {
+            write!(f, "; {} bytes filtered out, not read", self.skipped_bytes)?;
+        }
+        Ok(())
+    }
+}
+
+/// A file of the checkpoint: its path and `__metadata__`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FileInfo {
+    /// The shard's path.
+    pub path: PathBuf,
+    /// Its header's `__metadata__` map.
+    pub metadata: BTreeMap<String, String>,
+}
+
+#[derive(Debug, Clone)]
+struct Meta {
+    name: String,
+    dtype: Dtype,
+    shape: Vec<usize>,
+    shard: usize,
+    dev_offset: usize,
+    len: usize,
+}
+
+/// Everything a load knows apart from the bytes.
+#[derive(Debug, Clone)]
+struct Catalog {
+    source: PathBuf,
+    files: Vec<FileInfo>,
+    index: Option<Index>,
+    filtered: bool,
+}
+
+impl Catalog {
+    fn err(&self, file: Option<&FsPath>, tensor: &str, problem: Problem) -> Error {
+        Error::Checkpoint {
+            file: file.unwrap_or(&self.source).to_owned(),
+            tensor: Some(tensor.to_owned()),
+            problem,
+        }
+    }
+}
+
+/// A loaded checkpoint in one device allocation: each tensor is a typed view into it
+/// ([`Checkpoint::get`]), with no copy beyond the file→GPU transfer itself.
+///
+/// Each tensor starts at a device offset that is a multiple of its element size (and every
+/// storage read at a 256-byte one), whatever its offset in the file. The allocation is the
+/// tensors' bytes plus under 256 bytes of padding per read; it is freed when the `Checkpoint`
+/// drops (views borrow it).
+pub struct Checkpoint {
+    buf: CudaSlice<u8>,
+    tensors: Vec<Meta>,
+    by_name: HashMap<String, usize>,
+    cat: Catalog,
+    report: LoadReport,
+}
+
+impl fmt::Debug for Checkpoint {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Checkpoint")
+            .field("source", &self.cat.source)
+            .field("tensors", &self.tensors.len())
+            .field("report", &self.report)
+            .finish()
+    }
+}
+
+/// One tensor of a [`Checkpoint`]: name, dtype, shape and its bytes on the device.
+#[derive(Debug)]
+pub struct TensorRef<'a> {
+    name: &'a str,
+    dtype: Dtype,
+    shape: &'a [usize],
+    file: &'a FsPath,
+    buf: &'a CudaSlice<u8>,
+    range: std::ops::Range<usize>,
+}
+
+impl<'a> TensorRef<'a> {
+    /// Its name.
+    pub fn name(&self) -> &'a str {
+        self.name
+    }
+    /// Its element type.
+    pub fn dtype(&self) -> Dtype {
+        self.dtype
+    }
+    /// Its shape (empty for a 0-d scalar).
+    pub fn shape(&self) -> &'a [usize] {
+        self.shape
+    }
+    /// Elements (1 for a 0-d scalar, 0 for an empty tensor).
+    pub fn numel(&self) -> usize {
+        self.shape.iter().product()
+    }
+    /// The shard it came from.
+    pub fn file(&self) -> &'a FsPath {
+        self.file
+    }
+    /// Its bytes, as stored (little-endian).
+    pub fn bytes(&self) -> CudaView<'a, u8> {
+        self.buf.slice(self.range.clone())
+    }
+    /// Its elements as `T`. Errors: [`Problem::DtypeMismatch`].
+    pub fn view<T: Element>(&self) -> Result<CudaView<'a, T>> {
+        typed(self.bytes(), self.dtype, self.name, self.file)
+    }
+}
+
+fn typed<'a, T: Element>(
+    bytes: CudaView<'a, u8>,
+    dtype: Dtype,
+    name: &str,
+    file: &FsPath,
+) -> Result<CudaView<'a, T>> {
+    if !T::DTYPES.contains(&dtype) {
+        return Err(Error::Checkpoint {
+            file: file.to_owned(),
+            tensor: Some(name.to_owned()),
+            problem: Problem::DtypeMismatch {
+                dtype,
+                asked: std::any::type_name::<T>(),
+            },
+        });
+    }
+    let n = bytes.len() / std::mem::size_of::<T>();
+    // SAFETY: every bit pattern is a valid `T` (the `Element` contract: plain numbers and byte
+    // newtypes); the view holds exactly `n * size_of::<T>()` bytes of the tensor (its dtype has
+    // T's size), and the planner placed it at a multiple of T's alignment.
+    let v = unsafe { bytes.transmute::<T>(n) };
+    v.ok_or_else(|| {
+        Error::InvalidArgument("internal: a tensor view is shorter than its dtype needs".into())
+    })
+}
+
+impl Checkpoint {
+    /// The tensor `name` as a typed device view.
+    ///
+    /// Errors: [`Error::Checkpoint`] with [`Problem::NoSuchTensor`] or
+    /// [`Problem::DtypeMismatch`].
+    pub fn get<T: Element>(&self, name: &str) -> Result<CudaView<'_, T>> {
+        self.tensor(name)?.view::<T>()
+    }
+
+    /// The tensor `name`: dtype, shape, bytes.
+    pub fn tensor(&self, name: &str) -> Result<TensorRef<'_>> {
+        let &i = self.by_name.get(name).ok_or_else(|| {
+            self.cat.err(
+                None,
+                name,
+                Problem::NoSuchTensor {
+                    filtered: self.cat.filtered,
+                },
+            )
+        })?;
+        Ok(self.at(i))
+    }
+
+    fn at(&self, i: usize) -> TensorRef<'_> {
+        let m = &self.tensors[i];
+        TensorRef {
+            name: &m.name,
+            dtype: m.dtype,
+            shape: &m.shape,
+            file: &self.cat.files[m.shard].path,
+            buf: &self.buf,
+            range: m.dev_offset..m.dev_offset + m.len,
+        }
+    }
+
+    /// Every tensor, in file order (shard by shard).
+    pub fn tensors(&self) -> impl Iterator<Item = TensorRef<'_>> + '_ {
+        (0..self.tensors.len()).map(|i| self.at(i))
+    }
+
+    /// True when it holds a tensor of that name.
+    pub fn contains(&self, name: &str) -> bool {
+        self.by_name.contains_key(name)
+    }
+
+    /// How many tensors.
+    pub fn len(&self) -> usize {
+        self.tensors.len()
+    }
+
+    /// True when no tensor was loaded (a checkpoint without tensors).
+    pub fn is_empty(&self) -> bool {
+        self.tensors.is_empty()
+    }
+
+    /// Bytes of the device allocation (tensors and alignment padding).
+    pub fn allocation_bytes(&self) -> usize {
+        self.buf.len()
+    }
+
+    /// The files it was read from, with their `__metadata__`.
+    pub fn files(&self) -> &[FileInfo] {
+        &self.cat.files
+    }
+
+    /// The `model.safetensors.index.json`, when it was loaded from one.
+    pub fn index(&self) -> Option<&Index> {
+        self.cat.index.as_ref()
+    }
+
+    /// What the load did: bytes, time, the path per device, any fallback's cause.
+    pub fn report(&self) -> &LoadReport {
+        &self.report
+    }
+}
+
+/// The device memory of one owned tensor, typed by its dtype.
+#[derive(Debug)]
+#[non_exhaustive]
+pub enum TensorData {
+    /// `BF16`.
+    BF16(CudaSlice<half::bf16>),
+    /// `F16`.
+    F16(CudaSlice<half::f16>),
+    /// `F32`.
+    F32(CudaSlice<f32>),
+    /// `F64`.
+    F64(CudaSlice<f64>),
+    /// `I8`.
+    I8(CudaSlice<i8>),
+    /// `I16`.
+    I16(CudaSlice<i16>),
+    /// `I32`.
+    I32(CudaSlice<i32>),
+    /// `I64`.
+    I64(CudaSlice<i64>),
+    /// `U8` and `BOOL`.
+    U8(CudaSlice<u8>),
+    /// `U16`.
+    U16(CudaSlice<u16>),
+    /// `U32`.
+    U32(CudaSlice<u32>),
+    /// `U64`.
+    U64(CudaSlice<u64>),
+    /// `F8_E4M3`.
+    F8E4M3(CudaSlice<F8E4M3>),
+    /// `F8_E5M2`.
+    F8E5M2(CudaSlice<F8E5M2>),
+    /// Dtypes without a Rust element type (sub-byte MX types, F8_E8M0, FNUZ, C64): bytes.
+    Bytes(CudaSlice<u8>),
+}
+
+macro_rules! data_dispatch {
+    ($d:expr, $s:ident => $e:expr) => {
+        match $d {
+            TensorData::BF16($s) => $e,
+            TensorData::F16($s) => $e,
+            TensorData::F32($s) => $e,
+            TensorData::F64($s) => $e,
+            TensorData::I8($s) => $e,
+            TensorData::I16($s) => $e,
+            TensorData::I32($s) => $e,
+            TensorData::I64($s) => $e,
+            TensorData::U8($s) => $e,
+            TensorData::U16($s) => $e,
+            TensorData::U32($s) => $e,
+            TensorData::U64($s) => $e,
+            TensorData::F8E4M3($s) => $e,
+            TensorData::F8E5M2($s) => $e,
+            TensorData::Bytes($s) => $e,
+        }
+    };
+}
+
+fn alloc_n<T: Element>(stream: &Arc<CudaStream>, n: usize) -> Result<CudaSlice<T>> {
+    if n == 0 {
+        return stream.null::<T>().map_err(|e| Error::cuda("cuMemAlloc", e));
+    }
+    // SAFETY: uninitialised device memory of a type valid for any bits; the load writes every
+    // byte before the slice is handed out, or drops it on error.
+    unsafe { stream.alloc::<T>(n) }.map_err(|e| Error::cuda("cuMemAlloc", e))
+}
+
+impl TensorData {
+    fn alloc(stream: &Arc<CudaStream>, dtype: Dtype, numel: usize, len: usize) -> Result<Self> {
+        Ok(match dtype {
+            Dtype::BF16 => TensorData::BF16(alloc_n(stream, numel)?),
+            Dtype::F16 => TensorData::F16(alloc_n(stream, numel)?),
+            Dtype::F32 => TensorData::F32(alloc_n(stream, numel)?),
+            Dtype::F64 => TensorData::F64(alloc_n(stream, numel)?),
+            Dtype::I8 => TensorData::I8(alloc_n(stream, numel)?),
+            Dtype::I16 => TensorData::I16(alloc_n(stream, numel)?),
+            Dtype::I32 => TensorData::I32(alloc_n(stream, numel)?),
+            Dtype::I64 => TensorData::I64(alloc_n(stream, numel)?),
+            Dtype::U8 | Dtype::BOOL => TensorData::U8(alloc_n(stream, numel)?),
+            Dtype::U16 => TensorData::U16(alloc_n(stream, numel)?),
+            Dtype::U32 => TensorData::U32(alloc_n(stream, numel)?),
+            Dtype::U64 => TensorData::U64(alloc_n(stream, numel)?),
+            Dtype::F8_E4M3 => TensorData::F8E4M3(alloc_n(stream, numel)?),
+            Dtype::F8_E5M2 => TensorData::F8E5M2(alloc_n(stream, numel)?),
+            _ => TensorData::Bytes(alloc_n(stream, len)?),
+        })
+    }
+
+    /// Its bytes.
+    pub fn bytes(&self) -> CudaView<'_, u8> {
+        data_dispatch!(self, s => {
+            let n = s.len() * elem_size(s);
+            // SAFETY: u8 is valid for any byte; the view covers exactly the slice's bytes.
+            unsafe { s.transmute::<u8>(n) }.expect("a slice's bytes fit in it")
+        })
+    }
+
+    fn bytes_mut(&mut self) -> CudaViewMut<'_, u8> {
+        data_dispatch!(self, s => {
+            let n = s.len() * elem_size(s);
+            // SAFETY: every byte pattern is a valid element of each variant's type (the
+            // `Element` contract), so writing arbitrary bytes through the view is sound.
+            unsafe { s.transmute_mut::<u8>(n) }.expect("a slice's bytes fit in it")
+        })
+    }
+}
+
+fn elem_size<T>(_: &CudaSlice<T>) -> usize {
+    std::mem::size_of::<T>()
+}
+
+/// Element types that [`TensorData`] can hand out as `CudaSlice<T>`.
+pub trait Owned: Element {
+    #[doc(hidden)]
+    fn from_data(d: &TensorData) -> Option<&CudaSlice<Self>>;
+    #[doc(hidden)]
+    fn into_slice(d: TensorData) -> std::result::Result<CudaSlice<Self>, TensorData>;
+}
+
+macro_rules! owned {
+    ($($t:ty => $v:ident),+ $(,)?) => {$(
+        impl Owned for $t {
+            fn from_data(d: &TensorData) -> Option<&CudaSlice<Self>> {
+                match d { TensorData::$v(s) => Some(s), _ => None }
+            }
+            fn into_slice(d: TensorData) -> std::result::Result<CudaSlice<Self>, TensorData> {
+                match d { TensorData::$v(s) => Ok(s), other => Err(other) }
+            }
+        }
+    )+};
+}
+
+owned! {
+    half::bf16 => BF16, half::f16 => F16, f32 => F32, f64 => F64,
+    i8 => I8, i16 => I16, i32 => I32, i64 => I64,
+    u8 => U8, u16 => U16, u32 => U32, u64 => U64,
+    F8E4M3 => F8E4M3, F8E5M2 => F8E5M2,
+}
+
+/// One tensor of an [`OwnedCheckpoint`], in its own device allocation.
+#[derive(Debug)]
+pub struct OwnedTensor {
+    name: String,
+    dtype: Dtype,
+    shape: Vec<usize>,
+    file: PathBuf,
+    data: TensorData,
+}
+
+impl OwnedTensor {
+    /// Its name.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+    /// Its element type.
+    pub fn dtype(&self) -> Dtype {
+        self.dtype
+    }
+    /// Its shape.
+    pub fn shape(&self) -> &[usize] {
+        &self.shape
+    }
+    /// The shard it came from.
+    pub fn file(&self) -> &FsPath {
+        &self.file
+    }
+    /// Its device memory.
+    pub fn data(&self) -> &TensorData {
+        &self.data
+    }
+    /// Its bytes.
+    pub fn bytes(&self) -> CudaView<'_, u8> {
+        self.data.bytes()
+    }
+    /// Its slice as `T`. Errors: [`Problem::DtypeMismatch`].
+    pub fn slice<T: Owned>(&self) -> Result<&CudaSlice<T>> {
+        T::from_data(&self.data).ok_or_else(|| self.mismatch::<T>())
+    }
+    /// Its slice as `T`, by value. Errors: [`Problem::DtypeMismatch`] (the tensor is dropped).
+    pub fn into_slice<T: Owned>(self) -> Result<CudaSlice<T>> {
+        let e = self.mismatch::<T>();
+        T::into_slice(self.data).map_err(|_| e)
+    }
+    /// Name, dtype, shape and data, by value.
+    pub fn into_parts(self) -> (String, Dtype, Vec<usize>, TensorData) {
+        (self.name, self.dtype, self.shape, self.data)
+    }
+    fn mismatch<T>(&self) -> Error {
+        Error::Checkpoint {
+            file: self.file.clone(),
+            tensor: Some(self.name.clone()),
+            problem: Problem::DtypeMismatch {
+                dtype: self.dtype,
+                asked: std::any::type_name::<T>(),
+            },
+        }
+    }
+}
+
+/// A loaded checkpoint with one device allocation per tensor ([`OwnedTensor`], a typed
+/// `CudaSlice<T>` each) that can be taken apart and kept.
+///
+/// Extra device memory is bounded: reads land in one staging buffer of at most
+/// [`LoadOptions::staging_bytes`] (default: a quarter of the bytes loaded, 64 MiB to 1 GiB)
+/// and are copied device-to-device into the tensors' allocations; tensors larger than that
+/// are read straight into their own allocation. Peak device memory is the tensors plus that
+/// one buffer, never twice the checkpoint.
+pub struct OwnedCheckpoint {
+    tensors: Vec<Option<OwnedTensor>>,
+    by_name: HashMap<String, usize>,
+    cat: Catalog,
+    report: LoadReport,
+}
+
+impl fmt::Debug for OwnedCheckpoint {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("OwnedCheckpoint")
+            .field("source", &self.cat.source)
+            .field("tensors", &self.by_name.len())
+            .field("report", &self.report)
+            .finish()
+    }
+}
+
+impl OwnedCheckpoint {
+    /// The tensor `name`. Errors: [`Problem::NoSuchTensor`] (also after it was taken).
+    pub fn tensor(&self, name: &str) -> Result<&OwnedTensor> {
+        self.by_name
+            .get(name)
+            .and_then(|&i| self.tensors[i].as_ref())
+            .ok_or_else(|| self.missing(name))
+    }
+
+    fn missing(&self, name: &str) -> Error {
+        self.cat.err(
+            None,
+            name,
+            Problem::NoSuchTensor {
+                filtered: self.cat.filtered,
+            },
+        )
+    }
+
+    /// The tensor `name` as `&CudaSlice<T>`. Errors: [`Problem::NoSuchTensor`],
+    /// [`Problem::DtypeMismatch`].
+    pub fn get<T: Owned>(&self, name: &str) -> Result<&CudaSlice<T>> {
+        self.tensor(name)?.slice::<T>()
+    }
+
+    /// Removes the tensor `name` and returns it.
+    pub fn take(&mut self, name: &str) -> Result<OwnedTensor> {
+        let i = *self.by_name.get(name).ok_or_else(|| self.missing(name))?;
+        self.tensors[i].take().ok_or_else(|| self.missing(name))
+    }
+
+    /// Every tensor not yet taken, in file order.
+    pub fn tensors(&self) -> impl Iterator<Item = &OwnedTensor> + '_ {
+        self.tensors.iter().flatten()
+    }
+
+    /// Every tensor not yet taken, by value, in file order.
+    pub fn into_tensors(self) -> Vec<OwnedTensor> {
+        self.tensors.into_iter().flatten().collect()
+    }
+
+    /// Tensors not yet taken.
+    pub fn len(&self) -> usize {
+        self.tensors.iter().flatten().count()
+    }
+
+    /// True when none is left.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The files it was read from.
+    pub fn files(&self) -> &[FileInfo] {
+        &self.cat.files
+    }
+
+    /// The `model.safetensors.index.json`, when it was loaded from one.
+    pub fn index(&self) -> Option<&Index> {
+        self.cat.index.as_ref()
+    }
+
+    /// What the load did.
+    pub fn report(&self) -> &LoadReport {
+        &self.report
+    }
+}
+
+/// Headers read, tensors selected, files opened: what both modes share.
+struct Prepared {
+    shards: Vec<Shard>,
+    sel: Vec<Selected>,
+    files: Vec<Option<GpuFile>>,
+    cat: Catalog,
+    skipped: u64,
+    device: usize,
+}
+
+/// The host-side part: headers read and checked, tensors selected.
+struct Selection {
+    shards: Vec<Shard>,
+    sel: Vec<Selected>,
+    cat: Catalog,
+    skipped: u64,
+}
+
+fn select(opts: &LoadOptions, src: &Source) -> Result<Selection> {
+    let resolved = source::resolve(src)?;
+    let shards = source::read_shards(&resolved)?;
+    let total_tensors: usize = shards.iter().map(|s| s.header.tensors.len()).sum();
+    let sel = match &opts.filter {
+        Some(f) => {
+            let names = shards
+                .iter()
+                .flat_map(|s| s.header.tensors.iter().map(|t| t.name.as_str()));
+            if let Some(p) = f.unmatched(names) {
+                return Err(Error::Checkpoint {
+                    file: src.display_path(),
+                    tensor: None,
+                    problem: Problem::FilterMatchedNothing {
+                        filter: format!("{p:?}"),
+                        tensors: total_tensors,
+                    },
+                });
+            }
+            plan::select(&shards, |n| f.matches(n))
+        }
+        None => plan::select(&shards, |_| true),
+    };
+    let all: u64 = shards
+        .iter()
+        .flat_map(|s| s.header.tensors.iter().map(|t| t.len))
+        .sum();
+    let picked: u64 = sel.iter().map(|t| t.len).sum();
+    let cat = Catalog {
+        source: src.display_path(),
+        files: shards
+            .iter()
+            .map(|s| FileInfo {
+                path: s.path.clone(),
+                metadata: s.header.metadata.clone(),
+            })
+            .collect(),
+        index: resolved.index,
+        filtered: opts.filter.is_some(),
+    };
+    Ok(Selection {
+        shards,
+        sel,
+        cat,
+        skipped: all - picked,
+    })
+}
+
+/// What a load would do, from the headers alone ([`LoadOptions::plan`]; no GPU).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LoadPlan {
+    /// Tensors selected.
+    pub tensors: usize,
+    /// Their bytes.
+    pub bytes: u64,
+    /// Bytes of tensors the filter excludes (never read).
+    pub skipped_bytes: u64,
+    /// Shards with bytes to read.
+    pub files: usize,
+    /// Storage reads of a one-allocation load (adjacent tensors merged).
+    pub reads: usize,
+    /// Bytes of the one allocation (tensors plus alignment padding).
+    pub allocation_bytes: u64,
+    /// Owned mode: the staging buffer's bytes.
+    pub staging_bytes: u64,
+    /// Owned mode: storage reads.
+    pub owned_reads: usize,
+}
+
+impl LoadOptions {
+    /// Reads and checks the headers, applies the filter and plans the reads, without a GPU:
+    /// every error a load would find before touching the device.
+    pub fn plan(&self, src: impl Into<Source>) -> Result<LoadPlan> {
+        let s = select(self, &src.into())?;
+        let one = plan::plan(&s.sel, None).pop().expect("one chunk");
+        let total: u64 = s.sel.iter().map(|t| t.len).sum();
+        let owned = plan::plan(&s.sel, Some(self.staging_limit(total)));
+        let mut files = vec![false; s.shards.len()];
+        for t in &s.sel {
+            files[t.shard] |= t.len > 0;
+        }
+        Ok(LoadPlan {
+            tensors: s.sel.len(),
+            bytes: total,
+            skipped_bytes: s.skipped,
+            files: files.iter().filter(|&&b| b).count(),
+            reads: one.reads.len(),
+            allocation_bytes: one.dev_len,
+            staging_bytes: owned
+                .iter()
+                .filter(|c| !c.oversize)
+                .map(|c| c.dev_len)
+                .max()
+                .unwrap_or(0),
+            owned_reads: owned.iter().map(|c| c.reads.len()).sum(),
+        })
+    }
+
+    fn staging_limit(&self, total: u64) -> u64 {
+        self.staging
+            .unwrap_or_else(|| default_staging(total))
+            .min(total.max(1))
+    }
+}
+
+fn prepare(opts: &LoadOptions, src: Source, stream: &Arc<CudaStream>) -> Result<Prepared> {
+    let Selection {
+        shards,
+        sel,
+        cat,
+        skipped,
+    } = select(opts, &src)?;
+    let mut needed = vec![false; shards.len()];
+    for t in &sel {
+        needed[t.shard] |= t.len > 0;
+    }
+    let files = open_files(opts, &shards, &needed)?;
+    let policy = match opts.fallback {
+        Some(p) => p,
+        None => FallbackPolicy::global()?,
+    };
+    if policy == FallbackPolicy::Deny {
+        for f in files.iter().flatten() {
+            policy.check(f.path_report())?;
+        }
+    }
+    Ok(Prepared {
+        shards,
+        sel,
+        files,
+        cat,
+        skipped,
+        device: stream.context().ordinal(),
+    })
+}
+
+/// Opens the shards that have bytes to read (in parallel when there are several: opening may
+/// register each file with cuFile), each checked to be the length its header was read from.
+fn open_files(
+    opts: &LoadOptions,
+    shards: &[Shard],
+    needed: &[bool],
+) -> Result<Vec<Option<GpuFile>>> {
+    let open = |i: usize| -> Result<Option<GpuFile>> {
+        if !needed[i] {
+            return Ok(None);
+        }
+        let mut o = opts.file.clone().unwrap_or_default();
+        if let Some(p) = opts.fallback {
+            o = o.fallback(p);
+        }
+        let s = &shards[i];
+        let f = o.open(&s.path)?;
+        let now = f.len()?;
+        if now != s.header.file_len {
+            return Err(Error::Checkpoint {
+                file: s.path.clone(),
+                tensor: None,
+                problem: Problem::ChangedWhileLoading {
+                    was: s.header.file_len,
+                    now,
+                },
+            });
+        }
+        Ok(Some(f))
+    };
+    if shards.len() <= 1 {
+        return (0..shards.len()).map(open).collect();
+    }
+    let results: Vec<Result<Option<GpuFile>>> = std::thread::scope(|s| {
+        let hs: Vec<_> = (0..shards.len())
+            .map(|i| s.spawn(move || open(i)))
+            .collect();
+        hs.into_iter()
+            .map(|h| {
+                h.join().unwrap_or_else(|_| {
+                    Err(Error::InvalidArgument("opening a shard panicked".into()))
+                })
+            })
+            .collect()
+    });
+    results.into_iter().collect()
+}
+
+fn check_memory(stream: &Arc<CudaStream>, cat: &Catalog, needed: u64) -> Result<()> {
+    let (free, _total) = stream
+        .context()
+        .mem_get_info()
+        .map_err(|e| Error::cuda("cuMemGetInfo", e))?;
+    if needed > free as u64 {
+        return Err(Error::Checkpoint {
+            file: cat.source.clone(),
+            tensor: None,
+            problem: Problem::NotEnoughDeviceMemory {
+                device: stream.context().ordinal(),
+                needed,
+                free: free as u64,
+            },
+        });
+    }
+    Ok(())
+}
+
+/// Maps an allocation failure to [`Problem::NotEnoughDeviceMemory`] when it is one.
+fn alloc_error(e: Error, stream: &Arc<CudaStream>, cat: &Catalog, needed: u64) -> Error {
+    match &e {
+        Error::Cuda { source, .. }
+            if source.0 == cudarc::driver::sys::cudaError_enum::CUDA_ERROR_OUT_OF_MEMORY =>
+        {
+            let free = stream
+                .context()
+                .mem_get_info()
+                .map(|m| m.0 as u64)
+                .unwrap_or(0);
+            Error::Checkpoint {
+                file: cat.source.clone(),
+                tensor: None,
+                problem: Problem::NotEnoughDeviceMemory {
+                    device: stream.context().ordinal(),
+                    needed,
+                    free,
+                },
+            }
+        }
+        _ => e,
+    }
+}
+
+/// The room's one door to storage reads. Today: one `GpuFile::read_exact_to_device` per read
+/// (each a storage job that synchronizes `dst`'s stream first and returns when the bytes are
+/// in place). When `storage::ReadBatch` lands this becomes one batch for all reads.
+fn read_into(
+    files: &[Option<GpuFile>],
+    dst: &mut CudaViewMut<'_, u8>,
+    reads: &[Read],
+    report: &mut LoadReport,
+    progress: &mut dyn FnMut(u64),
+) -> Result<()> {
+    for r in reads {
+        let f = files[r.shard].as_ref().ok_or_else(|| {
+            Error::InvalidArgument("internal: a read of an unopened shard".into())
+        })?;
+        let (a, b) = (r.dev_offset as usize, (r.dev_offset + r.len) as usize);
+        let mut v = dst
+            .try_slice_mut(a..b)
+            .ok_or_else(|| Error::InvalidArgument("internal: a read past its buffer".into()))?;
+        let rep = f.read_exact_to_device(&mut v, r.file_offset)?;
+        report.add(report_device(dst), &rep);
+        report.reads += 1;
+        progress(r.len);
+    }
+    Ok(())
+}
+
+fn report_device(v: &CudaViewMut<'_, u8>) -> usize {
+    v.stream().context().ordinal()
+}
+
+fn new_report(p: &Prepared) -> LoadReport {
+    LoadReport {
+        bytes: p.sel.iter().map(|t| t.len).sum(),
+        tensors: p.sel.len(),
+        files: p.files.iter().flatten().count(),
+        reads: 0,
+        skipped_bytes: p.skipped,
+        elapsed: Duration::ZERO,
+        paths: Vec::new(),
+        odirect: false,
+    }
+}
+
+fn progress_fn(opts: &LoadOptions, total: u64) -> (Box<dyn FnMut(u64)>, Option<u64>) {
+    match &opts.progress {
+        Some((f, step)) => {
+            let f = f.clone();
+            let mut done = 0;
+            f(Progress { done: 0, total });
+            (
+                Box::new(move |n| {
+                    done += n;
+                    f(Progress { done, total });
+                }),
+                Some(*step),
+            )
+        }
+        None => (Box::new(|_| {}), None),
+    }
+}
+
+/// Warms the storage engine for `device` on the first shard while the caller allocates.
+fn with_warm_up<R>(files: &[Option<GpuFile>], device: usize, work: impl FnOnce() -> R) -> R {
+    let Some(first) = files.iter().flatten().next() else {
+        return work();
+    };
+    std::thread::scope(|s| {
+        let h = s.spawn(|| first.warm_up(device));
+        let r = work();
+        if let Ok(Err(e)) = h.join() {
+            tracing::debug!("storage warm-up failed (the first read pays its setup): {e}");
+        }
+        r
+    })
+}
+
+fn load_one(opts: &LoadOptions, src: Source, stream: &Arc<CudaStream>) -> Result<Checkpoint> {
+    let t0 = Instant::now();
+    let p = prepare(opts, src, stream)?;
+    let chunk = plan::plan(&p.sel, None)
+        .pop()
+        .expect("an unlimited plan is one chunk");
+    let size = chunk.dev_len;
+    check_memory(stream, &p.cat, size)?;
+    let len = usize::try_from(size)
+        .map_err(|_| Error::InvalidArgument("the checkpoint exceeds the address space".into()))?;
+    let mut buf = with_warm_up(&p.files, p.device, || {
+        if len == 0 {
+            stream
+                .null::<u8>()
+                .map_err(|e| Error::cuda("cuMemAlloc", e))
+        } else {
+            // SAFETY: uninitialised bytes; every byte a view can reach is a tensor's, written by
+            // the reads below before the Checkpoint exists (padding is never exposed), and the
+            // buffer is dropped on error.
+            unsafe { stream.alloc::<u8>(len) }.map_err(|e| Error::cuda("cuMemAlloc", e))
+        }
+    })
+    .map_err(|e| alloc_error(e, stream, &p.cat, size))?;
+    let mut report = new_report(&p);
+    let (mut progress, step) = progress_fn(opts, report.bytes);
+    let reads = match step {
+        Some(s) => plan::split(&chunk.reads, s),
+        None => chunk.reads.clone(),
+    };
+    {
+        let mut dst = buf.as_view_mut();
+        read_into(&p.files, &mut dst, &reads, &mut report, &mut *progress)?;
+    }
+    let tensors: Vec<Meta> = chunk
+        .tensors
+        .iter()
+        .map(|&(i, dev)| {
+            let s = &p.sel[i];
+            Meta {
+                name: s.name.clone(),
+                dtype: s.dtype,
+                shape: s.shape.clone(),
+                shard: s.shard,
+                dev_offset: dev as usize,
+                len: s.len as usize,
+            }
+        })
+        .collect();
+    let by_name = tensors
+        .iter()
+        .enumerate()
+        .map(|(i, m)| (m.name.clone(), i))
+        .collect();
+    drop(p.shards);
+    report.elapsed = t0.elapsed();
+    Ok(Checkpoint {
+        buf,
+        tensors,
+        by_name,
+        cat: p.cat,
+        report,
+    })
+}
+
+/// Owned mode's default staging size for `total` bytes loaded.
+fn default_staging(total: u64) -> u64 {
+    (total / 4).clamp(64 << 20, 1 << 30)
+}
+
+fn load_owned(
+    opts: &LoadOptions,
+    src: Source,
+    stream: &Arc<CudaStream>,
+) -> Result<OwnedCheckpoint> {
+    let t0 = Instant::now();
+    let p = prepare(opts, src, stream)?;
+    let total: u64 = p.sel.iter().map(|t| t.len).sum();
+    let limit = opts.staging_limit(total);
+    let chunks: Vec<Chunk> = plan::plan(&p.sel, Some(limit));
+    let staging_len = chunks
+        .iter()
+        .filter(|c| !c.oversize)
+        .map(|c| c.dev_len)
+        .max()
+        .unwrap_or(0);
+    let needed = total + staging_len;
+    check_memory(stream, &p.cat, needed)?;
+    let (mut data, mut staging) = with_warm_up(&p.files, p.device, || -> Result<_> {
+        let mut data = Vec::with_capacity(p.sel.len());
+        for t in &p.sel {
+            let numel = t.shape.iter().product::<usize>();
+            data.push(TensorData::alloc(stream, t.dtype, numel, t.len as usize)?);
+        }
+        let staging = alloc_n::<u8>(stream, staging_len as usize)?;
+        Ok((data, staging))
+    })
+    .map_err(|e| alloc_error(e, stream, &p.cat, needed))?;
+    let mut report = new_report(&p);
+    let (mut progress, step) = progress_fn(opts, report.bytes);
+    let pieces = |reads: &[Read]| match step {
+        Some(s) => plan::split(reads, s),
+        None => reads.to_vec(),
+    };
+    for c in &chunks {
+        if c.oversize {
+            let (i, _) = c.tensors[0];
+            let mut dst = data[i].bytes_mut();
+            read_into(
+                &p.files,
+                &mut dst,
+                &pieces(&c.reads),
+                &mut report,
+                &mut *progress,
+            )?;
+            continue;
+        }
+        if c.reads.is_empty() {
+            continue;
+        }
+        {
+            // The read synchronizes the stream before its first byte moves, so the previous
+            // chunk's copies out of the staging buffer (queued on the same stream) are done.
+            let mut dst = staging.as_view_mut();
+            read_into(
+                &p.files,
+                &mut dst,
+                &pieces(&c.reads),
+                &mut report,
+                &mut *progress,
+            )?;
+        }
+        for &(i, dev) in &c.tensors {
+            let n = p.sel[i].len as usize;
+            if n == 0 {
+                continue;
+            }
+            let src = staging
+                .try_slice(dev as usize..dev as usize + n)
+                .ok_or_else(|| {
+                    Error::InvalidArgument("internal: a copy past the staging buffer".into())
+                })?;
+            let mut dst = data[i].bytes_mut();
+            stream
+                .memcpy_dtod(&src, &mut dst)
+                .map_err(|e| Error::cuda("cuMemcpyDtoDAsync", e))?;
+        }
+    }
+    // One synchronization, so the report's time covers the device copies and the bytes are in
+    // place for any stream when this returns.
+    stream
+        .synchronize()
+        .map_err(|e| Error::cuda("cuStreamSynchronize", e))?;
+    drop(staging);
+    let mut tensors = Vec::with_capacity(p.sel.len());
+    let mut by_name = HashMap::with_capacity(p.sel.len());
+    for (i, (s, d)) in p.sel.iter().zip(data.drain(..)).enumerate() {
+        by_name.insert(s.name.clone(), i);
+        tensors.push(Some(OwnedTensor {
+            name: s.name.clone(),
+            dtype: s.dtype,
+            shape: s.shape.clone(),
+            file: p.shards[s.shard].path.clone(),
+            data: d,
+        }));
+    }
+    report.elapsed = t0.elapsed();
+    Ok(OwnedCheckpoint {
+        tensors,
+        by_name,
+        cat: p.cat,
+        report,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn staging_default_is_bounded() {
+        assert_eq!(default_staging(4 << 30), 1 << 30);
+        assert_eq!(default_staging(100 << 30), 1 << 30);
+        assert_eq!(default_staging(400 << 20), 100 << 20);
+        assert_eq!(default_staging(1 << 20), 64 << 20);
+    }
+
+    #[test]
+    fn report_folds_paths_per_device() {
+        let mut r = LoadReport {
+            bytes: 0,
+            tensors: 0,
+            files: 0,
+            reads: 0,
+            skipped_bytes: 0,
+            elapsed: Duration::from_millis(10),
+            paths: vec![],
+            odirect: false,
+        };
+        let posix = PathReport::fallback(crate::Path::Posix, Cause::NoNvidiaFs);
+        let gds = PathReport::direct(crate::Path::Gds);
+        for (p, n) in [(&posix, 5), (&gds, 7), (&posix, 11)] {
+            r.add(
+                0,
+                &IoReport {
+                    bytes: n,
+                    path: p.clone(),
+                    odirect: false,
+                },
+            );
+        }
+        r.bytes = 23;
+        assert_eq!(r.paths.len(), 2);
+        assert_eq!((r.paths[0].bytes, r.paths[1].bytes), (16, 7));
+        assert_eq!(r.fallback_cause(), Some(&Cause::NoNvidiaFs));
+        let s = r.to_string();
+        assert!(
+            s.contains("23 bytes") && s.contains("GPU 0: 16 via") && s.contains("because"),
+            "{s}"
+        );
+    }
+}

@@ -1,0 +1,183 @@
+//! What can be wrong with a checkpoint: the `problem` of [`Error::Checkpoint`](crate::Error::Checkpoint).
+
+/// Why a checkpoint could not be loaded or saved. Carried by
+/// [`Error::Checkpoint`](crate::Error::Checkpoint) together with the file and, where one is to
+/// blame, the tensor.
+///
+/// Every one is found before any byte moves to the GPU (except [`Problem::ChangedWhileLoading`]),
+/// and none leaves a partial result that looks like success.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum Problem {
+    /// The file is shorter than the 8-byte header length.
+    #[error("the file is {len} bytes, shorter than the 8-byte header length: it is truncated or not a safetensors file")]
+    TooShort {
+        /// The file's length.
+        len: u64,
+    },
+    /// The header length is larger than the format allows (100,000,000 bytes).
+    #[error("the header length {len} exceeds the format's limit of 100000000 bytes: the file is corrupt or not a safetensors file")]
+    HeaderTooLarge {
+        /// The header length the file claims.
+        len: u64,
+    },
+    /// The header length points past the end of the file.
+    #[error("the header length {len} runs past the end of the {file_len}-byte file: the file is truncated")]
+    HeaderBeyondFile {
+        /// The header length the file claims.
+        len: u64,
+        /// The file's length.
+        file_len: u64,
+    },
+    /// The header is not UTF-8.
+    #[error("the header is not UTF-8 (byte {at} of the header): the file is corrupt")]
+    NotUtf8 {
+        /// Offset of the first invalid byte inside the header.
+        at: usize,
+    },
+    /// The header (or the index file) is not valid JSON of the expected shape.
+    #[error("invalid JSON: {0}")]
+    InvalidJson(String),
+    /// A tensor's dtype is not one the format defines.
+    #[error("unknown dtype {0:?}: the safetensors format defines BOOL, U8, I8, I16, U16, I32, U32, I64, U64, F16, BF16, F32, F64, C64, F8_E4M3, F8_E5M2, F8_E8M0, F8_E4M3FNUZ, F8_E5M2FNUZ, F4, F6_E2M3, F6_E3M2")]
+    UnknownDtype(String),
+    /// The number of elements times the element size overflows.
+    #[error("shape {shape:?} overflows the addressable size")]
+    ShapeOverflow {
+        /// The shape.
+        shape: Vec<usize>,
+    },
+    /// Sub-byte elements that do not fill whole bytes.
+    #[error("{dtype} tensor of shape {shape:?} does not end on a byte boundary")]
+    NotWholeBytes {
+        /// The dtype.
+        dtype: super::Dtype,
+        /// The shape.
+        shape: Vec<usize>,
+    },
+    /// The tensor's byte range does not match its dtype and shape.
+    #[error("{dtype} shape {shape:?} needs {expected} bytes but data_offsets give {actual}")]
+    SizeMismatch {
+        /// The dtype.
+        dtype: super::Dtype,
+        /// The shape.
+        shape: Vec<usize>,
+        /// dtype size × elements.
+        expected: u64,
+        /// end - start of `data_offsets`.
+        actual: u64,
+    },
+    /// `data_offsets` end before they start.
+    #[error("data_offsets [{start}, {end}] end before they start")]
+    OffsetsReversed {
+        /// Start.
+        start: u64,
+        /// End.
+        end: u64,
+    },
+    /// Two tensors' byte ranges overlap.
+    #[error("its bytes [{start}, {end}) overlap tensor {other:?}")]
+    Overlap {
+        /// The other tensor.
+        other: String,
+        /// This tensor's start.
+        start: u64,
+        /// This tensor's end.
+        end: u64,
+    },
+    /// Bytes between tensors (or before the first) that no tensor covers; the format forbids it.
+    #[error("bytes [{start}, {end}) of the data section belong to no tensor (the format requires tensors to cover it without gaps)")]
+    Gap {
+        /// First uncovered byte (relative to the data section).
+        start: u64,
+        /// End of the uncovered bytes.
+        end: u64,
+    },
+    /// The tensor ends past the end of the file.
+    #[error("its bytes end at file offset {end} but the file is {file_len} bytes: the file is truncated")]
+    Truncated {
+        /// Where the tensor ends in the file.
+        end: u64,
+        /// The file's length.
+        file_len: u64,
+    },
+    /// Bytes after the last tensor; the format forbids them.
+    #[error("{extra} bytes follow the last tensor (the format forbids trailing bytes): the file was appended to or the header is wrong")]
+    TrailingBytes {
+        /// How many.
+        extra: u64,
+    },
+    /// The `safetensors` crate's validation refused the header for a reason the checks above did
+    /// not name.
+    #[error("the safetensors crate refuses the header: {0}")]
+    Refused(String),
+    /// Two shards hold a tensor of the same name.
+    #[error("the tensor is also in {other}: a checkpoint's tensor names must be unique")]
+    Duplicate {
+        /// The other file.
+        other: std::path::PathBuf,
+    },
+    /// The index names a shard that does not exist.
+    #[error("the index names shard {shard:?}, which does not exist: copy the whole checkpoint directory")]
+    MissingShard {
+        /// The shard's file name as the index gives it.
+        shard: String,
+    },
+    /// The index and a shard's header disagree.
+    #[error("the index places it in {shard:?} but that shard's header does not have it")]
+    NotInShard {
+        /// The shard the index names.
+        shard: String,
+    },
+    /// A directory without `model.safetensors.index.json` or `model.safetensors`.
+    #[error("no model.safetensors.index.json or model.safetensors in the directory (found {found} other .safetensors files: pass them as a list of shards)")]
+    NotAModelDirectory {
+        /// How many `*.safetensors` files the directory holds.
+        found: usize,
+    },
+    /// The filter selects no tensor.
+    #[error("the tensor filter {filter} matches none of the {tensors} tensors")]
+    FilterMatchedNothing {
+        /// The filter, as written.
+        filter: String,
+        /// How many tensors the checkpoint has.
+        tensors: usize,
+    },
+    /// No tensor of that name was loaded.
+    #[error("no such tensor in the checkpoint{}", if *.filtered { " (or the tensor filter excluded it)" } else { "" })]
+    NoSuchTensor {
+        /// Whether a filter was applied.
+        filtered: bool,
+    },
+    /// The tensor's dtype is not the element type asked for.
+    #[error(
+        "the tensor is {dtype}, not {asked}: ask for the matching element type or use bytes()"
+    )]
+    DtypeMismatch {
+        /// The tensor's dtype.
+        dtype: super::Dtype,
+        /// The element type asked for (its Rust name).
+        asked: &'static str,
+    },
+    /// The GPU lacks the memory the load needs.
+    #[error("the load needs {needed} bytes of device memory but GPU {device} has {free} free: filter tensors, free memory or use another GPU")]
+    NotEnoughDeviceMemory {
+        /// The GPU.
+        device: usize,
+        /// Bytes needed.
+        needed: u64,
+        /// Bytes free when asked.
+        free: u64,
+    },
+    /// The file changed size between reading its header and reading its tensors.
+    #[error("the file changed while it was loaded ({was} bytes at open, now {now}): load it again once it is complete")]
+    ChangedWhileLoading {
+        /// Length at open.
+        was: u64,
+        /// Length now.
+        now: u64,
+    },
+    /// A tensor to save is described wrongly.
+    #[error("cannot save it: {0}")]
+    BadTensor(String),
+}

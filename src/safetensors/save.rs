@@ -1,0 +1,399 @@
+//! Saving GPU tensors into one safetensors file: atomic replace, one fsync when durable.
+
+use std::collections::BTreeMap;
+use std::path::{Path as FsPath, PathBuf};
+use std::time::Instant;
+
+use cudarc::driver::{CudaSlice, CudaView, DeviceSlice};
+
+use super::dtype::{dtype_of, Dtype, Element};
+use super::header::{self, OutTensor};
+use super::load::{LoadReport, TensorRef};
+use crate::error::{Error, Result};
+use crate::storage::{GpuFile, GpuFileOptions};
+
+/// One tensor to save: its bytes on the device, dtype and shape.
+#[derive(Debug)]
+pub struct SaveTensor<'a> {
+    dtype: Dtype,
+    shape: Vec<usize>,
+    bytes: CudaView<'a, u8>,
+}
+
+impl<'a> SaveTensor<'a> {
+    /// A typed device view with its shape (elements must equal the shape's product).
+    pub fn new<T: Element>(data: CudaView<'a, T>, shape: &[usize]) -> Self {
+        let n = data.len() * std::mem::size_of::<T>();
+        // SAFETY: viewing initialised elements of a plain-number type (the `Element` contract:
+        // no padding) as bytes, for reading; the view covers exactly the same bytes.
+        let bytes = unsafe { data.transmute::<u8>(n) }.expect("a view's bytes fit in it");
+        SaveTensor {
+            dtype: dtype_of::<T>(),
+            shape: shape.to_vec(),
+            bytes,
+        }
+    }
+
+    /// A whole slice as a 1-D tensor.
+    pub fn from_slice<T: Element>(data: &'a CudaSlice<T>) -> Self {
+        Self::new(data.as_view(), &[data.len()])
+    }
+
+    /// Raw bytes with an explicit dtype (for dtypes without a Rust element type, or `BOOL`).
+    pub fn from_bytes(bytes: CudaView<'a, u8>, dtype: Dtype, shape: &[usize]) -> Self {
+        SaveTensor {
+            dtype,
+            shape: shape.to_vec(),
+            bytes,
+        }
+    }
+
+    /// Its dtype.
+    pub fn dtype(&self) -> Dtype {
+        self.dtype
+    }
+}
+
+impl<'a> From<TensorRef<'a>> for SaveTensor<'a> {
+    fn from(t: TensorRef<'a>) -> Self {
+        SaveTensor::from_bytes(t.bytes(), t.dtype(), t.shape())
+    }
+}
+
+impl<'a> From<&'a super::OwnedTensor> for SaveTensor<'a> {
+    fn from(t: &'a super::OwnedTensor) -> Self {
+        SaveTensor::from_bytes(t.bytes(), t.dtype(), t.shape())
+    }
+}
+
+/// How to save.
+#[derive(Debug, Clone)]
+pub struct SaveOptions {
+    durable: bool,
+    metadata: BTreeMap<String, String>,
+    file: Option<GpuFileOptions>,
+}
+
+impl Default for SaveOptions {
+    fn default() -> Self {
+        SaveOptions {
+            durable: true,
+            metadata: BTreeMap::new(),
+            file: None,
+        }
+    }
+}
+
+impl SaveOptions {
+    /// Durable (one fsync of the file and one of its directory), with no metadata.
+    pub fn new() -> Self {
+        Self::default()
+    }
+    /// Whether the save is on stable storage when it returns (default true): one `fsync` of
+    /// the data at the end, then the rename, then one `fsync` of the directory.
+    pub fn durable(mut self, yes: bool) -> Self {
+        self.durable = yes;
+        self
+    }
+    /// Adds an entry to the header's `__metadata__` (e.g. `"format" = "pt"`, which torch's
+    /// loaders expect).
+    pub fn metadata(mut self, key: impl Into<String>, value: impl Into<String>) -> Self {
+        self.metadata.insert(key.into(), value.into());
+        self
+    }
+    /// Storage settings for the file (backend, threads, O_DIRECT, ...); `durable` and
+    /// `create`/`truncate` are the save's own.
+    pub fn file_options(mut self, o: GpuFileOptions) -> Self {
+        self.file = Some(o);
+        self
+    }
+}
+
+/// What a save did.
+pub type SaveReport = LoadReport;
+
+/// Writes `tensors` into the safetensors file `path`, replacing it atomically.
+///
+/// The header is laid out as the `safetensors` crate lays it out (tensors by descending
+/// alignment, then name), so files load in torch, candle and the crate. The bytes go to a
+/// temporary file in the same directory, which is renamed over `path` only once complete (and,
+/// when durable, after its one `fsync`; the directory is synced after the rename). Any error,
+/// or a crash, before the rename leaves `path` as it was. A crash can leave the temporary file
+/// (`.NAME.*.tmp`) behind.
+///
+/// Errors: [`Problem::BadTensor`](super::Problem::BadTensor) (a shape that does not match the bytes, a duplicate or
+/// empty name; nothing written), [`Error::Io`], [`Error::Cuda`], storage errors.
+pub fn save<'a, I, N>(
+    path: impl AsRef<FsPath>,
+    tensors: I,
+    opts: &SaveOptions,
+) -> Result<SaveReport>
+where
+    I: IntoIterator<Item = (N, SaveTensor<'a>)>,
+    N: AsRef<str>,
+{
+    let t0 = Instant::now();
+    let path = path.as_ref();
+    let list: Vec<(String, SaveTensor<'a>)> = tensors
+        .into_iter()
+        .map(|(n, t)| (n.as_ref().to_owned(), t))
+        .collect();
+    let out: Vec<OutTensor<'_>> = list
+        .iter()
+        .map(|(n, t)| OutTensor {
+            name: n,
+            dtype: t.dtype,
+            shape: &t.shape,
+            len: t.bytes.len() as u64,
+        })
+        .collect();
+    let h =
+        header::serialize(&out, &opts.metadata).map_err(|(tensor, problem)| Error::Checkpoint {
+            file: path.to_owned(),
+            tensor,
+            problem,
+        })?;
+    let mut report = LoadReport {
+        bytes: out.iter().map(|t| t.len).sum(),
+        tensors: out.len(),
+        files: 1,
+        reads: 0,
+        skipped_bytes: 0,
+        elapsed: Default::default(),
+        paths: Vec::new(),
+        odirect: false,
+    };
+    // File order, so writes advance through the file.
+    let mut order: Vec<usize> = (0..list.len()).collect();
+    order.sort_by_key(|&i| h.offsets[i]);
+    atomic_replace(path, opts.durable, |tmp| {
+        let o = opts.file.clone().unwrap_or_default();
+        let f = o.create(true).truncate(true).durable(false).open(tmp)?;
+        write_all(&f, &h.bytes, &list, &h.offsets, &order, &mut report)?;
+        let len = f.len()?;
+        if len != h.file_len {
+            return Err(Error::io(
+                "write",
+                Some(tmp.to_owned()),
+                std::io::Error::other(format!(
+                    "the file is {len} bytes after the save, not the {} its header describes",
+                    h.file_len
+                )),
+            ));
+        }
+        if opts.durable {
+            f.sync_all()?;
+        }
+        Ok(())
+    })?;
+    report.elapsed = t0.elapsed();
+    Ok(report)
+}
+
+/// The room's one door to storage writes. Today: the header with `pwrite_host`, then one
+/// `write_from_device` per tensor (each a storage job); `storage::WriteBatch` replaces the loop
+/// when it lands.
+fn write_all(
+    f: &GpuFile,
+    header: &[u8],
+    list: &[(String, SaveTensor<'_>)],
+    offsets: &[u64],
+    order: &[usize],
+    report: &mut LoadReport,
+) -> Result<()> {
+    f.pwrite_host(header, 0)?;
+    for &i in order {
+        let t = &list[i].1;
+        if t.bytes.is_empty() {
+            continue;
+        }
+        let dev = t.bytes.stream().context().ordinal();
+        let r = f.write_from_device(&t.bytes, offsets[i])?;
+        report.add(dev, &r);
+        report.reads += 1;
+    }
+    Ok(())
+}
+
+static TMP_SEQ: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// The temporary file's name for `target`: same directory, hidden, unique per process and call.
+fn temp_path(target: &FsPath) -> Result<PathBuf> {
+    let name = target.file_name().ok_or_else(|| {
+        Error::InvalidArgument(format!(
+            "{} names no file: give a file path to save to",
+            target.display()
+        ))
+    })?;
+    let dir = match target.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d.to_owned(),
+        _ => PathBuf::from("."),
+    };
+    let seq = TMP_SEQ.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.subsec_nanos())
+        .unwrap_or(0);
+    let mut tmp = std::ffi::OsString::from(".");
+    tmp.push(name);
+    tmp.push(format!(".{}.{seq}.{nanos:x}.tmp", std::process::id()));
+    Ok(dir.join(tmp))
+}
+
+/// Runs `write` on a temporary file next to `target`, then renames it over `target` (and, when
+/// `durable`, fsyncs the directory). `write` is responsible for the file's own fsync. On any
+/// error the temporary file is removed and `target` is untouched.
+pub(crate) fn atomic_replace<R>(
+    target: &FsPath,
+    durable: bool,
+    write: impl FnOnce(&FsPath) -> Result<R>,
+) -> Result<R> {
+    let tmp = temp_path(target)?;
+    let cleanup = |e: Error| {
+        if let Err(rm) = std::fs::remove_file(&tmp) {
+            if rm.kind() != std::io::ErrorKind::NotFound {
+                tracing::warn!(
+                    "could not remove the temporary file {}: {rm}",
+                    tmp.display()
+                );
+            }
+        }
+        e
+    };
+    let r = write(&tmp).map_err(cleanup)?;
+    std::fs::rename(&tmp, target)
+        .map_err(|e| cleanup(Error::io("rename", Some(target.to_owned()), e)))?;
+    if durable {
+        let dir = tmp.parent().unwrap_or(FsPath::new("."));
+        let d = std::fs::File::open(dir).map_err(|e| Error::io("open", Some(dir.to_owned()), e))?;
+        d.sync_all()
+            .map_err(|e| Error::io("fsync", Some(dir.to_owned()), e))?;
+    }
+    Ok(r)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::Write;
+
+    fn write_host(p: &FsPath, bytes: &[u8], fail_after: Option<usize>) -> Result<()> {
+        let mut f = std::fs::File::create(p).map_err(|e| Error::io("create", Some(p.into()), e))?;
+        let n = fail_after.unwrap_or(bytes.len()).min(bytes.len());
+        f.write_all(&bytes[..n])
+            .map_err(|e| Error::io("write", Some(p.into()), e))?;
+        if fail_after.is_some() {
+            return Err(Error::InvalidArgument("injected failure".into()));
+        }
+        f.sync_all()
+            .map_err(|e| Error::io("fsync", Some(p.into()), e))
+    }
+
+    fn leftovers(dir: &FsPath) -> Vec<String> {
+        std::fs::read_dir(dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .filter(|n| n.ends_with(".tmp"))
+            .collect()
+    }
+
+    #[test]
+    fn replace_and_injected_failures() {
+        let d = tempfile::tempdir().unwrap();
+        let target = d.path().join("m.safetensors");
+        let old: Vec<u8> = (0..10_000u32).map(|i| (i * 7) as u8).collect();
+        let new: Vec<u8> = (0..20_000u32).map(|i| (i * 13 + 1) as u8).collect();
+        atomic_replace(&target, true, |t| write_host(t, &old, None)).unwrap();
+        assert_eq!(std::fs::read(&target).unwrap(), old);
+        for cut in [0, 1, 8, 9_999, 19_999] {
+            let e = atomic_replace(&target, true, |t| write_host(t, &new, Some(cut))).unwrap_err();
+            assert!(e.to_string().contains("injected"), "{e}");
+            assert_eq!(std::fs::read(&target).unwrap(), old, "cut at {cut}");
+            assert!(leftovers(d.path()).is_empty());
+        }
+        atomic_replace(&target, false, |t| write_host(t, &new, None)).unwrap();
+        assert_eq!(std::fs::read(&target).unwrap(), new);
+        assert!(leftovers(d.path()).is_empty());
+        // A rename that fails (the target is a non-empty directory) cleans up too.
+        let dir_target = d.path().join("sub");
+        std::fs::create_dir(&dir_target).unwrap();
+        std::fs::write(dir_target.join("x"), b"x").unwrap();
+        assert!(atomic_replace(&dir_target, true, |t| write_host(t, &new, None)).is_err());
+        assert!(leftovers(d.path()).is_empty());
+        assert!(temp_path(FsPath::new("/")).is_err());
+        let rel = temp_path(FsPath::new("x.safetensors")).unwrap();
+        assert_eq!(rel.parent(), Some(FsPath::new(".")));
+    }
+
+    const CHILD: &str = "GPUDIRECT_TEST_SAVE_CHILD";
+
+    /// Helper and test in one: with `GPUDIRECT_TEST_SAVE_CHILD=DIR` set (by
+    /// `a_killed_save_leaves_the_old_file`) it starts replacing `DIR/m.safetensors`, writes half,
+    /// signals and waits to be killed; otherwise it checks a replace of a fresh file.
+    #[test]
+    fn save_child_or_plain_replace() {
+        match std::env::var_os(CHILD) {
+            Some(dir) => {
+                let dir = PathBuf::from(dir);
+                let target = dir.join("m.safetensors");
+                let _: Result<()> = atomic_replace(&target, true, |t| {
+                    let mut f = std::fs::File::create(t).unwrap();
+                    f.write_all(&[0xEE; 50_000]).unwrap();
+                    f.sync_all().unwrap();
+                    std::fs::write(dir.join("ready"), b"1").unwrap();
+                    std::thread::sleep(std::time::Duration::from_secs(60));
+                    std::process::exit(3)
+                });
+            }
+            None => {
+                let d = tempfile::tempdir().unwrap();
+                let target = d.path().join("fresh.safetensors");
+                atomic_replace(&target, true, |t| write_host(t, b"abc", None)).unwrap();
+                assert_eq!(std::fs::read(&target).unwrap(), b"abc");
+            }
+        }
+    }
+
+    #[test]
+    fn a_killed_save_leaves_the_old_file() {
+        let d = tempfile::tempdir().unwrap();
+        let target = d.path().join("m.safetensors");
+        let old: Vec<u8> = (0..4096u32).map(|i| (i % 251) as u8).collect();
+        std::fs::write(&target, &old).unwrap();
+        let exe = std::env::current_exe().unwrap();
+        let mut child = std::process::Command::new(exe)
+            .args([
+                "--exact",
+                "safetensors::save::tests::save_child_or_plain_replace",
+                "--test-threads=1",
+                "--nocapture",
+            ])
+            .env(CHILD, d.path())
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .unwrap();
+        let ready = d.path().join("ready");
+        let t0 = Instant::now();
+        while !ready.exists() {
+            assert!(
+                t0.elapsed().as_secs() < 60,
+                "the child never started writing"
+            );
+            if let Some(st) = child.try_wait().unwrap() {
+                panic!("the child exited early: {st}");
+            }
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+        child.kill().unwrap();
+        child.wait().unwrap();
+        assert_eq!(std::fs::read(&target).unwrap(), old);
+        // The crash left its (half-written) temporary file, never the target.
+        let left = leftovers(d.path());
+        assert_eq!(left.len(), 1, "{left:?}");
+        assert_eq!(
+            std::fs::metadata(d.path().join(&left[0])).unwrap().len(),
+            50_000
+        );
+    }
+}

@@ -1,0 +1,356 @@
+//! What to load: one file, a list of shards, or a model directory with
+//! `model.safetensors.index.json` (Hugging Face's sharded layout).
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::{Path as FsPath, PathBuf};
+
+use serde::Deserialize;
+
+use super::header::{self, Header};
+use super::problem::Problem;
+use crate::error::{Error, Result};
+
+/// The index file's name in a model directory.
+pub const INDEX_FILE: &str = "model.safetensors.index.json";
+/// The single-file checkpoint's name in a model directory.
+pub const SINGLE_FILE: &str = "model.safetensors";
+
+/// What [`load`](super::load) reads: a path (a `.safetensors` file, a model directory, or a
+/// `model.safetensors.index.json`) or a list of shard files.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Source {
+    /// A file, a directory or an index file.
+    Path(PathBuf),
+    /// Shard files, loaded as one checkpoint (names must be unique across them).
+    Shards(Vec<PathBuf>),
+}
+
+impl Source {
+    /// The path errors about the checkpoint as a whole name.
+    pub fn display_path(&self) -> PathBuf {
+        match self {
+            Source::Path(p) => p.clone(),
+            Source::Shards(v) => v.first().cloned().unwrap_or_default(),
+        }
+    }
+}
+
+impl From<&str> for Source {
+    fn from(p: &str) -> Self {
+        Source::Path(p.into())
+    }
+}
+impl From<String> for Source {
+    fn from(p: String) -> Self {
+        Source::Path(p.into())
+    }
+}
+impl From<&FsPath> for Source {
+    fn from(p: &FsPath) -> Self {
+        Source::Path(p.to_owned())
+    }
+}
+impl From<PathBuf> for Source {
+    fn from(p: PathBuf) -> Self {
+        Source::Path(p)
+    }
+}
+impl From<&PathBuf> for Source {
+    fn from(p: &PathBuf) -> Self {
+        Source::Path(p.clone())
+    }
+}
+impl<P: AsRef<FsPath>> From<Vec<P>> for Source {
+    fn from(v: Vec<P>) -> Self {
+        Source::Shards(v.iter().map(|p| p.as_ref().to_owned()).collect())
+    }
+}
+impl<P: AsRef<FsPath>> From<&[P]> for Source {
+    fn from(v: &[P]) -> Self {
+        Source::Shards(v.iter().map(|p| p.as_ref().to_owned()).collect())
+    }
+}
+impl<P: AsRef<FsPath>, const N: usize> From<[P; N]> for Source {
+    fn from(v: [P; N]) -> Self {
+        Source::Shards(v.iter().map(|p| p.as_ref().to_owned()).collect())
+    }
+}
+
+/// A parsed `model.safetensors.index.json`.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Index {
+    /// The index file.
+    pub path: PathBuf,
+    /// Its `metadata` (values as JSON text when not strings, e.g. `total_size`).
+    pub metadata: BTreeMap<String, String>,
+    /// Tensor name → shard file name, as the index gives it.
+    pub weight_map: BTreeMap<String, String>,
+}
+
+#[derive(Deserialize)]
+struct RawIndex {
+    #[serde(default)]
+    metadata: Option<serde_json::Map<String, serde_json::Value>>,
+    weight_map: BTreeMap<String, String>,
+}
+
+/// Parses an index file's text. `path` is for errors.
+pub(crate) fn parse_index(path: &FsPath, text: &[u8]) -> Result<Index> {
+    let bad = |p| Error::Checkpoint {
+        file: path.to_owned(),
+        tensor: None,
+        problem: p,
+    };
+    let text = std::str::from_utf8(text).map_err(|e| {
+        bad(Problem::NotUtf8 {
+            at: e.valid_up_to(),
+        })
+    })?;
+    let raw: RawIndex =
+        serde_json::from_str(text).map_err(|e| bad(Problem::InvalidJson(format!("index: {e}"))))?;
+    for (name, shard) in &raw.weight_map {
+        let p = FsPath::new(shard);
+        let plain = p.components().count() == 1
+            && matches!(p.components().next(), Some(std::path::Component::Normal(_)));
+        if !plain {
+            return Err(Error::Checkpoint {
+                file: path.to_owned(),
+                tensor: Some(name.clone()),
+                problem: Problem::InvalidJson(format!(
+                    "weight_map names shard {shard:?}, which is not a file name in the index's directory"
+                )),
+            });
+        }
+    }
+    let metadata = raw
+        .metadata
+        .unwrap_or_default()
+        .into_iter()
+        .map(|(k, v)| {
+            let v = match v {
+                serde_json::Value::String(s) => s,
+                other => other.to_string(),
+            };
+            (k, v)
+        })
+        .collect();
+    Ok(Index {
+        path: path.to_owned(),
+        metadata,
+        weight_map: raw.weight_map,
+    })
+}
+
+/// The files of a checkpoint, in load order, with the index when there is one.
+#[derive(Debug, Clone)]
+pub(crate) struct Resolved {
+    pub files: Vec<PathBuf>,
+    pub index: Option<Index>,
+}
+
+fn read_index(path: &FsPath) -> Result<Resolved> {
+    let text = std::fs::read(path).map_err(|e| Error::io("read", Some(path.to_owned()), e))?;
+    let index = parse_index(path, &text)?;
+    let dir = path.parent().unwrap_or(FsPath::new("."));
+    let mut files: Vec<PathBuf> = Vec::new();
+    let mut seen = HashMap::new();
+    for (name, shard) in &index.weight_map {
+        if seen.contains_key(shard.as_str()) {
+            continue;
+        }
+        let p = dir.join(shard);
+        if !p.is_file() {
+            return Err(Error::Checkpoint {
+                file: path.to_owned(),
+                tensor: Some(name.clone()),
+                problem: Problem::MissingShard {
+                    shard: shard.clone(),
+                },
+            });
+        }
+        seen.insert(shard.as_str(), ());
+        files.push(p);
+    }
+    files.sort();
+    Ok(Resolved {
+        files,
+        index: Some(index),
+    })
+}
+
+/// Finds the files of `src`.
+pub(crate) fn resolve(src: &Source) -> Result<Resolved> {
+    match src {
+        Source::Shards(v) => {
+            if v.is_empty() {
+                return Err(Error::InvalidArgument(
+                    "an empty list of shards: pass at least one .safetensors file".into(),
+                ));
+            }
+            Ok(Resolved {
+                files: v.clone(),
+                index: None,
+            })
+        }
+        Source::Path(p) => {
+            let md = std::fs::metadata(p).map_err(|e| Error::io("stat", Some(p.clone()), e))?;
+            if md.is_dir() {
+                let idx = p.join(INDEX_FILE);
+                if idx.is_file() {
+                    return read_index(&idx);
+                }
+                let single = p.join(SINGLE_FILE);
+                if single.is_file() {
+                    return Ok(Resolved {
+                        files: vec![single],
+                        index: None,
+                    });
+                }
+                let found = std::fs::read_dir(p)
+                    .map_err(|e| Error::io("readdir", Some(p.clone()), e))?
+                    .filter_map(|e| e.ok())
+                    .filter(|e| e.path().extension().is_some_and(|x| x == "safetensors"))
+                    .count();
+                return Err(Error::Checkpoint {
+                    file: p.clone(),
+                    tensor: None,
+                    problem: Problem::NotAModelDirectory { found },
+                });
+            }
+            if p.file_name().is_some_and(|n| n == INDEX_FILE)
+                || p.extension().is_some_and(|x| x == "json")
+            {
+                return read_index(p);
+            }
+            Ok(Resolved {
+                files: vec![p.clone()],
+                index: None,
+            })
+        }
+    }
+}
+
+/// One shard: its path and parsed header.
+#[derive(Debug, Clone)]
+pub(crate) struct Shard {
+    pub path: PathBuf,
+    pub header: Header,
+}
+
+/// Reads every shard's header (in parallel for many shards) and checks the set: names unique
+/// across shards, and the index (when there is one) agreeing with the headers.
+pub(crate) fn read_shards(r: &Resolved) -> Result<Vec<Shard>> {
+    let headers: Vec<Result<Header>> = if r.files.len() <= 2 {
+        r.files.iter().map(|f| header::read(f)).collect()
+    } else {
+        let workers = r.files.len().min(16);
+        let next = std::sync::atomic::AtomicUsize::new(0);
+        let slots: Vec<std::sync::Mutex<Option<Result<Header>>>> = r
+            .files
+            .iter()
+            .map(|_| std::sync::Mutex::new(None))
+            .collect();
+        std::thread::scope(|s| {
+            for _ in 0..workers {
+                s.spawn(|| loop {
+                    let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    let Some(f) = r.files.get(i) else { break };
+                    let h = header::read(f);
+                    *slots[i].lock().unwrap_or_else(|e| e.into_inner()) = Some(h);
+                });
+            }
+        });
+        slots
+            .into_iter()
+            .map(|m| {
+                m.into_inner()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .unwrap_or_else(|| {
+                        Err(Error::InvalidArgument("a header reader stopped".into()))
+                    })
+            })
+            .collect()
+    };
+    let mut shards = Vec::with_capacity(r.files.len());
+    for (path, h) in r.files.iter().zip(headers) {
+        shards.push(Shard {
+            path: path.clone(),
+            header: h?,
+        });
+    }
+    check_set(&shards, r.index.as_ref())?;
+    Ok(shards)
+}
+
+pub(crate) fn check_set(shards: &[Shard], index: Option<&Index>) -> Result<()> {
+    let mut owner: HashMap<&str, usize> = HashMap::new();
+    for (i, s) in shards.iter().enumerate() {
+        for t in &s.header.tensors {
+            if let Some(&j) = owner.get(t.name.as_str()) {
+                return Err(Error::Checkpoint {
+                    file: s.path.clone(),
+                    tensor: Some(t.name.clone()),
+                    problem: Problem::Duplicate {
+                        other: shards[j].path.clone(),
+                    },
+                });
+            }
+            owner.insert(&t.name, i);
+        }
+    }
+    if let Some(idx) = index {
+        for (name, shard) in &idx.weight_map {
+            let ok = owner.get(name.as_str()).is_some_and(|&i| {
+                shards[i]
+                    .path
+                    .file_name()
+                    .is_some_and(|n| n == shard.as_str())
+            });
+            if !ok {
+                let dir = idx.path.parent().unwrap_or(FsPath::new("."));
+                return Err(Error::Checkpoint {
+                    file: dir.join(shard),
+                    tensor: Some(name.clone()),
+                    problem: Problem::NotInShard {
+                        shard: shard.clone(),
+                    },
+                });
+            }
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn index_parses_and_refuses_bad_shard_names() {
+        let p = FsPath::new("/x/model.safetensors.index.json");
+        let i = parse_index(
+            p,
+            br#"{"metadata":{"total_size":24,"format":"pt"},"weight_map":{"a":"s1.safetensors","b":"s2.safetensors"}}"#,
+        )
+        .unwrap();
+        assert_eq!(i.metadata["total_size"], "24");
+        assert_eq!(i.metadata["format"], "pt");
+        assert_eq!(i.weight_map["b"], "s2.safetensors");
+        assert!(parse_index(p, br#"{"weight_map":{}}"#).is_ok());
+        for bad in [
+            &br#"{"weight_map":{"a":"../s1.safetensors"}}"#[..],
+            br#"{"weight_map":{"a":"/etc/passwd"}}"#,
+            br#"{"weight_map":{"a":"d/s.safetensors"}}"#,
+            br#"{"weight_map":{"a":""}}"#,
+            br#"{"metadata":{}}"#,
+            br#"{"weight_map":{"a":1}}"#,
+            b"\xff{}",
+            b"",
+        ] {
+            match parse_index(p, bad) {
+                Err(Error::Checkpoint { file, .. }) => assert_eq!(file, p),
+                other => panic!("{:?}: {other:?}", String::from_utf8_lossy(bad)),
+            }
+        }
+    }
+}
