@@ -1,0 +1,310 @@
+//! The checkpoint room without a GPU: files written by the `safetensors` crate, model
+//! directories with an index, shard lists, filters, and every bad input a load refuses before
+//! touching the device (`LoadOptions::plan` and `inspect` do all of that on the host).
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+use gpudirect::safetensors::{self as st, Dtype, LoadOptions, Problem};
+use gpudirect::Error;
+use rand::{Rng, RngCore, SeedableRng};
+use safetensors::tensor::TensorView;
+
+struct T {
+    name: String,
+    dtype: safetensors::Dtype,
+    shape: Vec<usize>,
+    data: Vec<u8>,
+}
+
+fn tensors(seed: u64, n: usize) -> Vec<T> {
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    let dts = [
+        (safetensors::Dtype::BF16, 2),
+        (safetensors::Dtype::F32, 4),
+        (safetensors::Dtype::I64, 8),
+        (safetensors::Dtype::U8, 1),
+        (safetensors::Dtype::F8_E4M3, 1),
+    ];
+    (0..n)
+        .map(|i| {
+            let (dtype, size) = dts[i % dts.len()];
+            let shape = match i % 4 {
+                0 => vec![],
+                1 => vec![rng.random_range(1..50)],
+                2 => vec![rng.random_range(1..9), rng.random_range(0..9)],
+                _ => vec![3, 5],
+            };
+            let mut data = vec![0u8; shape.iter().product::<usize>() * size];
+            rng.fill_bytes(&mut data);
+            T {
+                name: format!("model.layers.{i}.w"),
+                dtype,
+                shape,
+                data,
+            }
+        })
+        .collect()
+}
+
+fn write(path: &Path, ts: &[T]) {
+    let views: Vec<(String, TensorView<'_>)> = ts
+        .iter()
+        .map(|t| {
+            (
+                t.name.clone(),
+                TensorView::new(t.dtype, t.shape.clone(), &t.data).unwrap(),
+            )
+        })
+        .collect();
+    let md = HashMap::from([("format".to_string(), "pt".to_string())]);
+    safetensors::serialize_to_file(views, Some(md), path).unwrap();
+}
+
+/// A model directory of `shards` files and an index, as transformers writes it.
+fn model_dir(dir: &Path, ts: &[T], shards: usize) -> Vec<PathBuf> {
+    let mut weight_map = serde_json::Map::new();
+    let mut files = Vec::new();
+    for (k, part) in ts.chunks(ts.len().div_ceil(shards)).enumerate() {
+        let name = format!("model-{:05}-of-{shards:05}.safetensors", k + 1);
+        write(&dir.join(&name), part);
+        for t in part {
+            weight_map.insert(t.name.clone(), name.clone().into());
+        }
+        files.push(dir.join(name));
+    }
+    let index = serde_json::json!({"metadata": {"total_size": 1234}, "weight_map": weight_map});
+    std::fs::write(dir.join(safetensors_index()), index.to_string()).unwrap();
+    files
+}
+
+fn safetensors_index() -> &'static str {
+    gpudirect::safetensors::INDEX_FILE
+}
+
+fn problem(e: Error) -> (PathBuf, Option<String>, Problem) {
+    match e {
+        Error::Checkpoint {
+            file,
+            tensor,
+            problem,
+        } => (file, tensor, problem),
+        other => panic!("not a checkpoint error: {other}"),
+    }
+}
+
+#[test]
+fn a_crate_written_file_is_one_read_and_inspects_exactly() {
+    let d = tempfile::tempdir().unwrap();
+    let p = d.path().join("m.safetensors");
+    let ts = tensors(1, 40);
+    write(&p, &ts);
+    let plan = LoadOptions::new().plan(&p).unwrap();
+    let bytes: usize = ts.iter().map(|t| t.data.len()).sum();
+    assert_eq!(
+        (plan.tensors, plan.bytes, plan.files),
+        (40, bytes as u64, 1)
+    );
+    assert_eq!(plan.reads, 1, "{plan:?}");
+    assert_eq!(plan.allocation_bytes, bytes as u64);
+    let file = std::fs::read(&p).unwrap();
+    let shards = st::inspect(&p).unwrap();
+    assert_eq!(shards.len(), 1);
+    let h = &shards[0].1;
+    assert_eq!(h.metadata.get("format").map(String::as_str), Some("pt"));
+    for t in &ts {
+        let i = h.tensors.iter().find(|i| i.name == t.name).unwrap();
+        assert_eq!(i.dtype.as_str(), t.dtype.to_string());
+        assert_eq!(i.shape, t.shape);
+        let o = i.offset as usize;
+        assert_eq!(&file[o..o + i.len as usize], &t.data[..], "{}", t.name);
+    }
+}
+
+#[test]
+fn model_directory_index_and_shard_list() {
+    let d = tempfile::tempdir().unwrap();
+    let ts = tensors(2, 30);
+    let files = model_dir(d.path(), &ts, 3);
+    let all = LoadOptions::new().plan(d.path()).unwrap();
+    assert_eq!((all.tensors, all.files, all.reads), (30, 3, 3));
+    // The index file itself, and the shard list, plan the same.
+    assert_eq!(
+        LoadOptions::new()
+            .plan(d.path().join(safetensors_index()))
+            .unwrap(),
+        all
+    );
+    assert_eq!(LoadOptions::new().plan(files.clone()).unwrap(), all);
+    // A filter reads only what it selects.
+    let f = LoadOptions::new()
+        .filter(["model.layers.1?.w", "model.layers.3.w"])
+        .plan(d.path())
+        .unwrap();
+    assert_eq!(f.tensors, 11);
+    let want: u64 = ts
+        .iter()
+        .filter(|t| {
+            t.name == "model.layers.3.w"
+                || (t.name.len() == 17 && t.name.starts_with("model.layers.1"))
+        })
+        .map(|t| t.data.len() as u64)
+        .sum();
+    assert_eq!(f.bytes, want);
+    assert_eq!(f.bytes + f.skipped_bytes, all.bytes);
+    // Owned mode with a tiny staging buffer: bounded, and every byte still planned.
+    let o = LoadOptions::new()
+        .staging_bytes(256)
+        .plan(d.path())
+        .unwrap();
+    assert!(o.staging_bytes <= 256, "{o:?}");
+    assert!(o.owned_reads >= o.reads);
+}
+
+#[test]
+fn directory_problems_are_named() {
+    let d = tempfile::tempdir().unwrap();
+    let ts = tensors(3, 12);
+    let files = model_dir(d.path(), &ts, 3);
+    // A missing shard: the index and the tensor are named.
+    std::fs::rename(&files[1], d.path().join("moved")).unwrap();
+    let (file, tensor, p) = problem(LoadOptions::new().plan(d.path()).unwrap_err());
+    assert_eq!(file, d.path().join(safetensors_index()));
+    assert!(tensor.is_some());
+    assert!(
+        matches!(p, Problem::MissingShard { ref shard } if shard.ends_with("00002-of-00003.safetensors")),
+        "{p:?}"
+    );
+    std::fs::rename(d.path().join("moved"), &files[1]).unwrap();
+    // The index places a tensor in the wrong shard.
+    let idx = d.path().join(safetensors_index());
+    let text = std::fs::read_to_string(&idx).unwrap();
+    let mut j: serde_json::Value = serde_json::from_str(&text).unwrap();
+    j["weight_map"]["model.layers.0.w"] = "model-00003-of-00003.safetensors".into();
+    std::fs::write(&idx, j.to_string()).unwrap();
+    let (file, tensor, p) = problem(LoadOptions::new().plan(d.path()).unwrap_err());
+    assert_eq!(tensor.as_deref(), Some("model.layers.0.w"));
+    assert_eq!(file, files[2]);
+    assert!(matches!(p, Problem::NotInShard { .. }), "{p:?}");
+    std::fs::write(&idx, &text).unwrap();
+    // Invalid JSON in the index.
+    std::fs::write(&idx, b"{\"weight_map\": ").unwrap();
+    let (file, _, p) = problem(LoadOptions::new().plan(d.path()).unwrap_err());
+    assert_eq!(file, idx);
+    assert!(matches!(p, Problem::InvalidJson(_)));
+    std::fs::remove_file(&idx).unwrap();
+    // No index, no model.safetensors.
+    let (_, _, p) = problem(LoadOptions::new().plan(d.path()).unwrap_err());
+    assert_eq!(p, Problem::NotAModelDirectory { found: 3 });
+    // The same tensor in two shards of a list.
+    let (file, tensor, p) = problem(
+        LoadOptions::new()
+            .plan(vec![files[0].clone(), files[0].clone()])
+            .unwrap_err(),
+    );
+    assert_eq!(file, files[0]);
+    assert!(tensor.is_some());
+    assert!(matches!(p, Problem::Duplicate { .. }));
+    // A filter pattern that matches nothing.
+    let (_, _, p) = problem(
+        LoadOptions::new()
+            .filter(["model.layers.0.w", "lm_head.*"])
+            .plan(files.clone())
+            .unwrap_err(),
+    );
+    assert_eq!(
+        p,
+        Problem::FilterMatchedNothing {
+            filter: "\"lm_head.*\"".into(),
+            tensors: 12
+        }
+    );
+    // A missing file is an I/O error naming it.
+    match LoadOptions::new()
+        .plan(d.path().join("nope.safetensors"))
+        .unwrap_err()
+    {
+        Error::Io { path, .. } => assert_eq!(path, Some(d.path().join("nope.safetensors"))),
+        e => panic!("{e}"),
+    }
+}
+
+#[test]
+fn bad_files_on_disk_name_file_and_tensor() {
+    let d = tempfile::tempdir().unwrap();
+    let p = d.path().join("m.safetensors");
+    let ts = tensors(4, 6);
+    write(&p, &ts);
+    let good = std::fs::read(&p).unwrap();
+    // Truncated: the last tensor in the file is named.
+    std::fs::write(&p, &good[..good.len() - 1]).unwrap();
+    let (file, tensor, pr) = problem(LoadOptions::new().plan(&p).unwrap_err());
+    assert_eq!(file, p);
+    assert!(tensor.is_some());
+    assert!(matches!(pr, Problem::Truncated { .. }), "{pr:?}");
+    let msg = LoadOptions::new().plan(&p).unwrap_err().to_string();
+    assert!(
+        msg.contains("m.safetensors") && msg.contains("tensor") && msg.contains("truncated"),
+        "{msg}"
+    );
+    // Shorter than the length prefix; header length past the file; absurd header length.
+    std::fs::write(&p, &good[..5]).unwrap();
+    assert_eq!(
+        problem(LoadOptions::new().plan(&p).unwrap_err()).2,
+        Problem::TooShort { len: 5 }
+    );
+    let mut b = good.clone();
+    b[..8].copy_from_slice(&(good.len() as u64).to_le_bytes());
+    std::fs::write(&p, &b).unwrap();
+    assert!(matches!(
+        problem(LoadOptions::new().plan(&p).unwrap_err()).2,
+        Problem::HeaderBeyondFile { .. }
+    ));
+    b[..8].copy_from_slice(&u64::MAX.to_le_bytes());
+    std::fs::write(&p, &b).unwrap();
+    assert!(matches!(
+        problem(LoadOptions::new().plan(&p).unwrap_err()).2,
+        Problem::HeaderTooLarge { .. }
+    ));
+    // Trailing bytes.
+    let mut b = good.clone();
+    b.push(0);
+    std::fs::write(&p, &b).unwrap();
+    assert!(matches!(
+        problem(LoadOptions::new().plan(&p).unwrap_err()).2,
+        Problem::TrailingBytes { extra: 1 }
+    ));
+    // A directory given as a shard.
+    assert!(matches!(
+        LoadOptions::new().plan(vec![d.path()]).unwrap_err(),
+        Error::InvalidArgument(_)
+    ));
+}
+
+#[test]
+fn misaligned_tensors_in_the_file_get_aligned_device_offsets() {
+    // U8[3] then F32[2] at file data offset 3: not 4-byte aligned in the file.
+    let header = r#"{"a":{"dtype":"U8","shape":[3],"data_offsets":[0,3]},"b":{"dtype":"F32","shape":[2],"data_offsets":[3,11]},"c":{"dtype":"BF16","shape":[],"data_offsets":[11,13]}}"#;
+    let mut file = (header.len() as u64).to_le_bytes().to_vec();
+    file.extend_from_slice(header.as_bytes());
+    file.extend((0..13u8).map(|i| i * 17 + 3));
+    let d = tempfile::tempdir().unwrap();
+    let p = d.path().join("odd.safetensors");
+    std::fs::write(&p, &file).unwrap();
+    assert!(
+        safetensors::SafeTensors::deserialize(&file).is_ok(),
+        "the format allows it"
+    );
+    let plan = LoadOptions::new().plan(&p).unwrap();
+    // a | b (misaligned: new read at 256) | c (2-aligned after b: same read as b).
+    assert_eq!(
+        (plan.reads, plan.allocation_bytes),
+        (2, 256 + 10),
+        "{plan:?}"
+    );
+    let h = &st::inspect(&p).unwrap()[0].1;
+    assert_eq!(
+        h.tensors.iter().map(|t| t.dtype).collect::<Vec<_>>(),
+        vec![Dtype::U8, Dtype::F32, Dtype::BF16]
+    );
+}
