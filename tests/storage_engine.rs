@@ -342,3 +342,49 @@ fn auto_odirect_reads_cold_ranges_direct_and_cached_ranges_buffered() {
 extern "C" {
     fn posix_fadvise(fd: i32, offset: i64, len: i64, advice: i32) -> i32;
 }
+
+/// Engine worker threads of this process (threads named `gpudirect-io…`).
+fn engine_threads() -> usize {
+    std::fs::read_dir("/proc/self/task")
+        .unwrap()
+        .filter_map(|t| std::fs::read_to_string(t.ok()?.path().join("comm")).ok())
+        .filter(|c| c.starts_with("gpudirect-io"))
+        .count()
+}
+
+/// Issue 9 item 12: one engine per device whatever the thread counts asked for (it was one
+/// permanent engine per distinct `threads(n)`: 821 threads after 39 files), capped, and
+/// released on request.
+#[test]
+fn thread_counts_share_one_bounded_engine_that_can_be_released() {
+    let d = scratch("bounded");
+    let p = d.join("b.bin");
+    let model = random_file(&p, (300 << 10) + 5, 9);
+    for n in 2..=40 {
+        let f = GpuFile::options()
+            .threads(n)
+            .task_size(4096)
+            .odirect(ODirect::Off)
+            .open(&p)
+            .unwrap();
+        let mut buf = vec![0u8; model.len()];
+        assert_eq!(f.pread_host(&mut buf, 0).unwrap().bytes, model.len());
+        assert!(buf == model);
+    }
+    // Other tests of this binary ask for at most 32 workers: the host engine stays at 40.
+    let live = engine_threads();
+    assert!(live <= 40, "{live} engine threads after 39 thread counts");
+    // An absurd count is capped (and a job never gets more workers than it has tasks).
+    let f = GpuFile::options()
+        .threads(usize::MAX)
+        .task_size(4096)
+        .open(&p)
+        .unwrap();
+    let mut buf = vec![0u8; model.len()];
+    assert_eq!(f.pread_host(&mut buf, 0).unwrap().bytes, model.len());
+    assert!(buf == model);
+    assert!(engine_threads() <= 1024);
+    let r = gpudirect::storage::release_engines();
+    assert!(r.threads >= 1, "{r:?}");
+    std::fs::remove_dir_all(&d).unwrap();
+}

@@ -182,8 +182,7 @@ impl GpuFile {
     /// Worker threads the engine uses for this file's transfers to `device` (`None`: host
     /// memory).
     pub fn engine_threads(&self, device: Option<usize>) -> Result<usize> {
-        let pin = self.cfg.numa_pin && device.is_some();
-        Ok(engine::engine(device, self.cfg.threads, pin)?.threads())
+        Ok(self.threads_for(device, false))
     }
 
     /// True when device transfers go through cuFile (its DMA path or, with
@@ -272,23 +271,23 @@ impl GpuFile {
             return Ok(());
         }
         let ctx = crate::cuda::context(device)?;
-        let engine = engine::engine(Some(device), self.cfg.threads, self.cfg.numa_pin)?;
-        engine.prepare_workers(&ctx);
+        let engine = engine::engine(Some(device), self.cfg.numa_pin)?;
+        let threads = self.threads_for(Some(device), false);
+        engine.prepare_workers(&ctx, threads);
         if let Some(p) = self.seg_params() {
-            engine.prepare_segments(&ctx, self.cfg.piece_size(), p)?;
+            engine.prepare_segments(&ctx, self.cfg.piece_size(), p, threads)?;
         }
         Ok(())
     }
 
     /// Worker threads for a job: the configured count, else the default (at least
     /// [`engine::MIN_DIRECT_THREADS`] for O_DIRECT jobs, which wait on the disk).
-    fn threads_for(&self, device: Option<usize>, direct: bool) -> Option<usize> {
+    fn threads_for(&self, device: Option<usize>, direct: bool) -> usize {
+        let pin = self.cfg.numa_pin && device.is_some();
         match (self.cfg.threads, direct) {
-            (Some(n), _) => Some(n),
-            (None, true) => Some(
-                engine::default_threads(device, self.cfg.numa_pin).max(engine::MIN_DIRECT_THREADS),
-            ),
-            (None, false) => None,
+            (Some(n), _) => n.clamp(1, engine::MAX_THREADS),
+            (None, true) => engine::default_threads(device, pin).max(engine::MIN_DIRECT_THREADS),
+            (None, false) => engine::default_threads(device, pin),
         }
     }
 
@@ -345,15 +344,11 @@ impl GpuFile {
                 odirect: false,
             });
         }
-        let engine = engine::engine(Some(ctx.ordinal()), self.cfg.threads, self.cfg.numa_pin)?;
+        let engine = engine::engine(Some(ctx.ordinal()), self.cfg.numa_pin)?;
         let piece = self.cfg.piece_size();
-        let tasks = plan(
-            file_offset,
-            n,
-            piece,
-            Dir::Read,
-            self.read_direct(file_offset, n),
-        );
+        let direct = self.read_direct(file_offset, n);
+        let threads = self.threads_for(Some(ctx.ordinal()), direct);
+        let tasks = plan(file_offset, n, piece, Dir::Read, direct);
         let (dptr, _record) = view.device_ptr_mut(&stream);
         stream
             .synchronize()
@@ -365,7 +360,7 @@ impl GpuFile {
         if let Some(p) = self.seg_params() {
             job = job.with_segments(p);
         }
-        let (bytes, odirect) = engine.run(job)?;
+        let (bytes, odirect) = engine.run(job, threads)?.single()?;
         Ok(IoReport {
             bytes,
             path: self.engine_report(),
@@ -442,7 +437,8 @@ impl GpuFile {
         } else {
             let direct = self.write_direct();
             let dev = Some(ctx.ordinal());
-            let engine = engine::engine(dev, self.threads_for(dev, direct), self.cfg.numa_pin)?;
+            let engine = engine::engine(dev, self.cfg.numa_pin)?;
+            let threads = self.threads_for(dev, direct);
             let piece = self.cfg.piece_size();
             self.prepare_write(direct, file_offset, len)?;
             let tasks = plan(file_offset, len, piece, Dir::Write, direct);
@@ -453,7 +449,7 @@ impl GpuFile {
             // SAFETY: dptr..dptr+len is `src`'s device memory in `ctx`, borrowed for this
             // call; tasks lie within [0, len); Engine::run returns after all copies completed.
             let job = unsafe { Job::new(&self.fds, tasks, piece, Target::DevWrite { ctx, dptr }) };
-            let (bytes, odirect) = engine.run(job)?;
+            let (bytes, odirect) = engine.run(job, threads)?.single()?;
             IoReport {
                 bytes,
                 path: self.engine_report(),
@@ -489,19 +485,15 @@ impl GpuFile {
                 odirect: false,
             });
         }
-        let engine = engine::engine(None, self.cfg.threads, false)?;
+        let engine = engine::engine(None, false)?;
         let piece = self.cfg.task_size;
-        let tasks = plan(
-            file_offset,
-            n,
-            piece,
-            Dir::Read,
-            self.read_direct(file_offset, n),
-        );
+        let direct = self.read_direct(file_offset, n);
+        let threads = self.threads_for(None, direct);
+        let tasks = plan(file_offset, n, piece, Dir::Read, direct);
         // SAFETY: buf is exclusively borrowed for the call and holds len >= n bytes; tasks lie
         // within [0, n).
         let job = unsafe { Job::new(&self.fds, tasks, piece, Target::HostRead(buf.as_mut_ptr())) };
-        let (bytes, odirect) = engine.run(job)?;
+        let (bytes, odirect) = engine.run(job, threads)?.single()?;
         Ok(IoReport {
             bytes,
             path: Self::host_report(),
@@ -516,13 +508,14 @@ impl GpuFile {
         let mut odirect = false;
         if !buf.is_empty() {
             let direct = self.write_direct();
-            let engine = engine::engine(None, self.threads_for(None, direct), false)?;
+            let engine = engine::engine(None, false)?;
+            let threads = self.threads_for(None, direct);
             let piece = self.cfg.task_size;
             self.prepare_write(direct, file_offset, buf.len())?;
             let tasks = plan(file_offset, buf.len(), piece, Dir::Write, direct);
             // SAFETY: buf is borrowed for the call; tasks lie within [0, len).
             let job = unsafe { Job::new(&self.fds, tasks, piece, Target::HostWrite(buf.as_ptr())) };
-            odirect = engine.run(job)?.1;
+            odirect = engine.run(job, threads)?.single()?.1;
         }
         if self.durable {
             self.sync_all()?;

@@ -50,6 +50,33 @@ pub fn default_threads(device: Option<usize>) -> usize {
     engine::default_threads(device, true)
 }
 
+/// What [`release_engines`] gave back.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
+#[non_exhaustive]
+pub struct Released {
+    /// Engine worker threads stopped.
+    pub threads: usize,
+    /// Bytes of staging memory (page-locked or mapped) freed.
+    pub ring_bytes: usize,
+}
+
+/// Gives back what the engine holds between transfers: stops its worker threads and frees its
+/// pinned staging memory (waiting for transfers in progress first). Nothing else changes: the
+/// next transfer starts the workers again and pins as it reads, without a warm-up pause.
+///
+/// The engine also does this by itself after `GPUDIRECT_ENGINE_IDLE_MS` milliseconds without a
+/// transfer (default 5000; `0` keeps threads and memory for the life of the process). There is
+/// at most one engine per GPU (and one for host memory), whatever the thread counts asked for:
+/// a transfer asks for its number of workers and the engine grows to the largest number asked
+/// (at most 1024).
+pub fn release_engines() -> Released {
+    let r = engine::release_all();
+    Released {
+        threads: r.threads,
+        ring_bytes: r.ring_bytes,
+    }
+}
+
 /// The NUMA node of a GPU (from `/sys/bus/pci/devices/<bus id>/numa_node`), when the platform
 /// reports one; the engine pins that device's workers there.
 pub fn gpu_numa_node(ordinal: usize) -> Option<u32> {

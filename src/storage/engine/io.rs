@@ -152,6 +152,47 @@ fn open_direct(f: &File, path: &FsPath, write: bool) -> io::Result<File> {
     Ok(d)
 }
 
+/// One positional read (`pread(2)`), the seam the read loops are tested through.
+pub(crate) trait PositionalRead {
+    /// Reads at most `len` bytes at `off` into `buf`.
+    ///
+    /// # Safety
+    /// `buf` must be valid for writes of `len` bytes.
+    unsafe fn pread_once(&self, buf: *mut u8, len: usize, off: u64) -> io::Result<usize>;
+}
+
+impl PositionalRead for File {
+    unsafe fn pread_once(&self, buf: *mut u8, len: usize, off: u64) -> io::Result<usize> {
+        if off > i64::MAX as u64 {
+            return Err(io::Error::from_raw_os_error(libc::EOVERFLOW));
+        }
+        // SAFETY: the caller guarantees buf[..len] is writable.
+        let r = unsafe { libc::pread(self.as_raw_fd(), buf.cast(), len, off as libc::off_t) };
+        if r < 0 {
+            Err(io::Error::last_os_error())
+        } else {
+            Ok(r as usize)
+        }
+    }
+}
+
+/// Reads until `len` bytes or a read returns 0 (end of file); EINTR retried. Returns the
+/// bytes read (short only at end of file).
+fn read_loop(fd: &impl PositionalRead, buf: *mut u8, len: usize, off: u64) -> io::Result<usize> {
+    let mut done = 0usize;
+    while done < len {
+        let n = (len - done).min(MAX_IO_PER_CALL);
+        // SAFETY: the caller of the pub fns guarantees buf[..len] is writable; done + n <= len.
+        match unsafe { fd.pread_once(buf.wrapping_add(done), n, off + done as u64) } {
+            Ok(0) => break,
+            Ok(r) => done += r,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(done)
+}
+
 /// `pread` until `len` bytes or end of file; EINTR retried. Returns the bytes read (short only
 /// at end of file).
 ///
@@ -163,38 +204,48 @@ pub(crate) unsafe fn pread_full(
     len: usize,
     off: u64,
 ) -> io::Result<usize> {
+    read_loop(fd, buf, len, off)
+}
+
+/// An O_DIRECT read of the aligned span `[off, off + len)` into aligned `buf`, finished
+/// through `buffered` (the same file without O_DIRECT) when the direct descriptor returns a
+/// count that is not a multiple of [`DIRECT_ALIGN`]: such a short read is end of file on most
+/// filesystems, but some (NFS, FUSE) return short direct reads before the end, and the next
+/// O_DIRECT read at the unaligned position would fail. Short only at end of file.
+///
+/// # Safety
+/// `buf` must be valid for writes of `len` bytes for the duration of the call.
+pub(crate) unsafe fn pread_direct_full(
+    direct: &impl PositionalRead,
+    buffered: &impl PositionalRead,
+    buf: *mut u8,
+    len: usize,
+    off: u64,
+) -> io::Result<usize> {
     let mut done = 0usize;
     while done < len {
-        let n = (len - done).min(MAX_IO_PER_CALL);
-        let pos = off + done as u64;
-        if pos > i64::MAX as u64 {
-            return Err(io::Error::from_raw_os_error(libc::EOVERFLOW));
-        }
-        // SAFETY: the caller guarantees buf[..len] is writable; done + n <= len.
-        let r = unsafe { libc::pread(fd.as_raw_fd(), buf.add(done).cast(), n, pos as libc::off_t) };
-        if r < 0 {
-            let e = io::Error::last_os_error();
-            if e.kind() == io::ErrorKind::Interrupted {
-                continue;
+        let n = (len - done).min(MAX_IO_PER_CALL / DIRECT_ALIGN * DIRECT_ALIGN);
+        // SAFETY: buf[..len] is writable (contract); done + n <= len.
+        match unsafe { direct.pread_once(buf.wrapping_add(done), n, off + done as u64) } {
+            Ok(0) => return Ok(done),
+            Ok(r) => {
+                done += r;
+                if !r.is_multiple_of(DIRECT_ALIGN) {
+                    // Unaligned position now: the rest (if any) through the page cache.
+                    let rest = read_loop(
+                        buffered,
+                        buf.wrapping_add(done),
+                        len - done,
+                        off + done as u64,
+                    )?;
+                    return Ok(done + rest);
+                }
             }
-            return Err(e);
-        }
-        if r == 0 {
-            break;
-        }
-        done += r as usize;
-        // An O_DIRECT read that stops short of an aligned count is at end of file.
-        if (r as usize) < n && !(r as usize).is_multiple_of(DIRECT_ALIGN) && is_direct(fd) {
-            break;
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
         }
     }
     Ok(done)
-}
-
-fn is_direct(fd: &File) -> bool {
-    // SAFETY: F_GETFL takes no pointer.
-    let fl = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_GETFL) };
-    fl >= 0 && fl & libc::O_DIRECT != 0
 }
 
 /// `pwrite` all `len` bytes; EINTR retried; a zero-byte write is an error.
@@ -302,5 +353,110 @@ pub(crate) fn page_size() -> usize {
         p as usize
     } else {
         4096
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::cell::Cell;
+
+    /// A file of `data`; reads at or past `short_at` (while `shorts` remain) return a short,
+    /// unaligned count although the file goes on (what some NFS/FUSE O_DIRECT reads do).
+    struct Fake<'a> {
+        data: &'a [u8],
+        short_at: u64,
+        shorts: Cell<usize>,
+        direct: bool,
+    }
+
+    impl PositionalRead for Fake<'_> {
+        unsafe fn pread_once(&self, buf: *mut u8, len: usize, off: u64) -> io::Result<usize> {
+            if self.direct
+                && (!off.is_multiple_of(DIRECT_ALIGN as u64) || !len.is_multiple_of(DIRECT_ALIGN))
+            {
+                return Err(io::Error::from_raw_os_error(libc::EINVAL));
+            }
+            let off = off as usize;
+            if off >= self.data.len() {
+                return Ok(0);
+            }
+            let mut n = len.min(self.data.len() - off);
+            if off as u64 >= self.short_at && self.shorts.get() > 0 {
+                self.shorts.set(self.shorts.get() - 1);
+                n = n.min(1000);
+            }
+            // SAFETY: buf holds len >= n bytes (contract).
+            unsafe { std::ptr::copy_nonoverlapping(self.data[off..].as_ptr(), buf, n) };
+            Ok(n)
+        }
+    }
+
+    /// Issue 9 (smaller findings): a short O_DIRECT read before end of file must not be taken
+    /// as end of file.
+    #[test]
+    fn a_short_direct_read_before_the_end_is_finished_not_truncated() {
+        let data: Vec<u8> = (0..64 * 1024u32).map(|i| (i * 7 + 3) as u8).collect();
+        for (short_at, shorts) in [(0u64, 1usize), (8192, 1), (8192, 3), (u64::MAX, 0)] {
+            let direct = Fake {
+                data: &data,
+                short_at,
+                shorts: Cell::new(shorts),
+                direct: true,
+            };
+            let buffered = Fake {
+                data: &data,
+                short_at,
+                shorts: Cell::new(shorts),
+                direct: false,
+            };
+            let mut buf = vec![0u8; 32 * 1024];
+            // SAFETY: buf holds its length.
+            let got =
+                unsafe { pread_direct_full(&direct, &buffered, buf.as_mut_ptr(), buf.len(), 4096) }
+                    .unwrap();
+            assert_eq!(got, buf.len(), "short_at {short_at} shorts {shorts}");
+            assert!(buf[..] == data[4096..4096 + buf.len()], "data differs");
+        }
+        // Real end of file: short, and correct up to it.
+        let direct = Fake {
+            data: &data[..10_000],
+            short_at: u64::MAX,
+            shorts: Cell::new(0),
+            direct: true,
+        };
+        let buffered = Fake {
+            data: &data[..10_000],
+            short_at: u64::MAX,
+            shorts: Cell::new(0),
+            direct: false,
+        };
+        let mut buf = vec![0u8; 16 * 1024];
+        // SAFETY: buf holds its length.
+        let got = unsafe { pread_direct_full(&direct, &buffered, buf.as_mut_ptr(), buf.len(), 0) }
+            .unwrap();
+        assert_eq!(got, 10_000);
+        assert!(buf[..10_000] == data[..10_000]);
+    }
+
+    #[test]
+    fn buffered_reads_loop_over_short_counts() {
+        let data: Vec<u8> = (0..50_000u32).map(|i| (i % 251) as u8).collect();
+        let f = Fake {
+            data: &data,
+            short_at: 0,
+            shorts: Cell::new(10),
+            direct: false,
+        };
+        let mut buf = vec![0u8; 40_000];
+        assert_eq!(
+            read_loop(&f, buf.as_mut_ptr(), buf.len(), 5).unwrap(),
+            40_000
+        );
+        assert!(buf[..] == data[5..40_005]);
+        assert_eq!(
+            read_loop(&f, buf.as_mut_ptr(), buf.len(), 49_000).unwrap(),
+            1000
+        );
     }
 }

@@ -1,23 +1,30 @@
-//! gpudirect's parallel POSIX engine: file ↔ host or device memory through a persistent pool
-//! of workers, each with two pinned bounce buffers and its own CUDA stream, so that the file
-//! IO of one piece overlaps the DMA of the previous one.
+//! gpudirect's parallel POSIX engine: files ↔ host or device memory through one pool of workers
+//! per device, so that the file IO of one piece overlaps the DMA of the previous one.
 //!
-//! - **Planning** ([`plan`]): the range is cut at multiples of the piece size
+//! - **Jobs** ([`Job`]): any number of files and buffers; each task is a piece of one file
+//!   landing in (or coming from) one buffer, and belongs to one *item* (the caller's unit of
+//!   success: a file IO error fails its item, a CUDA error fails the job).
+//! - **Planning** ([`plan`]): an item's range is cut at multiples of the piece size
 //!   (`min(task size, bounce size)`) in file-offset space, so every piece's aligned span fits a
-//!   bounce buffer; workers pull pieces from a shared counter (load balancing).
-//! - **Reads to the GPU**: `pread` into bounce buffer A, `cuMemcpyHtoDAsync` on the worker's
-//!   stream, event on A; next piece into B while A's copy runs; wait for A's event only
-//!   before reusing it.
-//! - **Writes from the GPU**: `cuMemcpyDtoHAsync` of piece k+1 is enqueued before `pwrite` of
-//!   piece k.
-//! - **O_DIRECT**: reads over-read the aligned span into the aligned bounce buffer; writes
-//!   send unaligned heads and tails through the page cache. EINVAL from an O_DIRECT call
-//!   switches the file to buffered IO for good.
-//! - **Placement**: workers of a device's pool are pinned to the CPUs of the GPU's NUMA node
-//!   and allocate (first touch) their bounce buffers there.
+//!   bounce buffer; workers pull pieces from a shared counter, in order (load balancing).
 //! - **Segments** ([`segment`], the default for reads to the GPU): workers `pread` into
-//!   disjoint slices of a ring of large pinned segments and one copy per full segment is
-//!   issued on a dedicated copy stream: few large DMA transfers instead of many small ones.
+//!   disjoint spans of a ring of large pinned segments; one copy per run of payload contiguous
+//!   in the segment and in one destination buffer is issued on a dedicated copy stream.
+//! - **Lanes** (reads with [`Pipeline::Lanes`](crate::storage::Pipeline::Lanes), and writes
+//!   from the GPU): each worker double-buffers two pinned bounce buffers on its own stream;
+//!   writes enqueue `cuMemcpyDtoHAsync` of piece k+1 before `pwrite` of piece k.
+//! - **O_DIRECT**: reads over-read the aligned span into aligned memory; writes send unaligned
+//!   heads and tails through the page cache. EINVAL from an O_DIRECT call switches the file to
+//!   buffered IO for good. A short O_DIRECT read finishes through the page cache (it is not
+//!   taken as end of file).
+//! - **Placement**: workers of a device's pool are pinned to the CPUs of the GPU's NUMA node
+//!   and fault in (first touch) the memory they stage through.
+//! - **Bounded, lazy, releasable**: one engine per device (and one for host memory), created on
+//!   first use; a job asks for `n` workers and the pool grows to the largest `n` asked (at most
+//!   [`MAX_THREADS`]); threads start after the job is published; pinned memory is faulted in by
+//!   the reads and page-locked slot by slot as the job goes. [`release_all`] stops the workers
+//!   and frees every pinned byte; engines idle for `GPUDIRECT_ENGINE_IDLE_MS` (default 5000)
+//!   do the same by themselves.
 //! - Every stream is synchronized before a job returns: no copy outlives the call.
 
 pub(crate) mod bounce;
@@ -29,7 +36,8 @@ pub(crate) mod segment;
 pub(crate) mod worker;
 
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock, Weak};
+use std::time::Duration;
 
 use cudarc::driver::{sys, CudaContext};
 
@@ -37,10 +45,32 @@ use crate::error::{Error, Result};
 use crate::storage::config::DIRECT_ALIGN;
 use io::Fds;
 use plan::{direct_read_span, Task};
-use pool::Pool;
+use pool::{Pool, PoolConfig};
 use worker::WorkerState;
 
-/// Where the bytes of a job go to or come from.
+/// The most workers one engine runs (the cap of `GPUDIRECT_NTHREADS` and
+/// `GpuFileOptions::threads`).
+pub(crate) const MAX_THREADS: usize = 1024;
+
+/// One buffer of a job.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum Mem {
+    /// Host memory at this address.
+    Host(*mut u8),
+    /// Device memory of the job's context at this address.
+    Dev(sys::CUdeviceptr),
+}
+
+/// The direction of a job.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Op {
+    /// File → memory.
+    Read,
+    /// Memory → file.
+    Write,
+}
+
+/// Where the bytes of a one-buffer job go to or come from.
 pub(crate) enum Target {
     /// Host memory, file → memory.
     HostRead(*mut u8),
@@ -58,15 +88,19 @@ pub(crate) enum Target {
     },
 }
 
-/// One transfer in flight: the plan, the target and the results per task.
+/// One transfer in flight: the files, the buffers, the plan and the results per task and item.
 pub(crate) struct Job<'a> {
-    fds: &'a Fds,
+    files: Vec<&'a Fds>,
     tasks: Vec<Task>,
     piece: usize,
-    target: Target,
+    op: Op,
+    ctx: Option<Arc<CudaContext>>,
+    bufs: Vec<Mem>,
     next: AtomicUsize,
     abort: AtomicBool,
     error: Mutex<Option<Error>>,
+    item_failed: Vec<AtomicBool>,
+    item_errors: Mutex<Vec<(usize, Error)>>,
     done: Vec<AtomicUsize>,
     used_direct: AtomicBool,
     seg: Option<SegParams>,
@@ -83,35 +117,94 @@ pub(crate) struct SegParams {
     pub streams: usize,
 }
 
-// SAFETY: the raw pointers in `target` address the caller's buffer, which outlives the job
-// (the caller blocks in `Engine::run`); tasks cover disjoint ranges and each task is taken by
-// exactly one worker (atomic counter), so no two threads touch the same bytes.
+// SAFETY: the raw pointers in `bufs` address the caller's buffers, which outlive the job (the
+// caller blocks in `Engine::run`); tasks cover disjoint ranges of them and each task is taken
+// by exactly one worker (atomic counter), so no two threads touch the same bytes. The files are
+// shared read-only (`pread`/`pwrite` take `&File`).
 unsafe impl Sync for Job<'_> {}
 
+/// What a job did, per item.
+#[derive(Debug)]
+pub(crate) struct ItemOutcome {
+    /// Bytes moved as a contiguous prefix of the item's range (a task that came up short ends
+    /// it: end of file).
+    pub prefix: usize,
+    /// Every task of the item moved all its bytes.
+    pub complete: bool,
+    /// The item's file error, if one happened.
+    pub error: Option<Error>,
+}
+
+/// What a job did.
+#[derive(Debug)]
+pub(crate) struct Outcome {
+    pub items: Vec<ItemOutcome>,
+    /// Whether any byte went through O_DIRECT.
+    pub odirect: bool,
+    /// Host→device copies issued (segment pipeline).
+    #[allow(dead_code)] // reported by the batch API
+    pub copies: usize,
+}
+
 impl<'a> Job<'a> {
-    /// A job over `tasks`; `piece` is the bounce-buffer size the plan was made for.
+    /// A one-file, one-buffer, one-item job over `tasks`; `piece` is the bounce-buffer size the
+    /// plan was made for.
     ///
     /// # Safety
     /// The pointers in `target` must be valid (for writes for `HostRead`, reads for
     /// `HostWrite`, device memory of `ctx` for the device targets) for every task's
     /// `[buf_off, buf_off + len)`, until [`Engine::run`] returns.
     pub unsafe fn new(fds: &'a Fds, tasks: Vec<Task>, piece: usize, target: Target) -> Self {
+        let (op, ctx, mem) = match target {
+            Target::HostRead(p) => (Op::Read, None, Mem::Host(p)),
+            Target::HostWrite(p) => (Op::Write, None, Mem::Host(p.cast_mut())),
+            Target::DevRead { ctx, dptr } => (Op::Read, Some(ctx), Mem::Dev(dptr)),
+            Target::DevWrite { ctx, dptr } => (Op::Write, Some(ctx), Mem::Dev(dptr)),
+        };
+        // SAFETY: forwarded contract.
+        unsafe { Self::batch(vec![fds], vec![mem], 1, tasks, piece, op, ctx) }
+    }
+
+    /// A job over several files and buffers: task `t` moves `[t.file_off, + t.len)` of
+    /// `files[t.file]` to or from `[t.buf_off, + t.len)` of `bufs[t.buf]`, for item `t.item`
+    /// (`< items`). Host buffers of a write job are only read.
+    ///
+    /// # Safety
+    /// Every task's buffer range must be valid memory (writable for reads, readable for writes;
+    /// device memory of `ctx` for [`Mem::Dev`]) until [`Engine::run`] returns, and the ranges of
+    /// a read job's tasks must not overlap.
+    pub unsafe fn batch(
+        files: Vec<&'a Fds>,
+        bufs: Vec<Mem>,
+        items: usize,
+        tasks: Vec<Task>,
+        piece: usize,
+        op: Op,
+        ctx: Option<Arc<CudaContext>>,
+    ) -> Self {
+        debug_assert!(tasks.iter().all(|t| (t.file as usize) < files.len()
+            && (t.buf as usize) < bufs.len()
+            && (t.item as usize) < items));
         let done = tasks.iter().map(|_| AtomicUsize::new(0)).collect();
         Job {
-            fds,
+            files,
             tasks,
             piece,
-            target,
+            op,
+            ctx,
+            bufs,
             next: AtomicUsize::new(0),
             abort: AtomicBool::new(false),
             error: Mutex::new(None),
+            item_failed: (0..items).map(|_| AtomicBool::new(false)).collect(),
+            item_errors: Mutex::new(Vec::new()),
             done,
             used_direct: AtomicBool::new(false),
             seg: None,
         }
     }
 
-    /// Runs a device read through the segment pipeline (ignored for other targets).
+    /// Runs a device read through the segment pipeline (ignored for other jobs).
     pub fn with_segments(mut self, p: SegParams) -> Self {
         self.seg = Some(p);
         self
@@ -129,6 +222,7 @@ impl<'a> Job<'a> {
         self.tasks.get(i).map(|t| (i, *t))
     }
 
+    /// Fails the whole job (a CUDA error, a bug): every worker stops.
     fn fail(&self, e: Error) {
         self.abort.store(true, Ordering::Relaxed);
         let mut g = self.error.lock().unwrap_or_else(|p| p.into_inner());
@@ -137,35 +231,143 @@ impl<'a> Job<'a> {
         }
     }
 
-    /// The outcome: bytes moved as a contiguous prefix of the range (a task that came up short
-    /// ends it: end of file), and whether any byte went through O_DIRECT.
-    fn outcome(self) -> Result<(usize, bool)> {
+    fn item_failed(&self, item: u32) -> bool {
+        self.item_failed[item as usize].load(Ordering::Relaxed)
+    }
+
+    /// Records a file error for `item` (its other tasks are skipped; other items go on).
+    /// Errors other than file IO fail the job: returned for the caller to propagate.
+    fn fail_item(&self, item: u32, e: Error) -> Result<()> {
+        if !matches!(e, Error::Io { .. }) {
+            return Err(e);
+        }
+        if !self.item_failed[item as usize].swap(true, Ordering::Relaxed) {
+            self.item_errors
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .push((item as usize, e));
+        }
+        Ok(())
+    }
+
+    fn fds(&self, t: &Task) -> &Fds {
+        self.files[t.file as usize]
+    }
+
+    fn dev_ptr(&self, buf: u32, off: usize) -> Result<sys::CUdeviceptr> {
+        match self.bufs[buf as usize] {
+            Mem::Dev(p) => Ok(p + off as u64),
+            Mem::Host(_) => Err(internal("a host buffer in a device copy")),
+        }
+    }
+
+    /// Reads task `t` into the span that starts at `span` (an O_DIRECT task: its aligned
+    /// over-read span, `span` aligned; a buffered one: its payload). Returns the payload bytes,
+    /// which start at `span + head` for tasks planned direct (also when they fall back to
+    /// buffered IO) and at `span` otherwise; short only at end of file.
+    ///
+    /// # Safety
+    /// `span` must be writable for the task's span length ([`direct_read_span`] for direct
+    /// tasks, `t.len` otherwise) and not be touched by anyone else during the call.
+    unsafe fn read_span(&self, t: &Task, span: *mut u8) -> Result<usize> {
+        let fds = self.fds(t);
+        if !t.direct {
+            // SAFETY: span holds t.len bytes (contract).
+            return unsafe { io::pread_full(&fds.buffered, span, t.len, t.file_off) }
+                .map_err(|e| fds.err("pread", e));
+        }
+        let (io_off, io_len, head) = direct_read_span(t);
+        if let Some(d) = fds.direct() {
+            debug_assert_eq!(span as usize % DIRECT_ALIGN, 0);
+            // SAFETY: span holds io_len bytes (contract).
+            match unsafe { io::pread_direct_full(d, &fds.buffered, span, io_len, io_off) } {
+                Ok(got) => {
+                    self.used_direct.store(true, Ordering::Relaxed);
+                    return Ok(got.saturating_sub(head).min(t.len));
+                }
+                Err(e) if is_einval(&e) => {
+                    tracing::debug!(path = %fds.path.display(), "O_DIRECT read refused (EINVAL); using buffered IO");
+                    fds.direct_broken.store(true, Ordering::Relaxed);
+                }
+                Err(e) => return Err(fds.err("pread", e)),
+            }
+        }
+        // SAFETY: span + head + t.len <= span + io_len (the payload lies inside its span).
+        unsafe { io::pread_full(&fds.buffered, span.add(head), t.len, t.file_off) }
+            .map_err(|e| fds.err("pread", e))
+    }
+
+    /// The outcome per item, or the job's error.
+    fn outcome(self, copies: usize) -> Result<Outcome> {
         if let Some(e) = self.error.into_inner().unwrap_or_else(|p| p.into_inner()) {
             return Err(e);
         }
-        let mut total = 0usize;
+        let mut items: Vec<ItemOutcome> = (0..self.item_failed.len())
+            .map(|_| ItemOutcome {
+                prefix: 0,
+                complete: true,
+                error: None,
+            })
+            .collect();
+        let mut in_prefix = vec![true; items.len()];
         for (t, d) in self.tasks.iter().zip(&self.done) {
-            let d = d.load(Ordering::Relaxed);
-            total += d;
+            let (d, k) = (d.load(Ordering::Relaxed), t.item as usize);
+            if in_prefix[k] {
+                items[k].prefix += d;
+            }
             if d < t.len {
-                break;
+                in_prefix[k] = false;
+                items[k].complete = false;
             }
         }
-        Ok((total, self.used_direct.load(Ordering::Relaxed)))
+        for (k, e) in self
+            .item_errors
+            .into_inner()
+            .unwrap_or_else(|p| p.into_inner())
+        {
+            items[k].complete = false;
+            items[k].error = Some(e);
+        }
+        Ok(Outcome {
+            items,
+            odirect: self.used_direct.load(Ordering::Relaxed),
+            copies,
+        })
     }
 }
 
-/// A pool of workers for one device (or for host memory only).
+impl Outcome {
+    /// For a one-item job: `(bytes moved as a prefix, used O_DIRECT)`, or the item's error.
+    pub fn single(mut self) -> Result<(usize, bool)> {
+        let it = self.items.swap_remove(0);
+        match it.error {
+            Some(e) => Err(e),
+            None => Ok((it.prefix, self.odirect)),
+        }
+    }
+}
+
+fn internal(what: &str) -> Error {
+    Error::Io {
+        op: "IO engine",
+        path: None,
+        source: std::io::Error::other(format!("{what} (a bug in gpudirect: please report it)")),
+    }
+}
+
+fn panicked() -> Error {
+    internal("an IO worker panicked")
+}
+
+/// A pool of workers for one device (or for host memory only) and its pinned ring.
 pub(crate) struct Engine {
     pool: Pool,
-    inline: Mutex<WorkerState>,
     seg: Mutex<Option<segment::SegRes>>,
 }
 
 #[derive(Clone, PartialEq, Eq)]
 struct Key {
     device: Option<usize>,
-    threads: usize,
     numa_pin: bool,
 }
 
@@ -200,21 +402,30 @@ pub(crate) fn default_threads(device: Option<usize>, numa_pin: bool) -> usize {
 /// least this many, because for them threads are queue depth, not CPU.
 pub(crate) const MIN_DIRECT_THREADS: usize = 32;
 
-/// The process-wide engine for `device` (`None`: host memory only) with `threads` workers;
-/// created on first use and kept for the life of the process.
-pub(crate) fn engine(
-    device: Option<usize>,
-    threads: Option<usize>,
-    numa_pin: bool,
-) -> Result<Arc<Engine>> {
-    let threads = threads
-        .unwrap_or_else(|| default_threads(device, numa_pin))
-        .max(1);
-    let key = Key {
-        device,
-        threads,
-        numa_pin,
-    };
+/// How long an engine waits without a job before it frees its threads and pinned memory
+/// (`GPUDIRECT_ENGINE_IDLE_MS`, default 5000; `0`: never). Read once per process.
+pub(crate) fn idle_timeout() -> Option<Duration> {
+    static IDLE: OnceLock<Option<Duration>> = OnceLock::new();
+    *IDLE.get_or_init(|| {
+        let ms = match std::env::var("GPUDIRECT_ENGINE_IDLE_MS") {
+            Ok(v) => match v.trim().parse::<u64>() {
+                Ok(ms) => ms,
+                Err(_) => {
+                    tracing::warn!(value = %v, "GPUDIRECT_ENGINE_IDLE_MS is not a number of milliseconds; using 5000");
+                    5000
+                }
+            },
+            Err(_) => 5000,
+        };
+        (ms > 0).then(|| Duration::from_millis(ms))
+    })
+}
+
+/// The process-wide engine for `device` (`None`: host memory only), created on first use (no
+/// thread starts until its first job). At most one per device and pinning choice.
+pub(crate) fn engine(device: Option<usize>, numa_pin: bool) -> Result<Arc<Engine>> {
+    let numa_pin = numa_pin && device.is_some();
+    let key = Key { device, numa_pin };
     let mut reg = registry().lock().unwrap_or_else(|p| p.into_inner());
     if let Some((_, e)) = reg.iter().find(|(k, _)| *k == key) {
         return Ok(e.clone());
@@ -224,57 +435,89 @@ pub(crate) fn engine(
         Some(d) => format!("gpudirect-io{d}"),
         None => "gpudirect-io".to_string(),
     };
-    let pool = Pool::new(threads, &name, move |_| {
-        if !cpus.is_empty() && !numa::pin_current_thread(&cpus) {
-            tracing::debug!("could not pin an IO worker to the GPU's NUMA node");
+    let e = Arc::new_cyclic(|weak: &Weak<Engine>| {
+        let mut cfg = PoolConfig::new(name, MAX_THREADS);
+        cfg.idle = idle_timeout();
+        cfg.init = Arc::new(move |_| {
+            if !cpus.is_empty() && !numa::pin_current_thread(&cpus) {
+                tracing::debug!("could not pin an IO worker to the GPU's NUMA node");
+            }
+        });
+        let weak = weak.clone();
+        cfg.on_idle = Some(Box::new(move || {
+            if let Some(e) = weak.upgrade() {
+                // A job that holds the ring keeps it; the next idle period frees it.
+                if let Ok(mut g) = e.seg.try_lock() {
+                    drop(g.take());
+                }
+            }
+        }));
+        Engine {
+            pool: Pool::new(cfg),
+            seg: Mutex::new(None),
         }
-    })
-    .map_err(|e| Error::io("spawn IO worker", None, e))?;
-    let e = Arc::new(Engine {
-        pool,
-        inline: Mutex::new(WorkerState::new(usize::MAX)),
-        seg: Mutex::new(None),
     });
     reg.push((key, e.clone()));
     Ok(e)
 }
 
-impl Engine {
-    /// Worker threads in this engine.
-    pub fn threads(&self) -> usize {
-        self.pool.threads()
-    }
+/// What [`release_all`] gave back.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub(crate) struct Released {
+    /// Worker threads stopped.
+    pub threads: usize,
+    /// Bytes of host memory unmapped (page-locked or not).
+    pub ring_bytes: usize,
+}
 
-    /// Runs `job` to completion: `(bytes, used O_DIRECT)`. A one-task job runs on the calling
-    /// thread; larger ones on every worker.
-    pub fn run(&self, job: Job<'_>) -> Result<(usize, bool)> {
-        if job.tasks.is_empty() {
-            return Ok((0, false));
+/// Stops every engine's workers (waiting for running jobs) and frees their pinned memory. The
+/// engines stay usable: the next job starts them again.
+pub(crate) fn release_all() -> Released {
+    let engines: Vec<Arc<Engine>> = registry()
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .iter()
+        .map(|(_, e)| e.clone())
+        .collect();
+    let mut r = Released::default();
+    for e in engines {
+        r.threads += e.pool.live_threads();
+        e.pool.shutdown();
+        let mut g = e.seg.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(s) = g.take() {
+            r.ring_bytes += s.bytes();
         }
-        if let (Some(p), Target::DevRead { ctx, dptr }) = (job.seg, &job.target) {
-            if job.tasks.len() > 1 {
-                let (ctx, dptr) = (ctx.clone(), *dptr);
-                return self.run_segments(job, &ctx, dptr, p);
-            }
-        }
-        if job.tasks.len() == 1 {
-            let mut ws = self.inline.lock().unwrap_or_else(|p| p.into_inner());
-            work(&mut ws, &job);
-        } else if !self.pool.run(&|ws: &mut WorkerState| work(ws, &job)) {
-            job.fail(Error::Io {
-                op: "IO worker",
-                path: Some(job.fds.path.clone()),
-                source: std::io::Error::other(
-                    "an IO worker panicked (a bug in gpudirect: please report it)",
-                ),
-            });
-        }
-        job.outcome()
     }
+    r
 }
 
 impl Engine {
-    /// Sets up (or reuses) this engine's segment ring for `ctx`, with no job running.
+    /// Runs `job` to completion on up to `threads` workers. A host job of one task runs on the
+    /// calling thread.
+    pub fn run(&self, job: Job<'_>, threads: usize) -> Result<Outcome> {
+        if job.tasks.is_empty() {
+            return job.outcome(0);
+        }
+        let threads = threads.clamp(1, MAX_THREADS).min(job.tasks.len());
+        if job.op == Op::Read && job.ctx.is_some() {
+            if let Some(p) = job.seg {
+                return self.run_segments(job, p, threads);
+            }
+        }
+        if job.tasks.len() == 1 && job.ctx.is_none() {
+            // Host memory only: no copy can be in flight when this unwinds.
+            let mut ws = WorkerState::new(usize::MAX);
+            work(&mut ws, &job);
+        } else if !self
+            .pool
+            .run(threads, &|ws: &mut WorkerState| work(ws, &job))
+        {
+            job.fail(panicked());
+        }
+        job.outcome(0)
+    }
+
+    /// Sets up (or reuses, or grows) this engine's segment ring for `ctx`, with no job running.
     fn seg_res<'g>(
         &self,
         g: &'g mut Option<segment::SegRes>,
@@ -286,74 +529,78 @@ impl Engine {
             .as_ref()
             .is_some_and(|r| r.fits(ctx, seg_bytes, p.segments, p.streams))
         {
+            let shape = match g.as_ref() {
+                Some(r) if r.fits(ctx, 0, 0, 0) => r.grown(seg_bytes, p.segments, p.streams),
+                _ => (seg_bytes, p.segments, p.streams),
+            };
             // The old ring's copies were drained when its last job ended.
             *g = None;
             ctx.bind_to_thread()
                 .map_err(|e| Error::cuda("cuCtxSetCurrent", e))?;
-            *g = Some(segment::SegRes::new(ctx, seg_bytes, p.segments, p.streams)?);
+            *g = Some(segment::SegRes::new(ctx, shape.0, shape.1, shape.2)?);
         }
         Ok(g.as_ref().expect("set above"))
     }
 
-    /// Allocates the segment ring for `ctx` now (no IO), so a first transfer does not pay it.
+    /// Allocates and page-locks the segment ring for `ctx` now, in parallel on the workers (no
+    /// IO), so that even the first job's first slot is pinned already.
     pub fn prepare_segments(
         &self,
         ctx: &Arc<CudaContext>,
         piece: usize,
         p: SegParams,
+        threads: usize,
     ) -> Result<()> {
         let seg_bytes = segment::tasks_per_segment(p.segment_size, piece) * piece;
         let mut g = self.seg.lock().unwrap_or_else(|p| p.into_inner());
-        self.seg_res(&mut g, ctx, seg_bytes, p).map(|_| ())
+        let res = self.seg_res(&mut g, ctx, seg_bytes, p)?;
+        res.pin_all(&self.pool, threads)
     }
 
-    /// Binds `ctx` on every worker (so their first job does not pay it).
-    pub fn prepare_workers(&self, ctx: &Arc<CudaContext>) {
-        self.pool.run(&|_ws: &mut WorkerState| {
+    /// Starts `threads` workers and binds `ctx` on each (so their first job does not pay it).
+    pub fn prepare_workers(&self, ctx: &Arc<CudaContext>, threads: usize) {
+        self.pool.run(threads, &|_ws: &mut WorkerState| {
             let _ = ctx.bind_to_thread();
         });
     }
 
-    fn run_segments(
-        &self,
-        job: Job<'_>,
-        ctx: &Arc<CudaContext>,
-        dptr: sys::CUdeviceptr,
-        p: SegParams,
-    ) -> Result<(usize, bool)> {
+    fn run_segments(&self, job: Job<'_>, p: SegParams, threads: usize) -> Result<Outcome> {
+        let ctx = job.ctx.clone().expect("device job");
         let per = segment::tasks_per_segment(p.segment_size, job.piece);
         let seg_bytes = per * job.piece;
+        let layout = segment::layout(&job.tasks, seg_bytes);
         let mut g = self.seg.lock().unwrap_or_else(|p| p.into_inner());
-        let res = self.seg_res(&mut g, ctx, seg_bytes, p)?;
-        let sj = segment::SegJob::new(res, job.tasks.len(), per, dptr);
-        let ok = self.pool.run(&|_ws: &mut WorkerState| {
+        let res = self.seg_res(&mut g, &ctx, seg_bytes, p)?;
+        let sj = segment::SegJob::new(res, layout, p.segments, p.streams);
+        let ok = self.pool.run(threads, &|_ws: &mut WorkerState| {
             if let Err(e) = sj.work(&job) {
                 job.fail(e);
             }
         });
         if !ok {
-            job.fail(Error::Io {
-                op: "IO worker",
-                path: Some(job.fds.path.clone()),
-                source: std::io::Error::other(
-                    "an IO worker panicked (a bug in gpudirect: please report it)",
-                ),
-            });
+            job.fail(panicked());
         }
-        // Every copy completes before the caller's buffer is released.
+        // Every copy completes before the caller's buffers are released.
+        let copies = sj.copies.load(Ordering::Relaxed);
+        drop(sj);
         if let Err(e) = res.drain() {
+            // A failed synchronize is a sticky context error: the context runs no more work.
+            // The ring may still be named by queued copies, so it is never unmapped.
+            tracing::error!(%e, "could not drain the segment ring; leaking it");
+            std::mem::forget(g.take());
             job.fail(e);
         }
-        job.outcome()
+        drop(g);
+        job.outcome(copies)
     }
 }
 
 fn work(ws: &mut WorkerState, job: &Job<'_>) {
-    let r = match &job.target {
-        Target::HostRead(p) => host_read(ws, job, *p),
-        Target::HostWrite(p) => host_write(ws, job, *p),
-        Target::DevRead { ctx, dptr } => dev_read(ws, job, ctx, *dptr),
-        Target::DevWrite { ctx, dptr } => dev_write(ws, job, ctx, *dptr),
+    let r = match (job.op, job.ctx.as_ref()) {
+        (Op::Read, None) => host_read(ws, job),
+        (Op::Write, None) => host_write(ws, job),
+        (Op::Read, Some(ctx)) => dev_read(ws, job, ctx),
+        (Op::Write, Some(ctx)) => dev_write(ws, job, ctx),
     };
     if let Err(e) = r {
         job.fail(e);
@@ -364,37 +611,9 @@ fn is_einval(e: &std::io::Error) -> bool {
     e.raw_os_error() == Some(libc::EINVAL)
 }
 
-/// Reads task `t` into `buf` (aligned, at least `piece` bytes): returns `(head, n)`, the
-/// payload being `buf[head..head + n]` (`n < t.len` only at end of file).
-fn read_task(job: &Job<'_>, t: &Task, buf: *mut u8) -> Result<(usize, usize)> {
-    let fds = job.fds;
-    if t.direct {
-        if let Some(d) = fds.direct() {
-            let (io_off, io_len, head) = direct_read_span(t);
-            debug_assert!(io_len <= job.piece);
-            // SAFETY: buf holds at least `piece` >= io_len bytes (bounce buffer).
-            match unsafe { io::pread_full(d, buf, io_len, io_off) } {
-                Ok(got) => {
-                    job.used_direct.store(true, Ordering::Relaxed);
-                    return Ok((head, got.saturating_sub(head).min(t.len)));
-                }
-                Err(e) if is_einval(&e) => {
-                    tracing::debug!(path = %fds.path.display(), "O_DIRECT read refused (EINVAL); using buffered IO");
-                    fds.direct_broken.store(true, Ordering::Relaxed);
-                }
-                Err(e) => return Err(fds.err("pread", e)),
-            }
-        }
-    }
-    // SAFETY: buf holds at least piece >= t.len bytes.
-    let n = unsafe { io::pread_full(&fds.buffered, buf, t.len, t.file_off) }
-        .map_err(|e| fds.err("pread", e))?;
-    Ok((0, n))
-}
-
 /// Writes task `t` from `buf` (`t.len` bytes; aligned when `t.direct`).
 fn write_task(job: &Job<'_>, t: &Task, buf: *const u8) -> Result<()> {
-    let fds = job.fds;
+    let fds = job.fds(t);
     if t.direct && (buf as usize).is_multiple_of(DIRECT_ALIGN) {
         if let Some(d) = fds.direct() {
             // SAFETY: buf is readable for t.len bytes (caller).
@@ -416,60 +635,87 @@ fn write_task(job: &Job<'_>, t: &Task, buf: *const u8) -> Result<()> {
         .map_err(|e| fds.err("pwrite", e))
 }
 
-fn host_read(ws: &mut WorkerState, job: &Job<'_>, base: *mut u8) -> Result<()> {
-    while let Some((i, t)) = job.next() {
-        // SAFETY: buf_off + len lies inside the caller's buffer (Job::new contract).
-        let user = unsafe { base.add(t.buf_off) };
-        let straight = !t.direct
-            || job.fds.direct().is_none()
-            || (plan::is_aligned(t.file_off)
-                && t.len % DIRECT_ALIGN == 0
-                && (user as usize).is_multiple_of(DIRECT_ALIGN));
-        let n = if straight && !t.direct {
-            // SAFETY: user is writable for t.len bytes.
-            unsafe { io::pread_full(&job.fds.buffered, user, t.len, t.file_off) }
-                .map_err(|e| job.fds.err("pread", e))?
-        } else if straight {
-            // Aligned: O_DIRECT straight into the caller's memory (read_task's span == task).
-            read_task(job, &t, user)?.1
-        } else {
-            ws.ensure_slot(0, job.piece, false)?;
-            let b = ws.slot_ptr(0);
-            let (head, n) = read_task(job, &t, b)?;
-            // SAFETY: b[head..head+n] was just filled; user has room for t.len >= n bytes;
-            // the bounce buffer and the caller's memory do not overlap.
-            unsafe { std::ptr::copy_nonoverlapping(b.add(head), user, n) };
-            n
-        };
-        job.done[i].store(n, Ordering::Relaxed);
+fn host_ptr(job: &Job<'_>, t: &Task) -> Result<*mut u8> {
+    match job.bufs[t.buf as usize] {
+        // SAFETY: buf_off + len lies inside the caller's buffer (Job::batch contract).
+        Mem::Host(p) => Ok(unsafe { p.add(t.buf_off) }),
+        Mem::Dev(_) => Err(internal("a device buffer in a host job")),
     }
-    Ok(())
 }
 
-fn host_write(ws: &mut WorkerState, job: &Job<'_>, base: *const u8) -> Result<()> {
+fn host_read(ws: &mut WorkerState, job: &Job<'_>) -> Result<()> {
     while let Some((i, t)) = job.next() {
-        // SAFETY: inside the caller's buffer (Job::new contract).
-        let user = unsafe { base.add(t.buf_off) };
-        if t.direct && job.fds.direct().is_some() && !(user as usize).is_multiple_of(DIRECT_ALIGN) {
-            ws.ensure_slot(0, job.piece, false)?;
-            let b = ws.slot_ptr(0);
-            // SAFETY: user is readable for t.len bytes; b holds piece >= t.len bytes.
-            unsafe { std::ptr::copy_nonoverlapping(user, b, t.len) };
-            write_task(job, &t, b)?;
-        } else {
-            write_task(job, &t, user)?;
+        if job.item_failed(t.item) {
+            continue;
         }
-        job.done[i].store(t.len, Ordering::Relaxed);
+        let user = host_ptr(job, &t)?;
+        let fds = job.fds(&t);
+        let straight = !t.direct
+            || fds.direct().is_none()
+            || (plan::is_aligned(t.file_off)
+                && t.len.is_multiple_of(DIRECT_ALIGN)
+                && (user as usize).is_multiple_of(DIRECT_ALIGN));
+        let r = if straight && !(t.direct && fds.direct().is_some()) {
+            // SAFETY: user is writable for t.len bytes.
+            unsafe { io::pread_full(&fds.buffered, user, t.len, t.file_off) }
+                .map_err(|e| fds.err("pread", e))
+        } else if straight {
+            // Aligned: O_DIRECT straight into the caller's memory (the span is the task).
+            // SAFETY: the span is exactly [user, user + t.len), writable.
+            unsafe { job.read_span(&t, user) }
+        } else {
+            ws.ensure_slot(0, job.piece, false)?;
+            let b = ws.slot_ptr(0);
+            let head = direct_read_span(&t).2;
+            // SAFETY: b holds piece >= the span's bytes; only this worker uses it.
+            unsafe { job.read_span(&t, b) }.inspect(|&n| {
+                // SAFETY: b[head..head+n] was just filled; user has room for t.len >= n
+                // bytes; the bounce buffer and the caller's memory do not overlap.
+                unsafe { std::ptr::copy_nonoverlapping(b.add(head), user, n) };
+            })
+        };
+        match r {
+            Ok(n) => job.done[i].store(n, Ordering::Relaxed),
+            Err(e) => job.fail_item(t.item, e)?,
+        }
     }
     Ok(())
 }
 
-fn dev_read(
-    ws: &mut WorkerState,
-    job: &Job<'_>,
-    ctx: &Arc<CudaContext>,
-    dptr: sys::CUdeviceptr,
-) -> Result<()> {
+fn host_write(ws: &mut WorkerState, job: &Job<'_>) -> Result<()> {
+    while let Some((i, t)) = job.next() {
+        if job.item_failed(t.item) {
+            continue;
+        }
+        let r = write_host_task(ws, job, &t);
+        match r {
+            Ok(()) => job.done[i].store(t.len, Ordering::Relaxed),
+            Err(e) => job.fail_item(t.item, e)?,
+        }
+    }
+    Ok(())
+}
+
+/// Writes a task whose source is host memory (through a bounce buffer when O_DIRECT needs an
+/// aligned address the caller's memory does not have).
+fn write_host_task(ws: &mut WorkerState, job: &Job<'_>, t: &Task) -> Result<()> {
+    let user = host_ptr(job, t)?.cast_const();
+    if t.direct && job.fds(t).direct().is_some() && !(user as usize).is_multiple_of(DIRECT_ALIGN) {
+        ws.ensure_slot(0, job.piece, false)?;
+        let b = ws.slot_ptr(0);
+        // SAFETY: user is readable for t.len bytes; b holds piece >= t.len bytes.
+        unsafe { std::ptr::copy_nonoverlapping(user, b, t.len) };
+        write_task(job, t, b)
+    } else {
+        write_task(job, t, user)
+    }
+}
+
+/// Test hook: the next lanes read panics right after enqueuing its copy.
+#[cfg(test)]
+pub(crate) static PANIC_AFTER_COPY: AtomicBool = AtomicBool::new(false);
+
+fn dev_read(ws: &mut WorkerState, job: &Job<'_>, ctx: &Arc<CudaContext>) -> Result<()> {
     let li = ws.lane(ctx)?;
     ws.ensure_slot(0, job.piece, true)?;
     ws.ensure_slot(1, job.piece, true)?;
@@ -478,21 +724,34 @@ fn dev_read(
     let mut s = 0usize;
     let r = (|| -> Result<()> {
         while let Some((i, t)) = job.next() {
+            if job.item_failed(t.item) {
+                continue;
+            }
             lane.wait_slot(s)?;
-            let (head, n) = read_task(job, &t, bufs[s])?;
+            // SAFETY: the bounce buffer holds piece >= the task's span bytes and is free of
+            // copies (wait_slot); only this worker uses it.
+            let n = match unsafe { job.read_span(&t, bufs[s]) } {
+                Ok(n) => n,
+                Err(e) => {
+                    job.fail_item(t.item, e)?;
+                    continue;
+                }
+            };
             if n > 0 {
-                // SAFETY: the source is n bytes of our registered bounce buffer, untouched
-                // until the event recorded below completes; the destination lies inside the
-                // caller's device buffer (Job::new contract); ctx is current (lane()).
+                let head = if t.direct { direct_read_span(&t).2 } else { 0 };
+                let dst = job.dev_ptr(t.buf, t.buf_off)?;
+                // SAFETY: the source is n payload bytes of our registered bounce buffer,
+                // untouched until the event recorded below completes; the destination lies
+                // inside the task's range of the caller's device buffer (Job::batch contract);
+                // ctx is current (lane()).
                 unsafe {
-                    crate::cuda::result::mem::memcpy_htod_async(
-                        dptr + t.buf_off as u64,
-                        bufs[s].add(head),
-                        n,
-                        lane.stream.cu_stream(),
-                    )
+                    crate::cuda::result::mem::memcpy_htod_async(dst, bufs[s].add(head), n, lane.stream.cu_stream())
                 }?;
                 lane.record_slot(s)?;
+                #[cfg(test)]
+                if PANIC_AFTER_COPY.swap(false, Ordering::SeqCst) {
+                    panic!("test: panic with a copy in flight");
+                }
             }
             job.done[i].store(n, Ordering::Relaxed);
             s ^= 1;
@@ -503,50 +762,147 @@ fn dev_read(
     r.and(d)
 }
 
-fn dev_write(
-    ws: &mut WorkerState,
-    job: &Job<'_>,
-    ctx: &Arc<CudaContext>,
-    dptr: sys::CUdeviceptr,
-) -> Result<()> {
+fn dev_write(ws: &mut WorkerState, job: &Job<'_>, ctx: &Arc<CudaContext>) -> Result<()> {
     let li = ws.lane(ctx)?;
     ws.ensure_slot(0, job.piece, true)?;
     ws.ensure_slot(1, job.piece, true)?;
     let bufs = [ws.slot_ptr(0), ws.slot_ptr(1)];
-    let lane = &mut ws.lanes[li];
+    // A device task whose copy into bounce buffer `s` is enqueued: written next round.
     let mut pending: Option<(usize, usize, Task)> = None;
     let mut s = 0usize;
     let r = (|| -> Result<()> {
         loop {
             let next = job.next();
+            let mut dev_next = false;
             if let Some((_, t)) = &next {
-                // SAFETY: the destination is our registered bounce buffer (piece >= t.len
-                // bytes), not read until the event below completes; the source lies inside
-                // the caller's device buffer (Job::new contract); ctx is current.
-                unsafe {
-                    crate::cuda::result::mem::memcpy_dtoh_async(
-                        bufs[s],
-                        dptr + t.buf_off as u64,
-                        t.len,
-                        lane.stream.cu_stream(),
-                    )
-                }?;
-                lane.record_slot(s)?;
+                if !job.item_failed(t.item) {
+                    if let Mem::Dev(base) = job.bufs[t.buf as usize] {
+                        dev_next = true;
+                        let lane = &mut ws.lanes[li];
+                        // SAFETY: the destination is our registered bounce buffer (piece >=
+                        // t.len bytes), not read until the event below completes; the source
+                        // lies inside the caller's device buffer (Job::batch contract); ctx is
+                        // current.
+                        unsafe {
+                            crate::cuda::result::mem::memcpy_dtoh_async(
+                                bufs[s],
+                                base + t.buf_off as u64,
+                                t.len,
+                                lane.stream.cu_stream(),
+                            )
+                        }?;
+                        lane.record_slot(s)?;
+                    }
+                }
             }
             if let Some((ps, pi, pt)) = pending.take() {
-                lane.wait_slot(ps)?;
-                write_task(job, &pt, bufs[ps])?;
-                job.done[pi].store(pt.len, Ordering::Relaxed);
+                ws.lanes[li].wait_slot(ps)?;
+                match write_task(job, &pt, bufs[ps]) {
+                    Ok(()) => job.done[pi].store(pt.len, Ordering::Relaxed),
+                    Err(e) => job.fail_item(pt.item, e)?,
+                }
             }
             match next {
-                Some((i, t)) => {
+                Some((i, t)) if dev_next => {
                     pending = Some((s, i, t));
                     s ^= 1;
+                }
+                Some((i, t)) => {
+                    if !job.item_failed(t.item) {
+                        // A host source (e.g. a header) in a device write job.
+                        match write_host_task(ws, job, &t) {
+                            Ok(()) => job.done[i].store(t.len, Ordering::Relaxed),
+                            Err(e) => job.fail_item(t.item, e)?,
+                        }
+                    }
                 }
                 None => return Ok(()),
             }
         }
     })();
-    let d = lane.drain();
+    let d = ws.lanes[li].drain();
     r.and(d)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use cudarc::driver::DevicePtrMut;
+    use rand::{RngCore, SeedableRng};
+
+    fn gpu() -> Arc<CudaContext> {
+        crate::cuda::context(0).unwrap_or_else(|e| {
+            panic!("this test needs a CUDA GPU ({e}): run it on a GPU machine, see CONTRIBUTING.md")
+        })
+    }
+
+    /// Issue 9 item 7, on the device: a worker that panics right after enqueuing a 32 MiB
+    /// host→device copy out of its pinned bounce buffer must drain that copy before its state
+    /// (bounce buffers, stream) can go; the job fails with a typed error and the engine keeps
+    /// working.
+    #[test]
+    #[ignore = "needs a CUDA GPU"]
+    fn gpu_engine_panic_mid_copy_drains_before_the_buffers_go() {
+        let ctx = gpu();
+        let dir = std::env::var_os("GPUDIRECT_TEST_DIR")
+            .map(std::path::PathBuf::from)
+            .unwrap_or_else(std::env::temp_dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let p = dir.join(format!("gpudirect-panic-{}.bin", std::process::id()));
+        let len = 64 << 20;
+        let mut data = vec![0u8; len];
+        rand::rngs::StdRng::seed_from_u64(7).fill_bytes(&mut data);
+        std::fs::write(&p, &data).unwrap();
+        let fds = Fds::open(
+            &p,
+            io::OpenMode {
+                write: false,
+                create: false,
+                truncate: false,
+            },
+        )
+        .unwrap();
+        let stream = ctx.new_stream().unwrap();
+        let mut dev = stream.alloc_zeros::<u8>(len).unwrap();
+        let piece = 32 << 20;
+        let eng = engine(Some(0), false).unwrap();
+        let busy_before = worker::lanes_dropped_busy();
+        for inject in [true, false] {
+            let (dptr, _g) = dev.device_ptr_mut(&stream);
+            stream.synchronize().unwrap();
+            let tasks = plan::plan(0, len, piece, plan::Dir::Read, false);
+            // SAFETY: dptr..dptr+len is `dev`, held for the call; tasks lie within [0, len).
+            let job = unsafe {
+                Job::new(
+                    &fds,
+                    tasks,
+                    piece,
+                    Target::DevRead {
+                        ctx: ctx.clone(),
+                        dptr,
+                    },
+                )
+            };
+            PANIC_AFTER_COPY.store(inject, Ordering::SeqCst);
+            let r = eng.run(job, 1);
+            if inject {
+                assert!(r.is_err(), "a panicking job reported success");
+                assert_eq!(
+                    worker::lanes_dropped_busy(),
+                    busy_before,
+                    "a worker's stream and bounce buffers were dropped with a copy in flight"
+                );
+            } else {
+                assert_eq!(r.unwrap().single().unwrap().0, len);
+            }
+        }
+        let back = stream.clone_dtoh(&dev).unwrap();
+        assert!(
+            back == data,
+            "the read after the panic differs from the file"
+        );
+        release_all();
+        assert_eq!(worker::lanes_dropped_busy(), busy_before);
+        std::fs::remove_file(&p).unwrap();
+    }
 }

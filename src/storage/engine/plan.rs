@@ -2,9 +2,16 @@
 
 use crate::storage::config::DIRECT_ALIGN;
 
-/// One unit of work: a contiguous file range and where it lands in the caller's buffer.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// One unit of work: a contiguous range of one file and where it lands in one of the job's
+/// buffers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub(crate) struct Task {
+    /// Index of the file in the job.
+    pub file: u32,
+    /// Index of the buffer in the job.
+    pub buf: u32,
+    /// Index of the item (the caller's unit of success or failure) the task belongs to.
+    pub item: u32,
     /// Offset in the file.
     pub file_off: u64,
     /// Offset in the caller's buffer.
@@ -56,18 +63,36 @@ pub(crate) fn direct_read_span(t: &Task) -> (u64, usize, usize) {
 /// an unaligned head and tail off as buffered tasks (O_DIRECT cannot write part of a block).
 /// The caller guarantees `off + len` does not overflow.
 pub(crate) fn plan(off: u64, len: usize, piece: usize, dir: Dir, direct: bool) -> Vec<Task> {
+    let mut tasks = Vec::with_capacity(len / piece.max(1) + 3);
+    plan_item(&mut tasks, Task::default(), off, len, piece, dir, direct);
+    tasks
+}
+
+/// [`plan`] for one item of a job: appends the tasks of `[off, off + len)` of file `at.file`
+/// landing in buffer `at.buf` from offset `at.buf_off`, all marked as item `at.item`.
+pub(crate) fn plan_item(
+    tasks: &mut Vec<Task>,
+    at: Task,
+    off: u64,
+    len: usize,
+    piece: usize,
+    dir: Dir,
+    direct: bool,
+) {
     debug_assert!(piece >= DIRECT_ALIGN && piece.is_multiple_of(DIRECT_ALIGN));
-    let mut tasks = Vec::with_capacity(len / piece + 3);
     if len == 0 {
-        return tasks;
+        return;
     }
     let end = off + len as u64;
     let piece = piece as u64;
     let mut push = |a: u64, b: u64, direct: bool| {
         if b > a {
             tasks.push(Task {
+                file: at.file,
+                buf: at.buf,
+                item: at.item,
                 file_off: a,
-                buf_off: (a - off) as usize,
+                buf_off: at.buf_off + (a - off) as usize,
                 len: (b - a) as usize,
                 direct,
             });
@@ -89,7 +114,6 @@ pub(crate) fn plan(off: u64, len: usize, piece: usize, dir: Dir, direct: bool) -
     if direct && dir == Dir::Write {
         push(body_end, end, false);
     }
-    tasks
 }
 
 #[cfg(test)]
@@ -108,11 +132,14 @@ mod tests {
             pos += x.len as u64;
             if x.direct {
                 let (io_off, io_len, head) = direct_read_span(x);
-                assert!(is_aligned(io_off) && io_len % DIRECT_ALIGN == 0);
+                assert!(is_aligned(io_off) && io_len.is_multiple_of(DIRECT_ALIGN));
                 assert!(io_len <= piece, "{x:?} span {io_len} > {piece}");
                 assert_eq!(io_off + head as u64, x.file_off);
                 if dir == Dir::Write {
-                    assert!(is_aligned(x.file_off) && x.len % DIRECT_ALIGN == 0, "{x:?}");
+                    assert!(
+                        is_aligned(x.file_off) && x.len.is_multiple_of(DIRECT_ALIGN),
+                        "{x:?}"
+                    );
                 }
             }
             if !direct {
@@ -153,7 +180,8 @@ mod tests {
                 file_off: 10,
                 buf_off: 0,
                 len: 20,
-                direct: false
+                direct: false,
+                ..Task::default()
             }]
         );
     }

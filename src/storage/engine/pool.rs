@@ -1,11 +1,26 @@
-//! A persistent pool of IO workers that run one broadcast job at a time.
+//! A pool of IO workers that run one broadcast job at a time.
 //!
-//! A job is a closure every worker runs once (each pulls tasks from a shared counter until
-//! none are left). [`Pool::run`] blocks until every worker has returned from the closure, which
-//! is what lets the closure borrow the caller's stack.
+//! A job is a closure that each participating worker runs once (each pulls tasks from a shared
+//! counter until none are left). [`Pool::run`] blocks until every participant has returned from
+//! the closure, which is what lets the closure borrow the caller's stack.
+//!
+//! - **Lazy threads**: workers are started by the first job that needs them, *after* that job
+//!   is published, so the first worker starts on the first task while the others are still
+//!   being spawned (thread creation never sits in front of the first byte). A job asks for `n`
+//!   workers; the pool grows to the largest `n` asked for (at most `max`).
+//! - **Spawn failures** shrink the job (it runs on the workers that did start; on the calling
+//!   thread if none did); no thread is left waiting for a job that never comes.
+//! - **Panics**: a worker that panicked inside a job first drains its streams (no copy may use
+//!   a buffer it is about to reuse or free); if that fails its state is leaked, never dropped.
+//! - **Release**: [`Pool::shutdown`] stops and joins every worker (each frees its state);
+//!   with an idle timeout, workers that saw no job for that long free their state and exit, and
+//!   the last one to leave calls the pool's `on_idle` hook. The next job starts them again.
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::thread::JoinHandle;
+use std::time::Duration;
 
 use super::worker::WorkerState;
 
@@ -17,7 +32,7 @@ struct JobPtr {
 }
 
 // SAFETY: the pointee is `Sync` (required by `run`), so sharing the pointer between workers is
-// sound; `run` keeps it alive until every worker is done with it.
+// sound; `run` keeps it alive until every participant is done with it.
 unsafe impl Send for JobPtr {}
 
 /// # Safety
@@ -31,153 +46,480 @@ unsafe fn trampoline<F: Fn(&mut WorkerState) + Sync>(data: *const (), ws: &mut W
 struct State {
     job: Option<JobPtr>,
     generation: u64,
+    /// Workers with an id below this run the current job.
+    want: usize,
+    /// Participants of the current job that have not returned yet.
     remaining: usize,
     panicked: bool,
+    /// `alive[id]`: worker `id`'s thread is in its loop (or about to enter it).
+    alive: Vec<bool>,
+    /// Set by [`Pool::shutdown`]: every worker frees its state and exits.
+    shutdown: bool,
 }
 
 struct Shared {
     state: Mutex<State>,
     start: Condvar,
     done: Condvar,
+    /// Threads currently running a worker loop (for tests and reporting).
+    live: AtomicUsize,
+    /// Workers with no job for this long free their state and exit.
+    idle: Option<Duration>,
+    /// Called (on a worker thread, no lock held) when the last worker left for idleness.
+    on_idle: Option<Box<dyn Fn() + Send + Sync>>,
 }
 
 fn lock(m: &Mutex<State>) -> MutexGuard<'_, State> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
+/// How a pool starts its threads.
+pub(crate) struct PoolConfig {
+    /// Thread name prefix (`<name>-<id>`).
+    pub name: String,
+    /// Most workers a job may get.
+    pub max: usize,
+    /// Idle time after which workers free their state and exit (`None`: never).
+    pub idle: Option<Duration>,
+    /// Run by each worker first (to pin itself).
+    pub init: Arc<dyn Fn(usize) + Send + Sync>,
+    /// Called when the last worker left for idleness.
+    pub on_idle: Option<Box<dyn Fn() + Send + Sync>>,
+    /// Test hook: spawning worker `id >= n` fails.
+    #[cfg(test)]
+    pub fail_spawn_from: Option<usize>,
+}
+
+impl PoolConfig {
+    pub fn new(name: impl Into<String>, max: usize) -> Self {
+        PoolConfig {
+            name: name.into(),
+            max: max.max(1),
+            idle: None,
+            init: Arc::new(|_| {}),
+            on_idle: None,
+            #[cfg(test)]
+            fail_spawn_from: None,
+        }
+    }
+}
+
 /// The worker threads of one engine.
 pub(crate) struct Pool {
     shared: Arc<Shared>,
-    threads: usize,
-    submit: Mutex<()>,
+    name: String,
+    max: usize,
+    init: Arc<dyn Fn(usize) + Send + Sync>,
+    #[cfg(test)]
+    fail_spawn_from: Option<usize>,
+    /// Held for the whole of a job (one job at a time) and by `shutdown`; holds the handles.
+    submit: Mutex<Vec<Option<JoinHandle<()>>>>,
+    /// The caller's state when no worker thread could be started at all.
+    fallback: Mutex<WorkerState>,
+}
+
+/// What a worker does with its state after a job panicked inside it: drain its streams so no
+/// copy still uses its buffers, and keep it; if draining fails, leak it (a copy may still read
+/// or write its pinned buffers, which must therefore stay mapped and registered).
+pub(crate) fn recover_after_panic(ws: &mut WorkerState) {
+    if !ws.quiesce() {
+        tracing::error!(
+            worker = ws.id,
+            "an IO worker panicked and its streams could not be drained: leaking its buffers"
+        );
+        std::mem::forget(std::mem::replace(ws, WorkerState::new(ws.id)));
+    }
+}
+
+/// Runs the job on `ws`, catching a panic (then recovering the state). False on panic.
+fn call(job: JobPtr, ws: &mut WorkerState) -> bool {
+    // SAFETY: `run` published this pointer and waits for every participant to return before
+    // its closure goes out of scope; we report back only after the call returned.
+    let ok = catch_unwind(AssertUnwindSafe(|| unsafe {
+        (job.call)(job.data, &mut *ws)
+    }))
+    .is_ok();
+    if !ok {
+        recover_after_panic(ws);
+    }
+    ok
+}
+
+/// Frees a worker's state at exit: drained first; leaked when draining fails.
+fn release_state(ws: WorkerState) {
+    let mut ws = ws;
+    if ws.quiesce() {
+        drop(ws);
+    } else {
+        tracing::error!(
+            worker = ws.id,
+            "an IO worker's streams could not be drained at exit: leaking its buffers"
+        );
+        std::mem::forget(ws);
+    }
+}
+
+struct LiveGuard(Arc<Shared>);
+impl Drop for LiveGuard {
+    fn drop(&mut self) {
+        self.0.live.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+fn worker_loop(
+    shared: Arc<Shared>,
+    id: usize,
+    mut seen: u64,
+    init: Arc<dyn Fn(usize) + Send + Sync>,
+) {
+    shared.live.fetch_add(1, Ordering::Relaxed);
+    let _live = LiveGuard(shared.clone());
+    init(id);
+    let mut ws = WorkerState::new(id);
+    loop {
+        let job = {
+            let mut st = lock(&shared.state);
+            loop {
+                if st.shutdown {
+                    st.alive[id] = false;
+                    drop(st);
+                    release_state(ws);
+                    return;
+                }
+                if st.generation != seen {
+                    seen = st.generation;
+                    if id < st.want {
+                        break st.job;
+                    }
+                    continue;
+                }
+                match shared.idle {
+                    None => st = shared.start.wait(st).unwrap_or_else(|p| p.into_inner()),
+                    Some(d) => {
+                        let (g, to) = shared
+                            .start
+                            .wait_timeout(st, d)
+                            .unwrap_or_else(|p| p.into_inner());
+                        st = g;
+                        if to.timed_out() && st.generation == seen && !st.shutdown {
+                            st.alive[id] = false;
+                            let last = st.alive.iter().all(|a| !a);
+                            drop(st);
+                            release_state(ws);
+                            if last {
+                                if let Some(f) = &shared.on_idle {
+                                    f();
+                                }
+                            }
+                            return;
+                        }
+                    }
+                }
+            }
+        };
+        let ok = match job {
+            Some(j) => call(j, &mut ws),
+            None => true,
+        };
+        let mut st = lock(&shared.state);
+        st.panicked |= !ok;
+        st.remaining -= 1;
+        if st.remaining == 0 {
+            shared.done.notify_all();
+        }
+    }
 }
 
 impl Pool {
-    /// Starts `threads` workers; each runs `init` first (to pin itself) and then owns a
-    /// [`WorkerState`] for its lifetime. The threads live as long as the process (pools are
-    /// never dropped: their CUDA resources must not be torn down at exit).
-    pub fn new(
-        threads: usize,
-        name: &str,
-        init: impl Fn(usize) + Send + Sync + 'static,
-    ) -> std::io::Result<Pool> {
+    /// A pool that starts no thread until its first job.
+    pub fn new(cfg: PoolConfig) -> Pool {
         let shared = Arc::new(Shared {
             state: Mutex::new(State {
                 job: None,
                 generation: 0,
+                want: 0,
                 remaining: 0,
                 panicked: false,
+                alive: vec![false; cfg.max],
+                shutdown: false,
             }),
             start: Condvar::new(),
             done: Condvar::new(),
+            live: AtomicUsize::new(0),
+            idle: cfg.idle,
+            on_idle: cfg.on_idle,
         });
-        let init = Arc::new(init);
-        for i in 0..threads {
-            let shared = shared.clone();
-            let init = init.clone();
-            std::thread::Builder::new()
-                .name(format!("{name}-{i}"))
-                .spawn(move || {
-                    init(i);
-                    let mut ws = WorkerState::new(i);
-                    let mut seen = 0u64;
-                    loop {
-                        let job = {
-                            let mut st = lock(&shared.state);
-                            while st.generation == seen {
-                                st = shared.start.wait(st).unwrap_or_else(|p| p.into_inner());
-                            }
-                            seen = st.generation;
-                            st.job
-                        };
-                        let ok = match job {
-                            // SAFETY: `run` published this pointer and waits for `remaining`
-                            // to reach zero before its closure goes out of scope; we decrement
-                            // only after the call returns.
-                            Some(j) => catch_unwind(AssertUnwindSafe(|| unsafe {
-                                (j.call)(j.data, &mut ws)
-                            }))
-                            .is_ok(),
-                            None => true,
-                        };
-                        if !ok {
-                            // A panicking job may have left the worker's buffers mid-copy.
-                            ws = WorkerState::new(i);
-                        }
-                        let mut st = lock(&shared.state);
-                        st.panicked |= !ok;
-                        st.remaining -= 1;
-                        if st.remaining == 0 {
-                            shared.done.notify_all();
-                        }
-                    }
-                })?;
-        }
-        Ok(Pool {
+        Pool {
             shared,
-            threads,
-            submit: Mutex::new(()),
-        })
+            name: cfg.name,
+            max: cfg.max,
+            init: cfg.init,
+            #[cfg(test)]
+            fail_spawn_from: cfg.fail_spawn_from,
+            submit: Mutex::new((0..cfg.max).map(|_| None).collect()),
+            fallback: Mutex::new(WorkerState::new(usize::MAX)),
+        }
     }
 
-    pub fn threads(&self) -> usize {
-        self.threads
+    /// Worker threads running now.
+    pub fn live_threads(&self) -> usize {
+        self.shared.live.load(Ordering::Relaxed)
     }
 
-    /// Runs `f` once on every worker and returns when all have finished. Returns false when a
-    /// worker panicked inside `f`.
-    pub fn run<F: Fn(&mut WorkerState) + Sync>(&self, f: &F) -> bool {
-        let _one_job = self.submit.lock().unwrap_or_else(|p| p.into_inner());
-        // The pointer is withdrawn below, after every worker has finished calling it and
+    fn spawn(&self, id: usize, seen: u64) -> std::io::Result<JoinHandle<()>> {
+        #[cfg(test)]
+        if self.fail_spawn_from.is_some_and(|n| id >= n) {
+            return Err(std::io::Error::other("test: spawn refused"));
+        }
+        let shared = self.shared.clone();
+        let init = self.init.clone();
+        std::thread::Builder::new()
+            .name(format!("{}-{id}", self.name))
+            .spawn(move || worker_loop(shared, id, seen, init))
+    }
+
+    /// Runs `f` once on each of `n` workers (clamped to `1..=max`) and returns when all have
+    /// finished. Workers not yet running are started after the job is published. Returns false
+    /// when `f` panicked somewhere (the state involved was drained or leaked, never dropped
+    /// with a copy in flight).
+    pub fn run<F: Fn(&mut WorkerState) + Sync>(&self, n: usize, f: &F) -> bool {
+        let mut handles = self.submit.lock().unwrap_or_else(|p| p.into_inner());
+        let n = n.clamp(1, self.max);
+        // The pointer is withdrawn below, after every participant has finished calling it and
         // before `f`'s borrow ends.
         let job = JobPtr {
             data: (f as *const F).cast(),
             call: trampoline::<F>,
         };
+        let (gen, missing) = {
+            let mut st = lock(&self.shared.state);
+            st.job = Some(job);
+            st.want = n;
+            st.remaining = n;
+            st.panicked = false;
+            st.generation += 1;
+            let missing: Vec<usize> = (0..n).filter(|&id| !st.alive[id]).collect();
+            for &id in &missing {
+                st.alive[id] = true;
+            }
+            self.shared.start.notify_all();
+            (st.generation, missing)
+        };
+        let mut failed = 0usize;
+        for id in missing {
+            if let Some(old) = handles[id].take() {
+                // That thread left its loop (idle); it is exiting or gone.
+                let _ = old.join();
+            }
+            match self.spawn(id, gen - 1) {
+                Ok(h) => handles[id] = Some(h),
+                Err(e) => {
+                    tracing::warn!(%e, worker = id, "could not start an IO worker; the job runs on fewer");
+                    failed += 1;
+                    let mut st = lock(&self.shared.state);
+                    st.alive[id] = false;
+                    st.remaining -= 1;
+                    if st.remaining == 0 {
+                        self.shared.done.notify_all();
+                    }
+                }
+            }
+        }
         let mut st = lock(&self.shared.state);
-        st.job = Some(job);
-        st.remaining = self.threads;
-        st.panicked = false;
-        st.generation += 1;
-        self.shared.start.notify_all();
         while st.remaining > 0 {
             st = self.shared.done.wait(st).unwrap_or_else(|p| p.into_inner());
         }
+        let mut ok = !st.panicked;
+        if failed == n {
+            // No worker at all: the calling thread does the job.
+            drop(st);
+            let mut ws = self.fallback.lock().unwrap_or_else(|p| p.into_inner());
+            ok = call(job, &mut ws);
+            st = lock(&self.shared.state);
+        }
         st.job = None;
-        !st.panicked
+        ok
+    }
+
+    /// Stops every worker (each drains and frees its state) and joins them; waits for a running
+    /// job first. The next job starts workers again.
+    pub fn shutdown(&self) {
+        let mut handles = self.submit.lock().unwrap_or_else(|p| p.into_inner());
+        lock(&self.shared.state).shutdown = true;
+        self.shared.start.notify_all();
+        for h in handles.iter_mut() {
+            if let Some(h) = h.take() {
+                let _ = h.join();
+            }
+        }
+        let mut st = lock(&self.shared.state);
+        st.shutdown = false;
+        st.alive.iter_mut().for_each(|a| *a = false);
+        drop(st);
+        let mut fb = self.fallback.lock().unwrap_or_else(|p| p.into_inner());
+        release_state(std::mem::replace(&mut *fb, WorkerState::new(usize::MAX)));
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::atomic::AtomicUsize;
+    use std::time::Instant;
 
-    #[test]
-    fn every_worker_runs_each_job_once_and_borrows_work() {
-        let pool = Pool::new(5, "test-pool", |_| {}).unwrap();
-        for round in 0..50 {
-            let hits = AtomicUsize::new(0);
-            let local = [round; 3];
-            assert!(pool.run(&|_ws| {
-                hits.fetch_add(local[0] + 1 - round, Ordering::Relaxed);
-            }));
-            assert_eq!(hits.load(Ordering::Relaxed), 5);
+    fn pool(max: usize) -> Pool {
+        Pool::new(PoolConfig::new("test-pool", max))
+    }
+
+    fn wait_until(what: &str, mut f: impl FnMut() -> bool) {
+        let t = Instant::now();
+        while !f() {
+            assert!(
+                t.elapsed() < Duration::from_secs(10),
+                "timed out waiting: {what}"
+            );
+            std::thread::sleep(Duration::from_millis(5));
         }
     }
 
     #[test]
+    fn every_worker_runs_each_job_once_and_borrows_work() {
+        let pool = pool(5);
+        assert_eq!(pool.live_threads(), 0, "no thread before the first job");
+        for round in 0..50 {
+            let hits = AtomicUsize::new(0);
+            let local = [round; 3];
+            assert!(pool.run(5, &|_ws| {
+                hits.fetch_add(local[0] + 1 - round, Ordering::Relaxed);
+            }));
+            assert_eq!(hits.load(Ordering::Relaxed), 5);
+        }
+        assert_eq!(pool.live_threads(), 5);
+    }
+
+    #[test]
+    fn a_job_runs_on_as_many_workers_as_asked_and_the_pool_is_bounded() {
+        let pool = pool(4);
+        for (ask, expect) in [(2, 2), (1, 1), (100, 4), (0, 1), (3, 3)] {
+            let ids = Mutex::new(Vec::new());
+            assert!(pool.run(ask, &|ws| ids.lock().unwrap().push(ws.id)));
+            let mut ids = ids.into_inner().unwrap();
+            ids.sort();
+            assert_eq!(ids, (0..expect).collect::<Vec<_>>(), "asked {ask}");
+        }
+        assert!(pool.live_threads() <= 4);
+    }
+
+    #[test]
     fn a_panicking_job_is_reported_and_the_pool_survives() {
-        let pool = Pool::new(3, "test-pool", |_| {}).unwrap();
-        assert!(!pool.run(&|ws| {
+        let pool = pool(3);
+        assert!(!pool.run(3, &|ws| {
             if ws.id == 1 {
                 panic!("boom");
             }
         }));
         let n = AtomicUsize::new(0);
-        assert!(pool.run(&|_| {
+        assert!(pool.run(3, &|_| {
             n.fetch_add(1, Ordering::Relaxed);
         }));
         assert_eq!(n.load(Ordering::Relaxed), 3);
+    }
+
+    /// Issue 9 item 7: a worker that panicked with a copy in flight must not drop (free) the
+    /// state that copy uses. The in-flight marker stands for an enqueued copy; `quiesce` is
+    /// where a real state synchronizes its streams.
+    #[test]
+    fn a_panic_with_a_copy_in_flight_never_drops_the_worker_state_undrained() {
+        let pool = pool(2);
+        let before = super::super::worker::dropped_in_flight();
+        assert!(!pool.run(2, &|ws| {
+            if ws.id == 0 {
+                ws.test_in_flight = true;
+                panic!("after enqueuing a copy");
+            }
+        }));
+        assert!(pool.run(2, &|_| {}));
+        pool.shutdown();
+        assert_eq!(
+            super::super::worker::dropped_in_flight(),
+            before,
+            "a worker state was dropped while a copy could still use it"
+        );
+    }
+
+    /// A state whose streams cannot be drained is leaked, not dropped.
+    #[test]
+    fn an_undrainable_state_is_leaked() {
+        let pool = pool(1);
+        let before = super::super::worker::dropped_in_flight();
+        assert!(!pool.run(1, &|ws| {
+            ws.test_in_flight = true;
+            ws.test_drain_fails = true;
+            panic!("copy in flight, stream broken");
+        }));
+        pool.shutdown();
+        assert_eq!(super::super::worker::dropped_in_flight(), before);
+    }
+
+    /// Issue 9 (smaller findings): a failed spawn must not leave threads blocked forever, and the
+    /// job still runs (on the workers that started, or on the caller).
+    #[test]
+    fn failed_spawns_shrink_the_job_and_leave_no_thread_behind() {
+        let mut cfg = PoolConfig::new("test-pool", 8);
+        cfg.fail_spawn_from = Some(3);
+        let pool = Pool::new(cfg);
+        let n = AtomicUsize::new(0);
+        assert!(pool.run(8, &|_| {
+            n.fetch_add(1, Ordering::Relaxed);
+        }));
+        assert_eq!(n.load(Ordering::Relaxed), 3);
+        assert_eq!(pool.live_threads(), 3);
+        pool.shutdown();
+        assert_eq!(pool.live_threads(), 0, "threads left behind after shutdown");
+
+        let mut cfg = PoolConfig::new("test-pool", 4);
+        cfg.fail_spawn_from = Some(0);
+        let pool = Pool::new(cfg);
+        let on = Mutex::new(Vec::new());
+        assert!(pool.run(4, &|_| on.lock().unwrap().push(std::thread::current().id())));
+        assert_eq!(*on.lock().unwrap(), vec![std::thread::current().id()]);
+        assert_eq!(pool.live_threads(), 0);
+    }
+
+    #[test]
+    fn shutdown_joins_every_worker_and_the_pool_restarts() {
+        let pool = pool(6);
+        assert!(pool.run(6, &|_| {}));
+        assert_eq!(pool.live_threads(), 6);
+        pool.shutdown();
+        assert_eq!(pool.live_threads(), 0);
+        let n = AtomicUsize::new(0);
+        assert!(pool.run(6, &|_| {
+            n.fetch_add(1, Ordering::Relaxed);
+        }));
+        assert_eq!(n.load(Ordering::Relaxed), 6);
+        pool.shutdown();
+    }
+
+    #[test]
+    fn idle_workers_exit_and_the_last_one_calls_the_hook() {
+        let hook = Arc::new(AtomicUsize::new(0));
+        let mut cfg = PoolConfig::new("test-pool", 3);
+        cfg.idle = Some(Duration::from_millis(30));
+        let h = hook.clone();
+        cfg.on_idle = Some(Box::new(move || {
+            h.fetch_add(1, Ordering::Relaxed);
+        }));
+        let pool = Pool::new(cfg);
+        assert!(pool.run(3, &|_| {}));
+        wait_until("idle workers exit", || pool.live_threads() == 0);
+        wait_until("idle hook", || hook.load(Ordering::Relaxed) == 1);
+        // Started again by the next job.
+        let n = AtomicUsize::new(0);
+        assert!(pool.run(3, &|_| {
+            n.fetch_add(1, Ordering::Relaxed);
+        }));
+        assert_eq!(n.load(Ordering::Relaxed), 3);
+        pool.shutdown();
     }
 }

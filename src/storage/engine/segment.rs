@@ -1,101 +1,262 @@
 //! The segment pipeline for reads into device memory ([`Pipeline::Segments`]).
 //!
-//! The plan's tasks (pieces cut at multiples of the piece size in file-offset space) are
-//! grouped, `per` consecutive tasks at a time, into *segments*. Segment `g` is staged in slot
-//! `g % K` of a ring of `K` pinned buffers of `per × piece` bytes each. Workers pull tasks in
-//! order from the job's counter and `pread` each into its own slice of its segment's slot; the
-//! worker that fills the last slice of a segment issues ONE `cuMemcpyHtoDAsync` for the whole
-//! segment on copy stream `g % streams` and records the slot's event. A worker that wants to
-//! fill slot `r` for segment `g ≥ K` first waits until segment `g − K`'s copy was issued and
-//! has completed (the slot's event).
+//! **Layout** ([`layout`], pure): the job's tasks, in order, are packed into *segments* of
+//! `seg_bytes`. Each task reserves a span of its segment for its IO: the aligned over-read span
+//! for an O_DIRECT task (placed at an aligned offset), its payload for a buffered one. A task is
+//! placed right after the previous task's payload when that keeps it legal (no overlap with an
+//! earlier IO span, alignment), so payloads that are contiguous in the file (one big file) or
+//! packed back to back (many small files) are contiguous in the segment too; otherwise it
+//! starts at the next legal offset; a task that does not fit starts the next segment.
 //!
-//! No deadlock: tasks are taken in order, so every task of segment `g − K` was taken before
-//! any task of `g`; each of those is being read by a worker that waits at most for segment
-//! `g − 2K` (induction). Errors abort the job; waiters poll the abort flag.
+//! **Copies** ([`copy_runs`], pure): when every task of segment `g` is read, one
+//! `cuMemcpyHtoDAsync` is issued per maximal run of payload that is contiguous both in the
+//! segment and in one destination buffer: a single big file gets one copy per segment, 10k
+//! small files packed into one buffer get one copy per segment, a checkpoint whose device
+//! layout pads tensors gets one copy per tensor piece. Only bytes a task read are copied, each
+//! into its own task's destination range: no destination byte outside the items is written.
 //!
-//! Layout: segment `g`'s bytes are placed relative to `base = align_down(first.file_off)`, so
-//! an O_DIRECT over-read of the aligned span of a task lands at `io_off − base` (aligned) and
-//! its payload at `file_off − base`; the payload of the segment is contiguous from
-//! `first.file_off − base`, and the device range is contiguous from `first.buf_off`.
+//! **Ring**: segment `g` is staged in slot `g % K` of a ring of `K` slots. Workers pull tasks in
+//! order from the job's counter and read each into its span of its segment's slot; the worker
+//! that finishes the last task of a segment issues its copies on copy stream `g % streams` and
+//! records the slot's event. A worker that wants to fill slot `r` for segment `g ≥ K` first
+//! waits until segment `g − K`'s copies were issued and have completed (the slot's event).
+//! No deadlock: tasks are taken in order and segments are contiguous ranges of tasks, so every
+//! task of segment `g − K` was taken before any task of `g`; each of those is being read by a
+//! worker that waits at most for segment `g − 2K` (induction). Errors abort the job; waiters
+//! poll the abort flag.
+//!
+//! **No warm-up tax**: the ring is one anonymous mapping (2 MiB aligned, transparent huge pages
+//! advised) that nobody touches up front: the first reads into a slot fault its pages in, in
+//! parallel, on the workers (which sit on the GPU's NUMA node), and the worker that issues a
+//! slot's first copy page-locks that slot (`cuMemHostRegister` of already-present pages,
+//! measured ~12× cheaper than `cuMemHostAlloc` on the H200 machine). Reading starts at once;
+//! pinning overlaps the reads of the other slots.
 //!
 //! [`Pipeline::Segments`]: crate::storage::config::Pipeline::Segments
 
 use std::ops::Range;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::Duration;
 
 use cudarc::driver::{sys, CudaContext, CudaEvent, CudaStream};
 
-use super::bounce::BounceBuf;
-use super::plan::{align_down, direct_read_span, Task};
-use super::{io, is_einval, Job};
+use super::plan::{direct_read_span, Task};
+use super::{io, Job};
+use crate::cuda::result::mem;
 use crate::error::{Error, Result};
+use crate::storage::config::DIRECT_ALIGN;
 
 /// Tasks per segment for a segment of about `segment_size` bytes and pieces of `piece`.
 pub(crate) fn tasks_per_segment(segment_size: usize, piece: usize) -> usize {
     (segment_size / piece.max(1)).max(1)
 }
 
-/// The task indices of segment `g` among `ntasks` tasks.
-pub(crate) fn seg_tasks(ntasks: usize, per: usize, g: usize) -> Range<usize> {
-    (g * per).min(ntasks)..((g + 1) * per).min(ntasks)
+/// Where one task's IO goes: its segment, the offset of its IO span in the segment, and where
+/// its payload starts inside that span.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Place {
+    pub seg: u32,
+    pub io_off: usize,
+    pub head: usize,
 }
 
-/// Where task `t` goes in a segment whose base file offset is `base`:
-/// `(buffer offset of the IO, file offset of the IO, IO length, payload head)`. Buffered IO
-/// reads exactly the payload; O_DIRECT reads the aligned span.
-pub(crate) fn slice_io(t: &Task, base: u64, direct: bool) -> (usize, u64, usize, usize) {
-    if direct {
-        let (io_off, io_len, head) = direct_read_span(t);
-        ((io_off - base) as usize, io_off, io_len, head)
+impl Place {
+    /// Offset of the task's payload in its segment.
+    pub fn payload(&self) -> usize {
+        self.io_off + self.head
+    }
+}
+
+/// The placement of every task of a job ([`layout`]).
+#[derive(Debug, Clone, Default)]
+pub(crate) struct Layout {
+    /// Per task.
+    pub place: Vec<Place>,
+    /// Per segment: its tasks (consecutive, in order).
+    pub segs: Vec<Range<usize>>,
+}
+
+/// `(IO length, payload head, alignment)` of task `t` in a segment.
+fn io_shape(t: &Task) -> (usize, usize, usize) {
+    if t.direct {
+        let (_, io_len, head) = direct_read_span(t);
+        (io_len, head, DIRECT_ALIGN)
     } else {
-        ((t.file_off - base) as usize, t.file_off, t.len, 0)
+        (t.len, 0, 1)
     }
 }
 
-/// Bytes of a segment's payload that are valid: the contiguous prefix of its tasks, stopping
-/// after the first that came up short (end of file).
-pub(crate) fn prefix_len(tasks: &[Task], done: impl Fn(usize) -> usize) -> usize {
-    let mut len = 0;
-    for (k, t) in tasks.iter().enumerate() {
-        let d = done(k);
-        len += d;
-        if d < t.len {
-            break;
+/// Packs `tasks` (in order) into segments of `seg_bytes` (see the module docs). Every task's
+/// IO span must fit an empty segment (tasks come from [`plan_item`](super::plan::plan_item)
+/// with a piece of at most `seg_bytes`).
+pub(crate) fn layout(tasks: &[Task], seg_bytes: usize) -> Layout {
+    let mut place = Vec::with_capacity(tasks.len());
+    let mut segs = Vec::new();
+    let (mut start, mut g) = (0usize, 0u32);
+    // Payload end of the last task placed, and the end of the furthest IO span so far.
+    let (mut c, mut io_end) = (0usize, 0usize);
+    for (i, t) in tasks.iter().enumerate() {
+        let (io_len, head, align) = io_shape(t);
+        debug_assert!(
+            io_len <= seg_bytes,
+            "{t:?} does not fit a segment of {seg_bytes}"
+        );
+        let mut s = if head == 0 && c == io_end && c % align == 0 {
+            c
+        } else {
+            io_end.div_ceil(align) * align
+        };
+        if s + io_len > seg_bytes && i > start {
+            segs.push(start..i);
+            start = i;
+            g += 1;
+            (io_end, s) = (0, 0);
         }
+        place.push(Place {
+            seg: g,
+            io_off: s,
+            head,
+        });
+        c = s + head + t.len;
+        io_end = io_end.max(s + io_len);
     }
-    len
+    if tasks.len() > start {
+        segs.push(start..tasks.len());
+    }
+    Layout { place, segs }
 }
 
-/// Pinned segments, copy streams and slot events of one engine, reused across jobs with the
-/// same shape.
+/// One host→device copy out of a segment.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Run {
+    pub slot_off: usize,
+    pub buf: u32,
+    pub buf_off: usize,
+    pub len: usize,
+}
+
+/// The copies for the tasks `range` of a segment, given the bytes each task read (`done`):
+/// maximal runs contiguous in the segment and in one destination buffer; a task that came up
+/// short ends its run (its bytes are copied, nothing after them joins).
+pub(crate) fn copy_runs(
+    tasks: &[Task],
+    place: &[Place],
+    range: Range<usize>,
+    done: impl Fn(usize) -> usize,
+) -> Vec<Run> {
+    let mut runs: Vec<Run> = Vec::new();
+    let mut joinable = false;
+    for i in range {
+        let (t, d) = (&tasks[i], done(i).min(tasks[i].len));
+        if d == 0 {
+            joinable = false;
+            continue;
+        }
+        let p = place[i].payload();
+        match runs.last_mut() {
+            Some(r)
+                if joinable
+                    && r.buf == t.buf
+                    && r.buf_off + r.len == t.buf_off
+                    && r.slot_off + r.len == p =>
+            {
+                r.len += d
+            }
+            _ => runs.push(Run {
+                slot_off: p,
+                buf: t.buf,
+                buf_off: t.buf_off,
+                len: d,
+            }),
+        }
+        joinable = d == t.len;
+    }
+    runs
+}
+
+const HUGE_PAGE: usize = 2 << 20;
+
+/// The ring's host memory: one anonymous mapping, 2 MiB aligned, huge pages advised, untouched
+/// until the reads fault it in.
+struct RingMem {
+    map: *mut u8,
+    map_len: usize,
+    base: *mut u8,
+}
+
+impl RingMem {
+    fn new(len: usize) -> Result<RingMem> {
+        let map_len = len + HUGE_PAGE;
+        // SAFETY: a fresh private anonymous mapping; no existing memory is affected.
+        let p = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                map_len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
+                -1,
+                0,
+            )
+        };
+        if p == libc::MAP_FAILED {
+            return Err(Error::io("mmap", None, std::io::Error::last_os_error()));
+        }
+        let map = p.cast::<u8>();
+        let pad = (HUGE_PAGE - map as usize % HUGE_PAGE) % HUGE_PAGE;
+        // SAFETY: pad < HUGE_PAGE, so base..base+len lies inside the mapping of len + HUGE_PAGE.
+        let base = unsafe { map.add(pad) };
+        // SAFETY: advice on our own mapping; failure only loses the hint.
+        unsafe { libc::madvise(base.cast(), len, libc::MADV_HUGEPAGE) };
+        Ok(RingMem { map, map_len, base })
+    }
+}
+
+impl Drop for RingMem {
+    fn drop(&mut self) {
+        // SAFETY: unmapping exactly our mapping; SegRes::drop unregistered every slot first (or
+        // leaked this value when it could not).
+        unsafe { libc::munmap(self.map.cast(), self.map_len) };
+    }
+}
+
+/// Pinned segments, copy streams and slot events of one engine, reused across jobs that fit.
 pub(crate) struct SegRes {
     ctx: Arc<CudaContext>,
-    buf: BounceBuf,
+    mem: RingMem,
+    /// Bytes per slot (the slot stride).
     seg_bytes: usize,
     nseg: usize,
     streams: Vec<Arc<CudaStream>>,
     events: Vec<CudaEvent>,
+    /// `registered[r]`: slot `r` is page-locked (done by the worker issuing its first copy).
+    registered: Vec<AtomicBool>,
 }
 
-// SAFETY: shared use only reads the buffer's address; the bytes behind it are written by one
-// worker per slice (tasks are disjoint and taken once) and read by the DMA only after the
-// segment's last slice is done; a slot is rewritten only after its event completed (the ring
-// protocol in the module docs). Streams and events are Sync.
+// SAFETY: shared use only reads the mapping's address; the bytes behind it are written by one
+// worker per task span (spans of one segment are disjoint, tasks are taken once) and read by
+// the DMA only after the segment's last task is done; a slot is rewritten only after its event
+// completed (the ring protocol in the module docs); a slot is registered only by the worker
+// that issues its segment's copies (one per segment). Streams and events are Send + Sync.
 unsafe impl Sync for SegRes {}
+// SAFETY: as above; the mapping is plain memory owned by this value.
+unsafe impl Send for SegRes {}
 
 impl SegRes {
-    /// Allocates `nseg` page-locked segments of `seg_bytes` (one mapping, one registration),
-    /// `nstreams` streams and one event per segment. The caller bound `ctx`.
+    /// Maps `nseg` slots of `seg_bytes` (not touched, not pinned yet) and creates `nstreams`
+    /// streams and one event per slot. The caller bound `ctx`.
     pub fn new(
         ctx: &Arc<CudaContext>,
         seg_bytes: usize,
         nseg: usize,
         nstreams: usize,
     ) -> Result<SegRes> {
-        let mut buf = BounceBuf::new(seg_bytes * nseg)?;
-        buf.register()?;
+        let len = seg_bytes.checked_mul(nseg).ok_or_else(|| {
+            Error::InvalidArgument(format!(
+                "{nseg} segments of {seg_bytes} bytes overflow the address space: use smaller segments"
+            ))
+        })?;
+        let mem = RingMem::new(len)?;
         let streams = (0..nstreams.max(1))
             .map(|_| {
                 ctx.new_stream()
@@ -110,15 +271,17 @@ impl SegRes {
             .collect::<Result<Vec<_>>>()?;
         Ok(SegRes {
             ctx: ctx.clone(),
-            buf,
+            mem,
             seg_bytes,
             nseg,
             streams,
             events,
+            registered: (0..nseg).map(|_| AtomicBool::new(false)).collect(),
         })
     }
 
-    /// True when these resources serve `ctx` with this shape.
+    /// True when these resources can serve a job for `ctx` of this shape (the ring grows to
+    /// the largest shape asked for, so jobs of different shapes do not rebuild it in turn).
     pub fn fits(
         &self,
         ctx: &Arc<CudaContext>,
@@ -127,14 +290,86 @@ impl SegRes {
         nstreams: usize,
     ) -> bool {
         self.ctx.cu_ctx() == ctx.cu_ctx()
-            && self.seg_bytes == seg_bytes
-            && self.nseg == nseg
-            && self.streams.len() == nstreams.max(1)
+            && self.seg_bytes >= seg_bytes
+            && self.nseg >= nseg
+            && self.streams.len() >= nstreams.max(1)
+    }
+
+    /// The shape of a ring that serves both this one's jobs and `(seg_bytes, nseg, nstreams)`.
+    pub fn grown(&self, seg_bytes: usize, nseg: usize, nstreams: usize) -> (usize, usize, usize) {
+        (
+            self.seg_bytes.max(seg_bytes),
+            self.nseg.max(nseg),
+            self.streams.len().max(nstreams),
+        )
+    }
+
+    /// Host bytes this ring maps.
+    pub fn bytes(&self) -> usize {
+        self.seg_bytes * self.nseg
     }
 
     fn slot_ptr(&self, r: usize) -> *mut u8 {
+        debug_assert!(r < self.nseg);
         // SAFETY: r < nseg, so the offset stays inside the mapping of seg_bytes * nseg bytes.
-        unsafe { self.buf.ptr().add(r * self.seg_bytes) }
+        unsafe { self.mem.base.add(r * self.seg_bytes) }
+    }
+
+    /// Page-locks slot `r` if it is not yet. The caller issues the slot's copies (so no other
+    /// thread registers it) and bound the context.
+    fn ensure_registered(&self, r: usize) -> Result<()> {
+        if self.registered[r].load(Ordering::Acquire) {
+            return Ok(());
+        }
+        // SAFETY: the slot lies inside our mapping, which stays mapped until Drop unregisters it.
+        unsafe { mem::host_register(self.slot_ptr(r), self.seg_bytes) }?;
+        self.registered[r].store(true, Ordering::Release);
+        Ok(())
+    }
+
+    /// Faults in and page-locks every slot now, on `threads` workers of `pool` (for
+    /// `GpuFile::warm_up`; jobs do it lazily otherwise).
+    pub fn pin_all(&self, pool: &super::pool::Pool, threads: usize) -> Result<()> {
+        const CHUNK: usize = 8 << 20;
+        let len = self.bytes();
+        let chunks = len.div_ceil(CHUNK);
+        let next = AtomicUsize::new(0);
+        let page = io::page_size();
+        pool.run(threads, &|_ws| {
+            loop {
+                let c = next.fetch_add(1, Ordering::Relaxed);
+                if c >= chunks {
+                    break;
+                }
+                let end = ((c + 1) * CHUNK).min(len);
+                for off in (c * CHUNK..end).step_by(page) {
+                    // SAFETY: off < len, inside our mapping; no job runs (the caller holds the
+                    // engine's ring lock), so no one else touches these bytes.
+                    unsafe { self.mem.base.add(off).write_volatile(0) };
+                }
+            }
+        });
+        let next = AtomicUsize::new(0);
+        let err: Mutex<Option<Error>> = Mutex::new(None);
+        pool.run(threads.min(self.nseg), &|_ws| {
+            if self.ctx.bind_to_thread().is_err() {
+                return;
+            }
+            loop {
+                let r = next.fetch_add(1, Ordering::Relaxed);
+                if r >= self.nseg {
+                    break;
+                }
+                if let Err(e) = self.ensure_registered(r) {
+                    *err.lock().unwrap_or_else(|p| p.into_inner()) = Some(e);
+                    break;
+                }
+            }
+        });
+        match err.into_inner().unwrap_or_else(|p| p.into_inner()) {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
     }
 
     /// Waits for every copy issued on the copy streams.
@@ -150,40 +385,78 @@ impl SegRes {
     }
 }
 
+impl Drop for SegRes {
+    fn drop(&mut self) {
+        // Every copy was drained when the last job ended (a ring whose drain failed is leaked,
+        // never dropped).
+        let _ = self.ctx.bind_to_thread();
+        let mut ok = true;
+        for r in 0..self.nseg {
+            if self.registered[r].load(Ordering::Acquire) {
+                // SAFETY: registered by ensure_registered; no copy uses it any more (above).
+                if let Err(e) = unsafe { mem::host_unregister(self.slot_ptr(r)) } {
+                    tracing::warn!(%e, "leaking a pinned segment that CUDA would not unregister");
+                    ok = false;
+                }
+            }
+        }
+        if !ok {
+            // Unmapping registered memory would leave CUDA a dangling registration.
+            std::mem::forget(std::mem::replace(
+                &mut self.mem,
+                RingMem {
+                    map: std::ptr::null_mut(),
+                    map_len: 0,
+                    base: std::ptr::null_mut(),
+                },
+            ));
+        }
+    }
+}
+
 #[derive(Default)]
 struct SlotState {
-    /// The last segment whose copy out of this slot was issued.
+    /// The last segment whose copies out of this slot were issued.
     issued: Option<usize>,
-    /// The last segment whose copy out of this slot is known complete.
+    /// The last segment whose copies out of this slot are known complete.
     synced: Option<usize>,
 }
 
 /// One job's progress through the ring.
 pub(crate) struct SegJob<'r> {
     res: &'r SegRes,
-    per: usize,
-    dptr: sys::CUdeviceptr,
+    /// Slots this job uses (at most the ring's).
+    nseg: usize,
+    /// Copy streams this job uses.
+    nstreams: usize,
+    layout: Layout,
     remaining: Vec<AtomicUsize>,
     slots: Vec<(Mutex<SlotState>, Condvar)>,
+    /// Copies issued (for tests and reports).
+    pub copies: AtomicUsize,
 }
 
 impl<'r> SegJob<'r> {
-    pub fn new(res: &'r SegRes, ntasks: usize, per: usize, dptr: sys::CUdeviceptr) -> Self {
-        let nsegs = ntasks.div_ceil(per);
+    pub fn new(res: &'r SegRes, layout: Layout, nseg: usize, nstreams: usize) -> Self {
+        let nseg = nseg.clamp(1, res.nseg);
         SegJob {
             res,
-            per,
-            dptr,
-            remaining: (0..nsegs)
-                .map(|g| AtomicUsize::new(seg_tasks(ntasks, per, g).len()))
+            nseg,
+            nstreams: nstreams.clamp(1, res.streams.len()),
+            remaining: layout
+                .segs
+                .iter()
+                .map(|r| AtomicUsize::new(r.len()))
                 .collect(),
-            slots: (0..res.nseg)
+            layout,
+            slots: (0..nseg)
                 .map(|_| (Mutex::new(SlotState::default()), Condvar::new()))
                 .collect(),
+            copies: AtomicUsize::new(0),
         }
     }
 
-    /// Waits until slot `r` is free of segment `want`'s copy. Ok(false): the job aborted.
+    /// Waits until slot `r` is free of segment `want`'s copies. Ok(false): the job aborted.
     fn wait(&self, job: &Job<'_>, r: usize, want: usize) -> Result<bool> {
         let (m, cv) = &self.slots[r];
         let mut st = m.lock().unwrap_or_else(|p| p.into_inner());
@@ -208,29 +481,32 @@ impl<'r> SegJob<'r> {
         Ok(true)
     }
 
-    /// Issues segment `g`'s copy (all its tasks are read).
+    /// Issues segment `g`'s copies (all its tasks are read).
     fn issue(&self, job: &Job<'_>, g: usize) -> Result<()> {
-        let r = g % self.res.nseg;
-        let range = seg_tasks(job.tasks.len(), self.per, g);
-        let tasks = &job.tasks[range.clone()];
-        let first = tasks[0];
-        let base = align_down(first.file_off);
-        let len = prefix_len(tasks, |k| job.done[range.start + k].load(Ordering::Acquire));
-        let stream = &self.res.streams[g % self.res.streams.len()];
-        if len > 0 {
-            // SAFETY: the source is `len` payload bytes inside slot r (layout in the module
-            // docs; len <= the segment's payload), not rewritten until the event recorded
-            // below completes (wait()); the destination lies inside the caller's device buffer
-            // (Job::new contract); the context is current on this worker.
+        let r = g % self.nseg;
+        let runs = copy_runs(
+            &job.tasks,
+            &self.layout.place,
+            self.layout.segs[g].clone(),
+            |i| job.done[i].load(Ordering::Acquire),
+        );
+        let stream = &self.res.streams[g % self.nstreams];
+        if !runs.is_empty() {
+            self.res.ensure_registered(r)?;
+        }
+        let slot = self.res.slot_ptr(r);
+        for run in &runs {
+            let dst = job.dev_ptr(run.buf, run.buf_off)?;
+            // SAFETY: the source is `run.len` payload bytes read into slot r (layout:
+            // slot_off + len <= the segment's bytes <= the slot), page-locked above, not
+            // rewritten until the event recorded below completes (wait()); the destination is
+            // inside the task's own range of a caller's device buffer (Job::new contract); the
+            // context is current on this worker.
             unsafe {
-                crate::cuda::result::mem::memcpy_htod_async(
-                    self.dptr + first.buf_off as u64,
-                    self.res.slot_ptr(r).add((first.file_off - base) as usize),
-                    len,
-                    stream.cu_stream(),
-                )
+                crate::cuda::result::mem::memcpy_htod_async(dst, slot.add(run.slot_off), run.len, stream.cu_stream())
             }?;
         }
+        self.copies.fetch_add(runs.len(), Ordering::Relaxed);
         self.res.events[r]
             .record(stream)
             .map_err(|e| Error::cuda("cuEventRecord", e))?;
@@ -240,22 +516,33 @@ impl<'r> SegJob<'r> {
         Ok(())
     }
 
-    /// A worker's loop: read tasks into their slices, issue full segments.
+    /// A worker's loop: read tasks into their spans, issue full segments.
     pub fn work(&self, job: &Job<'_>) -> Result<()> {
         self.res
             .ctx
             .bind_to_thread()
             .map_err(|e| Error::cuda("cuCtxSetCurrent", e))?;
-        let nseg = self.res.nseg;
         while let Some((i, t)) = job.next() {
-            let g = i / self.per;
-            let r = g % nseg;
-            if g >= nseg && !self.wait(job, r, g - nseg)? {
+            let p = self.layout.place[i];
+            let g = p.seg as usize;
+            let r = g % self.nseg;
+            if g >= self.nseg && !self.wait(job, r, g - self.nseg)? {
                 return Ok(());
             }
-            let first = job.tasks[g * self.per];
-            let base = align_down(first.file_off);
-            let n = read_into_slot(job, &t, self.res.slot_ptr(r), base, self.res.seg_bytes)?;
+            let n = if job.item_failed(t.item) {
+                0
+            } else {
+                // SAFETY: the task's span [io_off, io_off + io_len) lies inside the slot
+                // (layout; checked by the planning tests) and no other task of this segment
+                // overlaps it; the slot is free of earlier copies (wait above).
+                match unsafe { job.read_span(&t, self.res.slot_ptr(r).add(p.io_off)) } {
+                    Ok(n) => n,
+                    Err(e) => {
+                        job.fail_item(t.item, e)?;
+                        0
+                    }
+                }
+            };
             job.done[i].store(n, Ordering::Release);
             if self.remaining[g].fetch_sub(1, Ordering::AcqRel) == 1 {
                 self.issue(job, g)?;
@@ -265,106 +552,210 @@ impl<'r> SegJob<'r> {
     }
 }
 
-/// Reads task `t` into its slice of a slot (`seg` bytes at `slot`, segment base `base`):
-/// returns the payload bytes (short only at end of file).
-fn read_into_slot(job: &Job<'_>, t: &Task, slot: *mut u8, base: u64, seg: usize) -> Result<usize> {
-    let fds = job.fds;
-    if t.direct {
-        if let Some(d) = fds.direct() {
-            let (boff, io_off, io_len, head) = slice_io(t, base, true);
-            debug_assert!(boff + io_len <= seg);
-            // SAFETY: [boff, boff + io_len) lies inside the slot (module docs; checked by the
-            // planning tests); no other task's slice overlaps it.
-            match unsafe { io::pread_full(d, slot.add(boff), io_len, io_off) } {
-                Ok(got) => {
-                    job.used_direct
-                        .store(true, std::sync::atomic::Ordering::Relaxed);
-                    return Ok(got.saturating_sub(head).min(t.len));
-                }
-                Err(e) if is_einval(&e) => {
-                    tracing::debug!(path = %fds.path.display(), "O_DIRECT read refused (EINVAL); using buffered IO");
-                    fds.direct_broken
-                        .store(true, std::sync::atomic::Ordering::Relaxed);
-                }
-                Err(e) => return Err(fds.err("pread", e)),
-            }
-        }
-    }
-    let (boff, io_off, io_len, _) = slice_io(t, base, false);
-    debug_assert!(boff + io_len <= seg);
-    // SAFETY: as above, for the payload's own slice.
-    unsafe { io::pread_full(&fds.buffered, slot.add(boff), io_len, io_off) }
-        .map_err(|e| fds.err("pread", e))
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::storage::config::DIRECT_ALIGN;
-    use crate::storage::engine::plan::{plan, Dir};
+    use crate::storage::engine::plan::{plan, plan_item, Dir};
     use rand::{Rng, SeedableRng};
 
     #[test]
     fn segments_group_tasks_in_order() {
         assert_eq!(tasks_per_segment(32 << 20, 2 << 20), 16);
         assert_eq!(tasks_per_segment(1 << 20, 2 << 20), 1);
-        assert_eq!(seg_tasks(10, 4, 0), 0..4);
-        assert_eq!(seg_tasks(10, 4, 2), 8..10);
-        assert_eq!(seg_tasks(10, 4, 3), 10..10);
+        let t = plan(0, 10 << 20, 1 << 20, Dir::Read, false);
+        let l = layout(&t, 4 << 20);
+        assert_eq!(l.segs, vec![0..4, 4..8, 8..10]);
+        assert!(l.place.iter().all(|p| p.head == 0));
     }
 
-    #[test]
-    fn prefix_stops_after_a_short_task() {
-        let t = plan(0, 3 * 4096, 4096, Dir::Read, false);
-        assert_eq!(prefix_len(&t, |_| 4096), 3 * 4096);
-        assert_eq!(prefix_len(&t, |k| if k == 1 { 10 } else { 4096 }), 4106);
-        assert_eq!(prefix_len(&t, |_| 0), 0);
-    }
+    type Span = (usize, u32, usize, usize, usize);
 
-    /// Every task's IO (buffered or O_DIRECT over-read) lies inside its segment's slot, slices
-    /// of one segment never overlap, direct IO is aligned in memory and file, and the
-    /// payload of each segment is contiguous in the slot and in the device buffer.
-    #[test]
-    fn random_segment_layouts_fit_their_slots() {
-        let mut rng = rand::rngs::StdRng::seed_from_u64(99);
-        for _ in 0..3000 {
-            let off = rng.random_range(0..1u64 << 40);
-            let len = rng.random_range(1..48 << 20);
-            let piece = rng.random_range(1..=512usize) * DIRECT_ALIGN;
-            let per = tasks_per_segment(rng.random_range(1..64usize << 20), piece);
-            let seg = per * piece;
-            let direct = rng.random();
-            let tasks = plan(off, len, piece, Dir::Read, direct);
-            let nsegs = tasks.len().div_ceil(per);
-            for g in 0..nsegs {
-                let r = seg_tasks(tasks.len(), per, g);
-                let first = tasks[r.start];
-                let base = align_down(first.file_off);
-                let mut spans: Vec<(usize, usize)> = Vec::new();
-                let mut payload = (first.file_off - base) as usize;
-                let mut dev = first.buf_off;
-                for t in &tasks[r] {
-                    let (boff, io_off, io_len, head) = slice_io(t, base, t.direct);
-                    assert!(boff + io_len <= seg, "{t:?} base {base} seg {seg}");
-                    assert_eq!(boff + head, (t.file_off - base) as usize);
-                    assert_eq!(boff as u64, io_off - base);
-                    if t.direct {
-                        assert_eq!(boff % DIRECT_ALIGN, 0);
-                        assert_eq!(io_off % DIRECT_ALIGN as u64, 0);
-                    }
-                    let (pb, _, pl, _) = slice_io(t, base, false);
-                    assert!(pb + pl <= seg);
-                    assert_eq!(pb, payload, "payload not contiguous");
-                    assert_eq!(t.buf_off, dev, "device range not contiguous");
-                    payload += t.len;
-                    dev += t.len;
-                    spans.push((boff, boff + io_len));
+    fn merged(mut v: Vec<Span>) -> Vec<Span> {
+        v.sort();
+        let mut out: Vec<Span> = Vec::new();
+        for x in v {
+            match out.last_mut() {
+                Some(y) if y.0 == x.0 && y.1 == x.1 && y.2 + y.4 == x.2 && y.3 + y.4 == x.3 => {
+                    y.4 += x.4
                 }
-                spans.sort();
-                for w in spans.windows(2) {
-                    assert!(w[0].1 <= w[1].0, "slices overlap: {spans:?}");
+                _ => out.push(x),
+            }
+        }
+        out
+    }
+
+    /// Checks every invariant of a layout and its copy runs, for the read of every task in
+    /// full and with random short reads.
+    fn check_layout(tasks: &[Task], seg: usize, rng: &mut impl Rng) -> Layout {
+        let l = layout(tasks, seg);
+        assert_eq!(l.place.len(), tasks.len());
+        // Segments: consecutive ranges covering every task, in order.
+        let mut next = 0;
+        for (g, r) in l.segs.iter().enumerate() {
+            assert_eq!(r.start, next);
+            assert!(r.end > r.start);
+            next = r.end;
+            let mut spans: Vec<(usize, usize)> = Vec::new();
+            for i in r.clone() {
+                let (t, p) = (&tasks[i], l.place[i]);
+                assert_eq!(p.seg as usize, g);
+                let (io_len, head, align) = io_shape(t);
+                assert_eq!(p.head, head);
+                assert!(p.io_off + io_len <= seg, "{t:?} {p:?} seg {seg}");
+                assert_eq!(p.io_off % align, 0, "direct span not aligned: {t:?} {p:?}");
+                // A buffered fallback of a direct task lands inside its span too.
+                assert!(p.payload() + t.len <= p.io_off + io_len);
+                spans.push((p.io_off, p.io_off + io_len));
+            }
+            spans.sort();
+            for w in spans.windows(2) {
+                assert!(w[0].1 <= w[1].0, "IO spans overlap: {spans:?}");
+            }
+        }
+        assert_eq!(next, tasks.len());
+        // Copy runs move exactly the bytes read, each into its own task's destination range.
+        for full in [true, false] {
+            let done: Vec<usize> = tasks
+                .iter()
+                .map(|t| {
+                    if full || rng.random_bool(0.7) {
+                        t.len
+                    } else {
+                        rng.random_range(0..t.len)
+                    }
+                })
+                .collect();
+            // Intervals (segment, buffer, buffer offset, segment offset, length), merged where
+            // contiguous in both spaces: what was copied must equal what was read.
+            let mut got = Vec::new();
+            let mut expect = Vec::new();
+            for (g, r) in l.segs.iter().enumerate() {
+                for run in copy_runs(tasks, &l.place, r.clone(), |i| done[i]) {
+                    got.push((g, run.buf, run.buf_off, run.slot_off, run.len));
+                }
+                for i in r.clone() {
+                    if done[i] > 0 {
+                        let p = l.place[i].payload();
+                        expect.push((g, tasks[i].buf, tasks[i].buf_off, p, done[i]));
+                    }
                 }
             }
+            assert!(
+                merged(got) == merged(expect),
+                "copies differ from the bytes read"
+            );
+        }
+        l
+    }
+
+    #[test]
+    fn one_big_file_gets_one_copy_per_segment() {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(1);
+        for (off, direct) in [(0u64, false), (0, true), (12_345, true), (777, false)] {
+            let t = plan(off, 4 << 30, 2 << 20, Dir::Read, direct);
+            let l = check_layout(&t, 32 << 20, &mut rng);
+            let copies: usize = l
+                .segs
+                .iter()
+                .map(|r| copy_runs(&t, &l.place, r.clone(), |i| t[i].len).len())
+                .sum();
+            assert_eq!(copies, l.segs.len(), "off {off} direct {direct}");
+            assert!(l.segs.len() <= (4usize << 30).div_ceil(32 << 20) + 1);
+        }
+    }
+
+    #[test]
+    fn small_files_packed_in_one_buffer_get_one_copy_per_segment() {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(2);
+        for direct in [false, true] {
+            let mut t = Vec::new();
+            for f in 0..10_000u32 {
+                let at = Task {
+                    file: f,
+                    item: f,
+                    buf_off: f as usize * 102_400,
+                    ..Task::default()
+                };
+                plan_item(&mut t, at, 0, 102_400, 2 << 20, Dir::Read, direct);
+            }
+            let l = check_layout(&t, 32 << 20, &mut rng);
+            let copies: usize = l
+                .segs
+                .iter()
+                .map(|r| copy_runs(&t, &l.place, r.clone(), |i| t[i].len).len())
+                .sum();
+            assert_eq!(copies, l.segs.len());
+            // Packed: each segment holds as many files as fit.
+            assert_eq!(l.segs[0].len(), (32 << 20) / 102_400);
+        }
+    }
+
+    #[test]
+    fn padded_destinations_get_one_copy_per_piece() {
+        // Tensors back to back in the file, padded to 256 bytes on the device, in two buffers.
+        let mut rng = rand::rngs::StdRng::seed_from_u64(3);
+        let mut t = Vec::new();
+        let (mut foff, mut doff) = (8u64 + 1234, [0usize; 2]);
+        let mut pieces = 0;
+        for k in 0..200u32 {
+            let len = rng.random_range(1..3 << 20);
+            let buf = k % 2;
+            let at = Task {
+                buf,
+                item: k,
+                buf_off: doff[buf as usize],
+                ..Task::default()
+            };
+            let before = t.len();
+            plan_item(&mut t, at, foff, len, 2 << 20, Dir::Read, rng.random());
+            pieces += t.len() - before;
+            foff += len as u64;
+            doff[buf as usize] += len.div_ceil(256) * 256;
+        }
+        let l = check_layout(&t, 8 << 20, &mut rng);
+        let copies: usize = l
+            .segs
+            .iter()
+            .map(|r| copy_runs(&t, &l.place, r.clone(), |i| t[i].len).len())
+            .sum();
+        // One per tensor per segment it spans, never one per task beyond that.
+        assert!(
+            copies <= pieces && copies >= 200,
+            "{copies} copies for {pieces} pieces"
+        );
+    }
+
+    /// Random batches: many files, several buffers, direct and buffered, random segment sizes.
+    #[test]
+    fn random_layouts_keep_every_invariant() {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(99);
+        for _ in 0..400 {
+            let piece = rng.random_range(1..=64usize) * DIRECT_ALIGN;
+            let seg = tasks_per_segment(rng.random_range(1..(4usize << 20)), piece) * piece;
+            let mut t = Vec::new();
+            // Destination ranges never overlap (the batch refuses overlaps before planning);
+            // sometimes they are back to back, sometimes apart.
+            let mut end = [0usize; 3];
+            for item in 0..rng.random_range(1..40u32) {
+                let buf = rng.random_range(0..3);
+                let len = rng.random_range(1..1 << 20);
+                let gap = if rng.random() {
+                    0
+                } else {
+                    rng.random_range(1..5000)
+                };
+                let at = Task {
+                    file: rng.random_range(0..5),
+                    buf: buf as u32,
+                    item,
+                    buf_off: end[buf] + gap,
+                    ..Task::default()
+                };
+                end[buf] += gap + len;
+                let off = rng.random_range(0..1u64 << 40);
+                plan_item(&mut t, at, off, len, piece, Dir::Read, rng.random());
+            }
+            check_layout(&t, seg, &mut rng);
         }
     }
 }

@@ -68,13 +68,56 @@ impl Lane {
     }
 }
 
+#[cfg(test)]
+static LANES_DROPPED_BUSY: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+/// Test hook: lanes dropped while their stream still had work queued.
+#[cfg(test)]
+pub(crate) fn lanes_dropped_busy() -> usize {
+    LANES_DROPPED_BUSY.load(std::sync::atomic::Ordering::SeqCst)
+}
+
+#[cfg(test)]
+impl Drop for Lane {
+    fn drop(&mut self) {
+        let _ = self.ctx.bind_to_thread();
+        // SAFETY: the lane's stream is alive (dropped after this) in its bound context.
+        if !unsafe { crate::cuda::result::stream::is_idle(self.stream.cu_stream()) } {
+            LANES_DROPPED_BUSY.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        }
+    }
+}
+
 /// State a worker keeps between jobs.
 pub(crate) struct WorkerState {
     /// Index of the worker in its pool.
-    #[allow(dead_code)]
     pub id: usize,
     pub slots: [Option<BounceBuf>; 2],
     pub lanes: Vec<Lane>,
+    /// Test hook: stands for a copy enqueued and not yet waited for.
+    #[cfg(test)]
+    pub test_in_flight: bool,
+    /// Test hook: [`quiesce`](Self::quiesce) fails.
+    #[cfg(test)]
+    pub test_drain_fails: bool,
+}
+
+#[cfg(test)]
+static DROPPED_IN_FLIGHT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+/// Test hook: worker states dropped while a (simulated) copy was in flight.
+#[cfg(test)]
+pub(crate) fn dropped_in_flight() -> usize {
+    DROPPED_IN_FLIGHT.load(std::sync::atomic::Ordering::SeqCst)
+}
+
+#[cfg(test)]
+impl Drop for WorkerState {
+    fn drop(&mut self) {
+        if self.test_in_flight {
+            DROPPED_IN_FLIGHT.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        }
+    }
 }
 
 impl WorkerState {
@@ -83,7 +126,31 @@ impl WorkerState {
             id,
             slots: [None, None],
             lanes: Vec::new(),
+            #[cfg(test)]
+            test_in_flight: false,
+            #[cfg(test)]
+            test_drain_fails: false,
         }
+    }
+
+    /// Waits for every copy on every lane (after a panic, before freeing or reusing the
+    /// buffers). False when a stream could not be synchronized: a copy may still use the
+    /// buffers, so the caller must leak this state.
+    pub fn quiesce(&mut self) -> bool {
+        #[cfg(test)]
+        {
+            if self.test_drain_fails {
+                return false;
+            }
+            self.test_in_flight = false;
+        }
+        let mut ok = true;
+        for lane in &mut self.lanes {
+            if lane.ctx.bind_to_thread().is_err() || lane.drain().is_err() {
+                ok = false;
+            }
+        }
+        ok
     }
 
     /// Makes bounce buffer `i` at least `size` bytes (and page-locked when `register`).
