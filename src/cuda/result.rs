@@ -256,7 +256,6 @@ pub(crate) mod stream {
     /// # Safety
     /// `stream` must be a live stream (or null: the legacy default stream) of the current
     /// context.
-    #[allow(dead_code)] // the storage engine's next pipeline uses it
     pub(crate) unsafe fn synchronize(stream: sys::CUstream) -> Result<()> {
         // SAFETY: the caller's contract.
         check("cuStreamSynchronize", unsafe {

@@ -14,7 +14,7 @@ use super::backend::cufile_glue;
 use super::config::{ODirect, Pipeline, StorageConfig};
 use super::engine::io::{self, Fds};
 use super::engine::plan::{plan, Dir};
-use super::engine::{self, Job, SegParams, Target};
+use super::engine::{self, small, Job, SegParams, Target};
 use super::options::GpuFileOptions;
 use crate::error::{Error, Result};
 use crate::path::{Cause, FallbackPolicy, Path, PathReport};
@@ -344,9 +344,31 @@ impl GpuFile {
                 odirect: false,
             });
         }
-        let engine = engine::engine(Some(ctx.ordinal()), self.cfg.numa_pin)?;
         let piece = self.cfg.piece_size();
         let direct = self.read_direct(file_offset, n);
+        if n <= small::SMALL_MAX.min(piece) {
+            let (dptr, _record) = view.device_ptr_mut(&stream);
+            // SAFETY: dptr..dptr+len is `dst`'s device memory in `ctx`, exclusively borrowed for
+            // this call, n <= len; device_ptr_mut ordered `stream` after the buffer's other
+            // users; small::read waits for its copy.
+            let (bytes, odirect) = unsafe {
+                small::read(
+                    &self.fds,
+                    direct,
+                    file_offset,
+                    n,
+                    &ctx,
+                    dptr,
+                    stream.cu_stream(),
+                )
+            }?;
+            return Ok(IoReport {
+                bytes,
+                path: self.engine_report(),
+                odirect,
+            });
+        }
+        let engine = engine::engine(Some(ctx.ordinal()), self.cfg.numa_pin)?;
         let threads = self.threads_for(Some(ctx.ordinal()), direct);
         let tasks = plan(file_offset, n, piece, Dir::Read, direct);
         let (dptr, _record) = view.device_ptr_mut(&stream);
@@ -433,6 +455,29 @@ impl GpuFile {
                 bytes: 0,
                 path: self.engine_report(),
                 odirect: false,
+            }
+        } else if len <= small::SMALL_MAX.min(self.cfg.piece_size()) {
+            let direct = self.write_direct();
+            self.prepare_write(direct, file_offset, len)?;
+            let (dptr, _record) = view.device_ptr(&stream);
+            // SAFETY: dptr..dptr+len is `src`'s device memory in `ctx`, borrowed for this call;
+            // device_ptr ordered `stream` after the buffer's writers; small::write waits for
+            // its copy.
+            let odirect = unsafe {
+                small::write(
+                    &self.fds,
+                    direct,
+                    file_offset,
+                    len,
+                    &ctx,
+                    dptr,
+                    stream.cu_stream(),
+                )
+            }?;
+            IoReport {
+                bytes: len,
+                path: self.engine_report(),
+                odirect,
             }
         } else {
             let direct = self.write_direct();

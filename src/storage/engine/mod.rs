@@ -33,6 +33,7 @@ pub(crate) mod numa;
 pub(crate) mod plan;
 pub(crate) mod pool;
 pub(crate) mod segment;
+pub(crate) mod small;
 pub(crate) mod worker;
 
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -488,6 +489,7 @@ pub(crate) fn release_all() -> Released {
             r.ring_bytes += s.bytes();
         }
     }
+    r.ring_bytes += small::release();
     r
 }
 

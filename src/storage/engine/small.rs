@@ -1,0 +1,227 @@
+//! The fast path for small device transfers: on the calling thread, through a pooled pinned
+//! buffer, with the copy enqueued on the caller's own stream (so it is ordered after the work
+//! already queued there without a separate synchronization) and one `cuStreamSynchronize`.
+//! No engine, no thread, no dispatch: a 4 KiB read costs a `pread` plus a pinned copy.
+
+use std::sync::{Arc, Mutex};
+
+use cudarc::driver::{sys, CudaContext};
+
+use super::io::{self, Fds};
+use super::plan::{align_down, align_up};
+use super::is_einval;
+use crate::cuda::result::{mem, stream as cu_stream};
+use crate::error::{Error, Result};
+use crate::storage::config::DIRECT_ALIGN;
+
+/// Transfers of at most this many bytes take the fast path (when the piece size is at least
+/// this large: smaller pieces ask for parallelism).
+pub(crate) const SMALL_MAX: usize = 1 << 20;
+
+/// Buffer size: a small transfer plus the O_DIRECT over-read at both ends.
+const BUF_LEN: usize = SMALL_MAX + 2 * DIRECT_ALIGN;
+
+/// Buffers kept for reuse (more concurrent small transfers allocate and free their own).
+const KEEP: usize = 16;
+
+/// A page-aligned mapping of [`BUF_LEN`] bytes, page-locked (portable).
+struct SmallBuf(*mut u8);
+
+// SAFETY: plain memory owned by this value; used by one transfer at a time.
+unsafe impl Send for SmallBuf {}
+
+impl SmallBuf {
+    /// Needs a current context.
+    fn new() -> Result<SmallBuf> {
+        // SAFETY: a fresh private anonymous mapping.
+        let p = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                BUF_LEN,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_POPULATE,
+                -1,
+                0,
+            )
+        };
+        if p == libc::MAP_FAILED {
+            return Err(Error::io("mmap", None, std::io::Error::last_os_error()));
+        }
+        let p = p.cast::<u8>();
+        // SAFETY: our live mapping of BUF_LEN bytes, unregistered before it is unmapped.
+        if let Err(e) = unsafe { mem::host_register(p, BUF_LEN) } {
+            // SAFETY: unmapping exactly the mapping made above.
+            unsafe { libc::munmap(p.cast(), BUF_LEN) };
+            return Err(e);
+        }
+        Ok(SmallBuf(p))
+    }
+}
+
+impl Drop for SmallBuf {
+    fn drop(&mut self) {
+        // SAFETY: registered in new; no copy uses it (every transfer synchronized, or leaked
+        // the buffer).
+        if unsafe { mem::host_unregister(self.0) }.is_ok() {
+            // SAFETY: unmapping exactly our mapping.
+            unsafe { libc::munmap(self.0.cast(), BUF_LEN) };
+        }
+    }
+}
+
+fn free_list() -> &'static Mutex<Vec<SmallBuf>> {
+    static FREE: Mutex<Vec<SmallBuf>> = Mutex::new(Vec::new());
+    &FREE
+}
+
+/// Frees the kept buffers (see `storage::release_engines`); returns the bytes freed.
+pub(crate) fn release() -> usize {
+    let bufs = std::mem::take(&mut *free_list().lock().unwrap_or_else(|p| p.into_inner()));
+    let n = bufs.len();
+    drop(bufs);
+    n * BUF_LEN
+}
+
+/// Runs `f` with a pinned buffer of [`BUF_LEN`] bytes. `f` returns whether the buffer may be
+/// reused: false when a copy out of or into it may still be in flight (it is then leaked).
+fn with_buf<R>(f: impl FnOnce(*mut u8) -> (Result<R>, bool)) -> Result<R> {
+    let buf = free_list().lock().unwrap_or_else(|p| p.into_inner()).pop();
+    let buf = match buf {
+        Some(b) => b,
+        None => SmallBuf::new()?,
+    };
+    let (r, reusable) = f(buf.0);
+    if !reusable {
+        tracing::error!(
+            "a small transfer could not synchronize its stream: leaking its pinned buffer"
+        );
+        std::mem::forget(buf);
+    } else {
+        let mut free = free_list().lock().unwrap_or_else(|p| p.into_inner());
+        if free.len() < KEEP {
+            free.push(buf);
+        }
+    }
+    r
+}
+
+/// Reads `[off, off + n)` (`n <= SMALL_MAX`, clamped to end of file by the caller) into device
+/// memory `dst` of `ctx`, the copy on `stream` (a live stream of `ctx`, or null), waiting for
+/// it. Returns `(bytes, used O_DIRECT)`.
+///
+/// # Safety
+/// `dst` must be device memory of `ctx` writable for `n` bytes, and `stream` ordered after
+/// every access to it the caller needs respected (cudarc's `device_ptr_mut` on that stream).
+pub(crate) unsafe fn read(
+    fds: &Fds,
+    direct: bool,
+    off: u64,
+    n: usize,
+    ctx: &Arc<CudaContext>,
+    dst: sys::CUdeviceptr,
+    stream: sys::CUstream,
+) -> Result<(usize, bool)> {
+    debug_assert!(n <= SMALL_MAX);
+    ctx.bind_to_thread()
+        .map_err(|e| Error::cuda("cuCtxSetCurrent", e))?;
+    with_buf(|buf| {
+        let (got, head, odirect) = match read_host(fds, direct, off, n, buf) {
+            Ok(x) => x,
+            Err(e) => return (Err(e), true),
+        };
+        if got == 0 {
+            return (Ok((0, odirect)), true);
+        }
+        // SAFETY: buf[head..head + got] holds the payload, page-locked; dst has room for
+        // n >= got bytes (contract); the copy is waited for right below.
+        if let Err(e) = unsafe { mem::memcpy_htod_async(dst, buf.add(head), got, stream) } {
+            return (Err(e), true);
+        }
+        // SAFETY: stream is live in the current context (contract).
+        match unsafe { cu_stream::synchronize(stream) } {
+            Ok(()) => (Ok((got, odirect)), true),
+            Err(e) => (Err(e), false),
+        }
+    })
+}
+
+/// Reads into the pinned buffer: `(payload bytes, head, used O_DIRECT)`.
+fn read_host(
+    fds: &Fds,
+    direct: bool,
+    off: u64,
+    n: usize,
+    buf: *mut u8,
+) -> Result<(usize, usize, bool)> {
+    if direct {
+        if let Some(d) = fds.direct() {
+            let io_off = align_down(off);
+            let io_len = (align_up(off + n as u64) - io_off) as usize;
+            let head = (off - io_off) as usize;
+            // SAFETY: io_len <= n + 2 * DIRECT_ALIGN <= BUF_LEN; buf is page aligned.
+            match unsafe { io::pread_direct_full(d, &fds.buffered, buf, io_len, io_off) } {
+                Ok(got) => return Ok((got.saturating_sub(head).min(n), head, true)),
+                Err(e) if is_einval(&e) => {
+                    fds.direct_broken
+                        .store(true, std::sync::atomic::Ordering::Relaxed);
+                }
+                Err(e) => return Err(fds.err("pread", e)),
+            }
+        }
+    }
+    // SAFETY: n <= BUF_LEN.
+    let got =
+        unsafe { io::pread_full(&fds.buffered, buf, n, off) }.map_err(|e| fds.err("pread", e))?;
+    Ok((got, 0, false))
+}
+
+/// Writes `n <= SMALL_MAX` bytes of device memory `src` of `ctx` at `off`: copied on `stream`
+/// into a pinned buffer, waited for, then written (O_DIRECT when `direct` and the range is
+/// aligned). Returns whether O_DIRECT was used.
+///
+/// # Safety
+/// `src` must be device memory of `ctx` readable for `n` bytes, `stream` ordered after every
+/// write to it (cudarc's `device_ptr` on that stream).
+pub(crate) unsafe fn write(
+    fds: &Fds,
+    direct: bool,
+    off: u64,
+    n: usize,
+    ctx: &Arc<CudaContext>,
+    src: sys::CUdeviceptr,
+    stream: sys::CUstream,
+) -> Result<bool> {
+    debug_assert!(n <= SMALL_MAX);
+    ctx.bind_to_thread()
+        .map_err(|e| Error::cuda("cuCtxSetCurrent", e))?;
+    with_buf(|buf| {
+        // SAFETY: buf holds BUF_LEN >= n bytes, page-locked; src is readable for n bytes
+        // (contract); waited for right below.
+        if let Err(e) = unsafe { mem::memcpy_dtoh_async(buf, src, n, stream) } {
+            return (Err(e), true);
+        }
+        // SAFETY: stream is live in the current context (contract).
+        if let Err(e) = unsafe { cu_stream::synchronize(stream) } {
+            return (Err(e), false);
+        }
+        let aligned = off.is_multiple_of(DIRECT_ALIGN as u64) && n.is_multiple_of(DIRECT_ALIGN);
+        if direct && aligned {
+            if let Some(d) = fds.direct() {
+                // SAFETY: buf holds n bytes, page aligned.
+                match unsafe { io::pwrite_full(d, buf, n, off) } {
+                    Ok(()) => return (Ok(true), true),
+                    Err(e) if is_einval(&e) => {
+                        fds.direct_broken
+                            .store(true, std::sync::atomic::Ordering::Relaxed);
+                    }
+                    Err(e) => return (Err(fds.err("pwrite", e)), true),
+                }
+            }
+        }
+        // SAFETY: buf holds n bytes.
+        let r = unsafe { io::pwrite_full(&fds.buffered, buf, n, off) }
+            .map(|()| false)
+            .map_err(|e| fds.err("pwrite", e));
+        (r, true)
+    })
+}
