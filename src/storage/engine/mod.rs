@@ -37,7 +37,7 @@ pub(crate) mod small;
 pub(crate) mod worker;
 
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, OnceLock, Weak};
+use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
 use cudarc::driver::{sys, CudaContext};
@@ -404,22 +404,16 @@ pub(crate) fn default_threads(device: Option<usize>, numa_pin: bool) -> usize {
 pub(crate) const MIN_DIRECT_THREADS: usize = 32;
 
 /// How long an engine waits without a job before it frees its threads and pinned memory
-/// (`GPUDIRECT_ENGINE_IDLE_MS`, default 5000; `0`: never). Read once per process.
-pub(crate) fn idle_timeout() -> Option<Duration> {
-    static IDLE: OnceLock<Option<Duration>> = OnceLock::new();
-    *IDLE.get_or_init(|| {
-        let ms = match std::env::var("GPUDIRECT_ENGINE_IDLE_MS") {
-            Ok(v) => match v.trim().parse::<u64>() {
-                Ok(ms) => ms,
-                Err(_) => {
-                    tracing::warn!(value = %v, "GPUDIRECT_ENGINE_IDLE_MS is not a number of milliseconds; using 5000");
-                    5000
-                }
-            },
-            Err(_) => 5000,
-        };
-        (ms > 0).then(|| Duration::from_millis(ms))
-    })
+/// (`GPUDIRECT_ENGINE_IDLE_MS`, default 5000; `0`: never).
+pub(crate) fn idle_timeout() -> Result<Option<Duration>> {
+    let ms = crate::env::Env::process()
+        .parse(
+            "GPUDIRECT_ENGINE_IDLE_MS",
+            "a number of milliseconds (0: never)",
+            |v| v.trim().parse::<u64>().ok(),
+        )?
+        .unwrap_or(5000);
+    Ok((ms > 0).then(|| Duration::from_millis(ms)))
 }
 
 /// The process-wide engine for `device` (`None`: host memory only), created on first use (no
@@ -431,6 +425,7 @@ pub(crate) fn engine(device: Option<usize>, numa_pin: bool) -> Result<Arc<Engine
     if let Some((_, e)) = reg.iter().find(|(k, _)| *k == key) {
         return Ok(e.clone());
     }
+    let idle = idle_timeout()?;
     let cpus = device_cpus(device, numa_pin);
     let name = match device {
         Some(d) => format!("gpudirect-io{d}"),
@@ -438,7 +433,7 @@ pub(crate) fn engine(device: Option<usize>, numa_pin: bool) -> Result<Arc<Engine
     };
     let e = Arc::new_cyclic(|weak: &Weak<Engine>| {
         let mut cfg = PoolConfig::new(name, MAX_THREADS);
-        cfg.idle = idle_timeout();
+        cfg.idle = idle;
         cfg.init = Arc::new(move |_| {
             if !cpus.is_empty() && !numa::pin_current_thread(&cpus) {
                 tracing::debug!("could not pin an IO worker to the GPU's NUMA node");
