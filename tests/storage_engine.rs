@@ -374,9 +374,14 @@ fn thread_counts_share_one_bounded_engine_that_can_be_released() {
     // Other tests of this binary ask for at most 32 workers: the host engine stays at 40.
     let live = engine_threads();
     assert!(live <= 40, "{live} engine threads after 39 thread counts");
-    // An absurd count is capped (and a job never gets more workers than it has tasks).
+    // An absurd count is refused at open; the largest allowed one works (a job never gets
+    // more workers than it has tasks).
+    assert!(matches!(
+        GpuFile::options().threads(usize::MAX).open(&p),
+        Err(Error::InvalidArgument(_))
+    ));
     let f = GpuFile::options()
-        .threads(usize::MAX)
+        .threads(1024)
         .task_size(4096)
         .open(&p)
         .unwrap();
