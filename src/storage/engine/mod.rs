@@ -742,7 +742,12 @@ fn dev_read(ws: &mut WorkerState, job: &Job<'_>, ctx: &Arc<CudaContext>) -> Resu
                 // inside the task's range of the caller's device buffer (Job::batch contract);
                 // ctx is current (lane()).
                 unsafe {
-                    crate::cuda::result::mem::memcpy_htod_async(dst, bufs[s].add(head), n, lane.stream.cu_stream())
+                    crate::cuda::result::mem::memcpy_htod_async(
+                        dst,
+                        bufs[s].add(head),
+                        n,
+                        lane.stream.cu_stream(),
+                    )
                 }?;
                 lane.record_slot(s)?;
                 #[cfg(test)]

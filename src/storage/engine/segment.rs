@@ -35,7 +35,7 @@
 //! [`Pipeline::Segments`]: crate::storage::config::Pipeline::Segments
 
 use std::ops::Range;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::Duration;
 
@@ -229,8 +229,10 @@ pub(crate) struct SegRes {
     nseg: usize,
     streams: Vec<Arc<CudaStream>>,
     events: Vec<CudaEvent>,
-    /// `registered[r]`: slot `r` is page-locked (done by the worker issuing its first copy).
-    registered: Vec<AtomicBool>,
+    /// `registered[r]`: bytes of slot `r` page-locked from its start (0: none), by the worker
+    /// issuing the slot's copies (only that worker touches it: the slot's earlier copies have
+    /// completed, because every task of the segment waited for them).
+    registered: Vec<AtomicUsize>,
 }
 
 // SAFETY: shared use only reads the mapping's address; the bytes behind it are written by one
@@ -276,7 +278,7 @@ impl SegRes {
             nseg,
             streams,
             events,
-            registered: (0..nseg).map(|_| AtomicBool::new(false)).collect(),
+            registered: (0..nseg).map(|_| AtomicUsize::new(0)).collect(),
         })
     }
 
@@ -315,15 +317,27 @@ impl SegRes {
         unsafe { self.mem.base.add(r * self.seg_bytes) }
     }
 
-    /// Page-locks slot `r` if it is not yet. The caller issues the slot's copies (so no other
-    /// thread registers it) and bound the context.
-    fn ensure_registered(&self, r: usize) -> Result<()> {
-        if self.registered[r].load(Ordering::Acquire) {
+    /// Page-locks at least the first `need` bytes of slot `r` (in 2 MiB steps, at most the
+    /// slot). The caller issues the slot's copies, every earlier copy out of the slot has
+    /// completed (the ring protocol), and the context is bound.
+    fn ensure_registered(&self, r: usize, need: usize) -> Result<()> {
+        let have = self.registered[r].load(Ordering::Acquire);
+        if have >= need {
             return Ok(());
         }
-        // SAFETY: the slot lies inside our mapping, which stays mapped until Drop unregisters it.
-        unsafe { mem::host_register(self.slot_ptr(r), self.seg_bytes) }?;
-        self.registered[r].store(true, Ordering::Release);
+        let want = need
+            .div_ceil(HUGE_PAGE)
+            .saturating_mul(HUGE_PAGE)
+            .min(self.seg_bytes);
+        if have > 0 {
+            // SAFETY: registered below earlier; no copy uses the slot now (contract).
+            unsafe { mem::host_unregister(self.slot_ptr(r)) }?;
+            self.registered[r].store(0, Ordering::Release);
+        }
+        // SAFETY: [slot, slot + want) lies inside our mapping, which stays mapped until Drop
+        // unregisters it.
+        unsafe { mem::host_register(self.slot_ptr(r), want) }?;
+        self.registered[r].store(want, Ordering::Release);
         Ok(())
     }
 
@@ -360,7 +374,7 @@ impl SegRes {
                 if r >= self.nseg {
                     break;
                 }
-                if let Err(e) = self.ensure_registered(r) {
+                if let Err(e) = self.ensure_registered(r, self.seg_bytes) {
                     *err.lock().unwrap_or_else(|p| p.into_inner()) = Some(e);
                     break;
                 }
@@ -392,7 +406,7 @@ impl Drop for SegRes {
         let _ = self.ctx.bind_to_thread();
         let mut ok = true;
         for r in 0..self.nseg {
-            if self.registered[r].load(Ordering::Acquire) {
+            if self.registered[r].load(Ordering::Acquire) > 0 {
                 // SAFETY: registered by ensure_registered; no copy uses it any more (above).
                 if let Err(e) = unsafe { mem::host_unregister(self.slot_ptr(r)) } {
                     tracing::warn!(%e, "leaking a pinned segment that CUDA would not unregister");
@@ -491,8 +505,8 @@ impl<'r> SegJob<'r> {
             |i| job.done[i].load(Ordering::Acquire),
         );
         let stream = &self.res.streams[g % self.nstreams];
-        if !runs.is_empty() {
-            self.res.ensure_registered(r)?;
+        if let Some(need) = runs.iter().map(|x| x.slot_off + x.len).max() {
+            self.res.ensure_registered(r, need)?;
         }
         let slot = self.res.slot_ptr(r);
         for run in &runs {
@@ -503,7 +517,7 @@ impl<'r> SegJob<'r> {
             // inside the task's own range of a caller's device buffer (Job::new contract); the
             // context is current on this worker.
             unsafe {
-                crate::cuda::result::mem::memcpy_htod_async(dst, slot.add(run.slot_off), run.len, stream.cu_stream())
+                mem::memcpy_htod_async(dst, slot.add(run.slot_off), run.len, stream.cu_stream())
             }?;
         }
         self.copies.fetch_add(runs.len(), Ordering::Relaxed);

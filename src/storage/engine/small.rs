@@ -8,8 +8,8 @@ use std::sync::{Arc, Mutex};
 use cudarc::driver::{sys, CudaContext};
 
 use super::io::{self, Fds};
-use super::plan::{align_down, align_up};
 use super::is_einval;
+use super::plan::{align_down, align_up};
 use crate::cuda::result::{mem, stream as cu_stream};
 use crate::error::{Error, Result};
 use crate::storage::config::DIRECT_ALIGN;
