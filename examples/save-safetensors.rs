@@ -6,7 +6,7 @@
 //! dir) and removed afterwards.
 //!
 //!     cargo run --release --example save-safetensors -- [PATH] [--tensors N] [--size-mib M]
-//!         [--no-durable] [--keep] [--json]
+//!         [--no-durable] [--no-verify] [--keep] [--json]
 
 use std::process::ExitCode;
 
@@ -22,6 +22,7 @@ checks every byte; prints save and load speed and the path the bytes took.
   --tensors N     how many tensors (default 64)
   --size-mib M    total size (default 256)
   --no-durable    skip the fsyncs
+  --no-verify     do not load the file back (benchmarks time the save alone)
   --keep          keep the file (default: removed unless PATH was given)
   --json          print one JSON line with the save and load reports (for scripts)
   -h, --help      this text";
@@ -31,6 +32,7 @@ struct Args {
     tensors: usize,
     mib: usize,
     durable: bool,
+    verify: bool,
     keep: bool,
     json: bool,
 }
@@ -41,6 +43,7 @@ fn parse() -> Result<Option<Args>, String> {
         tensors: 64,
         mib: 256,
         durable: true,
+        verify: true,
         keep: false,
         json: false,
     };
@@ -56,6 +59,7 @@ fn parse() -> Result<Option<Args>, String> {
             "--tensors" => a.tensors = num(it.next(), "--tensors")?.max(3),
             "--size-mib" => a.mib = num(it.next(), "--size-mib")?,
             "--no-durable" => a.durable = false,
+            "--no-verify" => a.verify = false,
             "--keep" => a.keep = true,
             "--json" => a.json = true,
             s if s.starts_with('-') => return Err(format!("unknown option {s}")),
@@ -164,21 +168,26 @@ fn run(args: &Args) -> gpudirect::Result<()> {
         }),
         &opts,
     )?;
-    let ck = st::load(&path, &stream)?;
     let mut bad = 0;
-    for ((name, dt, shape), want) in specs.iter().zip(&host) {
-        let t = ck.tensor(name)?;
-        let got = if want.is_empty() {
-            Vec::new()
-        } else {
-            cuda(stream.clone_dtoh(&t.bytes()))?
-        };
-        if t.dtype() != *dt || t.shape() != &shape[..] || &got != want {
-            bad += 1;
-            eprintln!("MISMATCH {name}");
+    let ck = if args.verify {
+        let ck = st::load(&path, &stream)?;
+        for ((name, dt, shape), want) in specs.iter().zip(&host) {
+            let t = ck.tensor(name)?;
+            let got = if want.is_empty() {
+                Vec::new()
+            } else {
+                cuda(stream.clone_dtoh(&t.bytes()))?
+            };
+            if t.dtype() != *dt || t.shape() != &shape[..] || &got != want {
+                bad += 1;
+                eprintln!("MISMATCH {name}");
+            }
         }
-    }
-    let loaded = ck.report();
+        Some(ck)
+    } else {
+        None
+    };
+    let loaded = ck.as_ref().map(|c| c.report().clone());
     if args.json {
         println!(
             "{{\"tensors\":{},\"bytes\":{},\"durable\":{},\"save_seconds\":{},\"save_gbps\":{},\"load_seconds\":{},\"load_gbps\":{},\"save_path\":{:?},\"load_path\":{:?},\"mismatches\":{bad}}}",
@@ -187,10 +196,10 @@ fn run(args: &Args) -> gpudirect::Result<()> {
             args.durable,
             saved.elapsed.as_secs_f64(),
             saved.gb_per_s(),
-            loaded.elapsed.as_secs_f64(),
-            loaded.gb_per_s(),
+            loaded.as_ref().map_or(0.0, |l| l.elapsed.as_secs_f64()),
+            loaded.as_ref().map_or(0.0, |l| l.gb_per_s()),
             saved.paths.first().map(|p| p.path.to_string()).unwrap_or_default(),
-            loaded.paths.first().map(|p| p.path.to_string()).unwrap_or_default(),
+            loaded.as_ref().and_then(|l| l.paths.first()).map(|p| p.path.to_string()).unwrap_or_default(),
         );
     } else {
         println!(
@@ -198,17 +207,19 @@ fn run(args: &Args) -> gpudirect::Result<()> {
             path.display(),
             if args.durable { "" } else { "not " }
         );
-        println!("loaded back: {loaded}");
-        println!(
-            "checked {} tensors, {} bytes: {}",
-            specs.len(),
-            saved.bytes,
-            if bad == 0 {
-                "every byte matches".to_string()
-            } else {
-                format!("{bad} MISMATCHES")
-            }
-        );
+        match &loaded {
+            Some(l) => println!(
+                "loaded back: {l}\nchecked {} tensors, {} bytes: {}",
+                specs.len(),
+                saved.bytes,
+                if bad == 0 {
+                    "every byte matches".to_string()
+                } else {
+                    format!("{bad} MISMATCHES")
+                }
+            ),
+            None => println!("not loaded back (--no-verify)"),
+        }
     }
     drop(ck);
     if args.path.is_none() && !args.keep {
