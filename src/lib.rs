@@ -49,8 +49,10 @@
 //!   filesystem and the registration outcome; cuFile's own statistics refine it per GPU.
 //! - RDMA: the registration that succeeded (dma-buf or peer memory), and why the others failed.
 //!
-//! [`FallbackPolicy`] decides what a fallback does: `Allow`, `Warn` (default: a `tracing`
-//! warning naming the cause) or `Deny` ([`Error::FallbackRefused`] before any byte moves).
+//! [`FallbackPolicy`] decides what a fallback does: `Allow`, `Warn` (default: a warning naming
+//! the path, the cause and its fix, once per kind of cause per process; a `tracing` event when a
+//! subscriber listens, else a line on stderr) or `Deny` ([`Error::FallbackRefused`] before any
+//! byte moves).
 //!
 //! # Configuration
 //!

@@ -1,7 +1,11 @@
 //! The vocabulary of the promise: which path bytes took, why, and whether falling back is allowed.
 
+use std::collections::HashSet;
 use std::fmt;
+use std::io::Write as _;
+use std::mem::Discriminant;
 use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::{Mutex, OnceLock};
 
 use serde::Serialize;
 
@@ -384,7 +388,11 @@ impl fmt::Display for PathReport {
 pub enum FallbackPolicy {
     /// Fall back silently (the report still names the path and cause).
     Allow,
-    /// Fall back and log a `tracing` warning naming the cause.
+    /// Fall back and warn, naming the path and the cause with its fix, **once per kind of cause
+    /// per process** (10,000 files falling back for one reason warn once; every report still
+    /// names its own cause). The warning is a `tracing` event (target `gpudirect`, level WARN)
+    /// when a subscriber listens to it, else one line on stderr, so a plain binary sees it too.
+    /// `GPUDIRECT_FALLBACK=allow` (or [`FallbackPolicy::Allow`]) silences it.
     #[default]
     Warn,
     /// Refuse: return [`Error::FallbackRefused`] before moving any byte.
@@ -461,7 +469,7 @@ impl FallbackPolicy {
         match self {
             FallbackPolicy::Allow => Ok(()),
             FallbackPolicy::Warn => {
-                tracing::warn!(path = %report.path, %cause, "gpudirect transfer falls back");
+                warn_once(report.path, &cause);
                 Ok(())
             }
             FallbackPolicy::Deny => Err(Error::FallbackRefused {
@@ -469,6 +477,37 @@ impl FallbackPolicy {
                 cause,
             }),
         }
+    }
+}
+
+/// The (path, cause) kinds already warned about in this process. Bounded: one entry per pair of
+/// enum variants at most, whatever the data in them (device names, file errors).
+fn first_warning(path: &Path, cause: &Cause) -> bool {
+    type Key = (Discriminant<Path>, Discriminant<Cause>);
+    static WARNED: OnceLock<Mutex<HashSet<Key>>> = OnceLock::new();
+    let key = (std::mem::discriminant(path), std::mem::discriminant(cause));
+    WARNED
+        .get_or_init(Default::default)
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
+        .insert(key)
+}
+
+/// The `Warn` policy's one warning per kind of cause: to `tracing` when a subscriber takes
+/// gpudirect's warnings, else to stderr (never a panic, even with stderr closed).
+fn warn_once(path: Path, cause: &Cause) {
+    if !first_warning(&path, cause) {
+        return;
+    }
+    if tracing::enabled!(tracing::Level::WARN) {
+        tracing::warn!(%path, %cause, "gpudirect transfer falls back (warned once per cause in this process)");
+    } else {
+        let _ = writeln!(
+            std::io::stderr().lock(),
+            "gpudirect: warning: a transfer falls back to {path} because {cause} \
+             (warned once per cause in this process; GPUDIRECT_FALLBACK=allow silences this, \
+             GPUDIRECT_FALLBACK=deny refuses fallbacks)"
+        );
     }
 }
 
