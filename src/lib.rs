@@ -76,10 +76,12 @@
 //! | `libibverbs.so.1`, `librdmacm.so.1` | RDMA | the loader path (rdma-core) |
 //!
 //! gpudirect checks for libcuda and a device before its first cudarc call (cudarc itself
-//! panics when libcuda is missing), and never opens cuFile's driver without a GPU. CUDA version:
-//! the `cuda-13000` feature (default) selects cudarc's CUDA 13.0 API; a program that depends on
-//! cudarc with another `cuda-*` feature disables our defaults and enables the matching
-//! `gpudirect/cuda-*` feature.
+//! panics when libcuda is missing), and never opens cuFile's driver without a GPU. CUDA version
+//! and linking: the program's own cudarc features win. gpudirect's defaults let cudarc choose the
+//! bindings (the program's `cuda-*` feature, `CUDARC_CUDA_VERSION`, nvcc, else its newest), and
+//! it asks for `fallback-dynamic-loading`, which yields to `dynamic-linking` / `static-linking`;
+//! `default-features = false, features = ["cuda-13000", "safetensors"]` pins a version (README:
+//! "Already using cudarc?").
 //!
 //! # Thread safety
 //!

@@ -16,25 +16,48 @@ use crate::error::{Error, Result};
 /// pools, `cuDeviceGetP2PAttribute` all present).
 pub const MIN_DRIVER_VERSION: i32 = 12000;
 
+// The CUDA API version of the bindings cudarc was built with. cudarc chooses it itself (the
+// program's `cuda-*` feature, `CUDARC_CUDA_VERSION` or nvcc), so this constant, not a feature of
+// ours, is what gpudirect knows. Headers before 11.7 lack the dma-buf export the RDMA room uses.
+const _: () = assert!(
+    sys::CUDA_VERSION >= 11070,
+    "gpudirect needs cudarc's CUDA bindings 11.7 or newer (cuMemGetHandleForAddressRange): pick a newer `cuda-*` feature (cudarc's or gpudirect's) or set CUDARC_CUDA_VERSION, e.g. 12080"
+);
+
+/// The CUDA versions cudarc 0.19 has bindings for that gpudirect builds with: its `cuda-*`
+/// features from 11.7 on, which gpudirect forwards (a test checks this list against Cargo.toml).
+const BINDINGS: &[i32] = &[
+    11070, 11080, 12000, 12010, 12020, 12030, 12040, 12050, 12060, 12080, 12090, 13000, 13010,
+    13020, 13030, 13040,
+];
+
 /// What probing libcuda found, cached for the process.
 #[derive(Debug, Clone)]
 enum Probe {
-    Ready { version: i32 },
-    Missing { tried: Vec<String> },
-    TooOld { version: i32 },
-    InitFailed { code: sys::CUresult },
+    Ready {
+        version: i32,
+    },
+    Missing {
+        tried: Vec<String>,
+    },
+    TooOld {
+        version: i32,
+    },
+    /// The driver's major version is below the bindings' (CUDA runs a program built for a newer
+    /// minor release of its major, not for a newer major: cudarc would call symbols it lacks).
+    OlderThanBindings {
+        version: i32,
+    },
+    InitFailed {
+        code: sys::CUresult,
+    },
 }
 
 fn probe() -> &'static Probe {
     static PROBE: OnceLock<Probe> = OnceLock::new();
     PROBE.get_or_init(|| {
-        if !result::driver::is_present() {
-            let mut tried: Vec<String> = Vec::new();
-            for name in cudarc::get_lib_name_candidates("cuda") {
-                if !tried.contains(&name) {
-                    tried.push(name);
-                }
-            }
+        let tried = result::driver::libcuda_candidates();
+        if !result::driver::is_present(&tried) {
             return Probe::Missing { tried };
         }
         // libcuda is loadable, so cudarc's own loader will not panic. cuDriverGetVersion has
@@ -45,6 +68,9 @@ fn probe() -> &'static Probe {
         };
         if version < MIN_DRIVER_VERSION {
             return Probe::TooOld { version };
+        }
+        if version / 1000 < sys::CUDA_VERSION as i32 / 1000 {
+            return Probe::OlderThanBindings { version };
         }
         match result::driver::init() {
             Ok(()) => Probe::Ready { version },
@@ -79,6 +105,23 @@ pub fn driver_version() -> Result<i32> {
                 fix: "update the NVIDIA driver".into(),
             },
         }),
+        Probe::OlderThanBindings { version } => Err(Error::Unsupported {
+            what: "this CUDA driver".into(),
+            cause: crate::Cause::Other {
+                message: format!(
+                    "driver API {} is older than the major version of cudarc's CUDA {} bindings this program was built with",
+                    version_text(*version),
+                    version_text(sys::CUDA_VERSION as i32)
+                ),
+                fix: match BINDINGS.iter().rev().find(|&&b| b <= *version) {
+                    Some(b) => format!(
+                        "update the NVIDIA driver, or rebuild with CUDA {} bindings: CUDARC_CUDA_VERSION={b} or the cuda-{b} feature",
+                        version_text(*b)
+                    ),
+                    None => "update the NVIDIA driver".into(),
+                },
+            },
+        }),
         Probe::InitFailed { code } => {
             if *code == sys::CUresult::CUDA_ERROR_NO_DEVICE {
                 Err(Error::NoDevice {
@@ -90,6 +133,11 @@ pub fn driver_version() -> Result<i32> {
             }
         }
     }
+}
+
+/// `12080` -> `12.8`.
+fn version_text(v: i32) -> String {
+    format!("{}.{}", v / 1000, v % 1000 / 10)
 }
 
 /// Number of CUDA devices visible to this process (0 is an error: [`Error::NoDevice`]).
@@ -133,6 +181,43 @@ pub fn device_attribute(ordinal: usize, attr: sys::CUdevice_attribute) -> Result
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Our libcuda probe tries exactly the names cudarc's loader tries (test builds use cudarc's
+    /// dynamic loading, where its list exists), so "found" here means cudarc finds it too.
+    #[test]
+    fn libcuda_candidates_are_cudarcs() {
+        let mut theirs: Vec<String> = Vec::new();
+        for name in ["cuda", "nvcuda"]
+            .iter()
+            .flat_map(|l| cudarc::get_lib_name_candidates(l))
+        {
+            if !theirs.contains(&name) {
+                theirs.push(name);
+            }
+        }
+        assert_eq!(result::driver::libcuda_candidates(), theirs);
+        assert!(theirs.iter().any(|n| n == "libcuda.so.1"), "{theirs:?}");
+    }
+
+    #[test]
+    fn version_text_reads_like_cuda() {
+        assert_eq!(version_text(12080), "12.8");
+        assert_eq!(version_text(13000), "13.0");
+        assert_eq!(version_text(13040), "13.4");
+    }
+
+    /// BINDINGS lists exactly the `cuda-*` features Cargo.toml forwards, and this build's
+    /// bindings are one of them.
+    #[test]
+    fn bindings_list_matches_the_forwarded_features() {
+        let manifest = include_str!("../../Cargo.toml");
+        let features: Vec<i32> = manifest
+            .lines()
+            .filter_map(|l| l.strip_prefix("cuda-")?.split_once(" = ")?.0.parse().ok())
+            .collect();
+        assert_eq!(features, BINDINGS);
+        assert!(BINDINGS.contains(&(sys::CUDA_VERSION as i32)));
+    }
 
     /// What this machine is told to have: `GPUDIRECT_EXPECT_CUDA=absent|present|nodevice`
     /// (absent by default: CI and the dev machine have no NVIDIA driver).

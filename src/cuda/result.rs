@@ -22,35 +22,47 @@ pub(crate) fn check(op: &'static str, rc: sys::CUresult) -> Result<()> {
     }
 }
 
-/// `CUmemLocation` for a device, whichever layout the selected CUDA headers use.
-pub(crate) fn device_location(ordinal: i32) -> sys::CUmemLocation {
-    #[cfg(not(any(feature = "cuda-13020")))]
-    {
-        sys::CUmemLocation {
-            type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
-            id: ordinal,
-        }
-    }
-    #[cfg(feature = "cuda-13020")]
-    {
-        sys::CUmemLocation {
-            type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
-            __bindgen_anon_1: sys::CUmemLocation_st__bindgen_ty_1 { id: ordinal },
-        }
-    }
+/// `CUmemLocation` as every cuda.h lays it out: the location type, then the `int id` (a plain
+/// field up to CUDA 13.1; from 13.2 the first member of an anonymous union at the same offset,
+/// which 13.4 shares with a pair of bytes). Reading and writing the id through this mirror works
+/// with whichever bindings cudarc was built with; no `cfg` of ours can tell, because cudarc picks
+/// its version itself (`cuda-version-from-build-system`, `CUDARC_CUDA_VERSION`, the program's
+/// own cudarc feature).
+#[repr(C)]
+struct LocationLayout {
+    type_: sys::CUmemLocationType,
+    id: c_int,
 }
 
-/// The `id` of a `CUmemLocation`, whichever layout the selected CUDA headers use.
+// The mirror is exact: same size and alignment, the type first, so the 4 bytes after it are `id`.
+const _: () = {
+    assert!(std::mem::size_of::<LocationLayout>() == std::mem::size_of::<sys::CUmemLocation>());
+    assert!(std::mem::align_of::<LocationLayout>() == std::mem::align_of::<sys::CUmemLocation>());
+    assert!(std::mem::offset_of!(sys::CUmemLocation, type_) == 0);
+    assert!(std::mem::offset_of!(LocationLayout, id) == 4);
+};
+
+/// `CUmemLocation { type = CU_MEM_LOCATION_TYPE_DEVICE, id = ordinal }`, for any CUDA bindings.
+pub(crate) fn device_location(ordinal: i32) -> sys::CUmemLocation {
+    // SAFETY: CUmemLocation is a plain C struct; all-zero is CU_MEM_LOCATION_TYPE_INVALID (0)
+    // with id 0, a valid value of every field.
+    let mut loc: sys::CUmemLocation = unsafe { std::mem::zeroed() };
+    loc.type_ = sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE;
+    let mirror = (&raw mut loc).cast::<LocationLayout>();
+    // SAFETY: `mirror` points to `loc`, whose layout LocationLayout matches exactly (asserted
+    // above); writing the `int` at offset 4 sets `id` (or the union's `id` member).
+    unsafe { (*mirror).id = ordinal };
+    loc
+}
+
+/// The `id` of a `CUmemLocation` (the device ordinal for a device location), for any CUDA
+/// bindings.
 pub(crate) fn location_id(loc: &sys::CUmemLocation) -> i32 {
-    #[cfg(not(any(feature = "cuda-13020")))]
-    {
-        loc.id
-    }
-    #[cfg(feature = "cuda-13020")]
-    {
-        // SAFETY: `id` is the union member every location type writes (cuda.h).
-        unsafe { loc.__bindgen_anon_1.id }
-    }
+    let mirror = std::ptr::from_ref(loc).cast::<LocationLayout>();
+    // SAFETY: `mirror` points to a live CUmemLocation whose layout LocationLayout matches exactly
+    // (asserted above); the 4 bytes at offset 4 are the `int id` every location type writes
+    // (cuda.h), initialised by whoever filled `loc` (the driver or `device_location`).
+    unsafe { (*mirror).id }
 }
 
 /// The driver itself: whether libcuda loads, its version, `cuInit`. The probe in
@@ -59,14 +71,57 @@ pub(crate) fn location_id(loc: &sys::CUmemLocation) -> i32 {
 pub(crate) mod driver {
     use super::*;
 
-    /// Whether libcuda can be opened (cudarc's `is_culib_present`: dlopens the candidate names and
-    /// drops the handles). The only call allowed before the probe in [`crate::cuda`] succeeded.
-    pub(crate) fn is_present() -> bool {
-        // SAFETY: is_culib_present only dlopens candidate names and drops the handles.
-        unsafe { sys::is_culib_present() }
+    /// The names cudarc's loader tries for libcuda, in its order and without repeats: its
+    /// `get_lib_name_candidates` for "cuda" and "nvcuda", rebuilt from [`sys::CUDA_VERSION`]
+    /// because cudarc offers that function (and `is_culib_present`) only with `dynamic-loading`,
+    /// while a program may build cudarc with `dynamic-linking` or `static-linking`. With dynamic
+    /// loading, a name found here is one cudarc's loader finds too, so its first call cannot
+    /// panic.
+    pub(crate) fn libcuda_candidates() -> Vec<String> {
+        use std::env::consts::{DLL_PREFIX as P, DLL_SUFFIX as S};
+        let (major, minor) = (sys::CUDA_VERSION / 1000, sys::CUDA_VERSION % 1000 / 10);
+        let w = usize::BITS;
+        let mut names: Vec<String> = Vec::new();
+        for lib in ["cuda", "nvcuda"] {
+            for name in [
+                format!("{P}{lib}{S}"),
+                format!("{P}{lib}{w}{S}"),
+                format!("{P}{lib}{w}_{major}{S}"),
+                format!("{P}{lib}{w}_{major}{minor}{S}"),
+                format!("{P}{lib}{w}_{major}{minor}_0{S}"),
+                format!("{P}{lib}{w}_{major}0_{minor}{S}"),
+                format!("{P}{lib}{w}_10{S}"),
+                format!("{P}{lib}{w}_11{S}"),
+                format!("{P}{lib}{w}_12{S}"),
+                format!("{P}{lib}{w}_{major}0_0{S}"),
+                format!("{P}{lib}{w}_9{S}"),
+                format!("{P}{lib}{S}.{major}"),
+                format!("{P}{lib}{S}.12"),
+                format!("{P}{lib}{S}.11"),
+                format!("{P}{lib}{S}.10"),
+                format!("{P}{lib}{S}.9"),
+                format!("{P}{lib}{S}.1"),
+            ] {
+                if !names.contains(&name) {
+                    names.push(name);
+                }
+            }
+        }
+        names
     }
 
-    /// `cuDriverGetVersion`; call only after [`is_present`] (cuDriverGetVersion exists since CUDA 2.2).
+    /// Whether one of `candidates` loads (dlopen through libloading; the handle is dropped again,
+    /// cudarc's loader or the dynamic linker holds its own). The only call allowed before the
+    /// probe in [`crate::cuda`] succeeded.
+    pub(crate) fn is_present(candidates: &[String]) -> bool {
+        candidates.iter().any(|name| {
+            // SAFETY: loading libcuda runs the NVIDIA driver library's initialisers, which have
+            // no preconditions (cudarc's loader does exactly this).
+            unsafe { libloading::Library::new(name) }.is_ok()
+        })
+    }
+
+    /// `cuDriverGetVersion`; call only after [`is_present`] found libcuda (cuDriverGetVersion exists since CUDA 2.2).
     pub(crate) fn version() -> Result<i32, sys::CUresult> {
         let mut version = 0;
         // SAFETY: `version` is a valid out-pointer for the call's duration.
@@ -913,5 +968,29 @@ pub(crate) mod rdma {
                 scope,
             )
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The mirror writes and reads the id where cuda.h has it, whichever bindings this build uses
+    /// (CI checks the 12.x layout, the 13.2+ union and the 13.4 union-with-bytes).
+    #[test]
+    fn device_location_has_cudas_layout() {
+        for ordinal in [0, 1, 7, 1234] {
+            let loc = device_location(ordinal);
+            assert_eq!(location_id(&loc), ordinal);
+            let device = sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE as u32;
+            assert_eq!(loc.type_ as u32, device);
+            // SAFETY: `loc` is a live, fully initialised 8-byte C struct (size asserted above).
+            let raw =
+                unsafe { std::slice::from_raw_parts(std::ptr::from_ref(&loc).cast::<u8>(), 8) };
+            let mut expect = [0u8; 8];
+            expect[..4].copy_from_slice(&device.to_ne_bytes());
+            expect[4..].copy_from_slice(&ordinal.to_ne_bytes());
+            assert_eq!(raw, &expect[..]);
+        }
     }
 }
