@@ -4,6 +4,7 @@
 //! Every other module reaches cudarc's `sys`/`result` layer only after [`driver_version`] or
 //! [`context`] succeeded in this process.
 
+pub mod device;
 pub(crate) mod result;
 
 use std::sync::{Arc, OnceLock};

@@ -271,32 +271,14 @@ pub(crate) fn link_between(src: usize, dst: usize) -> Link {
         .map_or(Link::Unknown, PairInfo::link)
 }
 
-/// Parses a PCI bus ID (`0000:18:00.0` or NVML's `00000000:18:00.0`) into
-/// (domain, bus, device, function).
-pub fn parse_pci_bus_id(s: &str) -> Option<(u32, u32, u32, u32)> {
-    let s = s.trim().trim_end_matches('\0');
-    let mut parts = s.rsplitn(3, ':');
-    let devfn = parts.next()?;
-    let bus = parts.next()?;
-    let domain = parts.next().unwrap_or("0");
-    let (dev, func) = devfn.split_once('.').unwrap_or((devfn, "0"));
-    Some((
-        u32::from_str_radix(domain, 16).ok()?,
-        u32::from_str_radix(bus, 16).ok()?,
-        u32::from_str_radix(dev, 16).ok()?,
-        u32::from_str_radix(func, 16).ok()?,
-    ))
-}
+pub use crate::cuda::device::parse_pci_bus_id;
 
+/// NUMA node and `local_cpulist` of the GPU's PCI device, from sysfs.
 fn sysfs_affinity(bus_id: &str) -> (Option<i32>, Option<String>) {
-    let Some((d, b, dev, f)) = parse_pci_bus_id(bus_id) else {
+    let Some(dir) = crate::cuda::device::sysfs_dir(bus_id) else {
         return (None, None);
     };
-    let dir = format!("/sys/bus/pci/devices/{d:04x}:{b:02x}:{dev:02x}.{f:x}");
-    let numa = std::fs::read_to_string(format!("{dir}/numa_node"))
-        .ok()
-        .and_then(|s| s.trim().parse::<i32>().ok())
-        .filter(|n| *n >= 0);
+    let numa = crate::cuda::device::sysfs_numa_node(bus_id).and_then(|n| i32::try_from(n).ok());
     let cpus = std::fs::read_to_string(format!("{dir}/local_cpulist"))
         .ok()
         .map(|s| s.trim().to_string())

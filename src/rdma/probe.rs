@@ -502,15 +502,6 @@ fn realpath(p: &FsPath) -> Option<String> {
         .map(|p| p.to_string_lossy().into_owned())
 }
 
-/// Normalizes a CUDA PCI bus id (`00000000:3B:00.0`, `0000:3B:00.0`) to sysfs's spelling.
-pub(crate) fn normalize_bdf(id: &str) -> String {
-    let id = id.trim().trim_end_matches('\0').to_ascii_lowercase();
-    match id.split_once(':') {
-        Some((dom, rest)) if dom.len() > 4 => format!("{}:{rest}", &dom[dom.len() - 4..]),
-        _ => id,
-    }
-}
-
 fn probe_gpus(_sys: &FsPath) -> (Option<i32>, Option<String>, Vec<GpuGdr>) {
     use cudarc::driver::sys::CUdevice_attribute as A;
     let api = match cuda::driver_version() {
@@ -541,11 +532,7 @@ fn probe_gpus(_sys: &FsPath) -> (Option<i32>, Option<String>, Vec<GpuGdr>) {
             attr(A::CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_FLUSH_WRITES_OPTIONS).map(FlushOptions);
         let dev = cuda::result::device::get(ordinal).ok();
         let name = dev.and_then(|d| cuda::result::device::name(d).ok());
-        let pci_bus_id = dev.and_then(|d| {
-            cuda::result::device::pci_bus_id(d)
-                .ok()
-                .map(|s| normalize_bdf(&s))
-        });
+        let pci_bus_id = cuda::device::sysfs_bus_id(ordinal).ok();
         gpus.push(GpuGdr {
             ordinal,
             name,
@@ -918,12 +905,6 @@ mod tests {
         assert_eq!(d.flavour, DriverFlavour::Proprietary);
         assert_eq!(d.version.as_deref(), Some("535.104.05"));
         assert_eq!(NvidiaDriver::parse("").flavour, DriverFlavour::Unknown);
-    }
-
-    #[test]
-    fn bdf_normalization() {
-        assert_eq!(normalize_bdf("00000000:3B:00.0"), "0000:3b:00.0");
-        assert_eq!(normalize_bdf("0000:C1:00.0\0"), "0000:c1:00.0");
     }
 
     /// A fake sysfs: a GPU and a NIC under one switch, rxe0 without a PCI device, peermem absent.

@@ -78,7 +78,8 @@ pub fn release_engines() -> Released {
 }
 
 /// The NUMA node of a GPU (from `/sys/bus/pci/devices/<bus id>/numa_node`), when the platform
-/// reports one; the engine pins that device's workers there.
+/// reports one; the engine pins that device's workers there. The same as
+/// [`cuda::device::numa_node`](crate::cuda::device::numa_node).
 pub fn gpu_numa_node(ordinal: usize) -> Option<u32> {
-    engine::numa::placement(ordinal).node
+    crate::cuda::device::numa_node(ordinal)
 }
