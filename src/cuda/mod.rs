@@ -5,7 +5,10 @@
 //! [`context`] succeeded in this process.
 
 pub mod device;
+mod pointer;
 pub(crate) mod result;
+
+pub use pointer::{pointer_info, MemoryKind, PointerInfo};
 
 use std::sync::{Arc, OnceLock};
 

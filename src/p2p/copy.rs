@@ -21,113 +21,19 @@ use cudarc::driver::{sys, CudaContext, CudaStream, DevicePtr, DevicePtrMut};
 use serde::Serialize;
 
 use crate::cuda::result as r;
+pub use crate::cuda::MemoryKind;
+use crate::cuda::PointerInfo;
 use crate::error::{Error, Result};
 use crate::path::{Cause, FallbackPolicy, Path, PathReport};
 
-/// How a device buffer was allocated, as the driver reports it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
-#[non_exhaustive]
-pub enum MemoryKind {
-    /// A stream-ordered memory pool (`cuMemAllocAsync`, cudarc's default allocator).
-    Pool,
-    /// `cuMemAlloc` (legacy device memory).
-    Legacy,
-    /// Virtual memory management (`cuMemCreate` + `cuMemMap`).
-    Vmm,
-    /// Mapped from another process through IPC.
-    Imported,
-    /// The driver did not say.
-    Unknown,
-}
-
-/// What the driver says about one device address.
-#[derive(Debug, Clone, Copy)]
-pub(crate) struct PtrInfo {
-    pub ptr: sys::CUdeviceptr,
-    /// The device the memory lives on.
-    pub device: usize,
-    pub kind: MemoryKind,
-    pub pool: sys::CUmemoryPool,
-    /// The context that owns the allocation (the buffer's context when the driver gives none).
-    pub ctx: sys::CUcontext,
-}
-
-/// Queries the driver about `ptr`, with `ctx` (the buffer's cudarc context) as fallback owner.
-pub(crate) fn inspect(ptr: sys::CUdeviceptr, ctx: &CudaContext) -> PtrInfo {
-    use sys::CUpointer_attribute as A;
-    // The attribute/out-type pairs follow cuda.h: DEVICE_ORDINAL and IS_LEGACY_CUDA_IPC_CAPABLE
-    // write an int/bool (read from a zeroed u64, so a 1- or 4-byte write reads back correctly on
-    // little-endian hosts), MEMPOOL_HANDLE a CUmemoryPool, CONTEXT a CUcontext. The driver only
-    // reads `ptr`'s value and validates it.
-    // SAFETY: see above.
-    let device =
-        unsafe { r::pointer::get_attribute(ptr, A::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, 0u64) }
-            .map(|v| (v & 0xffff_ffff) as usize)
-            .unwrap_or(ctx.ordinal());
-    // SAFETY: as above.
-    let pool = unsafe {
-        r::pointer::get_attribute(
-            ptr,
-            A::CU_POINTER_ATTRIBUTE_MEMPOOL_HANDLE,
-            std::ptr::null_mut::<sys::CUmemPoolHandle_st>() as sys::CUmemoryPool,
-        )
+/// Queries the driver about `ptr` ([`PointerInfo::inspect`], with `ctx`, the buffer's cudarc
+/// context, as fallback owner), marking mappings this process imported through [`super::ipc`].
+pub(crate) fn inspect(ptr: sys::CUdeviceptr, ctx: &CudaContext) -> PointerInfo {
+    let mut info = PointerInfo::inspect(ptr, ctx);
+    if super::ipc::lookup_mapping(ptr).is_some() {
+        info.kind = MemoryKind::Imported;
     }
-    .unwrap_or(std::ptr::null_mut());
-    // SAFETY: as above.
-    let owner_ctx = unsafe {
-        r::pointer::get_attribute(
-            ptr,
-            A::CU_POINTER_ATTRIBUTE_CONTEXT,
-            std::ptr::null_mut::<sys::CUctx_st>() as sys::CUcontext,
-        )
-    }
-    .ok()
-    .filter(|c| !c.is_null())
-    .unwrap_or(ctx.cu_ctx());
-    // VMM memory (made here or imported from another process with a POSIX fd) names its
-    // physical device in its allocation properties, also where DEVICE_ORDINAL says nothing.
-    // SAFETY: `ptr` is a device address of this process; the call only retains/releases.
-    let vmm = unsafe { r::vmm::location(ptr) };
-    let device = match vmm {
-        Some(d) if d >= 0 => d as usize,
-        _ => device,
-    };
-    let kind = if super::ipc::lookup_mapping(ptr).is_some() {
-        MemoryKind::Imported
-    } else if !pool.is_null() {
-        MemoryKind::Pool
-    } else if vmm.is_some() {
-        MemoryKind::Vmm
-    } else if
-    // SAFETY: as above.
-    unsafe {
-        r::pointer::get_attribute(
-            ptr,
-            A::CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE,
-            0u64,
-        )
-    }
-    .map(|v| v & 0xffff_ffff != 0)
-    .unwrap_or(false)
-    {
-        MemoryKind::Legacy
-    } else if
-    // SAFETY: MEMORY_TYPE writes a CUmemorytype (unsigned int); read from a zeroed u64.
-    unsafe { r::pointer::get_attribute(ptr, A::CU_POINTER_ATTRIBUTE_MEMORY_TYPE, 0u64) }
-        .is_ok_and(|v| v & 0xffff_ffff == sys::CUmemorytype::CU_MEMORYTYPE_DEVICE as u64)
-    {
-        // Device memory that is neither pool nor VMM memory: cuMemAlloc.
-        MemoryKind::Legacy
-    } else {
-        MemoryKind::Unknown
-    };
-    PtrInfo {
-        ptr,
-        device,
-        kind,
-        pool,
-        ctx: owner_ctx,
-    }
+    info
 }
 
 /// Whether `accessor` (device ordinal, context) may access the memory `mem`, and if not, why.
@@ -135,7 +41,7 @@ pub(crate) fn inspect(ptr: sys::CUdeviceptr, ctx: &CudaContext) -> PtrInfo {
 pub(crate) fn access(
     accessor: usize,
     accessor_ctx: sys::CUcontext,
-    mem: &PtrInfo,
+    mem: &PointerInfo,
     write: bool,
 ) -> Result<Option<std::result::Result<(), Cause>>> {
     if accessor == mem.device {
@@ -152,7 +58,7 @@ pub(crate) fn access(
     Ok(match mem.kind {
         MemoryKind::Pool => {
             // SAFETY: the pool handle came from the driver for a live allocation.
-            let flags = unsafe { r::mem_pool::get_access(mem.pool, accessor as i32) }?;
+            let flags = unsafe { r::mem_pool::get_access(mem.pool(), accessor as i32) }?;
             let ok = match flags {
                 sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE => true,
                 sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READ => !write,
@@ -184,7 +90,7 @@ pub(crate) fn access(
             })
         }
         MemoryKind::Legacy => {
-            match super::peer_access::context_access_known(accessor_ctx, mem.ctx) {
+            match super::peer_access::context_access_known(accessor_ctx, mem.ctx()) {
                 Some(true) => Some(Ok(())),
                 _ => Some(Err(Cause::PeerAccessNotEnabled {
                     accessor,

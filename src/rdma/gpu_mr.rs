@@ -333,74 +333,7 @@ fn round_up(x: usize, to: usize) -> Option<usize> {
 // Pointer classification
 // ---------------------------------------------------------------------------------------------
 
-/// What the driver says about a device pointer (`cuPointerGetAttribute`).
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
-pub struct PointerInfo {
-    /// `CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL`.
-    pub ordinal: i32,
-    /// `CU_POINTER_ATTRIBUTE_MEMORY_TYPE` is `CU_MEMORYTYPE_DEVICE`.
-    pub is_device: bool,
-    /// `CU_POINTER_ATTRIBUTE_IS_MANAGED`: managed memory is host memory on x86 (registering it
-    /// measures the host path).
-    pub is_managed: bool,
-    /// `CU_POINTER_ATTRIBUTE_IS_GPU_DIRECT_RDMA_CAPABLE` (1 for `cuMemAlloc`, 0 for default-pool
-    /// `cuMemAllocAsync` memory, measured on H200).
-    pub gdr_capable: bool,
-    /// `CU_POINTER_ATTRIBUTE_MEMPOOL_HANDLE` is non-null: stream-ordered pool memory.
-    pub from_pool: bool,
-    /// `CU_POINTER_ATTRIBUTE_RANGE_START_ADDR`: start of the enclosing allocation.
-    pub range_start: u64,
-    /// `CU_POINTER_ATTRIBUTE_RANGE_SIZE`: size of the enclosing allocation.
-    pub range_size: u64,
-}
-
-impl PointerInfo {
-    /// Why this memory must not be registered for GPUDirect RDMA, or `None` when it may.
-    pub fn gdr_refusal(&self) -> Option<Cause> {
-        if !self.is_device || self.is_managed {
-            Some(Cause::Other {
-                message: "the pointer is not device memory (host or managed memory: a NIC would read host memory, not the GPU)".into(),
-                fix: "register a gpudirect::rdma::GdrBuffer".into(),
-            })
-        } else if self.from_pool || !self.gdr_capable {
-            Some(Cause::PoolMemoryNotGdrCapable)
-        } else {
-            None
-        }
-    }
-}
-
-fn get_attr<V: Default + Copy>(attr: sys::CUpointer_attribute, ptr: sys::CUdeviceptr) -> Result<V> {
-    // SAFETY: `V` is the type the attribute writes (the callers pick V per the CUDA docs: i32
-    // for ordinal/bools, u32 for the memory type, u64 for addresses, usize/pointer for the pool
-    // handle and range size).
-    let rc = unsafe { cuda::result::pointer::get_attribute(ptr, attr, V::default()) };
-    rc.map_err(|rc| Error::cuda("cuPointerGetAttribute", cudarc::driver::DriverError(rc)))
-}
-
-/// Classifies a device pointer: which device, whether it is GPUDirect-RDMA capable, whether
-/// it comes from a stream-ordered pool (`cuPointerGetAttribute`).
-pub fn pointer_info(ptr: sys::CUdeviceptr) -> Result<PointerInfo> {
-    use sys::CUpointer_attribute as A;
-    cuda::driver_version()?;
-    let memory_type: u32 = get_attr(A::CU_POINTER_ATTRIBUTE_MEMORY_TYPE, ptr)?;
-    let ordinal: i32 = get_attr(A::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, ptr)?;
-    let is_managed: i32 = get_attr(A::CU_POINTER_ATTRIBUTE_IS_MANAGED, ptr)?;
-    let gdr_capable: i32 = get_attr(A::CU_POINTER_ATTRIBUTE_IS_GPU_DIRECT_RDMA_CAPABLE, ptr)?;
-    // Non-pool memory may answer with an error rather than NULL: both mean "not from a pool".
-    let pool: usize = get_attr(A::CU_POINTER_ATTRIBUTE_MEMPOOL_HANDLE, ptr).unwrap_or(0);
-    let range_start: u64 = get_attr(A::CU_POINTER_ATTRIBUTE_RANGE_START_ADDR, ptr)?;
-    let range_size: usize = get_attr(A::CU_POINTER_ATTRIBUTE_RANGE_SIZE, ptr)?;
-    Ok(PointerInfo {
-        ordinal,
-        is_device: memory_type == sys::CUmemorytype::CU_MEMORYTYPE_DEVICE as u32,
-        is_managed: is_managed != 0,
-        gdr_capable: gdr_capable != 0,
-        from_pool: pool != 0,
-        range_start,
-        range_size: range_size as u64,
-    })
-}
+pub use crate::cuda::{pointer_info, PointerInfo};
 
 /// Sets `CU_POINTER_ATTRIBUTE_SYNC_MEMOPS` on the allocation holding `ptr`
 /// (`cuPointerSetAttribute`): synchronous copies and memsets complete before they return, so a
@@ -1001,39 +934,6 @@ mod tests {
             DmaBufPlan::new(0x1000, 1, 3000),
             Err(Error::InvalidArgument(_))
         ));
-    }
-
-    #[test]
-    fn pool_and_managed_memory_are_refused_with_their_cause() {
-        let ok = PointerInfo {
-            ordinal: 0,
-            is_device: true,
-            is_managed: false,
-            gdr_capable: true,
-            from_pool: false,
-            range_start: 0,
-            range_size: 0,
-        };
-        assert_eq!(ok.gdr_refusal(), None);
-        let pool = PointerInfo {
-            gdr_capable: false,
-            from_pool: true,
-            ..ok.clone()
-        };
-        assert_eq!(pool.gdr_refusal(), Some(Cause::PoolMemoryNotGdrCapable));
-        let not_capable = PointerInfo {
-            gdr_capable: false,
-            ..ok.clone()
-        };
-        assert_eq!(
-            not_capable.gdr_refusal(),
-            Some(Cause::PoolMemoryNotGdrCapable)
-        );
-        let managed = PointerInfo {
-            is_managed: true,
-            ..ok
-        };
-        assert!(matches!(managed.gdr_refusal(), Some(Cause::Other { .. })));
     }
 
     #[test]
