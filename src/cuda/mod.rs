@@ -5,10 +5,16 @@
 //! [`context`] succeeded in this process.
 
 pub mod device;
+pub(crate) mod dmabuf;
+mod memory;
 mod pointer;
 pub(crate) mod result;
 
-pub use pointer::{pointer_info, MemoryKind, PointerInfo};
+pub use dmabuf::{export_dmabuf, host_page_size, DmaBufExport, DmaBufPlan};
+pub use memory::{
+    DeviceBuffer, DeviceMemory, GdrBuffer, GpuPageAligned, Layout, Plain, GPU_PAGE_SIZE,
+};
+pub use pointer::{pointer_info, set_sync_memops, MemoryKind, PointerInfo};
 
 use std::sync::{Arc, OnceLock};
 

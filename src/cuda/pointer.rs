@@ -261,6 +261,15 @@ impl PointerInfo {
     }
 }
 
+/// Sets `CU_POINTER_ATTRIBUTE_SYNC_MEMOPS` on the allocation holding `ptr`
+/// (`cuPointerSetAttribute`): synchronous copies and memsets complete before they return, so a
+/// NIC reading right after sees the bytes. Idempotent.
+pub fn set_sync_memops(ptr: sys::CUdeviceptr) -> Result<()> {
+    super::driver_version()?;
+    // SAFETY: libcuda is initialised (checked above); the driver validates `ptr`.
+    unsafe { result::pointer::set_sync_memops(ptr) }
+}
+
 /// [`PointerInfo::query`]: which device `ptr` is on, whether it is GPUDirect-RDMA capable,
 /// whether it comes from a stream-ordered pool (`cuPointerGetAttribute`).
 pub fn pointer_info(ptr: sys::CUdeviceptr) -> Result<PointerInfo> {

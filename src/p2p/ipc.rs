@@ -26,8 +26,8 @@ use std::sync::{Arc, Mutex};
 
 use cudarc::driver::{sys, CudaContext, CudaSlice, CudaStream, CudaView, CudaViewMut};
 
-use super::memory::DeviceBuffer;
 use crate::cuda::result as r;
+use crate::cuda::DeviceBuffer;
 use crate::error::{Error, Result};
 use crate::path::{Cause, Path, PathReport};
 

@@ -23,8 +23,8 @@
 //! [`Path::StagedThroughHost`](crate::Path::StagedThroughHost) with its
 //! [`Cause`](crate::Cause), and [`timed_copy_peer`] checks the claim against the clock.
 
-/// The accessors every raw-allocation wrapper of this module shares ([`DeviceBuffer`],
-/// [`VmmBuffer`], and the IPC mappings): the memory as a cudarc slice, views, and length. The
+/// The accessors every raw-allocation wrapper of this module shares ([`VmmBuffer`] and the IPC
+/// mappings): the memory as a cudarc slice, views, and length. The
 /// type needs a `slice: CudaSlice<T>` field and cudarc's slice and view types in scope.
 macro_rules! slice_accessors {
     () => {
@@ -59,13 +59,15 @@ macro_rules! slice_accessors {
 mod bandwidth;
 mod copy;
 pub mod ipc;
-mod memory;
 mod peer_access;
 mod topology;
 mod vmm;
 
 use serde::Serialize;
 
+/// `cuMemAlloc` memory (legacy IPC, the context-peer-access path): the ground floor's
+/// [`cuda::DeviceBuffer`](crate::cuda::DeviceBuffer).
+pub use crate::cuda::DeviceBuffer;
 pub use bandwidth::{
     measure, BandwidthMatrix, BandwidthOptions, PairBandwidth, PairBench, SmDirection,
     LINK_LIMIT_H200_GBPS,
@@ -74,7 +76,6 @@ pub use copy::{
     copy_peer, copy_peer_async, copy_peer_async_with, copy_peer_with, expected_gbps, plan_copy,
     timed_copy_peer, timed_copy_peer_with, CopyOptions, CopyReport, MemoryKind, TimedCopy,
 };
-pub use memory::DeviceBuffer;
 pub use peer_access::{registry_state, PeerAccess};
 pub use topology::{
     nvml_status, parse_pci_bus_id, Connection, GpuInfo, NvmlP2p, NvmlStatus, P2pState, PairInfo,

@@ -1,0 +1,399 @@
+//! Device memory of our own: [`DeviceBuffer`], the one `cuMemAlloc` allocation type (its two
+//! layouts a constructor choice carried in the type), and [`DeviceMemory`], the one trait for
+//! "device memory a room may hand to the driver or a NIC by address".
+
+use std::marker::PhantomData;
+use std::mem::ManuallyDrop;
+use std::ops::Range;
+use std::sync::Arc;
+
+use cudarc::driver::{
+    sys, CudaContext, CudaSlice, CudaStream, CudaView, CudaViewMut, DeviceRepr, ValidAsZeroBits,
+};
+
+use super::result as r;
+use crate::error::{Error, Result};
+
+/// The GPU page size (64 KiB) that peer-memory clients pin at; [`GdrBuffer`] starts on it.
+pub const GPU_PAGE_SIZE: usize = 64 * 1024;
+
+mod sealed {
+    pub trait Sealed {}
+}
+
+/// How a [`DeviceBuffer`] sits in its `cuMemAlloc` allocation: [`Plain`] or
+/// [`GpuPageAligned`]. Sealed.
+pub trait Layout: sealed::Sealed + Send + Sync + 'static {
+    /// Start on a 64 KiB GPU page, size rounded up to one, `SYNC_MEMOPS` set.
+    const GPU_PAGE_ALIGNED: bool;
+}
+
+/// The allocation as `cuMemAlloc` returns it (256-byte aligned).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Plain;
+
+/// Aligned to a 64 KiB GPU page with `SYNC_MEMOPS` set: GPUDirect-RDMA ready.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GpuPageAligned;
+
+impl sealed::Sealed for Plain {}
+impl Layout for Plain {
+    const GPU_PAGE_ALIGNED: bool = false;
+}
+impl sealed::Sealed for GpuPageAligned {}
+impl Layout for GpuPageAligned {
+    const GPU_PAGE_ALIGNED: bool = true;
+}
+
+/// A `cuMemAlloc` allocation of `T`s, usable wherever cudarc takes a `CudaSlice`/`CudaView`,
+/// freed with `cuMemFree` on drop after its stream finished.
+///
+/// cudarc allocates from the stream-ordered pool (`cuMemAllocAsync`); some jobs need
+/// `cuMemAlloc` memory instead: legacy CUDA IPC (`cuIpcGetMemHandle` accepts only `cuMemAlloc`
+/// memory), the context-peer-access path, and GPUDirect RDMA (pool memory reports
+/// `CU_POINTER_ATTRIBUTE_IS_GPU_DIRECT_RDMA_CAPABLE = 0`, measured on H200). The layout is a
+/// constructor choice, carried in the type:
+/// - `DeviceBuffer<T>` ([`Plain`]): the allocation as `cuMemAlloc` returns it, zeroed
+///   ([`DeviceBuffer::alloc_zeros`]); what legacy IPC needs.
+/// - [`GdrBuffer<T>`] ([`GpuPageAligned`]): starts on a 64 KiB GPU page, size rounded up to one,
+///   `CU_POINTER_ATTRIBUTE_SYNC_MEMOPS` set ([`GdrBuffer::alloc`], [`GdrBuffer::zeroed`]), so
+///   peer-memory clients (which pin whole GPU pages) and dma-buf export (host-page aligned)
+///   never reach memory that belongs to someone else, and synchronous copies complete before a
+///   NIC can read the bytes.
+///
+/// cudarc code sees either as a [`CudaSlice`] ([`as_slice`](Self::as_slice)) or views, so
+/// kernels, `memcpy_htod`/`memcpy_dtoh` and `launch_builder` work unchanged. The slice is never
+/// dropped by cudarc (which would free it with `cuMemFreeAsync`).
+#[derive(Debug)]
+pub struct DeviceBuffer<T = u8, L: Layout = Plain> {
+    /// Never dropped by cudarc: leaked in our Drop before `cuMemFree`.
+    slice: ManuallyDrop<CudaSlice<T>>,
+    /// What cuMemAlloc returned (may precede `start` by the alignment padding).
+    base: sys::CUdeviceptr,
+    /// `slice`'s pointer: the first element.
+    start: sys::CUdeviceptr,
+    /// Bytes from `start` to the end of the allocation.
+    capacity: usize,
+    layout: PhantomData<L>,
+}
+
+/// A GPUDirect-RDMA-capable device allocation (`cuMemAlloc`, 64 KiB aligned, `SYNC_MEMOPS`
+/// set): [`DeviceBuffer`] with the [`GpuPageAligned`] layout.
+pub type GdrBuffer<T = u8> = DeviceBuffer<T, GpuPageAligned>;
+
+fn round_up(x: usize, to: usize) -> Option<usize> {
+    x.checked_add(to - 1).map(|v| v / to * to)
+}
+
+impl<T: DeviceRepr + ValidAsZeroBits> DeviceBuffer<T, Plain> {
+    /// Allocates `len` zeroed elements with `cuMemAlloc` in `stream`'s context (the zeroing is
+    /// ordered on `stream`).
+    pub fn alloc_zeros(stream: &Arc<CudaStream>, len: usize) -> Result<Self> {
+        let bytes = len
+            .checked_mul(std::mem::size_of::<T>())
+            .ok_or_else(|| Error::InvalidArgument(format!("{len} elements overflow usize")))?;
+        stream
+            .context()
+            .bind_to_thread()
+            .map_err(|e| Error::cuda("cuCtxSetCurrent", e))?;
+        // SAFETY: the stream's context is current (bound above).
+        let ptr = unsafe { r::mem::alloc(bytes) }?;
+        // SAFETY: `ptr` is a fresh allocation of at least `bytes` bytes in this context; it is
+        // zeroed right below, and the CudaSlice is never dropped by cudarc (ManuallyDrop).
+        let mut slice = ManuallyDrop::new(unsafe { stream.upgrade_device_ptr::<T>(ptr, len) });
+        let buf_zero = stream.memset_zeros(&mut *slice);
+        let buf = DeviceBuffer {
+            slice,
+            base: ptr,
+            start: ptr,
+            capacity: bytes.max(1),
+            layout: PhantomData,
+        };
+        buf_zero.map_err(|e| Error::cuda("cuMemsetD8Async", e))?;
+        Ok(buf)
+    }
+}
+
+impl<T> DeviceBuffer<T, Plain> {
+    /// The memory as a cudarc slice (as [`as_slice`](Self::as_slice); the name p2p code uses).
+    pub fn slice(&self) -> &CudaSlice<T> {
+        &self.slice
+    }
+}
+
+impl<T: DeviceRepr> DeviceBuffer<T, GpuPageAligned> {
+    /// Allocates `len` elements of `T` with `cuMemAlloc` on `stream`'s device, 64 KiB aligned
+    /// with `SYNC_MEMOPS` set; the buffer's cudarc operations are ordered on `stream`. The
+    /// contents are unspecified: use [`GdrBuffer::zeroed`] or copy into it.
+    ///
+    /// Errors: [`Error::InvalidArgument`] for `len == 0`, CUDA absence errors from
+    /// [`crate::cuda`], [`Error::Cuda`] naming `cuMemAlloc` (out of memory, ...).
+    pub fn alloc(stream: &Arc<CudaStream>, len: usize) -> Result<Self> {
+        super::driver_version()?;
+        let bytes = len
+            .checked_mul(std::mem::size_of::<T>())
+            .filter(|&b| b > 0)
+            .ok_or_else(|| {
+                Error::InvalidArgument(format!(
+                    "a GdrBuffer needs 1 or more elements that fit in memory, not {len}"
+                ))
+            })?;
+        let rounded = round_up(bytes, GPU_PAGE_SIZE)
+            .ok_or_else(|| Error::InvalidArgument(format!("{bytes} bytes is too large")))?;
+        let ctx = stream.context();
+        ctx.bind_to_thread()
+            .map_err(|e| Error::cuda("cuCtxSetCurrent", e))?;
+        // SAFETY: a context is current (bound above); the memory is only handed out as
+        // `T: DeviceRepr` through cudarc, whose users must initialize it before reading (doc).
+        let mut base = unsafe { r::mem::alloc(rounded) }?;
+        let mut alloc_bytes = rounded;
+        if base % GPU_PAGE_SIZE as u64 != 0 {
+            // cuMemAlloc guarantees 256 B alignment only: over-allocate by one GPU page and start
+            // on the next boundary (as GDRCopy's tests do).
+            // SAFETY: `base` came from cuMemAlloc above and nothing else refers to it.
+            if let Err(e) = unsafe { r::mem::free(base) } {
+                tracing::warn!(error = %e, "cuMemFree of a misaligned GdrBuffer attempt failed");
+            }
+            alloc_bytes = rounded + GPU_PAGE_SIZE;
+            // SAFETY: as above.
+            base = unsafe { r::mem::alloc(alloc_bytes) }?;
+        }
+        let start = base.next_multiple_of(GPU_PAGE_SIZE as u64);
+        let capacity = (base + alloc_bytes as u64 - start) as usize;
+        debug_assert!(capacity >= bytes);
+        // SYNC_MEMOPS: synchronous cuMemcpy/cuMemset complete before a NIC can read the bytes.
+        if let Err(e) = super::set_sync_memops(start) {
+            // SAFETY: `base` came from cuMemAlloc above; nothing refers to it yet.
+            let _ = unsafe { r::mem::free(base) };
+            return Err(e);
+        }
+        // SAFETY: `start..start + bytes` lies inside the cuMemAlloc allocation (capacity >=
+        // rounded >= bytes); the slice is never dropped by cudarc (ManuallyDrop, taken back with
+        // `leak` in Drop), so cudarc never frees it with the wrong call.
+        let slice = unsafe { stream.upgrade_device_ptr::<T>(start, len) };
+        Ok(DeviceBuffer {
+            slice: ManuallyDrop::new(slice),
+            base,
+            start,
+            capacity,
+            layout: PhantomData,
+        })
+    }
+
+    /// [`GdrBuffer::alloc`], then zero-filled on the stream (synchronized before returning).
+    pub fn zeroed(stream: &Arc<CudaStream>, len: usize) -> Result<Self>
+    where
+        T: ValidAsZeroBits,
+    {
+        let mut b = Self::alloc(stream, len)?;
+        stream
+            .memset_zeros(&mut b.as_view_mut())
+            .map_err(|e| Error::cuda("cuMemsetD8Async", e))?;
+        stream
+            .synchronize()
+            .map_err(|e| Error::cuda("cuStreamSynchronize", e))?;
+        Ok(b)
+    }
+
+    /// Copies `src` into the start of the buffer and waits for the copy
+    /// (`cuMemcpyHtoDAsync` + `cuStreamSynchronize`).
+    pub fn copy_from_host(&mut self, src: &[T]) -> Result<()> {
+        if src.len() > self.len() {
+            return Err(Error::InvalidArgument(format!(
+                "{} elements do not fit in a GdrBuffer of {}",
+                src.len(),
+                self.len()
+            )));
+        }
+        let stream = self.slice.stream().clone();
+        let mut view = self.slice.slice_mut(0..src.len());
+        stream
+            .memcpy_htod(src, &mut view)
+            .map_err(|e| Error::cuda("cuMemcpyHtoDAsync", e))?;
+        stream
+            .synchronize()
+            .map_err(|e| Error::cuda("cuStreamSynchronize", e))
+    }
+
+    /// Copies the start of the buffer into `dst` and waits for the copy
+    /// (`cuMemcpyDtoHAsync` + `cuStreamSynchronize`).
+    pub fn copy_to_host(&self, dst: &mut [T]) -> Result<()> {
+        if dst.len() > self.len() {
+            return Err(Error::InvalidArgument(format!(
+                "cannot read {} elements from a GdrBuffer of {}",
+                dst.len(),
+                self.len()
+            )));
+        }
+        let stream = self.slice.stream().clone();
+        let view = self.slice.slice(0..dst.len());
+        stream
+            .memcpy_dtoh(&view, dst)
+            .map_err(|e| Error::cuda("cuMemcpyDtoHAsync", e))?;
+        stream
+            .synchronize()
+            .map_err(|e| Error::cuda("cuStreamSynchronize", e))
+    }
+}
+
+impl<T> DeviceBuffer<T, GpuPageAligned> {
+    /// A read-only sub-view, in elements (panics out of bounds, as cudarc's `slice` does).
+    pub fn slice(&self, range: Range<usize>) -> CudaView<'_, T> {
+        self.slice.slice(range)
+    }
+
+    /// A writable sub-view, in elements (panics out of bounds, as cudarc's `slice_mut` does).
+    pub fn slice_mut(&mut self, range: Range<usize>) -> CudaViewMut<'_, T> {
+        self.slice.slice_mut(range)
+    }
+}
+
+impl<T, L: Layout> DeviceBuffer<T, L> {
+    /// Number of elements.
+    pub fn len(&self) -> usize {
+        self.slice.len()
+    }
+
+    /// True when the buffer has no elements.
+    pub fn is_empty(&self) -> bool {
+        self.slice.len() == 0
+    }
+
+    /// Length in bytes.
+    pub fn num_bytes(&self) -> usize {
+        self.slice.num_bytes()
+    }
+
+    /// The device address of the first element (`CUdeviceptr`; 64 KiB aligned for
+    /// [`GdrBuffer`]).
+    pub fn device_ptr(&self) -> sys::CUdeviceptr {
+        self.start
+    }
+
+    /// Bytes from the first element to the end of the allocation (for [`GdrBuffer`], the
+    /// length rounded up to 64 KiB: what a peer-memory client pins).
+    pub fn capacity_bytes(&self) -> usize {
+        self.capacity
+    }
+
+    /// The device ordinal.
+    pub fn ordinal(&self) -> usize {
+        self.slice.ordinal()
+    }
+
+    /// The stream the buffer was allocated on: its cudarc operations are ordered on it, and it
+    /// is freed after it.
+    pub fn stream(&self) -> &Arc<CudaStream> {
+        self.slice.stream()
+    }
+
+    /// The buffer as cudarc's slice, for kernels and copies that take `&CudaSlice<T>`
+    /// (`clone_dtoh`, `memcpy_dtod`, kernel arguments, ...).
+    ///
+    /// Only a shared reference is handed out: the slice cannot be swapped out or dropped.
+    pub fn as_slice(&self) -> &CudaSlice<T> {
+        &self.slice
+    }
+
+    /// The whole buffer as a read-only cudarc view.
+    pub fn as_view(&self) -> CudaView<'_, T> {
+        self.slice.as_view()
+    }
+
+    /// The whole buffer as a writable cudarc view (kernels, `memcpy_htod`, `memset_zeros`,
+    /// `copy_peer` destinations).
+    pub fn as_view_mut(&mut self) -> CudaViewMut<'_, T> {
+        self.slice.as_view_mut()
+    }
+}
+
+impl<T, L: Layout> Drop for DeviceBuffer<T, L> {
+    fn drop(&mut self) {
+        // SAFETY: the slice is taken exactly once, here; it is not used afterwards.
+        let slice = unsafe { ManuallyDrop::take(&mut self.slice) };
+        let stream = slice.stream().clone();
+        // Orders the stream after the slice's recorded uses and releases cudarc's events.
+        let ptr = slice.leak();
+        debug_assert_eq!(ptr, self.start);
+        if let Err(e) = stream.synchronize() {
+            tracing::warn!(error = %e, "gpudirect DeviceBuffer: cuStreamSynchronize before cuMemFree failed");
+        }
+        if let Err(e) = stream.context().bind_to_thread() {
+            tracing::warn!(error = %e, "gpudirect DeviceBuffer: cannot bind the context to free the buffer; leaking it");
+            return;
+        }
+        // SAFETY: `base` came from cuMemAlloc in this context, is freed only here, and the
+        // stream that ordered all cudarc work on it was synchronized above; cudarc no longer
+        // owns it (leaked above).
+        if let Err(e) = unsafe { r::mem::free(self.base) } {
+            tracing::warn!(error = %e, "gpudirect DeviceBuffer: cuMemFree failed");
+        }
+    }
+}
+
+/// Device memory that a room may hand to the driver or a NIC by address: the pointer and length
+/// always describe a live allocation owned by the value.
+///
+/// Sealed: implemented for [`DeviceBuffer`] (both layouts), cudarc's [`CudaSlice`] (pool memory:
+/// RDMA registration refuses it unless forced) and `Arc`s of them. (`rdma::GpuMemory` is this
+/// trait.)
+pub trait DeviceMemory: sealed::Sealed + Send + Sync {
+    /// The device address of the first byte.
+    fn device_ptr(&self) -> sys::CUdeviceptr;
+    /// Length in bytes.
+    fn num_bytes(&self) -> usize;
+    /// The CUDA context the memory belongs to.
+    fn context(&self) -> &Arc<CudaContext>;
+}
+
+impl<T, L: Layout> sealed::Sealed for DeviceBuffer<T, L> {}
+impl<T, L: Layout> DeviceMemory for DeviceBuffer<T, L> {
+    fn device_ptr(&self) -> sys::CUdeviceptr {
+        self.start
+    }
+    fn num_bytes(&self) -> usize {
+        self.slice.num_bytes()
+    }
+    fn context(&self) -> &Arc<CudaContext> {
+        self.slice.context()
+    }
+}
+
+impl<T> sealed::Sealed for CudaSlice<T> {}
+impl<T> DeviceMemory for CudaSlice<T> {
+    fn device_ptr(&self) -> sys::CUdeviceptr {
+        let (ptr, _guard) = cudarc::driver::DevicePtr::device_ptr(self, self.stream());
+        ptr
+    }
+    fn num_bytes(&self) -> usize {
+        CudaSlice::num_bytes(self)
+    }
+    fn context(&self) -> &Arc<CudaContext> {
+        CudaSlice::context(self)
+    }
+}
+
+impl<M: DeviceMemory + ?Sized> sealed::Sealed for Arc<M> {}
+impl<M: DeviceMemory + ?Sized> DeviceMemory for Arc<M> {
+    fn device_ptr(&self) -> sys::CUdeviceptr {
+        (**self).device_ptr()
+    }
+    fn num_bytes(&self) -> usize {
+        (**self).num_bytes()
+    }
+    fn context(&self) -> &Arc<CudaContext> {
+        (**self).context()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn gpu_pages_round_up() {
+        assert!(round_up(1, GPU_PAGE_SIZE) == Some(GPU_PAGE_SIZE));
+        assert!(round_up(GPU_PAGE_SIZE, GPU_PAGE_SIZE) == Some(GPU_PAGE_SIZE));
+        assert!(round_up(usize::MAX, GPU_PAGE_SIZE).is_none());
+    }
+}
