@@ -1,8 +1,19 @@
-//! The one audited door to CUDA: checks that libcuda and a device exist before any cudarc call
-//! (cudarc panics when libcuda or a symbol is missing), and turns absence into typed errors.
+//! The ground floor: what every room needs from CUDA and the platform, in one place.
 //!
-//! Every other module reaches cudarc's `sys`/`result` layer only after [`driver_version`] or
-//! [`context`] succeeded in this process.
+//! - The door: [`driver_version`], [`device_count`], [`context`] check that libcuda and a
+//!   device exist before any cudarc call (cudarc panics when libcuda or a symbol is missing),
+//!   and turn absence into typed errors.
+//! - The one CUDA result layer (private): every cudarc `sys`/`result` call the crate makes is a
+//!   function there, called only after the door was passed.
+//! - What a pointer is: [`PointerInfo`] ([`MemoryKind`], GPUDirect-RDMA capability, pool,
+//!   owning context, enclosing allocation).
+//! - Device memory of our own: [`DeviceBuffer`] (`cuMemAlloc`; [`GdrBuffer`] is its
+//!   GPUDirect-RDMA layout) and the [`DeviceMemory`] trait.
+//! - dma-buf export of device memory ([`export_dmabuf`]; needs no NIC).
+//! - A GPU's PCI bus id, NUMA node and nearby CPUs ([`device`]).
+//!
+//! The wings ([`p2p`](crate::p2p), [`rdma`](crate::rdma), [`storage`](crate::storage)) build on
+//! this floor and never on each other.
 
 pub mod device;
 pub(crate) mod dmabuf;
