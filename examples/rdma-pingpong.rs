@@ -138,18 +138,20 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             std::thread::yield_now();
         }
     };
+    let mut echo = vec![0u8; args.size];
     let t0 = Instant::now();
     for i in 0..args.iters {
         if is_server {
             wait_recv(&cq)?;
-            // Echo what came in, after checking it is a whole message.
-            send.as_mut_slice().copy_from_slice(recv.as_slice());
+            // Echo what came in (copied out of the receive buffer, into the send buffer).
+            recv.copy_out(0, &mut echo)?;
+            send.copy_in(0, &echo)?;
             post_recv(&qp, &mut recv)?;
             qp.send(&send, 0..args.size, None)?;
         } else {
             qp.send(&send, 0..args.size, None)?;
             let wc = wait_recv(&cq)?;
-            if wc.byte_len as usize != args.size || recv.as_slice() != send.as_slice() {
+            if wc.byte_len as usize != args.size || recv.to_vec() != send.to_vec() {
                 return Err(format!("iteration {i}: the echo differs from what was sent").into());
             }
             if i + 1 < args.iters {

@@ -129,7 +129,8 @@ impl Buffer {
             None => {
                 // Page-aligned, as perftest allocates (a malloc'ed Vec starts 16 bytes into a
                 // page, and every MTU-sized packet then straddles two pages). Leaked: the
-                // buffer lives as long as the process.
+                // buffer lives as long as the process, which is what lets the region own a
+                // `&'static mut` borrow of it.
                 let raw: &'static mut [u8] = Box::leak(vec![0u8; len + 4096].into_boxed_slice());
                 let off = raw.as_ptr().align_offset(4096);
                 Ok(Buffer::Host(
@@ -182,10 +183,7 @@ impl Buffer {
 
     fn fill(&mut self, data: &[u8]) -> Result<()> {
         match self {
-            Buffer::Host(m) => {
-                m.as_mut_slice()[..data.len()].copy_from_slice(data);
-                Ok(())
-            }
+            Buffer::Host(m) => m.copy_in(0, data),
             Buffer::Gpu(r) => {
                 let stream = r.memory().stream().clone();
                 let mut view = r.as_view_mut();
@@ -200,7 +198,11 @@ impl Buffer {
 
     fn read(&self, len: usize) -> Result<Vec<u8>> {
         match self {
-            Buffer::Host(m) => Ok(m.as_slice()[..len].to_vec()),
+            Buffer::Host(m) => {
+                let mut v = vec![0u8; len];
+                m.copy_out(0, &mut v)?;
+                Ok(v)
+            }
             Buffer::Gpu(r) => {
                 let mut v = vec![0u8; len];
                 r.memory().copy_to_host(&mut v)?;

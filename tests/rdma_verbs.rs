@@ -134,9 +134,9 @@ fn rdma_write_and_read_byte_for_byte() {
             )
             .unwrap();
         assert_eq!(wc.opcode, WcOpcode::RDMA_WRITE);
-        let got = dst.as_slice();
+        let got = dst.to_vec();
         assert_eq!(
-            first_diff(&got[off_dst..off_dst + n], &src.as_slice()[off_src..]),
+            first_diff(&got[off_dst..off_dst + n], &src.to_vec()[off_src..]),
             None,
             "RDMA write of {n} bytes"
         );
@@ -160,7 +160,7 @@ fn rdma_write_and_read_byte_for_byte() {
                 .unwrap();
         assert_eq!(wc.opcode, WcOpcode::RDMA_READ);
         assert_eq!(
-            first_diff(&back.as_slice()[5..], &src.as_slice()[off_src..]),
+            first_diff(&back.to_vec()[5..], &src.to_vec()[off_src..]),
             None,
             "RDMA read of {n} bytes"
         );
@@ -179,7 +179,7 @@ fn rdma_send_and_recv_byte_for_byte() {
     for &n in SIZES {
         let src = p.pd.register_host(random_vec(&mut rng, n), ACCESS).unwrap();
         // Raw API: post the receive first (the buffer outlives the WR: we wait for it below).
-        let mut dst =
+        let dst =
             p.pd.register_host(random_vec(&mut rng, n + 100), ACCESS)
                 .unwrap();
         let sge = dst.sge(0..n + 100).unwrap();
@@ -190,7 +190,7 @@ fn rdma_send_and_recv_byte_for_byte() {
         assert_eq!(wc.opcode, WcOpcode::RECV);
         assert_eq!(wc.byte_len as usize, n);
         assert_eq!(
-            first_diff(&dst.as_mut_slice()[..n], src.as_slice()),
+            first_diff(&dst.to_vec()[..n], &src.to_vec()),
             None,
             "send of {n} bytes"
         );
@@ -204,7 +204,7 @@ fn rdma_send_and_recv_byte_for_byte() {
             assert_eq!(wc.imm_data, Some(0xabcd_0123));
             assert_eq!(wc.byte_len as usize, n);
         });
-        assert_eq!(first_diff(dst2.as_slice(), src.as_slice()), None);
+        assert_eq!(first_diff(&dst2.to_vec(), &src.to_vec()), None);
     }
 }
 
@@ -244,7 +244,7 @@ fn rdma_write_with_immediate_notifies_the_peer() {
             assert_eq!(wc.byte_len as usize, n);
         });
         assert_eq!(
-            first_diff(dst.as_slice(), src.as_slice()),
+            first_diff(&dst.to_vec(), &src.to_vec()),
             None,
             "write-with-imm of {n} bytes"
         );
@@ -271,7 +271,7 @@ fn rdma_bad_rkey_is_a_remote_access_error() {
     let dst =
         p.pd.register_host(random_vec(&mut rng, 4096), ACCESS)
             .unwrap();
-    let before = dst.as_slice().to_vec();
+    let before = dst.to_vec();
     let mut bad = dst.remote();
     bad.rkey ^= 0x00ff_ff00;
     expect_wc_error(p.a.write(&src, 0..4096, bad), WcStatus::REM_ACCESS_ERR);
@@ -280,11 +280,7 @@ fn rdma_bad_rkey_is_a_remote_access_error() {
         QpState::Err,
         "a failed RC work request moves the QP to ERR"
     );
-    assert_eq!(
-        dst.as_slice(),
-        &before[..],
-        "a refused write changed memory"
-    );
+    assert_eq!(&dst.to_vec(), &before[..], "a refused write changed memory");
     // Every later WR on the errored QP is flushed, as a typed error too.
     expect_wc_error(p.a.write(&src, 0..16, dst.remote()), WcStatus::WR_FLUSH_ERR);
 }
@@ -300,13 +296,13 @@ fn rdma_out_of_bounds_write_and_read_are_remote_access_errors() {
     let dst =
         p.pd.register_host(random_vec(&mut rng, 4096), ACCESS)
             .unwrap();
-    let before = dst.as_slice().to_vec();
+    let before = dst.to_vec();
     // 4096 bytes starting 100 bytes before the end of the 4096-byte region.
     expect_wc_error(
         p.a.write(&src, 0..4096, dst.remote().offset(4096 - 100)),
         WcStatus::REM_ACCESS_ERR,
     );
-    assert_eq!(dst.as_slice(), &before[..]);
+    assert_eq!(&dst.to_vec(), &before[..]);
 
     let mut p = pair();
     let ro =
@@ -514,7 +510,7 @@ fn rdma_completion_channel_signals_an_event() {
     let n = unsafe { libc::poll(&mut pfd, 1, 10_000) };
     assert_eq!(n, 1, "the channel fd did not become readable");
     ca.wait_event().unwrap();
-    assert_eq!(dst.as_slice(), src.as_slice());
+    assert_eq!(&dst.to_vec(), &src.to_vec());
 }
 
 /// The TCP exchange between two processes: this test re-runs itself as a child (env
@@ -578,7 +574,7 @@ fn rdma_two_process_exchange_and_write() {
     assert_eq!(wc.imm_data, Some(0x600d));
     assert_eq!(wc.byte_len as usize, N);
     assert_eq!(
-        first_diff(dst.as_slice(), &expected),
+        first_diff(&dst.to_vec(), &expected),
         None,
         "bytes written by the child"
     );
@@ -620,7 +616,7 @@ fn rdma_pair_exchange_read_and_write_across_machines() {
             let wc = qp.recv(&mut mr, 0..0).unwrap();
             assert_eq!(wc.imm_data, Some(0xc11e));
             assert_eq!(
-                first_diff(mr.as_slice(), &client_data),
+                first_diff(&mr.to_vec(), &client_data),
                 None,
                 "client's write"
             );
@@ -634,11 +630,11 @@ fn rdma_pair_exchange_read_and_write_across_machines() {
             qp.connect(&remote).unwrap();
             qp.read(&mut mr, 0..N, remote.remote()).unwrap();
             assert_eq!(
-                first_diff(mr.as_slice(), &server_data),
+                first_diff(&mr.to_vec(), &server_data),
                 None,
                 "server's bytes, read"
             );
-            mr.as_mut_slice().copy_from_slice(&client_data);
+            mr.copy_in(0, &client_data).unwrap();
             qp.write_with_imm(&mr, 0..N, remote.remote(), 0xc11e)
                 .unwrap();
         }
@@ -714,7 +710,7 @@ fn rdma_cm_connect_accept_and_write() {
             let wc = qp.recv(&mut mr, 0..0).unwrap();
             assert_eq!(wc.imm_data, Some(0xc0ffee));
             assert_eq!(
-                first_diff(mr.as_slice(), &data),
+                first_diff(&mr.to_vec(), &data),
                 None,
                 "bytes written over rdma_cm"
             );

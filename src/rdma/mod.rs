@@ -20,7 +20,7 @@
 //! a.connect(&rb)?;
 //! b.connect(&ra)?;
 //! a.write(&src, 0..4096, rb.remote())?;
-//! assert_eq!(dst.as_slice(), src.as_slice());
+//! assert_eq!(dst.to_vec(), src.to_vec()); // volatile copies: a peer may write `dst` any time
 //! # Ok::<(), gpudirect::Error>(())
 //! ```
 
@@ -41,7 +41,7 @@ pub use context::{
 };
 pub use cq::{CompletionChannel, CompletionQueue};
 pub use device::{devices, DeviceInfo, Transport, Verbs};
-pub use mr::{AccessFlags, HostMemory, MemoryRegion, RemoteMemory, Sge};
+pub use mr::{AccessFlags, HostMemory, MemoryRegion, RemoteMemory, Scoped, Sge};
 pub use pd::ProtectionDomain;
 pub use qp::{ConnectOptions, ConnectionRecord, QpOptions, QpState, QueuePair, HELPER_WR_ID_BIT};
 pub use wc::{WcOpcode, WcStatus, WorkCompletion};

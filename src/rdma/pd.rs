@@ -2,13 +2,15 @@
 
 use std::ffi::c_void;
 use std::fmt;
+use std::mem::ManuallyDrop;
 use std::ptr::NonNull;
 use std::sync::Arc;
+use std::time::Duration;
 
 use ibverbs_gdr_sys as sys;
 
 use super::context::Context;
-use super::mr::{AccessFlags, HostMemory, MemoryRegion, MrHandle};
+use super::mr::{AccessFlags, HostMemory, MemoryRegion, MrHandle, Scoped};
 use super::result;
 use crate::error::{Error, Result};
 use crate::path::Cause;
@@ -54,8 +56,8 @@ impl ProtectionDomain {
     }
 
     /// Registers host memory (`ibv_reg_mr`) and keeps it: the returned [`MemoryRegion`] owns
-    /// `buf` (a `Vec<u8>`, `Box<[u8]>`) or borrows it (`&mut [u8]`) and deregisters before
-    /// releasing it.
+    /// `buf` (a `Vec<u8>`, `Box<[u8]>`, a leaked `&'static mut [u8]`) and deregisters before
+    /// releasing it. Memory you only borrow: [`with_registered`](Self::with_registered).
     ///
     /// `REMOTE_WRITE` and `REMOTE_ATOMIC` need `LOCAL_WRITE` (ibv_reg_mr(3)); asking for them
     /// without it is [`Error::InvalidArgument`]. An empty buffer is refused the same way.
@@ -86,6 +88,44 @@ impl ProtectionDomain {
         // keeps the bytes at `ptr`; the region deregisters (field order) before `buf` drops.
         let handle = unsafe { self.register_raw(ptr.cast(), len, access) }?;
         Ok(handle.attach(buf))
+    }
+
+    /// Registers `buf` (`ibv_reg_mr`) for the length of `f`: `f` gets the region, and the
+    /// registration is gone (`ibv_dereg_mr`) before this returns, also when `f` panics, so no
+    /// peer and no work request can reach `buf` once the borrow ends. The post-and-wait helpers
+    /// of [`QueuePair`](super::QueuePair) work on the region as on any other.
+    ///
+    /// Errors: as [`register_host`](Self::register_host), before `f` runs. If deregistration
+    /// keeps failing (retried for about a second), the process aborts: returning would let
+    /// the NIC write memory whose borrow ended.
+    ///
+    /// ```no_run
+    /// use gpudirect::rdma::{AccessFlags, Context, ProtectionDomain};
+    /// let ctx = Context::open_first()?;
+    /// let pd = ProtectionDomain::new(&ctx)?;
+    /// let mut buf = [0u8; 4096];
+    /// let rkey = pd.with_registered(&mut buf, AccessFlags::LOCAL_WRITE, |mr| mr.rkey())?;
+    /// println!("was registered with rkey {rkey:#x}");
+    /// # Ok::<(), gpudirect::Error>(())
+    /// ```
+    pub fn with_registered<'a, R>(
+        self: &Arc<Self>,
+        buf: &'a mut [u8],
+        access: AccessFlags,
+        f: impl FnOnce(&mut MemoryRegion<Scoped<'a>>) -> R,
+    ) -> Result<R> {
+        if buf.is_empty() {
+            return Err(Error::InvalidArgument(
+                "cannot register an empty buffer: pass at least one byte".into(),
+            ));
+        }
+        let (ptr, len) = (buf.as_mut_ptr(), buf.len());
+        let scoped = Scoped::new(buf);
+        // SAFETY: `buf` is borrowed for 'a, which outlasts this call, and the guard below
+        // deregisters before the call returns or unwinds (or aborts the process).
+        let raw = unsafe { self.register_raw(ptr.cast(), len, access) }?;
+        let mut guard = ScopeGuard(ManuallyDrop::new(MemoryRegion::scoped(raw, scoped)));
+        Ok(f(&mut guard.0))
     }
 
     /// Registers `len` bytes at `addr` (`ibv_reg_mr`): host memory, or device memory through a
@@ -164,6 +204,36 @@ impl ProtectionDomain {
             }
             Err(e) => Err(e),
         }
+    }
+}
+
+/// Deregisters a scoped registration when its scope ends, normally or by unwinding.
+struct ScopeGuard<'a>(ManuallyDrop<MemoryRegion<Scoped<'a>>>);
+
+impl Drop for ScopeGuard<'_> {
+    fn drop(&mut self) {
+        // SAFETY: the region is taken once, here; the guard is not used afterwards.
+        let mut mr = unsafe { ManuallyDrop::take(&mut self.0) };
+        for attempt in 0..20u32 {
+            match mr.close() {
+                Ok(_) => return,
+                Err((m, e)) => {
+                    tracing::warn!(error = %e, attempt, "ibv_dereg_mr of a scoped registration failed; retrying");
+                    mr = m;
+                    std::thread::sleep(Duration::from_millis(50));
+                }
+            }
+        }
+        // The region must neither drop (its Drop would leak the registration while the borrow
+        // ends) nor outlive the scope.
+        let msg = format!(
+            "gpudirect: ibv_dereg_mr keeps failing for a scoped registration of {} bytes at {:#x}; the NIC could write the buffer after its borrow ends, so the process aborts",
+            mr.len(),
+            mr.addr()
+        );
+        tracing::error!("{msg}");
+        eprintln!("{msg}");
+        std::process::abort();
     }
 }
 
