@@ -11,6 +11,7 @@ use std::time::{Duration, Instant};
 use ibverbs_gdr_sys as sys;
 
 use super::context::Context;
+use super::qp::HELPER_WR_ID_BIT;
 use super::result;
 use super::wc::WorkCompletion;
 use crate::error::{Error, Result};
@@ -87,16 +88,43 @@ impl Drop for CompletionChannel {
 
 /// A completion queue (`struct ibv_cq`). Queue pairs hold an `Arc` of their CQs.
 ///
-/// Completions that a waiting helper (e.g. [`QueuePair::write`](super::QueuePair::write))
-/// reads but that belong to someone else are kept and returned by the next [`poll`](Self::poll).
+/// The post-and-wait helpers (e.g. [`QueuePair::write`](super::QueuePair::write)) and
+/// [`poll`](Self::poll) may share a CQ, from any threads: each completion goes to whoever it
+/// belongs to. A helper that reads a completion of someone else's work request keeps it for
+/// the next [`poll`](Self::poll); `poll` never returns a helper's completion (its `wr_id` has
+/// [`HELPER_WR_ID_BIT`] set) but keeps it for the helper waiting on it.
 pub struct CompletionQueue {
     raw: NonNull<sys::ibv_cq>,
-    backlog: Mutex<VecDeque<WorkCompletion>>,
+    parked: Mutex<Parked>,
     channel: Option<Arc<CompletionChannel>>,
     ctx: Arc<Context>,
+    /// Test seam: the next this-many polls fail as `ibv_poll_cq` errors (EIO).
+    #[cfg(test)]
+    pub(crate) fail_polls: std::sync::atomic::AtomicU32,
 }
 
-// SAFETY: verbs are thread-safe (rdma-core libibverbs.md); the backlog is behind a Mutex.
+/// Completions read by one party but meant for another.
+#[derive(Default)]
+struct Parked {
+    /// For [`CompletionQueue::poll`], in arrival order.
+    user: VecDeque<WorkCompletion>,
+    /// For the helpers, by work-request id (unique per process).
+    helper: Vec<WorkCompletion>,
+}
+
+impl Parked {
+    fn park(&mut self, wc: WorkCompletion) {
+        if wc.wr_id & HELPER_WR_ID_BIT != 0 {
+            self.helper.push(wc);
+        } else {
+            self.user.push_back(wc);
+        }
+    }
+}
+
+// SAFETY: libibverbs is thread-safe ("all verbs are thread safe", rdma-core
+// Documentation/libibverbs.md; ibv_poll_cq takes the CQ's lock in every provider); the Rust
+// state is behind a Mutex, and `cqe` (read by `capacity`) is written once at creation.
 unsafe impl Send for CompletionQueue {}
 // SAFETY: see Send.
 unsafe impl Sync for CompletionQueue {}
@@ -139,9 +167,11 @@ impl CompletionQueue {
         let raw = unsafe { result::create_cq(ctx.lib(), ctx.as_ptr(), cqe, ch, 0) }?;
         Ok(Arc::new(CompletionQueue {
             raw,
-            backlog: Mutex::new(VecDeque::new()),
+            parked: Mutex::new(Parked::default()),
             channel,
             ctx: ctx.clone(),
+            #[cfg(test)]
+            fail_polls: std::sync::atomic::AtomicU32::new(0),
         }))
     }
 
@@ -164,15 +194,52 @@ impl CompletionQueue {
         &self.ctx
     }
 
+    fn parked(&self) -> std::sync::MutexGuard<'_, Parked> {
+        // Nothing panics while holding the lock; a poisoned lock still holds consistent data.
+        self.parked.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// `ibv_poll_cq` into `raw`; the completions it read, decoded.
+    fn poll_raw<'w>(
+        &self,
+        raw: &'w mut [MaybeUninit<sys::ibv_wc>],
+    ) -> Result<impl Iterator<Item = WorkCompletion> + 'w> {
+        #[cfg(test)]
+        if self
+            .fail_polls
+            .fetch_update(
+                std::sync::atomic::Ordering::AcqRel,
+                std::sync::atomic::Ordering::Acquire,
+                |n| n.checked_sub(1),
+            )
+            .is_ok()
+        {
+            return Err(Error::Verbs {
+                op: "ibv_poll_cq (injected)",
+                source: std::io::Error::from_raw_os_error(libc::EIO),
+            });
+        }
+        // SAFETY: the CQ is live while `self` is.
+        let got = unsafe { result::poll_cq(self.raw, raw) }?;
+        Ok(raw[..got].iter().map(|r| {
+            // SAFETY: ibv_poll_cq initialised the first `got` entries.
+            WorkCompletion::from_raw(unsafe { r.assume_init_ref() })
+        }))
+    }
+
     /// Reads up to `out.len()` completions without blocking (`ibv_poll_cq`); returns how many
     /// were written. Error statuses are returned as completions: check
-    /// [`WorkCompletion::ok`].
+    /// [`WorkCompletion::ok`]. Completions of the post-and-wait helpers are never returned
+    /// (they stay for the helper), so this may return fewer than are queued, or 0.
+    ///
+    /// Errors: [`Error::Verbs`] when `ibv_poll_cq` fails before any completion was written
+    /// (completions already written are returned first; the error comes with the next call).
     pub fn poll(&self, out: &mut [WorkCompletion]) -> Result<usize> {
         let mut n = 0;
         {
-            let mut b = self.backlog.lock().unwrap_or_else(|p| p.into_inner());
+            let mut p = self.parked();
             while n < out.len() {
-                match b.pop_front() {
+                match p.user.pop_front() {
                     Some(wc) => {
                         out[n] = wc;
                         n += 1;
@@ -181,58 +248,71 @@ impl CompletionQueue {
                 }
             }
         }
-        if n == out.len() {
-            return Ok(n);
-        }
-        let want = (out.len() - n).min(64);
         let mut raw = [const { MaybeUninit::<sys::ibv_wc>::uninit() }; 64];
-        // SAFETY: the CQ is live while `self` is.
-        let got = unsafe { result::poll_cq(self.raw, &mut raw[..want]) }?;
-        for r in &raw[..got] {
-            // SAFETY: ibv_poll_cq initialised the first `got` entries.
-            out[n] = WorkCompletion::from_raw(unsafe { r.assume_init_ref() });
-            n += 1;
+        while n < out.len() {
+            let want = (out.len() - n).min(raw.len());
+            let got = match self.poll_raw(&mut raw[..want]) {
+                Ok(it) => it,
+                Err(_) if n > 0 => break,
+                Err(e) => return Err(e),
+            };
+            let mut read = 0;
+            let mut p = None;
+            for wc in got {
+                read += 1;
+                if wc.wr_id & HELPER_WR_ID_BIT != 0 {
+                    p.get_or_insert_with(|| self.parked()).helper.push(wc);
+                } else {
+                    out[n] = wc;
+                    n += 1;
+                }
+            }
+            if read < want {
+                break; // the CQ is empty
+            }
         }
         Ok(n)
     }
 
-    /// Waits (busy-polling, then yielding) for the completion of `wr_id`, keeping others for
-    /// later [`poll`](Self::poll) calls. `Ok(None)` on timeout.
-    pub(crate) fn wait_for(&self, wr_id: u64, timeout: Duration) -> Result<Option<WorkCompletion>> {
+    /// Waits (busy-polling, then yielding, then sleeping) until `deadline` for the completion
+    /// of the helper work request `wr_id`, parking every other completion for its owner.
+    /// `Ok(None)` at the deadline.
+    pub(crate) fn wait_helper(
+        &self,
+        wr_id: u64,
+        deadline: Instant,
+    ) -> Result<Option<WorkCompletion>> {
+        debug_assert!(wr_id & HELPER_WR_ID_BIT != 0);
         let start = Instant::now();
+        let mut raw = [const { MaybeUninit::<sys::ibv_wc>::uninit() }; 16];
         loop {
             {
-                let mut b = self.backlog.lock().unwrap_or_else(|p| p.into_inner());
-                if let Some(i) = b.iter().position(|w| w.wr_id == wr_id) {
-                    return Ok(b.remove(i));
+                let mut p = self.parked();
+                if let Some(i) = p.helper.iter().position(|w| w.wr_id == wr_id) {
+                    return Ok(Some(p.helper.swap_remove(i)));
                 }
             }
-            let mut raw = [const { MaybeUninit::<sys::ibv_wc>::uninit() }; 16];
-            // SAFETY: the CQ is live while `self` is.
-            let got = unsafe { result::poll_cq(self.raw, &mut raw) }?;
             let mut found = None;
-            if got > 0 {
-                let mut b = self.backlog.lock().unwrap_or_else(|p| p.into_inner());
-                for r in &raw[..got] {
-                    // SAFETY: ibv_poll_cq initialised the first `got` entries.
-                    let wc = WorkCompletion::from_raw(unsafe { r.assume_init_ref() });
-                    if wc.wr_id == wr_id && found.is_none() {
-                        found = Some(wc);
-                    } else {
-                        b.push_back(wc);
-                    }
+            let mut p = None;
+            for wc in self.poll_raw(&mut raw)? {
+                if wc.wr_id == wr_id && found.is_none() {
+                    found = Some(wc);
+                } else {
+                    p.get_or_insert_with(|| self.parked()).park(wc);
                 }
             }
             if found.is_some() {
                 return Ok(found);
             }
-            if start.elapsed() >= timeout {
+            drop(p);
+            let now = Instant::now();
+            if now >= deadline {
                 return Ok(None);
             }
             // Busy-poll first (completions usually come within microseconds), then yield the
             // core, and only sleep for waits that are long anyway: sleeping early costs a
             // timer tick of latency.
-            let waited = start.elapsed();
+            let waited = now - start;
             if waited < Duration::from_micros(20) {
                 std::hint::spin_loop();
             } else if waited < Duration::from_millis(50) {

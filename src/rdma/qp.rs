@@ -6,7 +6,7 @@ use std::ops::Range;
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use ibverbs_gdr_sys as sys;
 
@@ -15,7 +15,7 @@ use super::cq::CompletionQueue;
 use super::mr::{AccessFlags, MemoryRegion, RemoteMemory, Sge};
 use super::pd::ProtectionDomain;
 use super::result;
-use super::wc::{WcStatus, WorkCompletion};
+use super::wc::WorkCompletion;
 use crate::error::{Error, Result};
 
 /// What one side of an RC connection tells the other (out of band: TCP, a file, rdma_cm private
@@ -182,7 +182,10 @@ pub struct QpOptions {
     /// What the remote peer may do through this QP. Default LOCAL_WRITE | REMOTE_WRITE |
     /// REMOTE_READ.
     pub access: AccessFlags,
-    /// How long the post-and-wait helpers wait for a completion. Default 30 s.
+    /// How long the post-and-wait helpers ([`QueuePair::write`], [`QueuePair::recv`], ...)
+    /// wait for a completion. Default 30 s. When it passes (or polling fails), the helper moves
+    /// the QP to ERR, waits for the flushed completion so that the device is done with the
+    /// borrowed buffer, and returns the error; the QP must then be replaced.
     pub wait_timeout: Duration,
 }
 
@@ -275,8 +278,8 @@ impl SgList {
     }
 }
 
-/// Work-request ids used by the post-and-wait helpers have this bit set; keep it clear in ids
-/// you post yourself.
+/// Work-request ids used by the post-and-wait helpers have this bit set: the posting functions
+/// refuse ids with it, and [`CompletionQueue::poll`] never returns completions with it.
 pub const HELPER_WR_ID_BIT: u64 = 1 << 63;
 
 /// A reliable-connected queue pair (`struct ibv_qp`, `IBV_QPT_RC`). It holds its PD and CQs
@@ -284,7 +287,6 @@ pub const HELPER_WR_ID_BIT: u64 = 1 << 63;
 pub struct QueuePair {
     raw: NonNull<sys::ibv_qp>,
     state: AtomicU32,
-    next_wr: AtomicU64,
     port: u8,
     lid: u16,
     link_layer: LinkLayer,
@@ -364,7 +366,6 @@ impl QueuePair {
         let qp = QueuePair {
             raw,
             state: AtomicU32::new(sys::IBV_QPS_RESET),
-            next_wr: AtomicU64::new(0),
             port: opts.port,
             lid: port.lid,
             link_layer: port.link_layer,
@@ -644,6 +645,10 @@ impl QueuePair {
     /// Posts an RDMA write of `local` to `remote` (`ibv_post_send`, `IBV_WR_RDMA_WRITE`).
     /// A completion with `wr_id` arrives on the send CQ when `signaled`.
     ///
+    /// Errors: [`Error::InvalidArgument`] when the QP is not connected, for too many
+    /// scatter/gather entries, or for a `wr_id` with [`HELPER_WR_ID_BIT`] set; [`Error::Verbs`]
+    /// when `ibv_post_send` fails. Nothing is posted on error.
+    ///
     /// # Safety
     ///
     /// The memory named by `local` (registered, from [`MemoryRegion::sge`]) must stay
@@ -658,6 +663,7 @@ impl QueuePair {
         remote: RemoteMemory,
         signaled: bool,
     ) -> Result<()> {
+        user_wr_id(wr_id)?;
         // SAFETY: forwarded from the caller.
         unsafe {
             self.post(
@@ -688,6 +694,7 @@ impl QueuePair {
         imm: u32,
         signaled: bool,
     ) -> Result<()> {
+        user_wr_id(wr_id)?;
         // SAFETY: forwarded from the caller.
         unsafe {
             self.post(
@@ -715,6 +722,7 @@ impl QueuePair {
         remote: RemoteMemory,
         signaled: bool,
     ) -> Result<()> {
+        user_wr_id(wr_id)?;
         // SAFETY: forwarded from the caller.
         unsafe {
             self.post(
@@ -742,6 +750,21 @@ impl QueuePair {
         imm: Option<u32>,
         signaled: bool,
     ) -> Result<()> {
+        user_wr_id(wr_id)?;
+        // SAFETY: forwarded from the caller.
+        unsafe { self.post_send_raw(wr_id, local, imm, signaled) }
+    }
+
+    /// # Safety
+    ///
+    /// As [`post_send`](Self::post_send).
+    unsafe fn post_send_raw(
+        &self,
+        wr_id: u64,
+        local: &[Sge],
+        imm: Option<u32>,
+        signaled: bool,
+    ) -> Result<()> {
         let op = if imm.is_some() {
             sys::IBV_WR_SEND_WITH_IMM
         } else {
@@ -760,6 +783,15 @@ impl QueuePair {
     /// completes (or is flushed by [`set_error`](Self::set_error)): the memory must stay
     /// registered and allocated, and nothing may access it, until then.
     pub unsafe fn post_recv(&self, wr_id: u64, local: &[Sge]) -> Result<()> {
+        user_wr_id(wr_id)?;
+        // SAFETY: forwarded from the caller.
+        unsafe { self.post_recv_raw(wr_id, local) }
+    }
+
+    /// # Safety
+    ///
+    /// As [`post_recv`](Self::post_recv).
+    unsafe fn post_recv_raw(&self, wr_id: u64, local: &[Sge]) -> Result<()> {
         let st = self.cached_state();
         if st == QpState::Reset {
             return Err(Error::InvalidArgument(format!(
@@ -789,47 +821,61 @@ impl QueuePair {
         unsafe { result::post_recv(self.raw, &mut wr) }
     }
 
-    fn helper_wr_id(&self) -> u64 {
-        HELPER_WR_ID_BIT | self.next_wr.fetch_add(1, Ordering::Relaxed)
-    }
-
-    /// Waits for `wr_id` on `cq`; on timeout, flushes the QP (ERR) and waits for the flush, so
-    /// the device is done with the buffer before the borrow ends.
-    fn finish(&self, cq: &CompletionQueue, wr_id: u64) -> Result<WorkCompletion> {
-        if let Some(wc) = cq.wait_for(wr_id, self.wait_timeout)? {
-            return wc.ok();
-        }
+    /// Waits for the helper work request `wr_id` on `cq`. On a timeout or a poll error the work
+    /// request may still be posted while the caller's borrow of its buffer ends with this call:
+    /// the QP is moved to ERR, which makes the device complete (flush) it, and this returns only
+    /// once its completion arrived. If that cannot be confirmed within [`FLUSH_WAIT`] (the device
+    /// is dead, or the CQ overran), the process aborts: returning could let the device write
+    /// memory that is no longer borrowed.
+    fn finish(
+        &self,
+        what: &'static str,
+        cq: &CompletionQueue,
+        wr_id: u64,
+    ) -> Result<WorkCompletion> {
+        let cause = match cq.wait_helper(wr_id, Instant::now() + self.wait_timeout) {
+            Ok(Some(wc)) => return wc.ok(),
+            Ok(None) => Error::Verbs {
+                op: what,
+                source: std::io::Error::new(
+                    std::io::ErrorKind::TimedOut,
+                    format!(
+                        "no completion within {:?} (QpOptions::wait_timeout); the QP was moved to ERR to flush the work request",
+                        self.wait_timeout
+                    ),
+                ),
+            },
+            Err(e) => e,
+        };
         tracing::warn!(
             qpn = self.qpn(),
             wr_id,
-            "no completion within {:?}: moving the QP to ERR to flush the work request",
-            self.wait_timeout
+            error = %cause,
+            "{what}: moving the QP to ERR to flush the work request before returning"
         );
-        let _ = self.set_error();
-        loop {
-            if let Some(wc) = cq.wait_for(wr_id, Duration::from_secs(10))? {
-                return match wc.ok() {
-                    Ok(_) | Err(Error::WorkCompletion { .. }) => Err(Error::WorkCompletion {
-                        wr_id,
-                        status: if wc.status.is_success() {
-                            WcStatus::WR_FLUSH_ERR
-                        } else {
-                            wc.status
-                        },
-                    }),
-                    Err(e) => Err(e),
-                };
-            }
-            tracing::warn!(
-                qpn = self.qpn(),
-                wr_id,
-                "still waiting for the flush completion"
-            );
+        if let Err(e) = self.set_error() {
+            tracing::warn!(qpn = self.qpn(), error = %e, "could not move the QP to ERR; still waiting for the completion");
         }
+        let deadline = Instant::now() + FLUSH_WAIT;
+        loop {
+            match cq.wait_helper(wr_id, deadline) {
+                // Completed or flushed: the device is done with the buffer.
+                Ok(Some(_)) => return Err(cause),
+                Ok(None) => break,
+                Err(e) => {
+                    if Instant::now() >= deadline {
+                        break;
+                    }
+                    tracing::warn!(qpn = self.qpn(), wr_id, error = %e, "poll failed while waiting for the flush; retrying");
+                    std::thread::sleep(Duration::from_millis(10));
+                }
+            }
+        }
+        device_keeps_buffer(what, self.qpn(), wr_id, &cause)
     }
 
     /// RDMA-writes `local[range]` to `remote` and waits for the completion. The borrow of the
-    /// region lasts until the device is done with it.
+    /// region lasts until the device is done with it, also on error (see [`QpOptions::wait_timeout`]).
     pub fn write<B>(
         &self,
         local: &MemoryRegion<B>,
@@ -837,11 +883,21 @@ impl QueuePair {
         remote: RemoteMemory,
     ) -> Result<WorkCompletion> {
         let sge = local.sge(range)?;
-        let id = self.helper_wr_id();
+        let id = helper_wr_id();
         // SAFETY: `local` is borrowed until `finish` returns, which happens only after the
         // device completed (or flushed) the work request.
-        unsafe { self.post_write(id, &[sge], remote, true) }?;
-        self.finish(&self.send_cq, id)
+        unsafe {
+            self.post(
+                "RDMA write",
+                id,
+                sys::IBV_WR_RDMA_WRITE,
+                &[sge],
+                Some(remote),
+                None,
+                true,
+            )
+        }?;
+        self.finish("RDMA write", &self.send_cq, id)
     }
 
     /// RDMA-writes `local[range]` to `remote` with immediate `imm`, and waits for the local
@@ -854,10 +910,20 @@ impl QueuePair {
         imm: u32,
     ) -> Result<WorkCompletion> {
         let sge = local.sge(range)?;
-        let id = self.helper_wr_id();
+        let id = helper_wr_id();
         // SAFETY: as in `write`.
-        unsafe { self.post_write_with_imm(id, &[sge], remote, imm, true) }?;
-        self.finish(&self.send_cq, id)
+        unsafe {
+            self.post(
+                "RDMA write with immediate",
+                id,
+                sys::IBV_WR_RDMA_WRITE_WITH_IMM,
+                &[sge],
+                Some(remote),
+                Some(imm),
+                true,
+            )
+        }?;
+        self.finish("RDMA write with immediate", &self.send_cq, id)
     }
 
     /// RDMA-reads `remote` into `local[range]` and waits for the completion.
@@ -868,10 +934,20 @@ impl QueuePair {
         remote: RemoteMemory,
     ) -> Result<WorkCompletion> {
         let sge = local.sge(range)?;
-        let id = self.helper_wr_id();
+        let id = helper_wr_id();
         // SAFETY: `local` is mutably borrowed until the device completed or flushed the WR.
-        unsafe { self.post_read(id, &[sge], remote, true) }?;
-        self.finish(&self.send_cq, id)
+        unsafe {
+            self.post(
+                "RDMA read",
+                id,
+                sys::IBV_WR_RDMA_READ,
+                &[sge],
+                Some(remote),
+                None,
+                true,
+            )
+        }?;
+        self.finish("RDMA read", &self.send_cq, id)
     }
 
     /// Sends `local[range]` (with optional immediate) and waits for the completion, which
@@ -883,10 +959,10 @@ impl QueuePair {
         imm: Option<u32>,
     ) -> Result<WorkCompletion> {
         let sge = local.sge(range)?;
-        let id = self.helper_wr_id();
+        let id = helper_wr_id();
         // SAFETY: as in `write`.
-        unsafe { self.post_send(id, &[sge], imm, true) }?;
-        self.finish(&self.send_cq, id)
+        unsafe { self.post_send_raw(id, &[sge], imm, true) }?;
+        self.finish("send", &self.send_cq, id)
     }
 
     /// Posts a receive into `local[range]` and waits until a message (SEND or RDMA write with
@@ -901,11 +977,44 @@ impl QueuePair {
         } else {
             vec![local.sge(range)?]
         };
-        let id = self.helper_wr_id();
+        let id = helper_wr_id();
         // SAFETY: `local` is mutably borrowed until the device completed or flushed the WR.
-        unsafe { self.post_recv(id, &sges) }?;
-        self.finish(&self.recv_cq, id)
+        unsafe { self.post_recv_raw(id, &sges) }?;
+        self.finish("receive", &self.recv_cq, id)
     }
+}
+
+/// How long a helper waits for the flush of a work request after moving its QP to ERR. Flush
+/// completions come within microseconds on a live device.
+pub(crate) const FLUSH_WAIT: Duration = Duration::from_secs(10);
+
+/// Helper work-request ids: [`HELPER_WR_ID_BIT`] and a process-wide counter, so that QPs sharing a
+/// CQ never use the same id.
+fn helper_wr_id() -> u64 {
+    static NEXT: AtomicU64 = AtomicU64::new(0);
+    HELPER_WR_ID_BIT | NEXT.fetch_add(1, Ordering::Relaxed)
+}
+
+/// Refuses user work-request ids the helpers' routing would take for their own.
+fn user_wr_id(wr_id: u64) -> Result<()> {
+    if wr_id & HELPER_WR_ID_BIT != 0 {
+        return Err(Error::InvalidArgument(format!(
+            "work request id {wr_id:#x} has HELPER_WR_ID_BIT (1 << 63) set, which the post-and-wait helpers reserve: use ids below 1 << 63"
+        )));
+    }
+    Ok(())
+}
+
+/// A helper's work request may still be posted and its completion cannot be had: returning
+/// would end the borrow of a buffer the device may still write, so the process aborts.
+#[cold]
+fn device_keeps_buffer(what: &str, qpn: u32, wr_id: u64, cause: &Error) -> ! {
+    let msg = format!(
+        "gpudirect: {what} on QP {qpn:#x} failed ({cause}) and the device did not confirm the flush of work request {wr_id:#x} within {FLUSH_WAIT:?} after the QP was moved to ERR; the device may still access the borrowed buffer, so the process aborts"
+    );
+    tracing::error!("{msg}");
+    eprintln!("{msg}");
+    std::process::abort()
 }
 
 impl QueuePair {
@@ -975,5 +1084,158 @@ mod tests {
         for q in [0, 1, 0xff_ffff, 12345] {
             assert!(initial_psn(q) <= 0xff_ffff);
         }
+    }
+}
+
+/// Tests on a real RDMA device (the Soft-RoCE VM runs the lib's `rdma_*` tests too); they use
+/// the CQ's test seam that makes polls fail.
+#[cfg(test)]
+mod device_tests {
+    use super::*;
+    use crate::rdma::{Context, ProtectionDomain};
+    use rand::RngCore;
+
+    fn open() -> Arc<Context> {
+        let r = match std::env::var("GPUDIRECT_RDMA_DEV") {
+            Ok(d) if !d.is_empty() => Context::open(&d),
+            _ => Context::open_first(),
+        };
+        r.unwrap_or_else(|e| panic!("needs an RDMA device: run scripts/rdma-vm-test (Soft-RoCE VM) or set GPUDIRECT_RDMA_DEV / GPUDIRECT_RDMA_GIDX: {e}"))
+    }
+
+    fn pair() -> (Arc<ProtectionDomain>, QueuePair, QueuePair) {
+        let ctx = open();
+        let pd = ProtectionDomain::new(&ctx).unwrap();
+        let opts = QpOptions {
+            gid_index: std::env::var("GPUDIRECT_RDMA_GIDX")
+                .ok()
+                .map(|v| v.trim().parse().unwrap()),
+            wait_timeout: Duration::from_secs(10),
+            ..QpOptions::default()
+        };
+        let (ca, cb) = (
+            CompletionQueue::new(&ctx, 64).unwrap(),
+            CompletionQueue::new(&ctx, 64).unwrap(),
+        );
+        let mut a = QueuePair::new(&pd, &ca, &ca, &opts).unwrap();
+        let mut b = QueuePair::new(&pd, &cb, &cb, &opts).unwrap();
+        let (ra, rb) = (a.local_record(None), b.local_record(None));
+        a.connect(&rb).unwrap();
+        b.connect(&ra).unwrap();
+        (pd, a, b)
+    }
+
+    /// Issue 9 item 9: a poll error inside a helper must not return with the work request still
+    /// posted (the borrow of the buffer ends with the call).
+    #[test]
+    #[ignore = "needs an RDMA device"]
+    fn rdma_helper_poll_error_leaves_no_receive_posted() {
+        const N: usize = 4096;
+        let (pd, a, b) = pair();
+        let mut dst = pd
+            .register_host(vec![0x11u8; N], AccessFlags::LOCAL_WRITE)
+            .unwrap();
+        b.recv_cq().fail_polls.store(1, Ordering::SeqCst);
+        let r = b.recv(&mut dst, 0..N);
+        println!("recv with a failing poll: {r:?}; QP b now {:?}", b.state());
+        match &r {
+            Err(Error::Verbs { op, .. }) => assert!(op.contains("injected"), "{r:?}"),
+            other => panic!("expected the poll error, got {other:?}"),
+        }
+        // The borrow of `dst` has ended: nothing may write it any more.
+        let mut data = vec![0u8; N];
+        rand::rng().fill_bytes(&mut data);
+        let src = pd.register_host(data, AccessFlags::LOCAL_WRITE).unwrap();
+        let sent = a.send(&src, 0..N, None);
+        std::thread::sleep(Duration::from_millis(200));
+        let changed = dst.to_vec().iter().filter(|&&x| x != 0x11).count();
+        assert_eq!(
+            changed, 0,
+            "the NIC wrote {changed} of {N} bytes into the buffer after recv returned {r:?} (send after it: {sent:?})"
+        );
+        assert_eq!(
+            b.state().unwrap(),
+            QpState::Err,
+            "the helper flushed through ERR"
+        );
+        assert!(sent.is_err(), "a send to a QP in ERR succeeded: {sent:?}");
+    }
+
+    /// Issue 9 item 9, the last resort: when the flush of a helper's work request can never be
+    /// confirmed (every poll fails), the helper neither returns nor hangs: the process aborts
+    /// with a message. Runs itself as a child process.
+    #[test]
+    #[ignore = "needs an RDMA device"]
+    fn rdma_helper_aborts_when_the_flush_cannot_be_confirmed() {
+        const CHILD: &str = "GPUDIRECT_TEST_ABORT_CHILD";
+        if std::env::var_os(CHILD).is_some() {
+            let (pd, _a, b) = pair();
+            let mut dst = pd
+                .register_host(vec![0u8; 64], AccessFlags::LOCAL_WRITE)
+                .unwrap();
+            b.recv_cq().fail_polls.store(u32::MAX, Ordering::SeqCst);
+            let r = b.recv(&mut dst, 0..64);
+            println!("CHILD RETURNED {r:?}");
+            return;
+        }
+        let t0 = Instant::now();
+        let out = std::process::Command::new(std::env::current_exe().unwrap())
+            .args([
+                "rdma::qp::device_tests::rdma_helper_aborts_when_the_flush_cannot_be_confirmed",
+                "--exact",
+                "--include-ignored",
+                "--nocapture",
+                "--test-threads=1",
+            ])
+            .env(CHILD, "1")
+            .output()
+            .unwrap();
+        let (stdout, stderr) = (
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr),
+        );
+        println!(
+            "child after {:?}: {:?}\nstdout:\n{stdout}\nstderr:\n{stderr}",
+            t0.elapsed(),
+            out.status
+        );
+        use std::os::unix::process::ExitStatusExt;
+        assert_eq!(out.status.signal(), Some(libc::SIGABRT), "{:?}", out.status);
+        assert!(!stdout.contains("CHILD RETURNED"), "the helper returned");
+        assert!(
+            stderr.contains("did not confirm the flush") && stderr.contains("the process aborts"),
+            "{stderr}"
+        );
+        assert!(t0.elapsed() >= FLUSH_WAIT, "aborted before the flush wait");
+    }
+
+    /// The posting functions refuse user ids with the helpers' bit (their completions would
+    /// never reach `poll`).
+    #[test]
+    #[ignore = "needs an RDMA device"]
+    fn rdma_user_work_requests_cannot_take_helper_ids() {
+        let (pd, a, b) = pair();
+        let mr = pd
+            .register_host(vec![1u8; 64], AccessFlags::LOCAL_WRITE)
+            .unwrap();
+        let sge = mr.sge(0..64).unwrap();
+        // SAFETY: refused before anything is posted.
+        let r = unsafe { b.post_recv(HELPER_WR_ID_BIT | 5, &[sge]) };
+        assert!(
+            matches!(r, Err(Error::InvalidArgument(ref m)) if m.contains("HELPER_WR_ID_BIT")),
+            "{r:?}"
+        );
+        // SAFETY: as above.
+        let r = unsafe { a.post_send(HELPER_WR_ID_BIT, &[sge], None, true) };
+        assert!(matches!(r, Err(Error::InvalidArgument(_))), "{r:?}");
+        // SAFETY: as above.
+        let r = unsafe { a.post_write(u64::MAX, &[sge], mr.remote(), true) };
+        assert!(matches!(r, Err(Error::InvalidArgument(_))), "{r:?}");
+        // SAFETY: as above.
+        let r = unsafe { a.post_read(u64::MAX, &[sge], mr.remote(), true) };
+        assert!(matches!(r, Err(Error::InvalidArgument(_))), "{r:?}");
+        // SAFETY: as above.
+        let r = unsafe { a.post_write_with_imm(u64::MAX, &[sge], mr.remote(), 1, true) };
+        assert!(matches!(r, Err(Error::InvalidArgument(_))), "{r:?}");
     }
 }
