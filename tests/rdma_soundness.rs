@@ -356,3 +356,98 @@ fn rdma_helpers_on_two_qps_sharing_a_cq_take_only_their_own_completions() {
         );
     }
 }
+
+/// This machine's RDMA IP: `GPUDIRECT_RDMA_IP`, else the IPv4-mapped GID of the device.
+fn rdma_ip() -> std::net::IpAddr {
+    if let Ok(ip) = std::env::var("GPUDIRECT_RDMA_IP") {
+        return ip.parse().expect("GPUDIRECT_RDMA_IP");
+    }
+    let g = open()
+        .select_gid(1)
+        .unwrap_or_else(|e| panic!("{HINT}: {e}"));
+    assert!(
+        g.gid.is_ipv4_mapped(),
+        "set GPUDIRECT_RDMA_IP: the GID {} is not an IPv4 address",
+        g.gid
+    );
+    std::net::IpAddr::V4(std::net::Ipv4Addr::new(
+        g.gid.0[12],
+        g.gid.0[13],
+        g.gid.0[14],
+        g.gid.0[15],
+    ))
+}
+
+/// Drops `id` on another thread; true if that returned within 10 s.
+fn drop_returns<T: Send + 'static>(id: T) -> bool {
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        drop(id);
+        let _ = tx.send(());
+    });
+    rx.recv_timeout(Duration::from_secs(10)).is_ok()
+}
+
+/// Sweep: dropping a `CmId` while one of its events is still held must not hang
+/// (`rdma_destroy_id` waits until every event of the id is acknowledged, and the held event is
+/// acknowledged only when dropped). Both for an id's own event and for the id taken from a
+/// connect request.
+#[test]
+#[ignore = "needs an RDMA device"]
+fn rdma_cm_id_dropped_before_its_event_does_not_hang() {
+    use gpudirect::rdma::cm::{CmEventType, CmId, ConnParam, EventChannel};
+    const T: Duration = Duration::from_secs(30);
+    let addr = std::net::SocketAddr::new(rdma_ip(), 18_531);
+
+    let ch = EventChannel::new().unwrap();
+    let id = CmId::new(&ch).unwrap();
+    id.resolve_addr(None, addr, Duration::from_secs(5)).unwrap();
+    let ev = ch.expect(CmEventType::ADDR_RESOLVED, T).unwrap();
+    let dropped = drop_returns(id);
+    drop(ev); // (unblocks a waiting rdma_destroy_id)
+    assert!(
+        dropped,
+        "dropping a CmId while its ADDR_RESOLVED event was held did not return within 10 s"
+    );
+
+    let lch = EventChannel::new().unwrap();
+    let listen = CmId::new(&lch).unwrap();
+    listen.bind(addr).unwrap();
+    listen.listen(4).unwrap();
+    let cch = EventChannel::new().unwrap();
+    let cid = CmId::new(&cch).unwrap();
+    cid.resolve_addr(None, addr, Duration::from_secs(5))
+        .unwrap();
+    drop(cch.expect(CmEventType::ADDR_RESOLVED, T).unwrap());
+    cid.resolve_route(Duration::from_secs(5)).unwrap();
+    drop(cch.expect(CmEventType::ROUTE_RESOLVED, T).unwrap());
+    let ctx = cid.context().unwrap();
+    let pd = ProtectionDomain::new(&ctx).unwrap();
+    let cq = CompletionQueue::new(&ctx, 16).unwrap();
+    let opts = QpOptions {
+        port: cid.port(),
+        ..qp_options(Duration::from_secs(5))
+    };
+    let qp = QueuePair::new(&pd, &cq, &cq, &opts).unwrap();
+    cid.connect(&qp, &ConnParam::default()).unwrap();
+    let mut ev = lch.expect(CmEventType::CONNECT_REQUEST, T).unwrap();
+    let rid = ev.take_id().expect("a connect request carries its id");
+    let dropped = drop_returns(rid);
+    drop(ev);
+    assert!(
+        dropped,
+        "dropping the id taken from a CONNECT_REQUEST while the event was held did not return within 10 s"
+    );
+    // The refused request reaches the client as a rejection (or an unreachable peer).
+    let mut pfd = libc::pollfd {
+        fd: std::os::fd::AsRawFd::as_raw_fd(&*cch),
+        events: libc::POLLIN,
+        revents: 0,
+    };
+    // SAFETY: one valid pollfd.
+    let n = unsafe { libc::poll(&mut pfd, 1, 30_000) };
+    assert_eq!(n, 1, "no answer to the dropped connect request within 30 s");
+    let got = cch.get_event().unwrap().event_type();
+    const UNREACHABLE: CmEventType = CmEventType(7); // RDMA_CM_EVENT_UNREACHABLE
+    assert!([CmEventType::REJECTED, UNREACHABLE].contains(&got), "{got}");
+}

@@ -19,11 +19,12 @@
 //!   [`connect`](CmId::connect); on `CONNECT_RESPONSE`, `transition(RTR)`, `transition(RTS)`,
 //!   [`establish`](CmId::establish).
 
+use std::collections::HashMap;
 use std::fmt;
 use std::net::SocketAddr;
 use std::os::fd::{AsRawFd, RawFd};
 use std::ptr::NonNull;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use ibverbs_gdr_sys as sys;
@@ -37,10 +38,23 @@ use crate::error::{Error, Result};
 pub struct EventChannel {
     raw: NonNull<sys::rdma_event_channel>,
     lib: &'static sys::Rdmacm,
+    /// Events handed out and not acknowledged yet, per id: `rdma_destroy_id` blocks until every
+    /// event of its id is acknowledged, so an id dropped before its events is destroyed by the
+    /// last of them instead.
+    pending: Mutex<Pending>,
+}
+
+#[derive(Default)]
+struct Pending {
+    /// Unacknowledged events per id (keyed by the id's address).
+    unacked: HashMap<usize, usize>,
+    /// Ids dropped while they had unacknowledged events.
+    doomed: Vec<NonNull<sys::rdma_cm_id>>,
 }
 
 // SAFETY: librdmacm is thread-safe (its calls lock internally; rdma_cm(7) allows events to be
-// retrieved from any thread).
+// retrieved from any thread); the Rust state (including the doomed ids' pointers, which only
+// this channel's Mutex-guarded code touches) is behind the Mutex.
 unsafe impl Send for EventChannel {}
 // SAFETY: see Send.
 unsafe impl Sync for EventChannel {}
@@ -76,7 +90,52 @@ impl EventChannel {
             }
             e => e,
         })?;
-        Ok(Arc::new(EventChannel { raw, lib }))
+        Ok(Arc::new(EventChannel {
+            raw,
+            lib,
+            pending: Mutex::new(Pending::default()),
+        }))
+    }
+
+    fn pending(&self) -> std::sync::MutexGuard<'_, Pending> {
+        // Nothing panics while holding the lock; a poisoned lock still holds consistent data.
+        self.pending.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// An event of the id at `key` was acknowledged: destroys the id if it was dropped and this
+    /// was its last event.
+    fn acked(&self, key: usize) {
+        let doomed = {
+            let mut p = self.pending();
+            match p.unacked.get_mut(&key) {
+                Some(n) if *n > 1 => {
+                    *n -= 1;
+                    return;
+                }
+                Some(_) => {
+                    p.unacked.remove(&key);
+                }
+                None => return,
+            }
+            let i = p.doomed.iter().position(|d| d.as_ptr() as usize == key);
+            i.map(|i| p.doomed.swap_remove(i))
+        };
+        if let Some(id) = doomed {
+            destroy_id(self.lib, id);
+        }
+    }
+
+    /// Destroys `id` now, or, while events of it are unacknowledged (`rdma_destroy_id` would
+    /// block until they are), when the last of them is.
+    fn release_id(&self, id: NonNull<sys::rdma_cm_id>) {
+        {
+            let mut p = self.pending();
+            if p.unacked.contains_key(&(id.as_ptr() as usize)) {
+                p.doomed.push(id);
+                return;
+            }
+        }
+        destroy_id(self.lib, id);
     }
 
     /// Blocks until the next event (`rdma_get_cm_event`); the event is acknowledged when
@@ -84,8 +143,15 @@ impl EventChannel {
     pub fn get_event(self: &Arc<Self>) -> Result<CmEvent> {
         // SAFETY: the channel is live while `self` is.
         let raw = unsafe { result::cm_get_event(self.lib, self.raw) }?;
+        // SAFETY: the event is live until acknowledged; `id` is the id it belongs to (for a
+        // connect request, the new id).
+        let id_key = unsafe { raw.as_ref().id } as usize;
+        if id_key != 0 {
+            *self.pending().unacked.entry(id_key).or_insert(0) += 1;
+        }
         Ok(CmEvent {
             raw,
+            id_key,
             channel: self.clone(),
         })
     }
@@ -192,13 +258,17 @@ impl fmt::Display for CmEventType {
     }
 }
 
-/// One RDMA CM event; acknowledged (`rdma_ack_cm_event`) on drop.
+/// One RDMA CM event; acknowledged (`rdma_ack_cm_event`) on drop. Its id may be dropped
+/// first: the id is then destroyed when the event is acknowledged.
 pub struct CmEvent {
     raw: NonNull<sys::rdma_cm_event>,
+    /// The address of the event's id, for the channel's bookkeeping.
+    id_key: usize,
     channel: Arc<EventChannel>,
 }
 
-// SAFETY: the event is only read, and acked once from whichever thread drops it.
+// SAFETY: the event is only read (through `&self`), and acked once from whichever thread drops
+// it; librdmacm allows acknowledging from any thread.
 unsafe impl Send for CmEvent {}
 
 impl fmt::Debug for CmEvent {
@@ -266,8 +336,12 @@ impl CmEvent {
 impl Drop for CmEvent {
     fn drop(&mut self) {
         // SAFETY: acked once.
-        if let Err(e) = unsafe { result::cm_ack_event(self.channel.lib, self.raw) } {
-            tracing::warn!(error = %e, "rdma_ack_cm_event failed");
+        match unsafe { result::cm_ack_event(self.channel.lib, self.raw) } {
+            Ok(()) => self.channel.acked(self.id_key),
+            // Unacknowledged, the event's id can never be destroyed without blocking: it leaks.
+            Err(e) => {
+                tracing::warn!(error = %e, "rdma_ack_cm_event failed; its id will not be destroyed")
+            }
         }
     }
 }
@@ -532,9 +606,16 @@ impl CmId {
 
 impl Drop for CmId {
     fn drop(&mut self) {
-        // SAFETY: destroyed once; its events are acked (CmEvent holds no id borrow).
-        if let Err(e) = unsafe { result::cm_destroy_id(self.channel.lib, self.raw) } {
-            tracing::warn!(error = %e, "rdma_destroy_id failed");
-        }
+        self.channel.release_id(self.raw);
+    }
+}
+
+/// `rdma_destroy_id` for an id whose events are all acknowledged (so it does not block).
+fn destroy_id(lib: &sys::Rdmacm, id: NonNull<sys::rdma_cm_id>) {
+    // SAFETY: called once per id (from its CmId's drop, or for a doomed id from the ack of its
+    // last event, never both: `release_id` and `acked` decide under the channel's lock), after
+    // every event of the id handed out was acknowledged; we never associate a QP with an id.
+    if let Err(e) = unsafe { result::cm_destroy_id(lib, id) } {
+        tracing::warn!(error = %e, "rdma_destroy_id failed");
     }
 }
