@@ -311,7 +311,7 @@ pub(crate) fn byte_len(dtype: Dtype, shape: &[usize]) -> std::result::Result<u64
         .try_fold(1usize, |a, &d| a.checked_mul(d))
         .ok_or_else(overflow)?;
     let bits = elems.checked_mul(dtype.bits()).ok_or_else(overflow)?;
-    if bits % 8 != 0 {
+    if !bits.is_multiple_of(8) {
         return Err(Problem::NotWholeBytes {
             dtype,
             shape: shape.to_vec(),

@@ -250,10 +250,12 @@ impl Catalog {
 /// A loaded checkpoint in one device allocation: each tensor is a typed view into it
 /// ([`Checkpoint::get`]), with no copy beyond the file→GPU transfer itself.
 ///
-/// Each tensor starts at a device offset that is a multiple of its element size (and every
-/// storage read at a 256-byte one), whatever its offset in the file. The allocation is the
-/// tensors' bytes plus under 256 bytes of padding per read; it is freed when the `Checkpoint`
-/// drops (views borrow it).
+/// Each tensor starts at a device offset that is a multiple of its element size, whatever its
+/// offset in the file; every storage read starts at a device offset congruent to its file
+/// offset modulo 4 KiB where the dtype allows (so DMA paths move whole pages), else at a
+/// 256-byte boundary. The allocation is the tensors' bytes plus under 4 KiB of padding per read
+/// (one read per file written by torch or the `safetensors` crate); it is freed when the
+/// `Checkpoint` drops (views borrow it).
 pub struct Checkpoint {
     buf: CudaSlice<u8>,
     tensors: Vec<Meta>,
@@ -1132,6 +1134,7 @@ fn load_owned(
         Some(s) => plan::split(reads, s),
         None => reads.to_vec(),
     };
+    let mut staged = false;
     for c in &chunks {
         if c.oversize {
             let (i, _) = c.tensors[0];
@@ -1148,9 +1151,17 @@ fn load_owned(
         if c.reads.is_empty() {
             continue;
         }
+        if staged {
+            // The previous chunk's copies out of the staging buffer are queued on `stream`; they
+            // must finish before the next read overwrites it. (Storage reads synchronize the
+            // buffer's stream first too, but the room does not rely on how a backend orders its
+            // DMA: one synchronization per chunk, at most a few per load.)
+            stream
+                .synchronize()
+                .map_err(|e| Error::cuda("cuStreamSynchronize", e))?;
+        }
+        staged = true;
         {
-            // The read synchronizes the stream before its first byte moves, so the previous
-            // chunk's copies out of the staging buffer (queued on the same stream) are done.
             let mut dst = staging.as_view_mut();
             read_into(
                 &p.files,

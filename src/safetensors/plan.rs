@@ -6,16 +6,20 @@
 //! - a tensor's device offset is a multiple of its dtype's alignment, so typed views are
 //!   aligned even when the file offset is not;
 //! - tensors adjacent in a file whose device offsets keep that adjacency are one read; a new
-//!   read starts at a [`RUN_ALIGN`]-aligned device offset;
+//!   read starts at a device offset congruent to its file offset modulo 4 KiB where the dtype
+//!   allows (DMA-friendly), else at a [`RUN_ALIGN`]-aligned one;
 //! - with a chunk limit (owned mode's staging buffer) no chunk exceeds it, and a tensor larger
 //!   than the limit is a chunk of its own read straight into its own allocation.
 
 use super::dtype::Dtype;
 use super::source::Shard;
 
-/// Device alignment of every read that starts a run (cudarc allocations are at least 256-byte
-/// aligned, so these offsets are too in absolute terms).
+/// Device alignment of a read that starts a run when its file offset's page phase does not suit
+/// the dtype (cudarc allocations are at least 256-byte aligned, so these offsets are too in
+/// absolute terms).
 pub const RUN_ALIGN: u64 = 256;
+/// The page size device offsets are matched to file offsets modulo.
+pub const PAGE: u64 = 4096;
 
 /// One selected tensor: where it is in its file.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -50,6 +54,23 @@ pub(crate) struct Chunk {
 
 fn align_up(x: u64, a: u64) -> u64 {
     x.div_ceil(a) * a
+}
+
+/// Where a read that starts a run goes in device memory, at or after `cursor`: congruent to its
+/// file offset modulo [`PAGE`] when that keeps the dtype's alignment (so DMA paths can move
+/// whole pages between file and device), else at the next [`RUN_ALIGN`] boundary.
+fn run_start(cursor: u64, file_offset: u64, align: u64) -> u64 {
+    let phase = file_offset % PAGE;
+    if phase.is_multiple_of(align) {
+        let base = align_up(cursor, PAGE);
+        if base + phase >= cursor + PAGE {
+            base + phase - PAGE
+        } else {
+            base + phase
+        }
+    } else {
+        align_up(cursor, RUN_ALIGN)
+    }
 }
 
 /// Selects tensors in load order (shard, then file offset).
@@ -109,17 +130,21 @@ pub(crate) fn plan(sel: &[Selected], limit: Option<u64>) -> Vec<Chunk> {
         let extend = cur.reads.last().is_some_and(|r| {
             r.shard == t.shard
                 && r.file_offset + r.len == t.file_offset
-                && (r.dev_offset + r.len) % align == 0
+                && (r.dev_offset + r.len).is_multiple_of(align)
                 && r.dev_offset + r.len == cur.dev_len
         });
         let dev = if extend {
             cur.dev_len
         } else {
-            align_up(cur.dev_len, RUN_ALIGN)
+            run_start(cur.dev_len, t.file_offset, align)
         };
         if let Some(lim) = limit {
-            if dev + t.len > lim && !cur.reads.is_empty() {
-                chunks.push(std::mem::replace(&mut cur, new_chunk()));
+            if dev + t.len > lim {
+                // A new chunk (or, for the first read of this one, offset 0: the page phase
+                // must not push a chunk past the limit).
+                if !cur.reads.is_empty() {
+                    chunks.push(std::mem::replace(&mut cur, new_chunk()));
+                }
                 cur.reads.push(Read {
                     shard: t.shard,
                     file_offset: t.file_offset,
@@ -201,10 +226,13 @@ mod tests {
                 shard: 0,
                 file_offset: 128,
                 len: 4199,
-                dev_offset: 0
+                dev_offset: 128
             }]
         );
-        assert_eq!(c[0].tensors, vec![(0, 0), (1, 4096), (2, 0), (3, 4196)]);
+        assert_eq!(
+            c[0].tensors,
+            vec![(0, 128), (1, 128 + 4096), (2, 0), (3, 128 + 4196)]
+        );
     }
 
     #[test]
@@ -219,8 +247,10 @@ mod tests {
         let c = plan(&sel, None);
         assert_eq!(c.len(), 1);
         let offs: Vec<u64> = c[0].reads.iter().map(|r| r.dev_offset).collect();
-        assert_eq!(offs, vec![0, 256, 512, 768]);
-        assert_eq!(c[0].dev_len, 772);
+        // a: page phase 8; b: phase 11 does not suit F32, so 256-aligned; c, d: phases 8 and
+        // 100, each the first such offset past the previous read.
+        assert_eq!(offs, vec![8, 256, 4096 + 8, 4096 + 100]);
+        assert_eq!(c[0].dev_len, 4096 + 104);
     }
 
     /// Random plans: every byte of every selected tensor is read exactly once, into the
@@ -251,6 +281,10 @@ mod tests {
             let chunks = plan(&sel, limit);
             let mut seen = vec![0; sel.len()];
             for c in &chunks {
+                for r in &c.reads {
+                    let phase = r.dev_offset % PAGE == r.file_offset % PAGE;
+                    assert!(phase || r.dev_offset.is_multiple_of(RUN_ALIGN), "{r:?}");
+                }
                 if let (Some(l), false) = (limit, c.oversize) {
                     assert!(c.dev_len <= l, "{c:?}");
                 }
