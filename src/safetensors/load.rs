@@ -129,7 +129,7 @@ pub struct DevicePath {
     pub bytes: u64,
 }
 
-/// What one load (or save) did: one per job.
+/// What one load (or save, as [`SaveReport`](super::SaveReport)) did: one per job.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct LoadReport {
     /// Tensor bytes moved.
@@ -138,7 +138,8 @@ pub struct LoadReport {
     pub tensors: usize,
     /// Files read (shards with at least one selected byte).
     pub files: usize,
-    /// Storage reads issued (after merging adjacent tensors).
+    /// Storage jobs issued, after merging adjacent tensors: reads for a load, writes for a
+    /// save.
     pub reads: usize,
     /// Bytes of tensors the filter excluded (never read).
     pub skipped_bytes: u64,
