@@ -407,3 +407,130 @@ fn vmm_child(sock: &str) {
     );
     assert_eq!(recv(&mut conn), b"bye");
 }
+
+const LEN_CHILD_ENV: &str = "GPUDIRECT_P2P_IPC_LEN_CHILD";
+const LEN_LEGACY: usize = 2 << 20;
+const LEN_POOL: usize = (2 << 20) + 3;
+const LIE: u64 = 1 << 30;
+
+/// Issue 9 item 2: the length in an IPC handle comes from another process (or the wire) and is
+/// checked against the mapping the driver made (`cuMemGetAddressRange`): a handle claiming
+/// 1 GiB for a 2 MiB allocation is a typed `InvalidArgument` (seen on an H200 before the fix:
+/// opened as a 1 GiB `CudaSlice`), a shorter length maps a prefix, the honest one maps it all.
+/// Legacy (`cuMemAlloc`) handles and pool pointers; two processes on GPU 0 (one GPU suffices).
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gpu_ipc_length_from_the_handle_is_checked() {
+    if let Ok(sock) = std::env::var(LEN_CHILD_ENV) {
+        len_child(&sock);
+        return;
+    }
+    let a = gpudirect::cuda::context(0).unwrap_or_else(|e| {
+        panic!("this test needs a CUDA GPU (run gpu_* tests on a GPU machine): {e}")
+    });
+    let sa = a.default_stream();
+    let (mut kid, mut conn, sock_path) =
+        spawn_child("gpu_ipc_length_from_the_handle_is_checked", LEN_CHILD_ENV);
+
+    let data = seeded(21, LEN_LEGACY);
+    let mut legacy = DeviceBuffer::<u8>::alloc_zeros(&sa, LEN_LEGACY).unwrap();
+    sa.memcpy_htod(&data, &mut legacy.as_view_mut()).unwrap();
+    sa.synchronize().unwrap();
+    send(
+        &mut conn,
+        &IpcMemHandle::export(&legacy).unwrap().to_bytes(),
+    );
+    let reply = String::from_utf8(recv(&mut conn)).unwrap();
+    println!("parent: child says {reply}");
+
+    let pool = SharedPool::new(&a).unwrap();
+    let mut slice = pool.alloc_zeros::<u8>(&sa, LEN_POOL).unwrap();
+    sa.memcpy_htod(&seeded(22, LEN_POOL), &mut slice).unwrap();
+    sa.synchronize().unwrap();
+    let fd = pool.export_fd().unwrap();
+    ipc::send_fd(&conn, fd.as_fd(), b"pool").unwrap();
+    send(&mut conn, &pool.export_pointer(&slice).unwrap().to_bytes());
+    let reply2 = String::from_utf8(recv(&mut conn)).unwrap();
+    println!("parent: child says {reply2}");
+    send(&mut conn, b"bye");
+    let st = kid.wait().unwrap();
+    let _ = std::fs::remove_file(&sock_path);
+    drop(slice);
+    drop(pool);
+    drop(legacy);
+    assert!(reply.starts_with("ok legacy"), "{reply}");
+    assert!(reply2.starts_with("ok pool"), "{reply2}");
+    assert!(st.success(), "child failed: {st}");
+}
+
+/// What the child found for one kind of handle: "ok ..." or the first failure.
+fn len_checks(
+    what: &str,
+    n: usize,
+    seed: u64,
+    sb: &std::sync::Arc<gpudirect::cudarc::driver::CudaStream>,
+    mut open: impl FnMut(u64) -> gpudirect::Result<IpcMapping<u8>>,
+) -> String {
+    match open(LIE) {
+        Err(gpudirect::Error::InvalidArgument(msg)) => {
+            println!("child: {what} with a lying length refused: {msg}")
+        }
+        Ok(m) => {
+            return format!(
+                "FAIL {what}: a handle claiming {LIE} bytes for a {n}-byte allocation was \
+                 accepted (a {}-byte mapping)",
+                m.len()
+            )
+        }
+        Err(e) => return format!("FAIL {what}: lying length gave {e:?}, not InvalidArgument"),
+    }
+    let want = seeded(seed, n);
+    for len in [n / 2, n] {
+        match open(len as u64) {
+            Ok(m) => {
+                if m.len() != len {
+                    return format!("FAIL {what}: asked {len} bytes, mapped {}", m.len());
+                }
+                if sb.clone_dtoh(m.slice()).unwrap() != want[..len] {
+                    return format!("FAIL {what}: the {len} mapped bytes differ");
+                }
+            }
+            Err(e) => return format!("FAIL {what}: honest length {len}: {e}"),
+        }
+    }
+    format!("ok {what}")
+}
+
+fn len_child(sock: &str) {
+    let b = gpudirect::cuda::context(0).unwrap();
+    let sb = b.default_stream();
+    let mut conn = UnixStream::connect(sock).unwrap();
+    let h = IpcMemHandle::from_bytes(&recv(&mut conn)).unwrap();
+    let legacy = len_checks("legacy", LEN_LEGACY, 21, &sb, |len| {
+        IpcMapping::<u8>::open(
+            &sb,
+            &IpcMemHandle {
+                len_bytes: len,
+                ..h
+            },
+        )
+    });
+    send(&mut conn, legacy.as_bytes());
+    let mut tag = [0u8; 4];
+    let (fd, n) = ipc::recv_fd(&conn, &mut tag).unwrap();
+    assert_eq!(&tag[..n], b"pool");
+    let pool = ImportedPool::from_fd(&b, fd).unwrap();
+    let p = PoolPointer::from_bytes(&recv(&mut conn)).unwrap();
+    let pooled = len_checks("pool", LEN_POOL, 22, &sb, |len| {
+        pool.import::<u8>(
+            &sb,
+            &PoolPointer {
+                len_bytes: len,
+                ..p
+            },
+        )
+    });
+    send(&mut conn, pooled.as_bytes());
+    drop(pool);
+    assert_eq!(recv(&mut conn), b"bye");
+}

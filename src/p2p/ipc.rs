@@ -131,6 +131,10 @@ pub struct IpcMapping<T> {
 impl<T> IpcMapping<T> {
     /// Opens a legacy handle in `stream`'s context (`cuIpcOpenMemHandle` with
     /// `CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS`).
+    ///
+    /// The handle's `len_bytes` came from another process and is checked against the mapping
+    /// the driver made (`cuMemGetAddressRange`): a length past it is [`Error::InvalidArgument`]
+    /// (the mapping is closed again); a shorter one maps a prefix.
     pub fn open(stream: &Arc<CudaStream>, handle: &IpcMemHandle) -> Result<Self> {
         let len = elements::<T>(handle.len_bytes)?;
         let ctx = stream.context();
@@ -138,6 +142,13 @@ impl<T> IpcMapping<T> {
             .map_err(|e| Error::cuda("cuCtxSetCurrent", e))?;
         // SAFETY: the stream's context is current.
         let ptr = unsafe { r::ipc::open_mem_handle(&handle.handle) }?;
+        if let Err(e) = check_mapped_len(ptr, handle.len_bytes, "IpcMemHandle") {
+            // SAFETY: opened above, closed once on this error path; nothing used it.
+            if let Err(c) = unsafe { r::ipc::close_mem_handle(ptr) } {
+                tracing::warn!(%c, "gpudirect IpcMapping: closing a refused mapping failed");
+            }
+            return Err(e);
+        }
         let owner = owner_device(ptr, ctx);
         // With LAZY_ENABLE_PEER_ACCESS the driver enables peer access from this context to the
         // owner's: reads and writes go straight over the link.
@@ -219,6 +230,22 @@ impl<T> Drop for IpcMapping<T> {
             tracing::warn!(%e, "gpudirect IpcMapping: unmapping failed");
         }
     }
+}
+
+/// Checks that `len_bytes` (from a handle: another process's word) fits the memory the driver
+/// mapped at `ptr` (`cuMemGetAddressRange`), so a slice of that length stays inside it.
+fn check_mapped_len(ptr: sys::CUdeviceptr, len_bytes: u64, what: &str) -> Result<()> {
+    // SAFETY: a context is current (the caller just mapped `ptr` in it).
+    let (base, size) = unsafe { r::mem::get_address_range(ptr) }?;
+    let avail = (base + size as u64).saturating_sub(ptr);
+    if len_bytes > avail {
+        return Err(Error::InvalidArgument(format!(
+            "the {what} claims {len_bytes} bytes, but the driver mapped {avail} bytes at this \
+             address: send the exporter's {what} unchanged (a wrong length would let the slice \
+             run past the shared memory)"
+        )));
+    }
+    Ok(())
 }
 
 fn elements<T>(bytes: u64) -> Result<usize> {
@@ -417,6 +444,10 @@ impl ImportedPool {
     /// the memory lives on another device, grants this device access to the imported pool
     /// (`cuMemPoolSetAccess`). The mapping's [`IpcMapping::path`] says what `cuMemPoolGetAccess`
     /// then reports.
+    ///
+    /// The pointer's `len_bytes` came from another process and is checked against the imported
+    /// allocation (`cuMemGetAddressRange`): a length past it is [`Error::InvalidArgument`] (the
+    /// import is freed again); a shorter one maps a prefix.
     pub fn import<T>(&self, stream: &Arc<CudaStream>, ptr: &PoolPointer) -> Result<IpcMapping<T>> {
         let len = elements::<T>(ptr.len_bytes)?;
         let ctx = stream.context();
@@ -424,6 +455,19 @@ impl ImportedPool {
             .map_err(|e| Error::cuda("cuCtxSetCurrent", e))?;
         // SAFETY: the imported pool is live (we hold it).
         let p = unsafe { r::mem_pool::import_pointer(self.inner.pool, &ptr.data) }?;
+        if let Err(e) = check_mapped_len(p, ptr.len_bytes, "PoolPointer") {
+            // SAFETY: imported above and used by nothing; freed once on this error path, and the
+            // stream is synchronised before returning.
+            let freed = unsafe { r::mem_pool::free_async(p, stream.cu_stream()) }.and_then(|()| {
+                stream
+                    .synchronize()
+                    .map_err(|e| Error::cuda("cuStreamSynchronize", e))
+            });
+            if let Err(f) = freed {
+                tracing::warn!(%f, "gpudirect ImportedPool: freeing a refused import failed");
+            }
+            return Err(e);
+        }
         let owner = owner_device(p, ctx);
         let me = ctx.ordinal();
         // Grant this device access even when the driver names it as the owner (it then refuses
