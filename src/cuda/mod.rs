@@ -15,12 +15,14 @@
 //! The wings ([`p2p`](crate::p2p), [`rdma`](crate::rdma), [`storage`](crate::storage)) build on
 //! this floor and never on each other.
 
+mod bits;
 pub mod device;
 pub(crate) mod dmabuf;
 mod memory;
 mod pointer;
 pub(crate) mod result;
 
+pub use bits::AnyBitPattern;
 pub use dmabuf::{export_dmabuf, host_page_size, DmaBufExport, DmaBufPlan};
 pub use memory::{
     DeviceBuffer, DeviceMemory, GdrBuffer, GpuPageAligned, Layout, Plain, GPU_PAGE_SIZE,

@@ -27,7 +27,7 @@ use std::sync::{Arc, Mutex};
 use cudarc::driver::{sys, CudaContext, CudaSlice, CudaStream, CudaView, CudaViewMut};
 
 use crate::cuda::result as r;
-use crate::cuda::DeviceBuffer;
+use crate::cuda::{AnyBitPattern, DeviceBuffer};
 use crate::error::{Error, Result};
 use crate::path::{Cause, Path, PathReport};
 
@@ -118,6 +118,24 @@ enum Release {
 
 /// Another process's device memory mapped into this one, as a cudarc slice. Unmapped on drop
 /// (`cuIpcCloseMemHandle`, or `cuMemFreeAsync` for pool memory) after its stream finished.
+///
+/// The bytes come from another process, so the element type must accept any bit pattern
+/// ([`AnyBitPattern`]): integers and floats, not `bool` (a byte 2
+/// read as `bool` is undefined behaviour):
+///
+/// ```no_run
+/// # use gpudirect::p2p::ipc::{IpcMapping, IpcMemHandle};
+/// # fn f(s: &std::sync::Arc<gpudirect::cudarc::driver::CudaStream>, h: &IpcMemHandle) -> gpudirect::Result<()> {
+/// let m = IpcMapping::<f32>::open(s, h)?;
+/// # Ok(()) }
+/// ```
+///
+/// ```compile_fail
+/// # use gpudirect::p2p::ipc::{IpcMapping, IpcMemHandle};
+/// # fn f(s: &std::sync::Arc<gpudirect::cudarc::driver::CudaStream>, h: &IpcMemHandle) -> gpudirect::Result<()> {
+/// let m = IpcMapping::<bool>::open(s, h)?; // not every byte is a bool
+/// # Ok(()) }
+/// ```
 #[derive(Debug)]
 pub struct IpcMapping<T> {
     slice: ManuallyDrop<CudaSlice<T>>,
@@ -135,7 +153,10 @@ impl<T> IpcMapping<T> {
     /// The handle's `len_bytes` came from another process and is checked against the mapping
     /// the driver made (`cuMemGetAddressRange`): a length past it is [`Error::InvalidArgument`]
     /// (the mapping is closed again); a shorter one maps a prefix.
-    pub fn open(stream: &Arc<CudaStream>, handle: &IpcMemHandle) -> Result<Self> {
+    pub fn open(stream: &Arc<CudaStream>, handle: &IpcMemHandle) -> Result<Self>
+    where
+        T: AnyBitPattern,
+    {
         let len = elements::<T>(handle.len_bytes)?;
         let ctx = stream.context();
         ctx.bind_to_thread()
@@ -448,7 +469,11 @@ impl ImportedPool {
     /// The pointer's `len_bytes` came from another process and is checked against the imported
     /// allocation (`cuMemGetAddressRange`): a length past it is [`Error::InvalidArgument`] (the
     /// import is freed again); a shorter one maps a prefix.
-    pub fn import<T>(&self, stream: &Arc<CudaStream>, ptr: &PoolPointer) -> Result<IpcMapping<T>> {
+    pub fn import<T: AnyBitPattern>(
+        &self,
+        stream: &Arc<CudaStream>,
+        ptr: &PoolPointer,
+    ) -> Result<IpcMapping<T>> {
         let len = elements::<T>(ptr.len_bytes)?;
         let ctx = stream.context();
         ctx.bind_to_thread()
@@ -630,7 +655,10 @@ impl<T> VmmImport<T> {
     /// Errors: [`Error::InvalidArgument`] when `len_bytes` is not a multiple of the element size
     /// or exceeds the allocation; the driver's error for a descriptor that is not an exported
     /// allocation.
-    pub fn open(stream: &Arc<CudaStream>, fd: OwnedFd, len_bytes: u64) -> Result<Self> {
+    pub fn open(stream: &Arc<CudaStream>, fd: OwnedFd, len_bytes: u64) -> Result<Self>
+    where
+        T: AnyBitPattern,
+    {
         let len = elements::<T>(len_bytes)?;
         let ctx = stream.context();
         let me = ctx.ordinal();
