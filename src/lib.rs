@@ -90,6 +90,12 @@
 //! gpudirect). Process-wide state — the cuFile driver, the peer-access registry, the loaders —
 //! lives in `OnceLock`s and mutexes. cuFile must not be used across `fork()`.
 //!
+//! The calling thread's current CUDA context: the cuFile layer ([`storage::cufile`]) and the P2P
+//! copy, peer-access, allocation and IPC calls ([`p2p`]) put back the context that was current
+//! when they were called (cudarc itself binds a context and leaves it bound). The storage
+//! engine's calls, the bandwidth measurements and the RDMA layer may leave the buffer's
+//! context current. Code that mixes raw driver calls should set its context after those.
+//!
 //! # Resource cleanup
 //!
 //! Every registration is an RAII value: [`p2p::PeerAccess`] revokes what it granted when the

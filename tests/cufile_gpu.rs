@@ -1120,3 +1120,90 @@ fn gpu_cufile_read_stays_inside_the_view() {
     drop(buffered);
     std::fs::remove_file(&path).unwrap();
 }
+
+/// The calling thread's current CUDA context, raw (null: none).
+fn current_context() -> gpudirect::cudarc::driver::sys::CUcontext {
+    use gpudirect::cudarc::driver::sys;
+    let mut c: sys::CUcontext = std::ptr::null_mut();
+    // SAFETY: valid out-pointer; libcuda is initialised (a context exists).
+    let rc = unsafe { sys::cuCtxGetCurrent(&mut c) };
+    assert_eq!(rc, sys::CUresult::CUDA_SUCCESS);
+    c
+}
+
+fn unbind_context() {
+    use gpudirect::cudarc::driver::sys;
+    // SAFETY: null unbinds the calling thread's context.
+    let rc = unsafe { sys::cuCtxSetCurrent(std::ptr::null_mut()) };
+    assert_eq!(rc, sys::CUresult::CUDA_SUCCESS);
+}
+
+/// Issue 9 item 16: cuFile calls leave the calling thread's current context as they found it
+/// (before: the buffer's context stayed bound, surprising code that mixes raw driver calls).
+/// The thread has no current context; after every call it still has none.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gpu_cufile_calls_leave_the_current_context_alone() {
+    let stream = gpu();
+    let d = driver();
+    let path = scratch("current-ctx");
+    let file = random((1 << 20) + 99);
+    let Some(h) = register(&d, &path, &file) else {
+        return std::fs::remove_file(&path).unwrap();
+    };
+    let mut buf = stream.clone_htod(&random(file.len())).unwrap();
+    let src = stream.clone_htod(&random(5000)).unwrap();
+    stream.synchronize().unwrap();
+    let check = |what: &str| {
+        let c = current_context();
+        assert!(
+            c.is_null(),
+            "{what} left a context ({c:?}) current on a thread that had none"
+        );
+    };
+    unbind_context();
+    assert_eq!(h.read(&mut buf, 0).unwrap(), file.len());
+    check("CuFileHandle::read");
+    h.read_exact(&mut buf.slice_mut(..4096), 4096).unwrap();
+    check("CuFileHandle::read_exact");
+    assert_eq!(h.write(&src, 7).unwrap(), 5000);
+    check("CuFileHandle::write");
+    let slice = stream.clone_htod(&random(8192)).unwrap();
+    unbind_context();
+    match RegisteredBuffer::register(Arc::clone(&d), slice) {
+        Ok(rb) => {
+            check("RegisteredBuffer::register");
+            drop(rb);
+            check("RegisteredBuffer's drop");
+        }
+        Err(e) => {
+            eprintln!("cuFileBufRegister refused ({e}); checked the error path");
+            check("a refused RegisteredBuffer::register");
+        }
+    }
+    let abuf = stream.clone_htod(&random(8192)).unwrap();
+    unbind_context();
+    match h.read_async(abuf, 0, 8192, 0) {
+        Ok(io) => {
+            check("CuFileHandle::read_async");
+            let _ = io.wait();
+            check("StreamIo::wait");
+        }
+        Err(_) => check("a refused CuFileHandle::read_async"),
+    }
+    if let Ok(mut batch) = BatchIo::new(Arc::clone(&d), 2) {
+        let mut b2 = stream.clone_htod(&random(4096)).unwrap();
+        unbind_context();
+        {
+            let mut ops = vec![BatchOp::Read {
+                handle: &h,
+                dst: b2.as_view_mut(),
+                file_offset: 0,
+            }];
+            let _ = batch.run(&mut ops, Duration::from_secs(30));
+        }
+        check("BatchIo::run");
+    }
+    drop(h);
+    std::fs::remove_file(&path).unwrap();
+}

@@ -460,3 +460,58 @@ fn multi_gpu_report_detects_staged_copies() {
         assert!(gm.gbps > 3.0 * wm.gbps, "{} vs {}", gm.gbps, wm.gbps);
     }
 }
+
+/// The calling thread's current CUDA context, raw (null: none).
+fn current_context() -> sys::CUcontext {
+    let mut c: sys::CUcontext = std::ptr::null_mut();
+    // SAFETY: valid out-pointer; libcuda is initialised (a context exists).
+    assert_eq!(
+        unsafe { sys::cuCtxGetCurrent(&mut c) },
+        sys::CUresult::CUDA_SUCCESS
+    );
+    c
+}
+
+fn unbind_context() {
+    // SAFETY: null unbinds the calling thread's context.
+    assert_eq!(
+        unsafe { sys::cuCtxSetCurrent(std::ptr::null_mut()) },
+        sys::CUresult::CUDA_SUCCESS
+    );
+}
+
+/// Issue 9 item 16: P2P allocation and IPC export calls leave the calling thread's current
+/// context as they found it (before: the stream's context stayed bound). One GPU.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gpu_p2p_calls_leave_the_current_context_alone() {
+    let _g = serial();
+    let a = one_gpu();
+    let s = a.default_stream();
+    let check = |what: &str| {
+        let c = current_context();
+        assert!(
+            c.is_null(),
+            "{what} left a context ({c:?}) current on a thread that had none"
+        );
+    };
+    unbind_context();
+    let buf = DeviceBuffer::<u8>::alloc_zeros(&s, 4096).unwrap();
+    check("DeviceBuffer::alloc_zeros");
+    let _h = p2p::ipc::IpcMemHandle::export(&buf).unwrap();
+    check("IpcMemHandle::export");
+    drop(buf);
+    check("DeviceBuffer's drop");
+    let pool = p2p::ipc::SharedPool::new(&a).unwrap();
+    check("SharedPool::new");
+    let slice = pool.alloc_zeros::<u8>(&s, 4096).unwrap();
+    check("SharedPool::alloc_zeros");
+    drop(slice);
+    unbind_context();
+    drop(pool);
+    check("SharedPool's drop");
+    let v = p2p::VmmBuffer::<u8>::alloc_zeros(&s, 4096).unwrap();
+    check("VmmBuffer::alloc_zeros");
+    drop(v);
+    check("VmmBuffer's drop");
+}

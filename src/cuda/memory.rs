@@ -89,6 +89,7 @@ impl<T: DeviceRepr + ValidAsZeroBits> DeviceBuffer<T, Plain> {
     /// Allocates `len` zeroed elements with `cuMemAlloc` in `stream`'s context (the zeroing is
     /// ordered on `stream`).
     pub fn alloc_zeros(stream: &Arc<CudaStream>, len: usize) -> Result<Self> {
+        let _restore = super::CurrentContext::save();
         let bytes = len
             .checked_mul(std::mem::size_of::<T>())
             .ok_or_else(|| Error::InvalidArgument(format!("{len} elements overflow usize")))?;
@@ -309,6 +310,7 @@ impl<T, L: Layout> DeviceBuffer<T, L> {
 
 impl<T, L: Layout> Drop for DeviceBuffer<T, L> {
     fn drop(&mut self) {
+        let _restore = super::CurrentContext::save();
         // SAFETY: the slice is taken exactly once, here; it is not used afterwards.
         let slice = unsafe { ManuallyDrop::take(&mut self.slice) };
         let stream = slice.stream().clone();

@@ -16,11 +16,14 @@
 //! this floor and never on each other.
 
 mod bits;
+mod current;
 pub mod device;
 pub(crate) mod dmabuf;
 mod memory;
 mod pointer;
 pub(crate) mod result;
+
+pub(crate) use current::CurrentContext;
 
 pub use bits::AnyBitPattern;
 pub use dmabuf::{export_dmabuf, host_page_size, DmaBufExport, DmaBufPlan};

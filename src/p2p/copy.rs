@@ -249,6 +249,7 @@ pub fn plan_copy<T, Src: DevicePtr<T>, Dst: DevicePtrMut<T>>(
     dst: &mut Dst,
     stream: &Arc<CudaStream>,
 ) -> Result<CopyReport> {
+    let _restore = crate::cuda::CurrentContext::save();
     check_lengths(src.len(), dst.len())?;
     let bytes = src.num_bytes();
     let src_ctx = src.stream().context().clone();
@@ -289,6 +290,7 @@ pub fn copy_peer_with<T, Src: DevicePtr<T>, Dst: DevicePtrMut<T>>(
     stream: &Arc<CudaStream>,
     opts: &CopyOptions,
 ) -> Result<CopyReport> {
+    let _restore = crate::cuda::CurrentContext::save();
     // SAFETY: the stream is synchronized before returning, so the device is done with both
     // buffers while the borrows are still held.
     let report = unsafe { copy_peer_async_with(src, dst, stream, opts) }?;
@@ -324,6 +326,7 @@ pub unsafe fn copy_peer_async_with<T, Src: DevicePtr<T>, Dst: DevicePtrMut<T>>(
     stream: &Arc<CudaStream>,
     opts: &CopyOptions,
 ) -> Result<CopyReport> {
+    let _restore = crate::cuda::CurrentContext::save();
     check_lengths(src.len(), dst.len())?;
     let bytes = src.num_bytes();
     let src_ctx = src.stream().context().clone();
@@ -422,6 +425,7 @@ pub fn timed_copy_peer_with<T, Src: DevicePtr<T>, Dst: DevicePtrMut<T>>(
     stream: &Arc<CudaStream>,
     opts: &CopyOptions,
 ) -> Result<TimedCopy> {
+    let _restore = crate::cuda::CurrentContext::save();
     let ev = |s: &Arc<CudaStream>| {
         s.record_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT))
             .map_err(|e| Error::cuda("cuEventRecord", e))

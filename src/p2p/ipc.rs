@@ -69,6 +69,7 @@ impl IpcMemHandle {
     /// Exports `buf` (`cuIpcGetMemHandle`). Only `cuMemAlloc` memory can be exported this way;
     /// for pool memory use a [`SharedPool`].
     pub fn export<T>(buf: &DeviceBuffer<T>) -> Result<Self> {
+        let _restore = crate::cuda::CurrentContext::save();
         buf.stream()
             .context()
             .bind_to_thread()
@@ -157,6 +158,7 @@ impl<T> IpcMapping<T> {
     where
         T: AnyBitPattern,
     {
+        let _restore = crate::cuda::CurrentContext::save();
         let len = elements::<T>(handle.len_bytes)?;
         let ctx = stream.context();
         ctx.bind_to_thread()
@@ -222,6 +224,7 @@ impl<T> IpcMapping<T> {
 
 impl<T> Drop for IpcMapping<T> {
     fn drop(&mut self) {
+        let _restore = crate::cuda::CurrentContext::save();
         // SAFETY: taken exactly once, here.
         let slice = unsafe { ManuallyDrop::take(&mut self.slice) };
         let _ = slice.leak();
@@ -310,6 +313,7 @@ unsafe impl Sync for PoolHandle {}
 
 impl Drop for PoolHandle {
     fn drop(&mut self) {
+        let _restore = crate::cuda::CurrentContext::save();
         if let Err(e) = self.ctx.bind_to_thread() {
             tracing::warn!(%e, "gpudirect pool: cannot bind context; pool leaked");
             return;
@@ -331,6 +335,7 @@ pub struct SharedPool {
 impl SharedPool {
     /// Creates an exportable pool on `ctx`'s device.
     pub fn new(ctx: &Arc<CudaContext>) -> Result<Self> {
+        let _restore = crate::cuda::CurrentContext::save();
         ctx.bind_to_thread()
             .map_err(|e| Error::cuda("cuCtxSetCurrent", e))?;
         let pool = r::mem_pool::create_exportable(ctx.ordinal() as i32)?;
@@ -355,6 +360,7 @@ impl SharedPool {
         stream: &Arc<CudaStream>,
         len: usize,
     ) -> Result<CudaSlice<T>> {
+        let _restore = crate::cuda::CurrentContext::save();
         if stream.context() != &self.inner.ctx {
             return Err(Error::InvalidArgument(format!(
                 "the stream is on GPU {} but the pool on GPU {}: allocate on a stream of the pool's device",
@@ -448,6 +454,7 @@ impl ImportedPool {
     /// Imports a pool fd received from the exporter (`cuMemPoolImportFromShareableHandle`).
     /// The fd is closed afterwards (the driver keeps its own reference).
     pub fn from_fd(ctx: &Arc<CudaContext>, fd: OwnedFd) -> Result<Self> {
+        let _restore = crate::cuda::CurrentContext::save();
         ctx.bind_to_thread()
             .map_err(|e| Error::cuda("cuCtxSetCurrent", e))?;
         // SAFETY: `fd` is an open descriptor we own for the call's duration.
@@ -474,6 +481,7 @@ impl ImportedPool {
         stream: &Arc<CudaStream>,
         ptr: &PoolPointer,
     ) -> Result<IpcMapping<T>> {
+        let _restore = crate::cuda::CurrentContext::save();
         let len = elements::<T>(ptr.len_bytes)?;
         let ctx = stream.context();
         ctx.bind_to_thread()
@@ -659,6 +667,7 @@ impl<T> VmmImport<T> {
     where
         T: AnyBitPattern,
     {
+        let _restore = crate::cuda::CurrentContext::save();
         let len = elements::<T>(len_bytes)?;
         let ctx = stream.context();
         let me = ctx.ordinal();
@@ -751,6 +760,7 @@ impl<T> VmmImport<T> {
 
 impl<T> Drop for VmmImport<T> {
     fn drop(&mut self) {
+        let _restore = crate::cuda::CurrentContext::save();
         // SAFETY: taken exactly once, here.
         let slice = unsafe { ManuallyDrop::take(&mut self.slice) };
         let _ = slice.leak();

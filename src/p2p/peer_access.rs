@@ -7,6 +7,7 @@ use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use cudarc::driver::{sys, CudaContext};
 
 use crate::cuda::result as r;
+use crate::cuda::CurrentContext;
 use crate::error::{Error, Result};
 use crate::path::Cause;
 
@@ -208,9 +209,7 @@ impl PeerAccess {
         let holders = reg.ctx.get(&key).map_or(0, |e| e.holders);
         let mut enabled_now = false;
         if holders == 0 {
-            accessor
-                .bind_to_thread()
-                .map_err(|e| Error::cuda("cuCtxSetCurrent", e))?;
+            let _current = CurrentContext::bind(accessor)?;
             // SAFETY: the accessor's context is current (bound above) and the owner's context is
             // alive (we hold its Arc).
             match unsafe { r::ctx::enable_peer_access(owner.cu_ctx()) } {
@@ -325,10 +324,13 @@ fn release_context(accessor: &Arc<CudaContext>, owner: &Arc<CudaContext>) {
     if e.holders > 0 || !e.enabled_by_us {
         return;
     }
-    if let Err(err) = accessor.bind_to_thread() {
-        tracing::warn!(%err, "gpudirect PeerAccess: cannot bind context to revoke peer access");
-        return;
-    }
+    let _current = match CurrentContext::bind(accessor) {
+        Ok(c) => c,
+        Err(err) => {
+            tracing::warn!(%err, "gpudirect PeerAccess: cannot bind context to revoke peer access");
+            return;
+        }
+    };
     // SAFETY: the accessor's context is current and the owner's context alive (Arc held).
     match unsafe { r::ctx::disable_peer_access(owner.cu_ctx()) } {
         Ok(()) => {

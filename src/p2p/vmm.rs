@@ -72,6 +72,7 @@ impl VmmRange {
 
 impl Drop for VmmRange {
     fn drop(&mut self) {
+        let _restore = crate::cuda::CurrentContext::save();
         if let Err(e) = self.ctx.bind_to_thread() {
             tracing::warn!(%e, "gpudirect VMM: cannot bind context before unmapping");
         }
@@ -166,6 +167,7 @@ impl<T: DeviceRepr + ValidAsZeroBits> VmmBuffer<T> {
 
     /// Allocates `len` zeroed elements on `stream`'s device.
     pub fn alloc_zeros(stream: &Arc<CudaStream>, len: usize) -> Result<Self> {
+        let _restore = crate::cuda::CurrentContext::save();
         let ctx = stream.context();
         let ordinal = ctx.ordinal();
         let bytes = len
@@ -201,6 +203,7 @@ impl<T> VmmBuffer<T> {
     /// Errors: [`Error::NoDevice`] for a bad ordinal, [`Error::Unsupported`] when the two
     /// devices cannot access each other (`cuDeviceCanAccessPeer`).
     pub fn grant_access(&self, peer: usize) -> Result<()> {
+        let _restore = crate::cuda::CurrentContext::save();
         crate::cuda::check_ordinal(peer)?;
         let me = self.stream.context().ordinal();
         if peer != me && !r::device::can_access_peer(r::device::get(peer)?, r::device::get(me)?)? {
@@ -253,6 +256,7 @@ impl<T> VmmBuffer<T> {
 
 impl<T> Drop for VmmBuffer<T> {
     fn drop(&mut self) {
+        let _restore = crate::cuda::CurrentContext::save();
         // SAFETY: taken exactly once, here; the field is not used afterwards.
         let slice = unsafe { ManuallyDrop::take(&mut self.slice) };
         // Orders the stream after the slice's recorded uses and releases cudarc's events.

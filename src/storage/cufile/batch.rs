@@ -208,6 +208,7 @@ impl BatchIo {
     /// blocks until nothing is in flight, or aborts as [`run`](Self::run) does). The file
     /// registrations are held by the batch itself.
     pub unsafe fn submit(&mut self, ops: &mut [BatchOp<'_>]) -> Result<u64> {
+        let _restore = crate::cuda::CurrentContext::save();
         let free = self.capacity as usize - self.in_flight;
         if ops.len() > free {
             return Err(Error::InvalidArgument(format!(

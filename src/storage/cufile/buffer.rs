@@ -65,6 +65,7 @@ impl RegisteredBuffer {
     /// [`DriverProperties::max_device_pinned_mem_kb`](super::DriverProperties::max_device_pinned_mem_kb)),
     /// CUDA errors — all as [`Error::CuFile`].
     pub fn register(driver: Arc<Driver>, slice: CudaSlice<u8>) -> Result<Self> {
+        let _restore = crate::cuda::CurrentContext::save();
         if slice.is_empty() {
             return Err(Error::InvalidArgument(
                 "cannot register an empty buffer with cuFile: allocate at least one byte".into(),
@@ -152,6 +153,7 @@ impl RegisteredBuffer {
         if self.base == 0 {
             return Ok(());
         }
+        let _restore = crate::cuda::CurrentContext::save();
         if let Some(s) = self.slice.as_ref() {
             // cuFile requires no IO in flight; sync IO is complete on return, and the stream
             // may still hold kernels touching the memory, which is harmless for deregistration.

@@ -287,6 +287,7 @@ impl CuFileHandle {
         exact: bool,
     ) -> Result<usize> {
         let op = if write { "cuFileWrite" } else { "cuFileRead" };
+        let _restore = crate::cuda::CurrentContext::save();
         self.inner.driver.enter(stream, true)?;
         let (base, _) = allocation_range(ptr)?;
         let buf_offset = ptr - base;

@@ -163,6 +163,7 @@ impl StreamIo {
         len: usize,
         file_offset: u64,
     ) -> Result<StreamIo> {
+        let _restore = crate::cuda::CurrentContext::save();
         if buf_offset
             .checked_add(len)
             .is_none_or(|end| end > buf.len())
@@ -245,6 +246,7 @@ impl StreamIo {
     /// Synchronises the stream and returns `(bytes moved, buffer)`. A failed transfer gives the
     /// decoded error (the buffer is then dropped after the stream is idle).
     pub fn wait(mut self) -> Result<(usize, CudaSlice<u8>)> {
+        let _restore = crate::cuda::CurrentContext::save();
         self.stream
             .synchronize()
             .map_err(|e| Error::cuda("cuStreamSynchronize", e))?;
@@ -289,6 +291,7 @@ impl Drop for StreamIo {
         if self.buf.is_none() {
             return; // `wait` synchronised already.
         }
+        let _restore = crate::cuda::CurrentContext::save();
         if let Err(e) = self.stream.synchronize() {
             // The stream is broken: cuFile may still touch the block and the buffer, so leak
             // them rather than free memory the device might write.
@@ -317,6 +320,7 @@ impl std::fmt::Debug for StreamRegistration {
 impl StreamRegistration {
     /// Registers `stream` (`cuFileStreamRegister`).
     pub fn register(driver: Arc<super::Driver>, stream: Arc<CudaStream>) -> Result<Self> {
+        let _restore = crate::cuda::CurrentContext::save();
         driver.enter(&stream, false)?;
         // SAFETY: the stream is alive and stays so (its Arc is held) until deregistration in Drop.
         unsafe { result::stream_register(driver.lib(), stream.cu_stream().cast(), 0) }?;
@@ -331,6 +335,7 @@ impl StreamRegistration {
 
 impl Drop for StreamRegistration {
     fn drop(&mut self) {
+        let _restore = crate::cuda::CurrentContext::save();
         let _ = self.stream.context().bind_to_thread();
         let raw = self.stream.cu_stream().cast();
         // SAFETY: registered in `register`, deregistered once here; the stream is alive.

@@ -17,6 +17,7 @@ impl CuFileHandle {
     /// Needs cuFile 1.19+: an older library gives [`Error::SymbolUnavailable`] before anything
     /// is read.
     pub fn readv(&self, bufs: &mut [CudaViewMut<'_, u8>], file_offset: u64) -> Result<usize> {
+        let _restore = crate::cuda::CurrentContext::save();
         let lib = self.driver().lib();
         result::sym(lib.cuFileReadv, "cuFileReadv")?;
         let mut iov = Vec::with_capacity(bufs.len());
@@ -41,6 +42,7 @@ impl CuFileHandle {
     /// Writes `bufs` in order to consecutive file bytes from `file_offset` (`cuFileWritev`,
     /// cuFile 1.19+). Returns the bytes written.
     pub fn writev(&self, bufs: &[CudaView<'_, u8>], file_offset: u64) -> Result<usize> {
+        let _restore = crate::cuda::CurrentContext::save();
         let lib = self.driver().lib();
         result::sym(lib.cuFileWritev, "cuFileWritev")?;
         let mut iov = Vec::with_capacity(bufs.len());

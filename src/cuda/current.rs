@@ -1,0 +1,68 @@
+//! The calling thread's current CUDA context, put back as it was.
+
+use cudarc::driver::{sys, CudaContext};
+
+use super::result as r;
+use crate::error::{Error, Result};
+
+/// Makes a context current on the calling thread (`cuCtxSetCurrent`) and, when dropped, makes
+/// the context that was current before current again, so a gpudirect call leaves the caller's
+/// thread as it found it (cudarc binds contexts and leaves them bound; code that mixes raw
+/// driver calls relies on its own current context).
+///
+/// Created and dropped on the same thread (it is neither `Send` nor `Sync`).
+#[must_use = "the previous context is restored when this is dropped"]
+pub(crate) struct CurrentContext {
+    previous: Option<sys::CUcontext>,
+    changed: bool,
+    _not_send: std::marker::PhantomData<*const ()>,
+}
+
+impl CurrentContext {
+    /// Makes `ctx` current; remembers the thread's current context first.
+    pub(crate) fn bind(ctx: &CudaContext) -> Result<CurrentContext> {
+        let previous = r::ctx::current();
+        let changed = previous != Some(ctx.cu_ctx());
+        if changed {
+            ctx.bind_to_thread()
+                .map_err(|e| Error::cuda("cuCtxSetCurrent", e))?;
+        }
+        Ok(CurrentContext {
+            previous,
+            changed,
+            _not_send: std::marker::PhantomData,
+        })
+    }
+
+    /// Remembers the thread's current context, to be restored on drop, without changing it
+    /// (for scopes in which cudarc calls bind contexts of their own).
+    pub(crate) fn save() -> CurrentContext {
+        CurrentContext {
+            previous: r::ctx::current(),
+            changed: true,
+            _not_send: std::marker::PhantomData,
+        }
+    }
+}
+
+impl Drop for CurrentContext {
+    fn drop(&mut self) {
+        if !self.changed {
+            return;
+        }
+        let previous = self.previous.unwrap_or(std::ptr::null_mut());
+        if r::ctx::current() == self.previous {
+            return;
+        }
+        // SAFETY: `previous` was current on this thread when the guard was made (or null: no
+        // context). A context destroyed meanwhile by another thread makes the driver answer
+        // CUDA_ERROR_INVALID_CONTEXT / CONTEXT_IS_DESTROYED, which is only logged.
+        let rc = unsafe { r::ctx::set_current(previous) };
+        if rc != sys::CUresult::CUDA_SUCCESS {
+            tracing::debug!(
+                ?rc,
+                "gpudirect: restoring the caller's current context failed"
+            );
+        }
+    }
+}
