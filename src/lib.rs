@@ -99,7 +99,7 @@
 //! # Resource cleanup
 //!
 //! Every registration is an RAII value: [`p2p::PeerAccess`] revokes what it granted when the
-//! last holder drops; cuFile handles and buffers deregister on drop; memory regions deregister
+//! last holder drops, after the work queued in the accessor's context has run; cuFile handles and buffers deregister on drop; memory regions deregister
 //! and close their dma-buf fd, and keep the GPU allocation alive until then. Anything the device
 //! may still touch after a call returns (stream-ordered and batch cuFile IO, posted work
 //! requests) is either an `unsafe fn` with a precise `# Safety` section or a guard that owns the

@@ -133,7 +133,7 @@ fn multi_gpu_peer_access_refcount_and_restore() {
     let mid = plan_copy(&src, &mut dst, &sb).unwrap();
     assert!(mid.path.is_direct(), "{}", mid.path);
     drop(second);
-    assert_eq!(registry_state(&b, &a), Some((0, false)));
+    assert_eq!(registry_state(&b, &a), None, "no record without holders");
     let after = plan_copy(&src, &mut dst, &sb).unwrap();
     assert_eq!(after.path.path, Path::StagedThroughHost, "{}", after.path);
     // Context access was really revoked: enabling it again succeeds (not 704).
@@ -459,6 +459,131 @@ fn multi_gpu_report_detects_staged_copies() {
         assert!(gm.path.is_direct() && !gm.flagged, "{gm:?}");
         assert!(gm.gbps > 3.0 * wm.gbps, "{} vs {}", gm.gbps, wm.gbps);
     }
+}
+
+/// Holds a stream at a host function until released (or 30 s pass), like a long kernel.
+struct Gate(Option<std::sync::mpsc::Sender<()>>);
+
+unsafe extern "C" fn wait_for_release(data: *mut std::ffi::c_void) {
+    // SAFETY: `data` is the Box<Receiver> leaked by `Gate::block`, handed over exactly once; the
+    // callback makes no CUDA call.
+    let rx = unsafe { Box::from_raw(data.cast::<std::sync::mpsc::Receiver<()>>()) };
+    let _ = rx.recv_timeout(std::time::Duration::from_secs(30));
+}
+
+impl Gate {
+    fn block(stream: &CudaStream) -> Gate {
+        let (tx, rx) = std::sync::mpsc::channel::<()>();
+        let rx = Box::into_raw(Box::new(rx));
+        // SAFETY: the stream is alive; on success the callback owns `rx`.
+        let rc =
+            unsafe { sys::cuLaunchHostFunc(stream.cu_stream(), Some(wait_for_release), rx.cast()) };
+        if rc != sys::CUresult::CUDA_SUCCESS {
+            // SAFETY: a failed launch did not hand `rx` over.
+            drop(unsafe { Box::from_raw(rx) });
+            panic!("cuLaunchHostFunc: {rc:?}");
+        }
+        Gate(Some(tx))
+    }
+    fn release(&mut self) {
+        if let Some(tx) = self.0.take() {
+            let _ = tx.send(());
+        }
+    }
+}
+
+impl Drop for Gate {
+    fn drop(&mut self) {
+        self.release();
+    }
+}
+
+/// Issue 9 item 14: the last `PeerAccess` dropped while a `copy_peer_async` that relies on it
+/// is still queued must not revoke the access under the copy: its drop waits for the
+/// accessor's context first (before the fix it revoked at once: a device fault or a copy of
+/// wrong bytes). The copy is held behind a gate on the destination's stream; the drop runs on
+/// another thread and must still be waiting 300 ms later; after the gate opens, the copy
+/// completes and every byte arrives.
+#[test]
+#[ignore = "needs 2 CUDA GPUs"]
+fn multi_gpu_peer_access_drop_waits_for_an_in_flight_copy() {
+    let _g = serial();
+    let (a, b) = two_gpus();
+    let (sa, sb) = (a.default_stream(), b.default_stream());
+    let data = random((64 << 20) + 48);
+    let src = pool_buf(&sa, &data);
+    let mut dst = sb.alloc_zeros::<u8>(data.len()).unwrap();
+    sa.synchronize().unwrap();
+    sb.synchronize().unwrap();
+    assert_eq!(
+        registry_state(&b, &a).map_or(0, |s| s.0),
+        0,
+        "no holder yet"
+    );
+    let access = PeerAccess::enable(&b, &a).unwrap();
+    let mut gate = Gate::block(&sb);
+    // SAFETY: `src` and `dst` outlive the synchronisation of `sb` below; no other stream touches
+    // them meanwhile; the access is held until the drop, which (the point of this test) waits.
+    let report = unsafe { p2p::copy_peer_async(&src, &mut dst, &sb) }.unwrap();
+    assert!(report.path.is_direct(), "{}", report.path);
+    let (done_tx, done_rx) = std::sync::mpsc::channel();
+    let dropper = std::thread::spawn(move || {
+        drop(access);
+        let _ = done_tx.send(());
+    });
+    let early = done_rx.recv_timeout(std::time::Duration::from_millis(300));
+    gate.release();
+    let finished = done_rx.recv_timeout(std::time::Duration::from_secs(30));
+    dropper.join().unwrap();
+    let synced = sb.synchronize();
+    assert!(
+        early.is_err(),
+        "the last PeerAccess was dropped (access revoked) while a copy relying on it was queued"
+    );
+    assert!(
+        finished.is_ok(),
+        "the drop never returned after the copy ran"
+    );
+    synced.unwrap_or_else(|e| panic!("the copy failed after the access was revoked: {e}"));
+    assert!(
+        sb.clone_dtoh(&dst).unwrap() == data,
+        "the copy's bytes differ"
+    );
+    assert_eq!(registry_state(&b, &a).map_or(0, |s| s.0), 0);
+}
+
+/// Issue 9 item 16: a grant found already enabled (by someone else) leaves no record behind
+/// once its last holder is gone, so a later copy of `cuMemAlloc` memory is not reported direct
+/// on gpudirect's say-so after the access was turned off by its owner (old: `known_on` stayed
+/// true, keyed by the raw context handle).
+#[test]
+#[ignore = "needs 2 CUDA GPUs"]
+fn multi_gpu_peer_access_record_does_not_outlive_its_holders() {
+    let _g = serial();
+    let (a, b) = two_gpus();
+    let (sa, sb) = (a.default_stream(), b.default_stream());
+    let src = DeviceBuffer::<u8>::alloc_zeros(&sa, 4096).unwrap();
+    let mut dst = DeviceBuffer::<u8>::alloc_zeros(&sb, 4096).unwrap();
+    // "Someone else" enables context access; a PeerAccess then finds it on.
+    assert_eq!(raw_ctx_access(&b, &a, true), sys::CUresult::CUDA_SUCCESS);
+    let held = PeerAccess::enable(&b, &a).unwrap();
+    let r = plan_copy(&src.as_view(), &mut dst.as_view_mut(), &sb).unwrap();
+    assert_eq!(r.src_memory, MemoryKind::Legacy);
+    assert!(r.path.is_direct(), "{}", r.path);
+    drop(held);
+    // Its owner turns it off again: gpudirect must not still vouch for it.
+    assert_eq!(raw_ctx_access(&b, &a, false), sys::CUresult::CUDA_SUCCESS);
+    let r = plan_copy(&src.as_view(), &mut dst.as_view_mut(), &sb).unwrap();
+    assert!(
+        !r.path.is_direct(),
+        "a copy is reported direct on a record that outlived its holders: {}",
+        r.path
+    );
+    assert_eq!(
+        registry_state(&b, &a),
+        None,
+        "the record outlived its holders"
+    );
 }
 
 /// The calling thread's current CUDA context, raw (null: none).

@@ -291,8 +291,10 @@ pub fn copy_peer_with<T, Src: DevicePtr<T>, Dst: DevicePtrMut<T>>(
     opts: &CopyOptions,
 ) -> Result<CopyReport> {
     let _restore = crate::cuda::CurrentContext::save();
+    // No PeerAccess revokes the access this copy is planned with until it has run.
+    let _no_revocation = super::peer_access::no_revocation();
     // SAFETY: the stream is synchronized before returning, so the device is done with both
-    // buffers while the borrows are still held.
+    // buffers while the borrows are still held; no revocation happens meanwhile (above).
     let report = unsafe { copy_peer_async_with(src, dst, stream, opts) }?;
     stream
         .synchronize()
@@ -306,7 +308,11 @@ pub fn copy_peer_with<T, Src: DevicePtr<T>, Dst: DevicePtrMut<T>>(
 /// The device reads `src` and writes `dst` after this returns. Until `stream` has executed the
 /// copy (synchronize it, or order later work after it with an event): neither buffer may be
 /// freed (cudarc frees on its allocating stream, which is not ordered after `stream` when its
-/// context is not in multi-stream mode), and no other stream may write `src` or access `dst`.
+/// context is not in multi-stream mode), no other stream may write `src` or access `dst`, and
+/// the peer access the copy was planned with (the returned report's path) must stay granted:
+/// keep the [`PeerAccess`](super::PeerAccess) that grants it alive until the copy was enqueued
+/// (dropping the last holder afterwards is fine: it waits for the work queued in the
+/// accessor's context, `stream`'s, before revoking), and let no other code revoke it.
 pub unsafe fn copy_peer_async<T, Src: DevicePtr<T>, Dst: DevicePtrMut<T>>(
     src: &Src,
     dst: &mut Dst,

@@ -2,7 +2,7 @@
 //! process-wide reference count so two holders never revoke each other's access.
 
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock, RwLock, RwLockReadGuard, RwLockWriteGuard};
 
 use cudarc::driver::{sys, CudaContext};
 
@@ -16,14 +16,15 @@ type CtxKey = (usize, usize);
 /// A pool and the device granted access to it.
 type PoolKey = (usize, i32);
 
+/// A context grant with live holders. The entry exists only while a [`PeerAccess`] holds the
+/// grant (each holds both contexts' `Arc`, so neither context can be destroyed and its handle
+/// value reused meanwhile): gpudirect vouches for the access only then.
 #[derive(Debug, Default)]
 struct CtxEntry {
-    /// Live [`PeerAccess`] holders of this grant.
+    /// Live [`PeerAccess`] holders of this grant (at least 1).
     holders: usize,
     /// True when gpudirect enabled the access (and so disables it after the last holder).
     enabled_by_us: bool,
-    /// True while access is known to be on (ours, or revealed by `ALREADY_ENABLED`).
-    known_on: bool,
     accessor_ordinal: usize,
     owner_ordinal: usize,
 }
@@ -48,9 +49,24 @@ fn registry() -> MutexGuard<'static, Registry> {
         .unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
+/// Held (shared) by gpudirect's synchronous peer copies from before they look at the access
+/// until the copy has run, and by grants; (exclusive) by the revocation of a grant, so a
+/// revocation never lands under a copy, nor races a new grant of the same access. Lock order:
+/// this before the registry.
+static REVOKE: RwLock<()> = RwLock::new(());
+
+/// Shared hold of [`REVOKE`]: no revocation happens while it is held.
+pub(crate) fn no_revocation() -> RwLockReadGuard<'static, ()> {
+    REVOKE.read().unwrap_or_else(|p| p.into_inner())
+}
+
+fn revocation() -> RwLockWriteGuard<'static, ()> {
+    REVOKE.write().unwrap_or_else(|p| p.into_inner())
+}
+
 /// What gpudirect knows about context peer access from `accessor` to `owner` (raw context
-/// handles): `Some(true)` when on (granted by a [`PeerAccess`] or found already enabled),
-/// `None` when it has no record (CUDA has no query for it).
+/// handles): `Some(true)` while a [`PeerAccess`] holds it (granted, or found already enabled),
+/// `None` otherwise (CUDA has no query for it).
 pub(crate) fn context_access_known(
     accessor: sys::CUcontext,
     owner: sys::CUcontext,
@@ -58,7 +74,7 @@ pub(crate) fn context_access_known(
     let reg = registry();
     reg.ctx
         .get(&(accessor as usize, owner as usize))
-        .map(|e| e.known_on)
+        .map(|e| e.holders > 0)
 }
 
 /// One grant a [`PeerAccess`] holds.
@@ -87,7 +103,20 @@ enum Grant {
 /// Grants are reference-counted process-wide: two `PeerAccess` values for the same pair share
 /// the grant, and the last one dropped restores the state found before the first. Access that
 /// was already enabled by someone else (`CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED`) or already
-/// granted on the pool is left on.
+/// granted on the pool is left on, and so are pool access flags someone changed since gpudirect
+/// granted them.
+///
+/// # Revocation
+/// Dropping the last holder of a grant gpudirect made waits for gpudirect's own synchronous
+/// copies ([`copy_peer`](super::copy_peer)) and then for all work queued in the accessor's
+/// context (`cuCtxSynchronize`) before it revokes, so copies and kernels enqueued there before
+/// the drop finish with the access they were planned with. Work enqueued on the accessor's
+/// device after (or while) the last holder drops must not rely on the access.
+///
+/// The driver cannot tell gpudirect's grant from the same grant made later by another library
+/// (enabling an access that is already on changes nothing it reports). If other code in the
+/// process (NCCL, PyTorch) relies on the same peer access, keep a `PeerAccess` for as long as
+/// it does, or [`std::mem::forget`] one to leave the access on for the life of the process.
 ///
 /// ```no_run
 /// use gpudirect::p2p::PeerAccess;
@@ -205,6 +234,7 @@ impl PeerAccess {
             });
         }
         let key = (accessor.cu_ctx() as usize, owner.cu_ctx() as usize);
+        let _no_revocation = no_revocation();
         let mut reg = registry();
         let holders = reg.ctx.get(&key).map_or(0, |e| e.holders);
         let mut enabled_now = false;
@@ -222,7 +252,6 @@ impl PeerAccess {
         let entry = reg.ctx.entry(key).or_default();
         entry.accessor_ordinal = ao;
         entry.owner_ordinal = oo;
-        entry.known_on = true;
         if enabled_now {
             entry.enabled_by_us = true;
         }
@@ -243,6 +272,7 @@ impl PeerAccess {
     ) -> Result<()> {
         let dev = accessor.ordinal() as i32;
         let key = (pool as usize, dev);
+        let _no_revocation = no_revocation();
         let mut reg = registry();
         if let Some(e) = reg.pool.get_mut(&key) {
             e.holders += 1;
@@ -313,53 +343,116 @@ impl Drop for PeerAccess {
     }
 }
 
+/// Releases one hold of the context grant from `accessor` to `owner`; the last holder of a
+/// grant gpudirect made revokes it (see [`PeerAccess`]'s "Revocation").
 fn release_context(accessor: &Arc<CudaContext>, owner: &Arc<CudaContext>) {
     let key = (accessor.cu_ctx() as usize, owner.cu_ctx() as usize);
-    let mut reg = registry();
-    let Some(e) = reg.ctx.get_mut(&key) else {
-        tracing::warn!("gpudirect PeerAccess: no registry entry for a held context grant");
-        return;
-    };
-    e.holders = e.holders.saturating_sub(1);
-    if e.holders > 0 || !e.enabled_by_us {
-        return;
+    {
+        let mut reg = registry();
+        let Some(e) = reg.ctx.get_mut(&key) else {
+            tracing::warn!("gpudirect PeerAccess: no registry entry for a held context grant");
+            return;
+        };
+        if e.holders > 1 {
+            e.holders -= 1;
+            return;
+        }
+        if !e.enabled_by_us {
+            // Someone else's access: left on, and no longer vouched for.
+            reg.ctx.remove(&key);
+            return;
+        }
+    }
+    // The last hold of a grant gpudirect made: revoke it with no gpudirect copy or grant in
+    // progress (lock order: REVOKE, then the registry), after the accessor's queued work ran.
+    let _no_copies = revocation();
+    {
+        let mut reg = registry();
+        let Some(e) = reg.ctx.get_mut(&key) else {
+            return;
+        };
+        e.holders = e.holders.saturating_sub(1);
+        if e.holders > 0 {
+            return; // taken again meanwhile
+        }
+        reg.ctx.remove(&key);
     }
     let _current = match CurrentContext::bind(accessor) {
         Ok(c) => c,
         Err(err) => {
-            tracing::warn!(%err, "gpudirect PeerAccess: cannot bind context to revoke peer access");
+            tracing::warn!(%err, "gpudirect PeerAccess: cannot bind the context; peer access stays on");
             return;
         }
     };
-    // SAFETY: the accessor's context is current and the owner's context alive (Arc held).
-    match unsafe { r::ctx::disable_peer_access(owner.cu_ctx()) } {
-        Ok(()) => {
-            e.enabled_by_us = false;
-            e.known_on = false;
-        }
-        Err(err) => tracing::warn!(%err, "gpudirect PeerAccess: revoking peer access failed"),
+    if let Err(err) = accessor.synchronize() {
+        tracing::warn!(%err, "gpudirect PeerAccess: the accessor's context did not synchronise; peer access stays on rather than be revoked under queued work");
+        return;
+    }
+    // SAFETY: the accessor's context is current and the owner's context alive (Arc held); the
+    // accessor's queued work has finished and no gpudirect copy is in progress.
+    if let Err(err) = unsafe { r::ctx::disable_peer_access(owner.cu_ctx()) } {
+        tracing::warn!(%err, "gpudirect PeerAccess: revoking peer access failed");
     }
 }
 
+/// Releases one hold of `accessor`'s access to `pool`; the last holder restores the flags found
+/// before the first grant, unless they were already read/write or someone changed them since
+/// (see [`PeerAccess`]'s "Revocation").
 fn release_pool(accessor: &Arc<CudaContext>, pool: sys::CUmemoryPool) {
     let dev = accessor.ordinal() as i32;
     let key = (pool as usize, dev);
-    let mut reg = registry();
-    let Some(e) = reg.pool.get_mut(&key) else {
-        tracing::warn!("gpudirect PeerAccess: no registry entry for a held pool grant");
-        return;
+    {
+        let mut reg = registry();
+        let Some(e) = reg.pool.get_mut(&key) else {
+            tracing::warn!("gpudirect PeerAccess: no registry entry for a held pool grant");
+            return;
+        };
+        if e.holders > 1 {
+            e.holders -= 1;
+            return;
+        }
+        if e.previous == sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE {
+            reg.pool.remove(&key);
+            return;
+        }
+    }
+    let _no_copies = revocation();
+    let previous = {
+        let mut reg = registry();
+        let Some(e) = reg.pool.get_mut(&key) else {
+            return;
+        };
+        e.holders = e.holders.saturating_sub(1);
+        if e.holders > 0 {
+            return;
+        }
+        let previous = e.previous;
+        reg.pool.remove(&key);
+        previous
     };
-    e.holders = e.holders.saturating_sub(1);
-    if e.holders > 0 {
-        return;
-    }
-    let previous = e.previous;
-    reg.pool.remove(&key);
-    if previous == sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE {
-        return;
-    }
     // SAFETY: the pool is the owner's default pool or one the caller keeps alive for the
     // PeerAccess's lifetime (`with_pool`'s contract).
+    match unsafe { r::mem_pool::get_access(pool, dev) } {
+        Ok(sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE) => {}
+        Ok(other) => {
+            tracing::debug!(
+                ?other,
+                "gpudirect PeerAccess: pool access was changed since gpudirect granted it; left as it is"
+            );
+            return;
+        }
+        Err(err) => {
+            tracing::warn!(%err, "gpudirect PeerAccess: cannot read pool access; left as it is");
+            return;
+        }
+    }
+    let _current = CurrentContext::save();
+    if let Err(err) = accessor.synchronize() {
+        tracing::warn!(%err, "gpudirect PeerAccess: the accessor's context did not synchronise; pool access stays on rather than be revoked under queued work");
+        return;
+    }
+    // SAFETY: as above; the accessor's queued work has finished and no gpudirect copy is in
+    // progress.
     if let Err(err) = unsafe { r::mem_pool::set_access(pool, dev, previous) } {
         tracing::warn!(%err, "gpudirect PeerAccess: restoring pool access failed");
     }
