@@ -210,6 +210,8 @@ impl PairBench {
 
     /// a→b with raw `cuMemcpyPeerAsync` on b's stream, `iters` copies; GB/s.
     pub fn ce_raw(&mut self, iters: usize) -> Result<f64> {
+        // No PeerAccess revokes the access these copies rely on until they have run.
+        let _no_revocation = super::peer_access::no_revocation();
         let (s, d) = (dptr(&self.a_src), dptr(&self.b_dst));
         let (ca, cb, bytes) = (self.a.cu_ctx(), self.b.cu_ctx(), self.bytes);
         let sb = self.sb.clone();
@@ -223,6 +225,8 @@ impl PairBench {
 
     /// a→b with gpudirect's [`copy_peer_async`](super::copy_peer_async) on b's stream; GB/s.
     pub fn ce_gpudirect(&mut self, iters: usize) -> Result<f64> {
+        // No PeerAccess revokes the access these copies rely on until they have run.
+        let _no_revocation = super::peer_access::no_revocation();
         let sb = self.sb.clone();
         let (src, dst) = (&self.a_src, &mut self.b_dst);
         let ms = Self::timed(&sb, iters, || {
@@ -234,6 +238,8 @@ impl PairBench {
 
     /// a→b with cudarc's own `CudaStream::memcpy_dtod` on b's stream; GB/s.
     pub fn ce_cudarc(&mut self, iters: usize) -> Result<f64> {
+        // No PeerAccess revokes the access these copies rely on until they have run.
+        let _no_revocation = super::peer_access::no_revocation();
         let sb = self.sb.clone();
         let (src, dst) = (&self.a_src, &mut self.b_dst);
         let ms = Self::timed(&sb, iters, || {
@@ -246,6 +252,8 @@ impl PairBench {
     /// a→b and b→a at once, raw `cuMemcpyPeerAsync`, one stream per GPU (each destination pulls);
     /// returns (a→b, b→a) GB/s, each timed on its own stream (nvbandwidth's convention).
     pub fn ce_bidirectional_raw(&mut self, iters: usize) -> Result<(f64, f64)> {
+        // No PeerAccess revokes the access these copies rely on until they have run.
+        let _no_revocation = super::peer_access::no_revocation();
         let (a_src, b_dst) = (dptr(&self.a_src), dptr(&self.b_dst));
         let (b_src, a_dst) = (dptr(&self.b_src), dptr(&self.a_dst));
         let (ca, cb, bytes) = (self.a.cu_ctx(), self.b.cu_ctx(), self.bytes);
@@ -260,6 +268,8 @@ impl PairBench {
 
     /// [`PairBench::ce_bidirectional_raw`] through gpudirect's `copy_peer_async`.
     pub fn ce_bidirectional_gpudirect(&mut self, iters: usize) -> Result<(f64, f64)> {
+        // No PeerAccess revokes the access these copies rely on until they have run.
+        let _no_revocation = super::peer_access::no_revocation();
         let (sa, sb) = (self.sa.clone(), self.sb.clone());
         let PairBench {
             a_src,
@@ -326,6 +336,8 @@ impl PairBench {
     /// [`SmDirection::Write`] on a writing b's memory; GB/s. Needs peer access (a kernel touching
     /// inaccessible peer memory would fault): refused with [`Error::Unsupported`] without it.
     pub fn sm_copy(&mut self, dir: SmDirection, iters: usize) -> Result<f64> {
+        // No PeerAccess revokes the access these copies rely on until they have run.
+        let _no_revocation = super::peer_access::no_revocation();
         let (exec, remote, write) = match dir {
             SmDirection::Read => (self.b.clone(), &self.a_src, false),
             SmDirection::Write => (self.a.clone(), &self.b_dst, true),
@@ -364,6 +376,8 @@ impl PairBench {
     /// Average time of one 8-byte a→b `cuMemcpyPeerAsync`, back to back (issue-rate bound,
     /// like p2pBandwidthLatencyTest's CE latency), in microseconds.
     pub fn ce_latency_us(&mut self, iters: usize) -> Result<f64> {
+        // No PeerAccess revokes the access these copies rely on until they have run.
+        let _no_revocation = super::peer_access::no_revocation();
         let (s, d) = (dptr(&self.a_src), dptr(&self.b_dst));
         let (ca, cb) = (self.a.cu_ctx(), self.b.cu_ctx());
         let sb = self.sb.clone();
@@ -377,6 +391,8 @@ impl PairBench {
     /// Dependent 8-byte loads by one GPU-b thread through a random chain in GPU a's memory
     /// (nvbandwidth's `device_to_device_latency_sm`), in nanoseconds per load. Needs peer access.
     pub fn sm_latency_ns(&mut self, iters: usize) -> Result<f64> {
+        // No PeerAccess revokes the access these copies rely on until they have run.
+        let _no_revocation = super::peer_access::no_revocation();
         const STRIDE: usize = 512; // bytes between chain nodes
         let nodes = (self.bytes / STRIDE).clamp(2, 16384);
         let b = self.b.clone();

@@ -432,6 +432,8 @@ pub fn timed_copy_peer_with<T, Src: DevicePtr<T>, Dst: DevicePtrMut<T>>(
     opts: &CopyOptions,
 ) -> Result<TimedCopy> {
     let _restore = crate::cuda::CurrentContext::save();
+    // No PeerAccess revokes the access this copy is planned with until it has run.
+    let _no_revocation = super::peer_access::no_revocation();
     let ev = |s: &Arc<CudaStream>| {
         s.record_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT))
             .map_err(|e| Error::cuda("cuEventRecord", e))
