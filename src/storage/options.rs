@@ -203,7 +203,7 @@ impl GpuFileOptions {
                 truncate: self.truncate,
             },
         )?;
-        let (cufile, report) = decide_backend(self.backend, &cfg, path, self.write)?;
+        let (cufile, report) = decide_backend(self.backend, &cfg, path, &fds, self.write)?;
         Ok(GpuFile {
             fds: Arc::new(fds),
             cufile,

@@ -136,6 +136,17 @@ impl CuFileHandle {
         }
     }
 
+    /// [`register`](Self::register), with the reason O_DIRECT was refused for `file` when the
+    /// caller tried it (recorded in the path report).
+    pub(crate) fn register_file(
+        driver: Arc<Driver>,
+        file: File,
+        path: &FsPath,
+        o_direct_refused: Option<String>,
+    ) -> Result<CuFileHandle> {
+        Self::register_inner(driver, file, path, o_direct_refused)
+    }
+
     fn register_inner(
         driver: Arc<Driver>,
         file: File,
