@@ -208,12 +208,12 @@ pub fn device_attribute(ordinal: usize, attr: sys::CUdevice_attribute) -> Result
 mod tests {
     use super::*;
 
-    /// Our libcuda probe tries exactly the names cudarc's loader tries (test builds use cudarc's
-    /// dynamic loading, where its list exists), so "found" here means cudarc finds it too.
+    /// Our libcuda probe tries exactly the libcuda names cudarc's loader tries (test builds use
+    /// cudarc's dynamic loading, where its list exists), so "found" here means cudarc finds it.
     #[test]
     fn libcuda_candidates_are_cudarcs() {
         let mut theirs: Vec<String> = Vec::new();
-        for name in ["cuda", "nvcuda"]
+        for name in result::driver::LIBCUDA_NAMES
             .iter()
             .flat_map(|l| cudarc::get_lib_name_candidates(l))
         {

@@ -71,18 +71,27 @@ pub(crate) fn location_id(loc: &sys::CUmemLocation) -> i32 {
 pub(crate) mod driver {
     use super::*;
 
+    /// The library names cudarc's loader tries: "cuda", and on Windows also "nvcuda" (the
+    /// driver's name there; on Linux only libcuda exists, and listing libnvcuda* would double the
+    /// "tried" list every absence reports).
+    pub(crate) const LIBCUDA_NAMES: &[&str] = if cfg!(windows) {
+        &["cuda", "nvcuda"]
+    } else {
+        &["cuda"]
+    };
+
     /// The names cudarc's loader tries for libcuda, in its order and without repeats: its
-    /// `get_lib_name_candidates` for "cuda" and "nvcuda", rebuilt from [`sys::CUDA_VERSION`]
+    /// `get_lib_name_candidates` for [`LIBCUDA_NAMES`], rebuilt from [`sys::CUDA_VERSION`]
     /// because cudarc offers that function (and `is_culib_present`) only with `dynamic-loading`,
     /// while a program may build cudarc with `dynamic-linking` or `static-linking`. With dynamic
     /// loading, a name found here is one cudarc's loader finds too, so its first call cannot
-    /// panic.
+    /// panic (a subset of its names keeps that true).
     pub(crate) fn libcuda_candidates() -> Vec<String> {
         use std::env::consts::{DLL_PREFIX as P, DLL_SUFFIX as S};
         let (major, minor) = (sys::CUDA_VERSION / 1000, sys::CUDA_VERSION % 1000 / 10);
         let w = usize::BITS;
         let mut names: Vec<String> = Vec::new();
-        for lib in ["cuda", "nvcuda"] {
+        for lib in LIBCUDA_NAMES {
             for name in [
                 format!("{P}{lib}{S}"),
                 format!("{P}{lib}{w}{S}"),
