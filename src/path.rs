@@ -16,8 +16,10 @@ use crate::error::{Error, Result};
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
 #[non_exhaustive]
 #[allow(clippy::enum_variant_names)] // NvLink is the product name
+#[serde(rename_all = "snake_case")]
 pub enum Link {
     /// NVLink, with the number of links between the two GPUs when known.
+    #[serde(rename = "nvlink")]
     NvLink {
         /// Active NVLink links between the pair (0 when unknown).
         links: u32,
@@ -45,6 +47,7 @@ impl fmt::Display for Link {
 /// path is a fallback and comes with a [`Cause`] in a [`PathReport`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
 #[non_exhaustive]
+#[serde(rename_all = "snake_case")]
 pub enum Path {
     /// GPU↔GPU without the host, over the given link.
     PeerDirect {
@@ -56,6 +59,7 @@ pub enum Path {
     /// Storage↔GPU by DMA (nvidia-fs or the kernel's PCI P2PDMA): GPUDirect Storage proper.
     Gds,
     /// cuFile's own compatibility path: POSIX IO into cuFile's bounce buffers, then a copy.
+    #[serde(rename = "cufile_compat")]
     CuFileCompat,
     /// gpudirect's parallel POSIX engine: file IO into pinned host buffers, then a copy.
     Posix,
@@ -102,6 +106,7 @@ impl fmt::Display for Path {
 /// `Display` gives one lowercase sentence with the fix; [`Cause::fix`] gives the fix alone.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 #[non_exhaustive]
+#[serde(rename_all = "snake_case")]
 pub enum Cause {
     // ---- P2P -----------------------------------------------------------------------------
     /// The driver reports that these two devices cannot access each other.
@@ -138,6 +143,7 @@ pub enum Cause {
 
     // ---- Storage -------------------------------------------------------------------------
     /// libcufile cannot be loaded or its driver cannot be opened.
+    #[serde(rename = "cufile_unavailable")]
     CuFileUnavailable {
         /// Why.
         reason: String,
@@ -160,6 +166,7 @@ pub enum Cause {
         reason: String,
     },
     /// The registration of the file handle with cuFile failed for another reason.
+    #[serde(rename = "cufile_registration_failed")]
     CuFileRegistrationFailed {
         /// The cuFile status or errno text.
         reason: String,
@@ -385,6 +392,7 @@ impl fmt::Display for PathReport {
 
 /// What to do when a transfer would not take a direct path.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Default)]
+#[serde(rename_all = "snake_case")]
 pub enum FallbackPolicy {
     /// Fall back silently (the report still names the path and cause).
     Allow,

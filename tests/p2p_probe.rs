@@ -136,7 +136,7 @@ fn synthetic_topology_prints_like_nvidia_smi() {
     assert_eq!(p.link(), gpudirect::Link::NvLink { links: 18 });
     assert!((p.link_limit_gbps().unwrap() - 478.125).abs() < 1e-9);
     let json = serde_json::to_value(&t).unwrap();
-    assert_eq!(json["pairs"][0]["connection"]["NvLink"], 18);
+    assert_eq!(json["pairs"][0]["connection"]["nvlink"], 18);
     assert_eq!(json["devices"][1]["pci_bus_id"], "0000:2A:00.0");
 
     let mut unknown = t.clone();

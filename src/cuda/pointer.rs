@@ -17,6 +17,7 @@ use crate::path::Cause;
 /// How a device buffer was allocated, as the driver reports it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
 #[non_exhaustive]
+#[serde(rename_all = "snake_case")]
 pub enum MemoryKind {
     /// A stream-ordered memory pool (`cuMemAllocAsync`, cudarc's default allocator).
     Pool,

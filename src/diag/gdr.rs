@@ -1,36 +1,47 @@
 //! The doctor's GDR section: the GDR probe's findings per GPU and per GPU↔NIC pair.
 
 use super::{Report, Section, Status};
-use crate::rdma::probe::{DriverFlavour, GdrProbe, RdmaStatus};
+use crate::rdma::probe::{DriverFlavour, GdrLevel, GdrProbe, RdmaStatus};
 use crate::Cause;
 
 impl Report {
-    /// Runs the [`GdrProbe`] (never fails: each missing piece becomes a finding).
+    /// Runs the [`GdrProbe`] (never fails: each missing piece becomes a finding). The findings
+    /// come from the probe's data, not from its prose conclusions ([`GdrProbe::findings`]), so
+    /// nothing the CUDA or RDMA-device findings already say is said again, and nothing is
+    /// claimed that the probe did not try (it registers no GPU memory).
     pub fn check_gdr(&mut self) {
         let probe = GdrProbe::run();
         let s = Section::Gdr;
-        if probe.peer_memory.present() {
+        let pm = &probe.peer_memory;
+        if pm.nvidia_peermem.is_some() && pm.nv_mem.is_none() && pm.nv_mem_nc.is_none() {
             self.push(
                 s,
                 "peer-memory client",
-                Status::Ok,
-                probe.peer_memory.to_string(),
-                None,
+                Status::Absent,
+                format!("{pm}: nvidia_peermem is loaded but registered no memory_peers client (NCCL #1939)"),
+                Some(Cause::NoPeerMemoryClient.fix()),
             );
+        } else if pm.present() {
+            self.push(s, "peer-memory client", Status::Ok, pm.to_string(), None);
         } else {
             self.push(
                 s,
                 "peer-memory client",
                 Status::Absent,
                 format!(
-                    "{}: ibv_reg_mr on GPU memory fails with EFAULT",
-                    Cause::NoPeerMemoryClient
-                        .to_string()
-                        .split(';')
-                        .next()
-                        .unwrap_or("")
+                    "{}: neither nvidia_peermem, nv_peer_mem nor a memory_peers client is loaded, so only the dma-buf path can register GPU memory",
+                    Cause::NoPeerMemoryClient.what()
                 ),
                 Some(Cause::NoPeerMemoryClient.fix()),
+            );
+        }
+        if let Err(e) = GdrLevel::from_env() {
+            self.push(
+                s,
+                "GPU-NIC distance limit",
+                Status::Failed,
+                e.to_string(),
+                None,
             );
         }
         match &probe.driver {
@@ -122,7 +133,9 @@ impl Report {
                         Status::Ok,
                         format!(
                             "pci {} numa {}; {}",
-                            n.pci_bus_id.as_deref().unwrap_or("none (software device)"),
+                            n.pci_bus_id
+                                .as_deref()
+                                .unwrap_or("none (a software device: it moves host memory only)"),
                             n.numa_node.map_or("?".into(), |v| v.to_string()),
                             ports.join(", ")
                         ),
@@ -160,9 +173,6 @@ impl Report {
                     .fix()
                 }),
             );
-        }
-        for note in &probe.findings {
-            self.push(s, "note", Status::Ok, note.clone(), None);
         }
         self.gdr = Some(probe);
     }

@@ -26,7 +26,7 @@ impl Report {
             self.push(
                 Section::P2p,
                 "peers",
-                Status::Ok,
+                Status::Absent,
                 "one GPU: no peer to copy to",
                 None,
             );

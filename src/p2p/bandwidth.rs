@@ -26,6 +26,7 @@ const KERNELS_PTX: &str = include_str!("kernels.ptx");
 
 /// Which side of an SM copy runs the kernel.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
 pub enum SmDirection {
     /// The destination GPU's SMs read the source GPU's memory.
     Read,

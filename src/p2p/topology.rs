@@ -20,8 +20,10 @@ use crate::path::Link;
 /// How two GPUs are connected, in `nvidia-smi topo -m` terms.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
 #[non_exhaustive]
+#[serde(rename_all = "snake_case")]
 pub enum Connection {
     /// A bonded set of this many NVLinks (`NV#`).
+    #[serde(rename = "nvlink")]
     NvLink(u32),
     /// Through at most one PCIe bridge (`PIX`).
     Pix,
@@ -54,6 +56,7 @@ impl fmt::Display for Connection {
 /// One cell of `nvidia-smi topo -p2p r|w|n|a` (`nvmlDeviceGetP2PStatus`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
 #[non_exhaustive]
+#[serde(rename_all = "snake_case")]
 pub enum P2pState {
     /// `OK`.
     Ok,
@@ -100,6 +103,7 @@ pub struct NvmlP2p {
 
 /// Whether NVML could be used.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
 pub enum NvmlStatus {
     /// NVML loaded and initialised.
     Available {

@@ -32,6 +32,7 @@ pub const GDR_LEVEL_ENV: &str = "GPUDIRECT_GDR_LEVEL";
 
 /// How far apart two PCI devices are, in nvidia-smi / NCCL terms (ordered: nearer is smaller).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
+#[serde(rename_all = "snake_case")]
 pub enum PciDistance {
     /// The same device (only meaningful as a level: allow nothing but local).
     Loc,
@@ -219,6 +220,7 @@ impl fmt::Display for PeerMemoryClient {
 
 /// Which NVIDIA kernel module is loaded.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
 pub enum DriverFlavour {
     /// The open kernel module (dma-buf export works, R515+).
     Open,
@@ -323,6 +325,7 @@ pub struct RdmaDeviceInfo {
 
 /// Whether this kernel has RDMA at all.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
 pub enum RdmaStatus {
     /// No RDMA subsystem in this kernel (what `ibv_get_device_list` reports as ENOSYS).
     NoSubsystem {
@@ -374,7 +377,9 @@ pub struct GdrProbe {
     pub gdr_level: GdrLevel,
     /// Every GPU × NIC pair.
     pub pairs: Vec<GdrPair>,
-    /// Conclusions, one line each, with what to do.
+    /// Conclusions, one line each, with what to do. Not serialized: they restate the fields
+    /// above in prose, and the doctor's JSON states each fact once (as its own findings).
+    #[serde(skip_serializing)]
     pub findings: Vec<String>,
 }
 
