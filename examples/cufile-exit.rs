@@ -68,7 +68,37 @@ fn random(n: usize) -> Vec<u8> {
     v
 }
 
-fn main() -> Res<()> {
+const USAGE: &str = "\
+usage: cufile-exit
+
+Does a process that used cuFile exit cleanly? Opens the cuFile driver on GPU 0, registers a file
+and moves bytes, then returns from main: exit status 0 is a clean exit, 139 the crash.
+GPUDIRECT_CUFILE_EXIT_STRATEGY: none, retain-ctx (default), close-at-exit, close-in-main or
+leak-all. GPUDIRECT_CUFILE_EXIT_WORKLOAD: open, stats, io (default) or thread. Needs a CUDA GPU
+and libcufile (GPUDIRECT_CUFILE_LIB); without them it prints why and exits 0.";
+
+fn main() -> std::process::ExitCode {
+    match std::env::args().nth(1).as_deref() {
+        None => {}
+        Some("-h" | "--help") => {
+            println!("{USAGE}");
+            return std::process::ExitCode::SUCCESS;
+        }
+        Some(other) => {
+            eprintln!("cufile-exit: unexpected argument {other}\n\n{USAGE}");
+            return std::process::ExitCode::from(64);
+        }
+    }
+    match run() {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("cufile-exit: {e}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+fn run() -> Res<()> {
     let (name, strategy) = strategy()?;
     let workload = std::env::var("GPUDIRECT_CUFILE_EXIT_WORKLOAD").unwrap_or_else(|_| "io".into());
     if !matches!(workload.as_str(), "open" | "stats" | "io" | "thread") {

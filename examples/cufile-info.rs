@@ -20,7 +20,36 @@ use gpudirect::storage::cufile::{
     classify_registration_failure, filesystem_type, library_version, CuFileHandle, Driver, OpenMode,
 };
 
-fn main() -> Result<(), Box<dyn std::error::Error>> {
+const USAGE: &str = "\
+usage: cufile-info
+
+Prints the libcufile gpudirect loads (path, cuFileGetVersion, symbols it lacks), the cuFile
+driver's properties, and whether a scratch file in GPUDIRECT_TEST_DIR (default: the temp dir)
+registers with cuFile (the path its IO would take, or why not). GPUDIRECT_CUFILE_LIB names the
+library. Without libcufile, libcuda or a GPU it prints why and exits 0.";
+
+fn main() -> std::process::ExitCode {
+    match std::env::args().nth(1).as_deref() {
+        None => {}
+        Some("-h" | "--help") => {
+            println!("{USAGE}");
+            return std::process::ExitCode::SUCCESS;
+        }
+        Some(other) => {
+            eprintln!("cufile-info: unexpected argument {other}\n\n{USAGE}");
+            return std::process::ExitCode::from(64);
+        }
+    }
+    match run() {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("cufile-info: {e}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+fn run() -> Result<(), Box<dyn std::error::Error>> {
     match sys::library() {
         Ok(lib) => {
             println!("libcufile: {}", lib.path().display());

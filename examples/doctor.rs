@@ -25,6 +25,16 @@ use std::process::ExitCode;
 
 use gpudirect::diag::Report;
 
+const USAGE: &str = "\
+usage: doctor [--json] [--quick] [--require-direct] [--dir PATH] [--withhold-peer-access]
+
+Says whether GPUDirect (P2P, RDMA, Storage) works on this machine, and why not: every finding
+with its cause and fix, then a summary of the fallbacks. --json prints the report as JSON
+(schema_version 1), --quick skips the measurements, --require-direct exits 2 if any path falls
+back, --dir is where to test file registration (default: .), --withhold-peer-access shows the
+staged P2P path. Exit codes: 0 report printed, 1 a check failed on present hardware,
+2 --require-direct and a fallback, 64 bad command line.";
+
 struct Options {
     json: bool,
     quick: bool,
@@ -50,7 +60,7 @@ fn parse() -> Result<Options, String> {
             "--withhold-peer-access" => o.withhold_peer_access = true,
             "--dir" => o.dir = args.next().ok_or("--dir needs a path")?.into(),
             "-h" | "--help" => {
-                println!("usage: doctor [--json] [--quick] [--require-direct] [--dir PATH] [--withhold-peer-access]");
+                println!("{USAGE}");
                 std::process::exit(0);
             }
             other => return Err(format!("unknown argument {other}")),
@@ -63,7 +73,7 @@ fn main() -> ExitCode {
     let opts = match parse() {
         Ok(o) => o,
         Err(e) => {
-            eprintln!("doctor: {e}");
+            eprintln!("doctor: {e}\n\n{USAGE}");
             return ExitCode::from(64);
         }
     };

@@ -6,15 +6,48 @@
 //!
 //! `cargo run --release --example p2p-copy [MiB]` (default 256 MiB)
 
+use std::process::ExitCode;
+
 use gpudirect::p2p::{timed_copy_peer_with, CopyOptions, PeerAccess, Topology};
 use gpudirect::FallbackPolicy;
 
-fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let mib: usize = std::env::args()
-        .nth(1)
-        .map(|s| s.parse())
-        .transpose()?
-        .unwrap_or(256);
+const USAGE: &str = "\
+usage: p2p-copy [MIB]
+
+Copies MIB (default 256) of cudarc buffers GPU0 -> GPU1, first without peer access (staged
+through host memory), then holding a PeerAccess (direct), each timed, with the path each copy
+reports; prints the topology first. Without two GPUs it prints what it found and exits 0.";
+
+fn main() -> ExitCode {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    if args.iter().any(|a| a == "-h" || a == "--help") {
+        println!("{USAGE}");
+        return ExitCode::SUCCESS;
+    }
+    let mib = match args.as_slice() {
+        [] => 256,
+        [a] => match a.parse::<usize>() {
+            Ok(v) if v > 0 => v,
+            _ => {
+                eprintln!("p2p-copy: {a:?} is not a positive number of MiB\n\n{USAGE}");
+                return ExitCode::from(64);
+            }
+        },
+        _ => {
+            eprintln!("p2p-copy: too many arguments\n\n{USAGE}");
+            return ExitCode::from(64);
+        }
+    };
+    match run(mib) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("p2p-copy: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn run(mib: usize) -> Result<(), Box<dyn std::error::Error>> {
     let topo = match Topology::probe() {
         Ok(t) => t,
         Err(e) => {

@@ -29,7 +29,17 @@ struct Args {
     token: String,
 }
 
-fn parse() -> Result<Args, String> {
+const USAGE: &str = "\
+usage: rdma-pingpong [--bind IP] [--dev NAME] [--gid-index N] [--port P] [--iters N]
+                     [--size BYTES] [--token T] [SERVER_IP]
+
+Bounces a message between two processes over RC queue pairs with SEND/RECV, checking every
+byte, like ibv_rc_pingpong: without SERVER_IP it serves on --bind (default 127.0.0.1), with it
+it connects. Defaults: --port 18515, --iters 1000, --size 4096, --token $GPUDIRECT_RDMA_TOKEN
+or gpudirect-pingpong. Without an RDMA device it says why and exits 0.";
+
+/// The parsed command line, or `None` when it asked for the usage text.
+fn parse() -> Result<Option<Args>, String> {
     let mut a = Args {
         server: None,
         bind: "127.0.0.1".into(),
@@ -49,12 +59,14 @@ fn parse() -> Result<Args, String> {
         match x.as_str() {
             "--bind" => a.bind = val()?,
             "--dev" => a.dev = Some(val()?),
-            "--gid-index" => a.gid_index = Some(val()?.parse().map_err(|e| format!("--gid-index: {e}"))?),
+            "--gid-index" => {
+                a.gid_index = Some(val()?.parse().map_err(|e| format!("--gid-index: {e}"))?)
+            }
             "--port" => a.port = val()?.parse().map_err(|e| format!("--port: {e}"))?,
             "--iters" => a.iters = val()?.parse().map_err(|e| format!("--iters: {e}"))?,
             "--size" => a.size = val()?.parse().map_err(|e| format!("--size: {e}"))?,
             "--token" => a.token = val()?,
-            "-h" | "--help" => return Err("usage: rdma-pingpong [--bind IP] [--dev NAME] [--gid-index N] [--port P] [--iters N] [--size BYTES] [--token T] [SERVER_IP]".into()),
+            "-h" | "--help" => return Ok(None),
             s if !s.starts_with('-') => a.server = Some(s.to_string()),
             s => return Err(format!("unknown option {s}")),
         }
@@ -62,11 +74,31 @@ fn parse() -> Result<Args, String> {
     if a.size == 0 {
         return Err("--size must be at least 1".into());
     }
-    Ok(a)
+    Ok(Some(a))
 }
 
-fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let args = parse()?;
+fn main() -> std::process::ExitCode {
+    let args = match parse() {
+        Ok(Some(a)) => a,
+        Ok(None) => {
+            println!("{USAGE}");
+            return std::process::ExitCode::SUCCESS;
+        }
+        Err(msg) => {
+            eprintln!("rdma-pingpong: {msg}\n\n{USAGE}");
+            return std::process::ExitCode::from(64);
+        }
+    };
+    match run(args) {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("rdma-pingpong: {e}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+fn run(args: Args) -> Result<(), Box<dyn std::error::Error>> {
     let ctx = match &args.dev {
         Some(d) => Context::open(d),
         None => Context::open_first(),

@@ -51,7 +51,20 @@ struct Args {
     token: String,
 }
 
-fn parse_args() -> std::result::Result<Args, String> {
+const USAGE: &str = "\
+usage: rdma-write-bw [--dev NAME] [--gid-index N] [--port P] [--sizes A,B,..] [--iters N]
+                     [--tx-depth N] [--cq-mod N] [--use-cuda DEV] [--verify] [--bind ADDR]
+                     [--token T] [--loopback | SERVER]
+
+RDMA WRITE bandwidth like perftest's ib_write_bw: without SERVER it serves (listening on
+--bind, default 127.0.0.1), with SERVER it writes to it, with --loopback it runs both sides in
+one process. --use-cuda DEV puts the buffers in GPU memory (dma-buf, else peermem). Defaults:
+--sizes 65536, --iters 1000, --tx-depth 128, --cq-mod 100, --port 18515, --token
+$GPUDIRECT_EXCHANGE_TOKEN or rdma-write-bw. Without an RDMA device it says what is missing
+and exits 0.";
+
+/// The parsed command line, or `None` when it asked for the usage text.
+fn parse_args() -> std::result::Result<Option<Args>, String> {
     let mut a = Args {
         server: None,
         dev: std::env::var("GPUDIRECT_RDMA_DEV").ok(),
@@ -75,30 +88,52 @@ fn parse_args() -> std::result::Result<Args, String> {
         match arg.as_str() {
             "--dev" | "-d" => a.dev = Some(val("--dev")?),
             "--gid-index" | "-x" => {
-                a.gid_index = Some(val("--gid-index")?.parse().map_err(|e| format!("--gid-index: {e}"))?)
+                a.gid_index = Some(
+                    val("--gid-index")?
+                        .parse()
+                        .map_err(|e| format!("--gid-index: {e}"))?,
+                )
             }
-            "--port" | "-p" => a.port = val("--port")?.parse().map_err(|e| format!("--port: {e}"))?,
+            "--port" | "-p" => {
+                a.port = val("--port")?.parse().map_err(|e| format!("--port: {e}"))?
+            }
             "--sizes" | "-s" => {
                 a.sizes = val("--sizes")?
                     .split(',')
-                    .map(|s| s.trim().parse::<usize>().map_err(|e| format!("--sizes {s}: {e}")))
+                    .map(|s| {
+                        s.trim()
+                            .parse::<usize>()
+                            .map_err(|e| format!("--sizes {s}: {e}"))
+                    })
                     .collect::<std::result::Result<_, _>>()?
             }
-            "--iters" | "-n" => a.iters = val("--iters")?.parse().map_err(|e| format!("--iters: {e}"))?,
-            "--tx-depth" | "-t" => {
-                a.tx_depth = val("--tx-depth")?.parse().map_err(|e| format!("--tx-depth: {e}"))?
+            "--iters" | "-n" => {
+                a.iters = val("--iters")?
+                    .parse()
+                    .map_err(|e| format!("--iters: {e}"))?
             }
-            "--cq-mod" | "-Q" => a.cq_mod = val("--cq-mod")?.parse().map_err(|e| format!("--cq-mod: {e}"))?,
+            "--tx-depth" | "-t" => {
+                a.tx_depth = val("--tx-depth")?
+                    .parse()
+                    .map_err(|e| format!("--tx-depth: {e}"))?
+            }
+            "--cq-mod" | "-Q" => {
+                a.cq_mod = val("--cq-mod")?
+                    .parse()
+                    .map_err(|e| format!("--cq-mod: {e}"))?
+            }
             "--use-cuda" => {
-                a.use_cuda = Some(val("--use-cuda")?.parse().map_err(|e| format!("--use-cuda: {e}"))?)
+                a.use_cuda = Some(
+                    val("--use-cuda")?
+                        .parse()
+                        .map_err(|e| format!("--use-cuda: {e}"))?,
+                )
             }
             "--bind" => a.bind = val("--bind")?,
             "--token" => a.token = val("--token")?,
             "--loopback" => a.loopback = true,
             "--verify" => a.verify = true,
-            "--help" | "-h" => {
-                return Err("usage: rdma-write-bw [--dev NAME] [--gid-index N] [--port P] [--sizes A,B] [--iters N] [--tx-depth N] [--cq-mod N] [--use-cuda DEV] [--verify] [--bind ADDR] [--token T] [--loopback | SERVER]".into())
-            }
+            "--help" | "-h" => return Ok(None),
             s if !s.starts_with('-') && a.server.is_none() => a.server = Some(s.to_string()),
             s => return Err(format!("unknown argument {s} (try --help)")),
         }
@@ -112,7 +147,7 @@ fn parse_args() -> std::result::Result<Args, String> {
     }
     // an unsignaled run longer than the send queue would never complete (perftest clamps too)
     a.cq_mod = a.cq_mod.min(a.tx_depth);
-    Ok(a)
+    Ok(Some(a))
 }
 
 /// The message buffer: host memory, or GPU memory registered for GPUDirect RDMA.
@@ -535,12 +570,16 @@ fn gpu_half(dev: usize) {
     }
 }
 
-fn main() -> std::result::Result<(), Box<dyn std::error::Error>> {
+fn main() -> std::process::ExitCode {
     let a = match parse_args() {
-        Ok(a) => a,
+        Ok(Some(a)) => a,
+        Ok(None) => {
+            println!("{USAGE}");
+            return std::process::ExitCode::SUCCESS;
+        }
         Err(msg) => {
-            eprintln!("{msg}");
-            std::process::exit(2);
+            eprintln!("rdma-write-bw: {msg}\n\n{USAGE}");
+            return std::process::ExitCode::from(64);
         }
     };
     let r = if a.loopback {
@@ -551,7 +590,7 @@ fn main() -> std::result::Result<(), Box<dyn std::error::Error>> {
         server(&a)
     };
     match r {
-        Ok(()) => Ok(()),
+        Ok(()) => std::process::ExitCode::SUCCESS,
         Err(e) if e.is_absence() => {
             // The hardware (or a direct path to it) is not here: say what is missing and why.
             println!("rdma-write-bw: cannot run here: {e}");
@@ -559,8 +598,11 @@ fn main() -> std::result::Result<(), Box<dyn std::error::Error>> {
                 gpu_half(dev);
                 println!("rdma-write-bw: GPU buffers need an RDMA device plus a dma-buf- or peermem-capable path to the GPU (the GDR probe says which: cargo run --example doctor)");
             }
-            Ok(())
+            std::process::ExitCode::SUCCESS
         }
-        Err(e) => Err(e.into()),
+        Err(e) => {
+            eprintln!("rdma-write-bw: {e}");
+            std::process::ExitCode::FAILURE
+        }
     }
 }

@@ -8,11 +8,40 @@
 //!     cargo run --release --example read-file-to-gpu [-- PATH]
 
 use std::io::Read;
+use std::process::ExitCode;
 use std::time::Instant;
 
-fn main() -> gpudirect::Result<()> {
-    let (path, made) = match std::env::args().nth(1) {
-        Some(p) => (std::path::PathBuf::from(p), false),
+const USAGE: &str = "\
+usage: read-file-to-gpu [PATH]
+
+Reads PATH into GPU 0 and prints the path the bytes took (GPUDirect Storage, cuFile's compat
+path or gpudirect's POSIX engine, with why), then checks every byte. Without PATH it writes a
+256 MiB random file under GPUDIRECT_TEST_DIR (default: the temp dir) and removes it afterwards.
+Without a GPU it reads into host memory through the same engine and says so.";
+
+fn main() -> ExitCode {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    if args.iter().any(|a| a == "-h" || a == "--help") {
+        println!("{USAGE}");
+        return ExitCode::SUCCESS;
+    }
+    if let Some(bad) = args.iter().find(|a| a.starts_with('-')).or(args.get(1)) {
+        eprintln!("read-file-to-gpu: unexpected argument {bad}\n\n{USAGE}");
+        return ExitCode::from(64);
+    }
+    let path = args.into_iter().next().map(std::path::PathBuf::from);
+    match run(path) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("read-file-to-gpu: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn run(path: Option<std::path::PathBuf>) -> gpudirect::Result<()> {
+    let (path, made) = match path {
+        Some(p) => (p, false),
         None => (make_sample()?, true),
     };
     match gpudirect::cuda::context(0) {

@@ -6,11 +6,40 @@
 //!
 //!     cargo run --release --example write-gpu-to-file [-- PATH]
 
+use std::process::ExitCode;
 use std::time::Instant;
 
 use gpudirect::storage::GpuFile;
 
-fn main() -> gpudirect::Result<()> {
+const USAGE: &str = "\
+usage: write-gpu-to-file [PATH]
+
+Writes 256 MiB + 1 byte of random data from GPU 0 to PATH durably (fsync before returning),
+prints the path the bytes took and checks the file byte for byte. Without PATH it writes a
+file under GPUDIRECT_TEST_DIR (default: the temp dir) and removes it afterwards. Without a GPU
+it says so and exits 0.";
+
+fn main() -> ExitCode {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    if args.iter().any(|a| a == "-h" || a == "--help") {
+        println!("{USAGE}");
+        return ExitCode::SUCCESS;
+    }
+    if let Some(bad) = args.iter().find(|a| a.starts_with('-')).or(args.get(1)) {
+        eprintln!("write-gpu-to-file: unexpected argument {bad}\n\n{USAGE}");
+        return ExitCode::from(64);
+    }
+    let arg = args.into_iter().next();
+    match run(arg) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("write-gpu-to-file: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn run(arg: Option<String>) -> gpudirect::Result<()> {
     let ctx = match gpudirect::cuda::context(0) {
         Ok(c) => c,
         Err(e) => {
@@ -18,7 +47,6 @@ fn main() -> gpudirect::Result<()> {
             return Ok(());
         }
     };
-    let arg = std::env::args().nth(1);
     let path = arg
         .clone()
         .map(std::path::PathBuf::from)
