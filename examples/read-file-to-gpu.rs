@@ -49,7 +49,7 @@ fn run(path: Option<std::path::PathBuf>) -> gpudirect::Result<()> {
             // The three lines:
             let stream = ctx.default_stream();
             let t0 = Instant::now();
-            let (buf, report) = gpudirect::storage::read_to_gpu(&path, &stream)?;
+            let (buf, report) = gpudirect::storage::read_to_gpu::<u8>(&path, &stream)?;
             let secs = t0.elapsed().as_secs_f64();
             println!(
                 "read {} ({} bytes) into GPU 0 in {:.1} ms ({:.2} GB/s) -- first call: includes \

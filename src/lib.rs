@@ -19,7 +19,7 @@
 //! ```no_run
 //! # fn main() -> gpudirect::Result<()> {
 //! let stream = gpudirect::cuda::context(0)?.default_stream();
-//! let (weights, report) = gpudirect::storage::read_to_gpu("model.safetensors", &stream)?;
+//! let (weights, report) = gpudirect::storage::read_to_gpu::<u8>("model.safetensors", &stream)?;
 //! println!("{} bytes via {}", weights.len(), report.path); // e.g. "... via gpudirect POSIX engine (…) (because …)"
 //! # Ok(()) }
 //! ```

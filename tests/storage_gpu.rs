@@ -206,7 +206,7 @@ fn gpu_storage_read_to_gpu_reads_a_whole_file() {
     assert!(to_host(&stream, &buf) == model);
     let e = d.join("empty.bin");
     std::fs::write(&e, b"").unwrap();
-    let (buf, r) = read_to_gpu(&e, &stream).unwrap();
+    let (buf, r) = read_to_gpu::<u8>(&e, &stream).unwrap();
     assert_eq!((buf.len(), r.bytes), (0, 0));
     std::fs::remove_dir_all(&d).unwrap();
 }

@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use cudarc::driver::{
-    CudaSlice, CudaStream, CudaView, CudaViewMut, DevicePtr, DevicePtrMut, DeviceSlice,
+    CudaSlice, CudaStream, CudaView, CudaViewMut, DevicePtr, DevicePtrMut, DeviceRepr, DeviceSlice,
 };
 use serde::Serialize;
 
@@ -16,6 +16,7 @@ use super::engine::io::{self, Fds};
 use super::engine::plan::{plan, Dir};
 use super::engine::{self, small, Job, SegParams, Target};
 use super::options::GpuFileOptions;
+use crate::cuda::AnyBitPattern;
 use crate::error::{Error, Result};
 use crate::path::{Cause, FallbackPolicy, Path, PathReport};
 use crate::storage::cufile::CuFileHandle;
@@ -46,46 +47,88 @@ impl std::fmt::Display for IoReport {
     }
 }
 
-/// Device memory a read can land in: [`CudaSlice<u8>`] and [`CudaViewMut<u8>`].
+/// Device memory a read can land in: [`CudaSlice<T>`] and [`CudaViewMut<T>`] for any element
+/// type that accepts any bit pattern ([`AnyBitPattern`]: integers and floats; not `bool`).
+///
+/// Lengths are in bytes (`len × size_of::<T>()`); a read that would end inside an element (the
+/// file ends there) is refused before any byte moves.
 pub trait DeviceDst {
+    /// The element type.
+    type Elem: AnyBitPattern;
     /// A mutable view of the whole buffer.
-    fn as_dst(&mut self) -> CudaViewMut<'_, u8>;
+    fn as_dst(&mut self) -> CudaViewMut<'_, Self::Elem>;
 }
 
-impl DeviceDst for CudaSlice<u8> {
-    fn as_dst(&mut self) -> CudaViewMut<'_, u8> {
+impl<T: AnyBitPattern> DeviceDst for CudaSlice<T> {
+    type Elem = T;
+    fn as_dst(&mut self) -> CudaViewMut<'_, T> {
         self.as_view_mut()
     }
 }
 
-impl DeviceDst for CudaViewMut<'_, u8> {
-    fn as_dst(&mut self) -> CudaViewMut<'_, u8> {
+impl<T: AnyBitPattern> DeviceDst for CudaViewMut<'_, T> {
+    type Elem = T;
+    fn as_dst(&mut self) -> CudaViewMut<'_, T> {
         self.slice_mut(..)
     }
 }
 
-/// Device memory a write can come from: [`CudaSlice<u8>`], [`CudaView<u8>`],
-/// [`CudaViewMut<u8>`].
+/// Device memory a write can come from: [`CudaSlice<T>`], [`CudaView<T>`], [`CudaViewMut<T>`]
+/// for any `T: DeviceRepr` (its bytes are written as they are in device memory).
 pub trait DeviceSrc {
+    /// The element type.
+    type Elem: DeviceRepr;
     /// A view of the whole buffer.
-    fn as_src(&self) -> CudaView<'_, u8>;
+    fn as_src(&self) -> CudaView<'_, Self::Elem>;
 }
 
-impl DeviceSrc for CudaSlice<u8> {
-    fn as_src(&self) -> CudaView<'_, u8> {
+impl<T: DeviceRepr> DeviceSrc for CudaSlice<T> {
+    type Elem = T;
+    fn as_src(&self) -> CudaView<'_, T> {
         self.as_view()
     }
 }
 
-impl DeviceSrc for CudaView<'_, u8> {
-    fn as_src(&self) -> CudaView<'_, u8> {
+impl<T: DeviceRepr> DeviceSrc for CudaView<'_, T> {
+    type Elem = T;
+    fn as_src(&self) -> CudaView<'_, T> {
         self.slice(..)
     }
 }
 
-impl DeviceSrc for CudaViewMut<'_, u8> {
-    fn as_src(&self) -> CudaView<'_, u8> {
+impl<T: DeviceRepr> DeviceSrc for CudaViewMut<'_, T> {
+    type Elem = T;
+    fn as_src(&self) -> CudaView<'_, T> {
         self.as_view()
+    }
+}
+
+/// The bytes of a typed destination view.
+pub(super) fn dst_bytes<'b, T: AnyBitPattern>(
+    v: &'b mut CudaViewMut<'_, T>,
+) -> CudaViewMut<'b, u8> {
+    let n = v.num_bytes();
+    // SAFETY: the bytes of the view's memory, exactly (n = len × size_of::<T>()); any bytes
+    // written there form valid `T`s (AnyBitPattern), and the view keeps the exclusive borrow.
+    unsafe { v.transmute_mut::<u8>(n) }.expect("a view's bytes fit the view")
+}
+
+/// The bytes of a typed source view.
+pub(super) fn src_bytes<'b, T: DeviceRepr>(v: &'b CudaView<'_, T>) -> CudaView<'b, u8> {
+    let n = v.num_bytes();
+    // SAFETY: the bytes of the view's memory, exactly; they are only read (copied to a file),
+    // and every bit pattern is a valid `u8`.
+    unsafe { v.transmute::<u8>(n) }.expect("a view's bytes fit the view")
+}
+
+/// Element size of `T`, refusing zero-sized element types.
+pub(super) fn elem_size<T>() -> Result<usize> {
+    match std::mem::size_of::<T>() {
+        0 => Err(Error::InvalidArgument(format!(
+            "{} has no size: use an element type of at least one byte",
+            std::any::type_name::<T>()
+        ))),
+        n => Ok(n),
     }
 }
 
@@ -102,7 +145,9 @@ impl DeviceSrc for CudaViewMut<'_, u8> {
 /// # End of file
 /// A read stops at end of file and reports the bytes it moved ([`IoReport::bytes`]); bytes of
 /// the buffer past that are left as they were. A read at or past end of file moves 0 bytes.
-/// [`GpuFile::read_exact_to_device`] turns a short read into an error.
+/// [`GpuFile::read_exact_to_device`] turns a short read into an error. A file whose `fstat`
+/// size is 0 but that has content (`/proc`, sysfs, some FUSE filesystems) is read to its end
+/// (through host memory, on the calling thread) instead of being taken as empty.
 ///
 /// # Thread safety
 /// `GpuFile` is `Send + Sync`; concurrent calls are allowed (the engine runs one transfer at a
@@ -295,13 +340,103 @@ impl GpuFile {
         self.fds.direct().is_some() && self.cfg.odirect_write != ODirect::Off
     }
 
-    /// Bytes a read of `len` at `off` can move before end of file.
-    fn readable(&self, off: u64, len: usize) -> Result<usize> {
+    /// [`readable`](Self::readable), refusing a read that would end inside an element of
+    /// `esz` bytes (the file ends there). `None`: the file's size is unknown (read to EOF).
+    fn readable_whole(&self, off: u64, len: usize, esz: usize) -> Result<Option<usize>> {
+        let Some(n) = self.readable(off, len)? else {
+            return Ok(None);
+        };
+        self.whole_elements(off, n, len, esz)?;
+        Ok(Some(n))
+    }
+
+    /// Refuses `n` readable bytes of `len` asked when they end inside an element of `esz`.
+    fn whole_elements(&self, off: u64, n: usize, len: usize, esz: usize) -> Result<()> {
+        if n < len && !n.is_multiple_of(esz) {
+            return Err(self.fds.err(
+                "read",
+                std::io::Error::new(
+                    std::io::ErrorKind::InvalidData,
+                    format!("the file ends {n} bytes after offset {off}, inside a {esz}-byte element: read whole elements (a buffer of {} elements) or a file whose length is a multiple of {esz}", n / esz),
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Bytes a read of `len` at `off` can move before end of file. `None` when the file's size
+    /// is unknown: `fstat` says 0 but a byte exists at `off` (`/proc`, sysfs, some FUSE
+    /// filesystems), so the read must go on to end of file instead of trusting the size.
+    fn readable(&self, off: u64, len: usize) -> Result<Option<usize>> {
         let size = self.fds.size()?;
-        Ok(if off >= size {
+        if size == 0 && len > 0 {
+            let mut probe = 0u8;
+            // SAFETY: one byte of our stack.
+            let got = unsafe { io::pread_full(&self.fds.buffered, &mut probe, 1, off) }
+                .map_err(|e| self.fds.err("pread", e))?;
+            if got == 1 {
+                return Ok(None);
+            }
+        }
+        Ok(Some(if off >= size {
             0
         } else {
             len.min((size - off).min(usize::MAX as u64) as usize)
+        }))
+    }
+
+    /// Reads a file of unknown size (see [`readable`](Self::readable)) from `off` into host
+    /// memory, on the calling thread, until `len` bytes or end of file.
+    fn read_unsized(&self, off: u64, len: usize) -> Result<Vec<u8>> {
+        let mut out = Vec::new();
+        let mut pos = off;
+        while out.len() < len {
+            let chunk = (len - out.len()).min(1 << 20);
+            let at = out.len();
+            out.resize(at + chunk, 0);
+            // SAFETY: out[at..at + chunk] is initialized and ours.
+            let n =
+                unsafe { io::pread_full(&self.fds.buffered, out.as_mut_ptr().add(at), chunk, pos) }
+                    .map_err(|e| self.fds.err("pread", e))?;
+            out.truncate(at + n);
+            if n < chunk {
+                break;
+            }
+            pos += n as u64;
+        }
+        Ok(out)
+    }
+
+    /// Copies `bytes` into the start of `view` and waits for the copy.
+    fn upload(view: &mut CudaViewMut<'_, u8>, bytes: &[u8]) -> Result<()> {
+        if bytes.is_empty() {
+            return Ok(());
+        }
+        let stream = view.stream().clone();
+        stream
+            .memcpy_htod(bytes, &mut view.slice_mut(..bytes.len()))
+            .map_err(|e| Error::cuda("cuMemcpyHtoDAsync", e))?;
+        stream
+            .synchronize()
+            .map_err(|e| Error::cuda("cuStreamSynchronize", e))
+    }
+
+    /// A read of a file of unknown size into `view`: to end of file through host memory.
+    fn read_unsized_to_device(
+        &self,
+        view: &mut CudaViewMut<'_, u8>,
+        off: u64,
+        esz: usize,
+        path: PathReport,
+    ) -> Result<IoReport> {
+        let len = view.len();
+        let bytes = self.read_unsized(off, len)?;
+        self.whole_elements(off, bytes.len(), len, esz)?;
+        Self::upload(view, &bytes)?;
+        Ok(IoReport {
+            bytes: bytes.len(),
+            path,
+            odirect: false,
         })
     }
 
@@ -316,7 +451,9 @@ impl GpuFile {
         dst: &mut D,
         file_offset: u64,
     ) -> Result<IoReport> {
-        let mut view = dst.as_dst();
+        let esz = elem_size::<D::Elem>()?;
+        let mut typed = dst.as_dst();
+        let mut view = dst_bytes(&mut typed);
         let len = view.len();
         check_range(file_offset, len)?;
         let stream = view.stream().clone();
@@ -324,7 +461,10 @@ impl GpuFile {
         self.check_device(ctx.ordinal())?;
         self.check_policy()?;
         if let Some(cf) = &self.cufile {
-            let n = self.readable(file_offset, len)?;
+            let Some(n) = self.readable_whole(file_offset, len, esz)? else {
+                let path = cf.path_report().clone();
+                return self.read_unsized_to_device(&mut view, file_offset, esz, path);
+            };
             let bytes = if n == 0 {
                 0
             } else {
@@ -336,7 +476,10 @@ impl GpuFile {
                 odirect: false,
             });
         }
-        let n = self.readable(file_offset, len)?;
+        let Some(n) = self.readable_whole(file_offset, len, esz)? else {
+            let path = self.engine_report();
+            return self.read_unsized_to_device(&mut view, file_offset, esz, path);
+        };
         if n == 0 {
             return Ok(IoReport {
                 bytes: 0,
@@ -397,12 +540,13 @@ impl GpuFile {
         dst: &mut D,
         file_offset: u64,
     ) -> Result<IoReport> {
-        let want = dst.as_dst().len();
+        let want = dst.as_dst().num_bytes();
         check_range(file_offset, want)?;
         // Refuse before any byte moves when the file is already too short.
-        let can = self.readable(file_offset, want)?;
-        if can < want {
-            return Err(self.eof(file_offset, want, can));
+        if let Some(can) = self.readable(file_offset, want)? {
+            if can < want {
+                return Err(self.eof(file_offset, want, can));
+            }
         }
         let r = self.read_to_device(dst, file_offset)?;
         if r.bytes < want {
@@ -431,7 +575,8 @@ impl GpuFile {
         src: &S,
         file_offset: u64,
     ) -> Result<IoReport> {
-        let view = src.as_src();
+        let typed = src.as_src();
+        let view = src_bytes(&typed);
         let len = view.len();
         self.check_writable()?;
         check_range(file_offset, len)?;
@@ -522,7 +667,18 @@ impl GpuFile {
     /// of file. The fallback policy does not apply (host memory has no direct path).
     pub fn pread_host(&self, buf: &mut [u8], file_offset: u64) -> Result<IoReport> {
         check_range(file_offset, buf.len())?;
-        let n = self.readable(file_offset, buf.len())?;
+        let Some(n) = self.readable(file_offset, buf.len())? else {
+            // SAFETY: buf is exclusively borrowed and holds its length.
+            let bytes = unsafe {
+                io::pread_full(&self.fds.buffered, buf.as_mut_ptr(), buf.len(), file_offset)
+            }
+            .map_err(|e| self.fds.err("pread", e))?;
+            return Ok(IoReport {
+                bytes,
+                path: Self::host_report(),
+                odirect: false,
+            });
+        };
         if n == 0 {
             return Ok(IoReport {
                 bytes: 0,
@@ -573,31 +729,66 @@ impl GpuFile {
     }
 }
 
-/// Reads a whole file into a new device buffer on `stream`: the three-line quick start.
+/// Reads a whole file into a new device buffer of `T`s on `stream`: the three-line quick start.
 ///
 /// ```no_run
 /// # fn main() -> gpudirect::Result<()> {
 /// let stream = gpudirect::cuda::context(0)?.default_stream();
-/// let (buf, report) = gpudirect::storage::read_to_gpu("weights.bin", &stream)?;
+/// let (buf, report) = gpudirect::storage::read_to_gpu::<u8>("weights.bin", &stream)?;
 /// println!("{} bytes to the GPU via {}", buf.len(), report.path);
+/// let (floats, _) = gpudirect::storage::read_to_gpu::<f32>("embedding.f32", &stream)?;
 /// # Ok(()) }
 /// ```
 ///
-/// Errors as [`GpuFile::open`] and [`GpuFile::read_to_device`]; a file that shrinks while it
-/// is read is an [`Error::Io`] of kind `UnexpectedEof`.
-pub fn read_to_gpu(
+/// Errors as [`GpuFile::open`] and [`GpuFile::read_to_device`]; a file whose length is not a
+/// multiple of `size_of::<T>()` is an [`Error::Io`] of kind `InvalidData` (nothing is read); a
+/// file that shrinks while it is read is an [`Error::Io`] of kind `UnexpectedEof`.
+pub fn read_to_gpu<T: AnyBitPattern>(
     path: impl AsRef<FsPath>,
     stream: &Arc<CudaStream>,
-) -> Result<(CudaSlice<u8>, IoReport)> {
+) -> Result<(CudaSlice<T>, IoReport)> {
     crate::cuda::driver_version()?;
+    let esz = elem_size::<T>()?;
     let f = GpuFile::open(path)?;
     let size = f.len()?;
     let size = usize::try_from(size).map_err(|_| {
         Error::InvalidArgument("the file is larger than this platform's address space".into())
     })?;
+    if !size.is_multiple_of(esz) {
+        return Err(f.fds.err(
+            "read_to_gpu",
+            std::io::Error::new(
+                std::io::ErrorKind::InvalidData,
+                format!(
+                    "the file holds {size} bytes, not a whole number of {esz}-byte {}: read it as bytes or as a smaller element type",
+                    std::any::type_name::<T>()
+                ),
+            ),
+        ));
+    }
+    if size == 0 && f.readable(0, 1)?.is_none() {
+        // `fstat` says 0 but the file has content (`/proc`, sysfs, some FUSE): read it all.
+        let bytes = f.read_unsized(0, usize::MAX)?;
+        if !bytes.len().is_multiple_of(esz) {
+            return Err(f.eof(0, bytes.len().next_multiple_of(esz), bytes.len()));
+        }
+        // SAFETY: every byte is written by the upload below, or the buffer is dropped on error;
+        // T accepts any bit pattern.
+        let mut buf = unsafe { stream.alloc::<T>(bytes.len() / esz) }
+            .map_err(|e| Error::cuda("cuMemAlloc", e))?;
+        GpuFile::upload(&mut dst_bytes(&mut buf.as_view_mut()), &bytes)?;
+        return Ok((
+            buf,
+            IoReport {
+                bytes: bytes.len(),
+                path: f.report.clone(),
+                odirect: false,
+            },
+        ));
+    }
     if size == 0 {
         let buf = stream
-            .null::<u8>()
+            .null::<T>()
             .map_err(|e| Error::cuda("cuMemAlloc", e))?;
         return Ok((
             buf,
@@ -608,8 +799,10 @@ pub fn read_to_gpu(
             },
         ));
     }
-    // SAFETY: every byte is written by the read below, or the buffer is dropped on error.
-    let mut buf = unsafe { stream.alloc::<u8>(size) }.map_err(|e| Error::cuda("cuMemAlloc", e))?;
+    // SAFETY: every byte is written by the read below, or the buffer is dropped on error; T
+    // accepts any bit pattern.
+    let mut buf =
+        unsafe { stream.alloc::<T>(size / esz) }.map_err(|e| Error::cuda("cuMemAlloc", e))?;
     let r = f.read_to_device(&mut buf, 0)?;
     if r.bytes < size {
         return Err(f.eof(0, size, r.bytes));

@@ -7,7 +7,7 @@
 //! use gpudirect::storage::GpuFile;
 //! let stream = gpudirect::cuda::context(0)?.default_stream();
 //! // File → GPU in one call:
-//! let (weights, report) = gpudirect::storage::read_to_gpu("weights.bin", &stream)?;
+//! let (weights, report) = gpudirect::storage::read_to_gpu::<u8>("weights.bin", &stream)?;
 //! println!("{report}"); // e.g. "… bytes via gpudirect POSIX engine … (because cuFile can't register files: udev data missing …)"
 //! // GPU → file, durably:
 //! let out = GpuFile::options().create(true).truncate(true).durable(true).open("copy.bin")?;

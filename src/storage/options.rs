@@ -167,7 +167,15 @@ impl GpuFileOptions {
         self.device = Some(ordinal);
         self
     }
-    /// `fsync` after every write, so a write that returns is on stable storage.
+    /// `fsync` after every write call, so a
+    /// write that returns `Ok` is on stable storage.
+    ///
+    /// Partly written ranges: a write that fails, or a process that dies during one, can leave
+    /// its range partly written: some pieces new, others old, and where an O_DIRECT write first
+    /// extended the file (`fallocate`), zeros. Readers running during a write can see the same.
+    /// `durable` does not change that; it makes a write that completed survive a crash. Write to
+    /// a temporary file and rename it (after a durable write) when readers must never see a
+    /// partial file.
     pub fn durable(mut self, yes: bool) -> Self {
         self.durable = yes;
         self
