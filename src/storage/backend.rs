@@ -30,8 +30,151 @@ fn forced(setting: String) -> PathReport {
     PathReport::fallback(Path::Posix, Cause::ForcedByConfig { setting })
 }
 
+// ---- Deciding before paying ---------------------------------------------------------------------
+//
+// `cuFileDriverOpen` costs ~0.5 s (measured on the H200 machine, libcufile 1.15) and, without
+// nvidia-fs or P2PDMA, buys only cuFile's compatibility path, which [`CompatMode::Auto`] would not
+// take anyway. So Auto first asks cheap facts: the file's filesystem (`fstatfs`), the udev record
+// cuFile needs for its block device, and whether this host has a DMA path at all (nvidia-fs
+// loaded, or P2PDMA configured for cuFile). Only when every fact allows DMA does it open the
+// driver and register the file. Verdicts are cached per (device, filesystem) for the life of
+// the process, so `GpuFile::open` on a known filesystem costs a few system calls.
+
+/// What cheap facts say about cuFile DMA for a file.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Verdict {
+    /// cuFile cannot move this file's bytes by DMA, for this cause: the engine it is.
+    Engine(Cause),
+    /// Every cheap fact allows DMA: open the driver and register the file to find out.
+    Probe,
+}
+
+/// Whether this host has a GPUDirect Storage DMA path at all, read once per process: the
+/// nvidia-fs module (`/proc/driver/nvidia-fs`), or cuFile configured for the kernel's PCI
+/// P2PDMA (`"use_pci_p2pdma": true` in cufile.json), or an already open driver that says so.
+fn host_has_dma_path() -> bool {
+    static DMA: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    if let Some(d) = crate::storage::cufile::Driver::get() {
+        return d.nvfs_loaded() || d.p2pdma_enabled();
+    }
+    *DMA.get_or_init(|| {
+        FsPath::new("/proc/driver/nvidia-fs").exists() || cufile_json_enables_p2pdma()
+    })
+}
+
+/// True when the cufile.json cuFile will read (`CUFILE_ENV_PATH_JSON`, else `/etc/cufile.json`)
+/// sets `use_pci_p2pdma` to true (outside `//` comments).
+fn cufile_json_enables_p2pdma() -> bool {
+    let path = std::env::var_os("CUFILE_ENV_PATH_JSON")
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(|| "/etc/cufile.json".into());
+    std::fs::read_to_string(path).is_ok_and(|s| json_enables_p2pdma(&s))
+}
+
+fn json_enables_p2pdma(s: &str) -> bool {
+    s.lines()
+        .map(|l| l.split("//").next().unwrap_or(""))
+        .any(|l| {
+            l.split_once("\"use_pci_p2pdma\"")
+                .and_then(|(_, rest)| rest.trim_start().strip_prefix(':'))
+                .is_some_and(|v| v.trim_start().starts_with("true"))
+        })
+}
+
+/// The cheap facts of one file, in the order cuFile itself fails on them: a filesystem without
+/// GDS support, a block device without the udev record cuFile registers through, a host
+/// without a DMA path.
+pub(crate) fn cheap_verdict(fs: &str, dev: u64, host_dma: bool) -> Verdict {
+    use crate::storage::cufile::file_handle::{gds_capable_fs, udev_record};
+    if !gds_capable_fs(fs) {
+        return Verdict::Engine(Cause::FilesystemUnsupported { fs: fs.to_string() });
+    }
+    if libc::major(dev) != 0 {
+        let (device, record) = udev_record(dev);
+        if !record.exists() {
+            return Verdict::Engine(Cause::UdevDataMissing { device });
+        }
+    }
+    if !host_dma {
+        return Verdict::Engine(Cause::NoNvidiaFs);
+    }
+    Verdict::Probe
+}
+
+type VerdictCache = std::sync::Mutex<Vec<((u64, i64), Verdict)>>;
+
+/// Cached verdicts, per (st_dev, statfs magic); bounded (a process rarely sees more than a few
+/// filesystems; past the bound verdicts are computed each time, which is cheap).
+fn verdicts() -> &'static VerdictCache {
+    static CACHE: VerdictCache = std::sync::Mutex::new(Vec::new());
+    &CACHE
+}
+const VERDICTS_MAX: usize = 256;
+
+fn fs_magic(f: &std::fs::File) -> Option<i64> {
+    use std::os::fd::AsRawFd;
+    // SAFETY: all-zero is a valid statfs.
+    let mut st: libc::statfs = unsafe { std::mem::zeroed() };
+    // SAFETY: the fd is open; `st` is a valid out-pointer.
+    if unsafe { libc::fstatfs(f.as_raw_fd(), &mut st) } != 0 {
+        return None;
+    }
+    Some(st.f_type as i64)
+}
+
+/// The verdict for an open file (cached per device and filesystem).
+pub(crate) fn verdict(fds: &Fds) -> Verdict {
+    use std::os::unix::fs::MetadataExt;
+    let (Ok(meta), Some(magic)) = (fds.buffered.metadata(), fs_magic(&fds.buffered)) else {
+        // Facts unavailable: let cuFile answer.
+        return Verdict::Probe;
+    };
+    let key = (meta.dev(), magic);
+    let mut cache = verdicts().lock().unwrap_or_else(|p| p.into_inner());
+    if let Some((_, v)) = cache.iter().find(|(k, _)| *k == key) {
+        return v.clone();
+    }
+    let fs = crate::storage::cufile::file_handle::fs_name(magic);
+    let v = cheap_verdict(&fs, meta.dev(), host_has_dma_path());
+    if cache.len() < VERDICTS_MAX {
+        cache.push((key, v.clone()));
+    }
+    v
+}
+
+/// Records what the full probe found for `fds`'s filesystem, when it is a fallback that holds
+/// for the whole filesystem (so later opens there do not pay the probe again).
+fn remember(fds: &Fds, cause: &Cause) {
+    use std::os::unix::fs::MetadataExt;
+    if !matches!(
+        cause,
+        Cause::NoNvidiaFs
+            | Cause::UdevDataMissing { .. }
+            | Cause::FilesystemUnsupported { .. }
+            | Cause::ODirectRefused { .. }
+            | Cause::CuFileUnavailable { .. }
+    ) {
+        return;
+    }
+    let (Ok(meta), Some(magic)) = (fds.buffered.metadata(), fs_magic(&fds.buffered)) else {
+        return;
+    };
+    let key = (meta.dev(), magic);
+    let mut cache = verdicts().lock().unwrap_or_else(|p| p.into_inner());
+    let v = Verdict::Engine(cause.clone());
+    match cache.iter().position(|(k, _)| *k == key) {
+        Some(i) => cache[i].1 = v,
+        None if cache.len() < VERDICTS_MAX => cache.push((key, v)),
+        None => {}
+    }
+}
+
 /// Chooses cuFile or the engine for device transfers (see [`Backend`]). cuFile registers a
 /// duplicate of a descriptor in `fds` (the file `GpuFile` opened), never `path` again.
+///
+/// [`CompatMode::Auto`] decides from cheap facts first ([`verdict`]) and pays for
+/// `cuFileDriverOpen` and a registration only when they allow DMA; [`Backend::CuFile`] and
+/// [`CompatMode::Off`] always open cuFile (they require it).
 pub(super) fn decide_backend(
     backend: Backend,
     cfg: &StorageConfig,
@@ -71,21 +214,28 @@ pub(super) fn decide_backend(
                     cause: cufile_glue::cause_of(&e, path),
                 }),
             },
-            CompatMode::Auto => match cufile_glue::open(path, fds, write) {
-                Ok(h) => {
-                    let r = h.path_report().clone();
-                    if r.path == Path::Gds {
-                        Ok((Some(h), r))
-                    } else {
-                        let cause = r.cause.clone().unwrap_or(Cause::NoNvidiaFs);
+            CompatMode::Auto => {
+                if let Verdict::Engine(cause) = verdict(fds) {
+                    return Ok((None, PathReport::fallback(Path::Posix, cause)));
+                }
+                match cufile_glue::open(path, fds, write) {
+                    Ok(h) => {
+                        let r = h.path_report().clone();
+                        if r.path == Path::Gds {
+                            Ok((Some(h), r))
+                        } else {
+                            let cause = r.cause.clone().unwrap_or(Cause::NoNvidiaFs);
+                            remember(fds, &cause);
+                            Ok((None, PathReport::fallback(Path::Posix, cause)))
+                        }
+                    }
+                    Err(e) => {
+                        let cause = cufile_glue::cause_of(&e, path);
+                        remember(fds, &cause);
                         Ok((None, PathReport::fallback(Path::Posix, cause)))
                     }
                 }
-                Err(e) => Ok((
-                    None,
-                    PathReport::fallback(Path::Posix, cufile_glue::cause_of(&e, path)),
-                )),
-            },
+            }
         },
     }
 }
@@ -241,5 +391,46 @@ mod tests {
         drop(h);
         drop(fds);
         std::fs::remove_file(&path).unwrap();
+    }
+
+    #[test]
+    fn cheap_facts_decide_in_cufiles_order() {
+        let ext4_dev = libc::makedev(254, 77);
+        assert_eq!(
+            cheap_verdict("tmpfs", libc::makedev(0, 40), true),
+            Verdict::Engine(Cause::FilesystemUnsupported { fs: "tmpfs".into() })
+        );
+        assert_eq!(
+            cheap_verdict("overlay", libc::makedev(0, 41), true),
+            Verdict::Engine(Cause::FilesystemUnsupported {
+                fs: "overlay".into()
+            })
+        );
+        // A block device without its udev record (254:77 has none anywhere we run).
+        assert_eq!(
+            cheap_verdict("ext4", ext4_dev, true),
+            Verdict::Engine(Cause::UdevDataMissing {
+                device: "254:77".into()
+            })
+        );
+        // NFS has no block device: only the host's DMA path matters.
+        assert_eq!(
+            cheap_verdict("nfs", libc::makedev(0, 50), false),
+            Verdict::Engine(Cause::NoNvidiaFs)
+        );
+        assert_eq!(
+            cheap_verdict("nfs", libc::makedev(0, 50), true),
+            Verdict::Probe
+        );
+    }
+
+    #[test]
+    fn cufile_json_p2pdma_setting_is_found_outside_comments() {
+        assert!(json_enables_p2pdma(
+            "{\n \"properties\": {\n  \"use_pci_p2pdma\" : true,\n }\n}"
+        ));
+        assert!(!json_enables_p2pdma("{ \"use_pci_p2pdma\": false }"));
+        assert!(!json_enables_p2pdma("  // \"use_pci_p2pdma\": true,\n"));
+        assert!(!json_enables_p2pdma("{ \"allow_compat_mode\": true }"));
     }
 }

@@ -19,7 +19,12 @@
 //! Each [`GpuFile`] decides at open (see [`Backend`], [`CompatMode`]): cuFile when it moves
 //! bytes by DMA ([`Path::Gds`](crate::Path::Gds)); otherwise gpudirect's engine
 //! ([`Path::Posix`](crate::Path::Posix)) with the [`Cause`](crate::Cause) that ruled cuFile out
-//! (no nvidia-fs, udev data missing, filesystem unsupported, forced by config, …). Every
+//! (no nvidia-fs, udev data missing, filesystem unsupported, forced by config, …). Under
+//! [`CompatMode::Auto`] that decision comes from cheap facts first (the filesystem, the udev
+//! record of its block device, nvidia-fs or P2PDMA on the host), cached per device and
+//! filesystem for the process: cuFile's driver is opened (about half a second) only where they
+//! allow DMA, so an open on a known filesystem costs a few system calls. The doctor still runs
+//! cuFile for the full diagnosis. Every
 //! [`IoReport`] carries that [`PathReport`](crate::PathReport);
 //! [`FallbackPolicy::Deny`](crate::FallbackPolicy::Deny) refuses a fallback before a byte moves.
 //!

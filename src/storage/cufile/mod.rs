@@ -24,7 +24,7 @@
 mod batch;
 mod buffer;
 mod driver;
-mod file_handle;
+pub(crate) mod file_handle;
 pub(crate) mod result;
 mod stats;
 mod status;
