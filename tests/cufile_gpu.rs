@@ -1207,3 +1207,66 @@ fn gpu_cufile_calls_leave_the_current_context_alone() {
     drop(h);
     std::fs::remove_file(&path).unwrap();
 }
+
+/// `readv`/`writev` (cuFile 1.19+): on an older library a typed `SymbolUnavailable` before any
+/// byte moves; otherwise scattered views filled in order, clamped at end of file, with no byte
+/// written outside the views (guards around each) or past end of file.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gpu_cufile_readv_stays_inside_its_views() {
+    let stream = gpu();
+    let d = driver();
+    let path = scratch("readv");
+    let file = random((1 << 20) + 4321);
+    let Some(h) = register(&d, &path, &file) else {
+        return std::fs::remove_file(&path).unwrap();
+    };
+    let lens = [5000usize, 1, 70_000, 100_000];
+    let g = 4096 + 13;
+    // One buffer per view, with `g` guard bytes on each side of it.
+    let mut bufs: Vec<CudaSlice<u8>> = lens
+        .iter()
+        .map(|&n| stream.clone_htod(&random(n + 2 * g)).unwrap())
+        .collect();
+    let before: Vec<Vec<u8>> = bufs.iter().map(|b| dtoh(&stream, b)).collect();
+    // Starts near the end of the file: the last view crosses end of file.
+    let off = (file.len() - 150_000) as u64;
+    let got = {
+        let mut views: Vec<_> = bufs
+            .iter_mut()
+            .zip(lens)
+            .map(|(b, n)| b.slice_mut(g..g + n))
+            .collect();
+        h.readv(&mut views, off)
+    };
+    let after: Vec<Vec<u8>> = bufs.iter().map(|b| dtoh(&stream, b)).collect();
+    match got {
+        Err(Error::SymbolUnavailable { symbol, .. }) => {
+            assert_eq!(symbol, "cuFileReadv");
+            assert!(
+                d.version() < 1190,
+                "cuFile {} lacks cuFileReadv",
+                d.version()
+            );
+            assert!(after == before, "bytes moved before the refusal");
+        }
+        Ok(n) => {
+            let want = file.len() - off as usize;
+            assert_eq!(n, want.min(lens.iter().sum()), "bytes read");
+            let mut fpos = off as usize;
+            for (i, &l) in lens.iter().enumerate() {
+                let mut expect = before[i].clone();
+                let k = l.min(file.len().saturating_sub(fpos));
+                expect[g..g + k].copy_from_slice(&file[fpos..fpos + k]);
+                fpos += l;
+                assert!(
+                    after[i] == expect,
+                    "readv view {i}: wrong bytes, or bytes written outside the view or past end of file"
+                );
+            }
+        }
+        Err(e) => panic!("readv: {e}"),
+    }
+    drop(h);
+    std::fs::remove_file(&path).unwrap();
+}

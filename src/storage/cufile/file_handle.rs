@@ -376,7 +376,7 @@ impl CuFileHandle {
     /// buffer with [`READ_OVERRUN`] bytes to spare, and is copied into place; everything before
     /// it is read directly (any overrun of it lands inside the range, where the tail read then
     /// writes the right bytes).
-    fn read_inside(
+    pub(super) fn read_inside(
         &self,
         stream: &Arc<CudaStream>,
         ptr: cudarc::driver::sys::CUdeviceptr,
@@ -432,7 +432,7 @@ impl CuFileHandle {
 
 /// Bytes a cuFile read may write past its range, as far as gpudirect guards against (see
 /// `CuFileHandle::read_inside`).
-const READ_OVERRUN: usize = 64 << 10;
+pub(super) const READ_OVERRUN: usize = 64 << 10;
 
 /// `len`, shortened so that `file_offset + len` does not pass the end of `file` (0 at or past
 /// it), from `fstat` at the time of the call.
