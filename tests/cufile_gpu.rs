@@ -1270,3 +1270,73 @@ fn gpu_cufile_readv_stays_inside_its_views() {
     drop(h);
     std::fs::remove_file(&path).unwrap();
 }
+
+/// Batch reads stop at end of file like `CuFileHandle::read`: one crossing it moves the bytes up
+/// to it and leaves the rest of its view alone, one starting at it completes with 0 bytes and
+/// touches nothing, an interior one moves every byte.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gpu_cufile_batch_reads_stop_at_end_of_file() {
+    let stream = gpu();
+    let d = driver();
+    let path = scratch("batch-eof");
+    let file = random((1 << 20) + 777);
+    let Some(h) = register(&d, &path, &file) else {
+        return std::fs::remove_file(&path).unwrap();
+    };
+    let mut batch = match BatchIo::new(Arc::clone(&d), 4) {
+        Ok(b) => b,
+        Err(e) => {
+            assert!(matches!(e, Error::CuFile { .. }), "{e:?}");
+            return std::fs::remove_file(&path).unwrap();
+        }
+    };
+    let size = file.len() as u64;
+    let cases = [(10_000usize, size - 3000), (4096, size), (5000, 4097)];
+    let mut bufs: Vec<CudaSlice<u8>> = cases
+        .iter()
+        .map(|&(n, _)| stream.clone_htod(&random(n)).unwrap())
+        .collect();
+    let before: Vec<Vec<u8>> = bufs.iter().map(|b| dtoh(&stream, b)).collect();
+    let done = {
+        let mut ops: Vec<BatchOp<'_>> = bufs
+            .iter_mut()
+            .zip(cases)
+            .map(|(b, (_, file_offset))| BatchOp::Read {
+                handle: &h,
+                dst: b.as_view_mut(),
+                file_offset,
+            })
+            .collect();
+        batch.run(&mut ops, Duration::from_secs(30))
+    };
+    let done = match done {
+        Ok(d) => d,
+        Err(e) => {
+            eprintln!("batch submission refused: {e}");
+            assert!(
+                matches!(e, Error::CuFile { .. } | Error::Io { .. }),
+                "{e:?}"
+            );
+            drop(batch);
+            return std::fs::remove_file(&path).unwrap();
+        }
+    };
+    assert_eq!(batch.in_flight(), 0);
+    for (i, c) in done.iter().enumerate() {
+        let (n, off) = cases[i];
+        let want = (size - off).min(n as u64) as usize;
+        let got = *c.result.as_ref().unwrap_or_else(|e| panic!("op {i}: {e}"));
+        assert_eq!(got, want, "op {i}: bytes");
+        let after = dtoh(&stream, &bufs[i]);
+        let o = off as usize;
+        assert!(after[..want] == file[o..o + want], "op {i}: wrong bytes");
+        assert!(
+            after[want..] == before[i][want..],
+            "op {i}: bytes past end of file were written"
+        );
+    }
+    drop(batch);
+    drop(h);
+    std::fs::remove_file(&path).unwrap();
+}

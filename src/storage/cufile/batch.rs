@@ -14,7 +14,7 @@ use cudarc::driver::{CudaStream, CudaView, CudaViewMut, DevicePtr, DevicePtrMut,
 use cufile_sys as sys;
 
 use super::buffer::allocation_range;
-use super::file_handle::HandleInner;
+use super::file_handle::{clamp_to_eof, HandleInner};
 use super::status::IoReturn;
 use super::{result, CuFileHandle, Driver};
 use crate::error::{Error, Result};
@@ -22,7 +22,9 @@ use crate::error::{Error, Result};
 /// One operation of a batch: read into or write from a device view, at a file offset.
 #[derive(Debug)]
 pub enum BatchOp<'a> {
-    /// Read `dst.len()` bytes at `file_offset` into `dst`.
+    /// Read `dst.len()` bytes at `file_offset` into `dst`, stopping at end of file as it is at
+    /// submission (bytes of `dst` past it are not written; a read at or past it completes at
+    /// once with 0 bytes).
     Read {
         /// The file.
         handle: &'a CuFileHandle,
@@ -64,6 +66,9 @@ pub struct BatchIo {
     in_flight: usize,
     /// The number the next submission gets; part of every cookie (see [`cookie`]).
     next_submission: u64,
+    /// Completions of reads that start at or past end of file: never submitted (nothing to
+    /// move), handed out by the next [`poll`](Self::poll).
+    ready: Vec<BatchCompletion>,
     // Registrations used by in-flight operations stay alive until they are drained.
     holds: Vec<Arc<HandleInner>>,
     driver: Arc<Driver>,
@@ -98,6 +103,7 @@ impl BatchIo {
             capacity,
             in_flight: 0,
             next_submission: 0,
+            ready: Vec::new(),
             holds: Vec::new(),
             driver,
         })
@@ -114,9 +120,10 @@ impl BatchIo {
         self.capacity
     }
 
-    /// Operations submitted and not yet reaped.
+    /// Operations submitted and not yet reaped by [`poll`](Self::poll) (including reads that
+    /// start at end of file, which complete at once with 0 bytes).
     pub fn in_flight(&self) -> usize {
-        self.in_flight
+        self.in_flight + self.ready.len()
     }
 
     /// Submits `ops`, waits for all of them (each poll waits up to `timeout`; the whole run
@@ -137,19 +144,25 @@ impl BatchIo {
         if ops.is_empty() {
             return Ok(Vec::new());
         }
-        if self.in_flight > 0 {
+        if self.in_flight() > 0 {
             // Waiting for "everything in flight" would take the earlier submission's
             // completions; refuse before submitting anything.
             return Err(Error::InvalidArgument(format!(
                 "{} operations of an earlier BatchIo::submit are still in flight: reap them with \
                  poll before calling run",
-                self.in_flight
+                self.in_flight()
             )));
         }
         // SAFETY: every buffer and handle is borrowed by `ops` for this call, and this call
         // does not return before every operation has completed or been cancelled and drained.
         let mine = unsafe { self.submit(ops) }?;
         let mut done: Vec<Option<BatchCompletion>> = (0..ops.len()).map(|_| None).collect();
+        for c in std::mem::take(&mut self.ready) {
+            let i = c.index;
+            if c.submission == mine && i < done.len() {
+                done[i] = Some(c);
+            }
+        }
         let mut last_progress = Instant::now();
         while self.in_flight > 0 {
             match self.poll(1, Some(timeout)) {
@@ -219,6 +232,7 @@ impl BatchIo {
         let submission = self.next_submission;
         let mut params = Vec::with_capacity(ops.len());
         let mut holds = Vec::with_capacity(ops.len());
+        let mut ready = Vec::new();
         for (i, op) in ops.iter_mut().enumerate() {
             let (handle, ptr, len, file_offset, opcode, stream) = match op {
                 BatchOp::Read {
@@ -251,6 +265,22 @@ impl BatchIo {
                 )));
             }
             self.driver.enter(&stream, true)?;
+            // Reads stop at end of file as it is now, as CuFileHandle::read's do: cuFile's
+            // compatibility path may write past what it reports when a read crosses it.
+            let len = if opcode == sys::CUFILE_READ {
+                clamp_to_eof(handle.file(), handle.path(), file_offset, len)?
+            } else {
+                len
+            };
+            if len == 0 {
+                ready.push(BatchCompletion {
+                    submission,
+                    index: i,
+                    status: sys::CUFILE_COMPLETE,
+                    result: Ok(0),
+                });
+                continue;
+            }
             let (base, _) = allocation_range(ptr)?;
             // SAFETY: all-zero is valid for CUfileIOParams_t (integers and null pointers).
             let mut p: sys::CUfileIOParams_t = unsafe { std::mem::zeroed() };
@@ -267,9 +297,14 @@ impl BatchIo {
             params.push(p);
             holds.push(Arc::clone(handle.inner()));
         }
-        // SAFETY: the caller keeps the buffers valid until completion (this fn's contract); the
-        // handles are held in `self.holds`; `params` is read during the call.
-        unsafe { result::batch_submit(self.driver.lib(), self.handle, &mut params) }?;
+        if !params.is_empty() {
+            // SAFETY: the caller keeps the buffers valid until completion (this fn's contract);
+            // the handles are held in `self.holds`; `params` is read during the call. A failed
+            // submission submits nothing (cuFile's batch submit is all or nothing: its reference
+            // names no partial outcome), so nothing is in flight on the error path.
+            unsafe { result::batch_submit(self.driver.lib(), self.handle, &mut params) }?;
+        }
+        self.ready.extend(ready);
         self.in_flight += params.len();
         self.holds.extend(holds);
         self.next_submission = self.next_submission.wrapping_add(1);
@@ -279,6 +314,9 @@ impl BatchIo {
     /// Waits for at least `min_nr` completions or `timeout` (`cuFileBatchIOGetStatus`) and
     /// returns those that arrived (possibly fewer on timeout).
     pub fn poll(&mut self, min_nr: u32, timeout: Option<Duration>) -> Result<Vec<BatchCompletion>> {
+        if !self.ready.is_empty() {
+            return Ok(std::mem::take(&mut self.ready));
+        }
         if self.in_flight == 0 {
             return Ok(Vec::new());
         }
