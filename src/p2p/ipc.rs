@@ -305,8 +305,11 @@ struct PoolHandle {
     ctx: Arc<CudaContext>,
 }
 
-// SAFETY: a CUmemoryPool is an opaque driver handle usable from any thread (the driver API is
-// thread-safe); the context is Send + Sync.
+// SAFETY: a CUmemoryPool is an opaque driver handle usable from any thread (CUDA Programming
+// Guide: multiple host threads may use the driver API concurrently); the context is Send +
+// Sync. The pool is destroyed once, in Drop, when the last `Arc` goes (mappings of its memory
+// hold one); allocations still outstanding then keep the driver's pool alive
+// (`cuMemPoolDestroy`'s documented behaviour). `mem::forget` leaks the pool.
 unsafe impl Send for PoolHandle {}
 // SAFETY: as above; no interior mutability.
 unsafe impl Sync for PoolHandle {}

@@ -134,7 +134,10 @@ pub struct PeerAccess {
 
 // SAFETY: the raw pool handles are opaque driver handles; the CUDA driver API is thread-safe
 // (CUDA Programming Guide, "Multiple host threads may use the driver API concurrently"), and all
-// bookkeeping goes through the registry's mutex.
+// bookkeeping goes through the registry's mutex (revocations also through REVOKE), so a
+// `PeerAccess` may be dropped on another thread than the one that made it (Drop binds the
+// accessor's context on its own thread and puts the previous one back). `mem::forget` keeps
+// its holds forever: the access stays granted, never revoked under anyone.
 unsafe impl Send for PeerAccess {}
 // SAFETY: as above; `PeerAccess` has no interior mutability outside the mutex-guarded registry.
 unsafe impl Sync for PeerAccess {}

@@ -83,8 +83,13 @@ impl std::fmt::Debug for BatchIo {
     }
 }
 
-// SAFETY: the batch handle is an opaque cuFile context; cuFile's APIs are thread-safe (API
-// reference), and `BatchIo` is only used through `&mut self` for state changes.
+// SAFETY: the batch handle is an opaque cuFile context, and cuFile's API reference states that
+// all cuFile APIs are thread-safe, so it may be polled, cancelled and destroyed from another
+// thread than the one that set it up. `BatchIo` is not `Sync`: every state change takes
+// `&mut self`. Moving it with operations in flight moves their registrations (`holds`) with it,
+// and its Drop drains them on whichever thread runs it (or aborts, see `cancel_and_drain`);
+// `mem::forget` leaks the context and registrations with the IO still running, which `run`
+// never allows (it returns only with nothing in flight) and `submit`'s contract covers.
 unsafe impl Send for BatchIo {}
 
 impl BatchIo {
@@ -218,8 +223,9 @@ impl BatchIo {
     /// Every buffer named in `ops` must stay allocated and unaccessed by anything else until
     /// its completion has been returned by [`poll`](Self::poll), or until [`cancel`](Self::cancel)
     /// followed by polls has drained the batch (dropping the `BatchIo` does that: its drop
-    /// blocks until nothing is in flight, or aborts as [`run`](Self::run) does). The file
-    /// registrations are held by the batch itself.
+    /// blocks until nothing is in flight, or aborts as [`run`](Self::run) does). A `BatchIo`
+    /// passed to `mem::forget` with operations in flight never drains: their buffers must then
+    /// never be freed or reused. The file registrations are held by the batch itself.
     pub unsafe fn submit(&mut self, ops: &mut [BatchOp<'_>]) -> Result<u64> {
         let _restore = crate::cuda::CurrentContext::save();
         let free = self.capacity as usize - self.in_flight;

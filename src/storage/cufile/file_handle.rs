@@ -30,9 +30,13 @@ pub(crate) struct HandleInner {
 }
 
 // SAFETY: `fh` is an opaque cuFile handle; NVIDIA's API reference states that all cuFile APIs
-// are thread-safe, so the handle may be used and deregistered from any thread.
+// are thread-safe, so the handle may be used concurrently and deregistered from any thread.
+// Deregistration happens once, in Drop, when the last `Arc` goes: every synchronous call
+// borrows the handle for its duration and every stream-ordered or batch operation holds an
+// `Arc` until it has completed, so none is in flight then. `mem::forget` of a handle or of an
+// IO guard only leaks the registration and the descriptor; a panic unwinds through Drop.
 unsafe impl Send for HandleInner {}
-// SAFETY: as above; `HandleInner` has no interior mutability of its own.
+// SAFETY: as above; `HandleInner` has no interior mutability of its own (`File` is `Sync`).
 unsafe impl Sync for HandleInner {}
 
 impl Drop for HandleInner {
