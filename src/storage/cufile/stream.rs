@@ -337,8 +337,13 @@ impl Drop for StreamRegistration {
     fn drop(&mut self) {
         let _restore = crate::cuda::CurrentContext::save();
         let _ = self.stream.context().bind_to_thread();
+        // Stream-ordered IO still queued on the stream uses the registration: let it finish.
+        if let Err(e) = self.stream.synchronize() {
+            tracing::warn!(error = %e, "stream sync failed before cuFileStreamDeregister; the registration leaks");
+            return;
+        }
         let raw = self.stream.cu_stream().cast();
-        // SAFETY: registered in `register`, deregistered once here; the stream is alive.
+        // SAFETY: registered in `register`, deregistered once here; the stream is alive and idle.
         let rc = unsafe { result::stream_deregister(self.driver.lib(), raw) };
         if let Err(e) = rc {
             tracing::warn!(error = %e, "cuFileStreamDeregister failed");
