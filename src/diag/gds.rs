@@ -29,10 +29,10 @@ fn nvidia_fs_module() -> Option<String> {
 }
 
 fn cufile_json() -> String {
-    match std::env::var("CUFILE_ENV_PATH_JSON") {
-        Ok(p) => format!("{p} (CUFILE_ENV_PATH_JSON)"),
-        Err(_) if FsPath::new("/etc/cufile.json").exists() => "/etc/cufile.json".into(),
-        Err(_) => "none found (cuFile defaults)".into(),
+    match cufile::config_file() {
+        Some(c) if c.from_env => format!("{} (CUFILE_ENV_PATH_JSON)", c.path.display()),
+        Some(c) => c.path.display().to_string(),
+        None => "none found (cuFile defaults)".into(),
     }
 }
 

@@ -24,8 +24,8 @@
 mod batch;
 mod buffer;
 mod driver;
-pub(crate) mod file_handle;
-pub(crate) mod result;
+pub(in crate::storage) mod file_handle;
+pub(in crate::storage) mod result;
 mod stats;
 mod status;
 mod stream;
@@ -44,3 +44,30 @@ pub use driver::{
 pub use file_handle::{
     classify_registration_failure, filesystem_type, CuFileHandle, OpenMode, MAX_IO_PER_CALL,
 };
+
+/// Where cuFile reads its configuration from (see [`config_file`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ConfigFile {
+    /// The file.
+    pub path: std::path::PathBuf,
+    /// True when `CUFILE_ENV_PATH_JSON` named it (the file may not exist).
+    pub from_env: bool,
+}
+
+/// The `cufile.json` cuFile reads at driver open: `$CUFILE_ENV_PATH_JSON` when set, else
+/// `/etc/cufile.json` when it exists; `None` means cuFile's built-in defaults.
+pub fn config_file() -> Option<ConfigFile> {
+    match std::env::var_os("CUFILE_ENV_PATH_JSON") {
+        Some(p) => Some(ConfigFile {
+            path: p.into(),
+            from_env: true,
+        }),
+        None => {
+            let etc = std::path::Path::new("/etc/cufile.json");
+            etc.exists().then(|| ConfigFile {
+                path: etc.to_path_buf(),
+                from_env: false,
+            })
+        }
+    }
+}
