@@ -504,7 +504,7 @@ fn bidirectional_on(
 }
 
 /// Median of a sample (NaN for none).
-pub(crate) fn median(v: &mut [f64]) -> f64 {
+pub(in crate::p2p) fn median(v: &mut [f64]) -> f64 {
     if v.is_empty() {
         return f64::NAN;
     }

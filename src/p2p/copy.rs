@@ -28,7 +28,7 @@ use crate::path::{Cause, FallbackPolicy, Path, PathReport};
 
 /// Queries the driver about `ptr` ([`PointerInfo::inspect`], with `ctx`, the buffer's cudarc
 /// context, as fallback owner), marking mappings this process imported through [`super::ipc`].
-pub(crate) fn inspect(ptr: sys::CUdeviceptr, ctx: &CudaContext) -> PointerInfo {
+pub(in crate::p2p) fn inspect(ptr: sys::CUdeviceptr, ctx: &CudaContext) -> PointerInfo {
     let mut info = PointerInfo::inspect(ptr, ctx);
     if super::ipc::lookup_mapping(ptr).is_some() {
         info.kind = MemoryKind::Imported;
@@ -38,7 +38,7 @@ pub(crate) fn inspect(ptr: sys::CUdeviceptr, ctx: &CudaContext) -> PointerInfo {
 
 /// Whether `accessor` (device ordinal, context) may access the memory `mem`, and if not, why.
 /// `Ok(None)` means "cannot tell".
-pub(crate) fn access(
+pub(in crate::p2p) fn access(
     accessor: usize,
     accessor_ctx: sys::CUcontext,
     mem: &PointerInfo,

@@ -37,7 +37,7 @@ use crate::path::{Cause, Path, PathReport};
 static MAPPINGS: Mutex<Vec<(u64, u64, bool)>> = Mutex::new(Vec::new());
 
 /// `Some(direct)` when `ptr` lies in a live IPC mapping of this process.
-pub(crate) fn lookup_mapping(ptr: sys::CUdeviceptr) -> Option<bool> {
+pub(in crate::p2p) fn lookup_mapping(ptr: sys::CUdeviceptr) -> Option<bool> {
     let m = MAPPINGS.lock().unwrap_or_else(|p| p.into_inner());
     m.iter()
         .find(|(s, e, _)| ptr >= *s && ptr < (*e).max(*s + 1))

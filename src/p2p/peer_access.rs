@@ -56,7 +56,7 @@ fn registry() -> MutexGuard<'static, Registry> {
 static REVOKE: RwLock<()> = RwLock::new(());
 
 /// Shared hold of [`REVOKE`]: no revocation happens while it is held.
-pub(crate) fn no_revocation() -> RwLockReadGuard<'static, ()> {
+pub(in crate::p2p) fn no_revocation() -> RwLockReadGuard<'static, ()> {
     REVOKE.read().unwrap_or_else(|p| p.into_inner())
 }
 
@@ -67,7 +67,7 @@ fn revocation() -> RwLockWriteGuard<'static, ()> {
 /// What gpudirect knows about context peer access from `accessor` to `owner` (raw context
 /// handles): `Some(true)` while a [`PeerAccess`] holds it (granted, or found already enabled),
 /// `None` otherwise (CUDA has no query for it).
-pub(crate) fn context_access_known(
+pub(in crate::p2p) fn context_access_known(
     accessor: sys::CUcontext,
     owner: sys::CUcontext,
 ) -> Option<bool> {

@@ -263,13 +263,13 @@ pub fn nvml_status() -> NvmlStatus {
 }
 
 /// The process-wide cached topology (probed once), for path reports and expectations.
-pub(crate) fn cached() -> Option<&'static Topology> {
+pub(in crate::p2p) fn cached() -> Option<&'static Topology> {
     static TOPO: OnceLock<Option<Topology>> = OnceLock::new();
     TOPO.get_or_init(|| Topology::probe().ok()).as_ref()
 }
 
 /// The link between two devices as far as the cached topology knows.
-pub(crate) fn link_between(src: usize, dst: usize) -> Link {
+pub(in crate::p2p) fn link_between(src: usize, dst: usize) -> Link {
     cached()
         .and_then(|t| t.pair(src, dst))
         .map_or(Link::Unknown, PairInfo::link)

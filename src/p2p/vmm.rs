@@ -20,12 +20,12 @@ use crate::path::Cause;
 /// A reserved virtual range with one allocation mapped at its start. Partial states (handle
 /// only, handle + reservation) are torn down as far as they got: unmap, address free, release.
 #[derive(Debug)]
-pub(crate) struct VmmRange {
-    pub(crate) handle: sys::CUmemGenericAllocationHandle,
+pub(in crate::p2p) struct VmmRange {
+    pub(in crate::p2p) handle: sys::CUmemGenericAllocationHandle,
     /// 0 until reserved.
-    pub(crate) ptr: sys::CUdeviceptr,
+    pub(in crate::p2p) ptr: sys::CUdeviceptr,
     /// The padded size (a multiple of the granularity).
-    pub(crate) size: usize,
+    pub(in crate::p2p) size: usize,
     mapped: bool,
     ctx: Arc<CudaContext>,
 }
@@ -33,7 +33,7 @@ pub(crate) struct VmmRange {
 impl VmmRange {
     /// Takes ownership of `handle` (released on every error path), reserves `size` bytes
     /// aligned to `granularity`, maps the handle there and grants `ctx`'s device read/write.
-    pub(crate) fn map(
+    pub(in crate::p2p) fn map(
         ctx: &Arc<CudaContext>,
         handle: sys::CUmemGenericAllocationHandle,
         size: usize,
@@ -56,7 +56,7 @@ impl VmmRange {
     }
 
     /// `cuMemSetAccess` read/write for device `ordinal` on the whole range.
-    pub(crate) fn set_access(&self, ordinal: usize) -> Result<()> {
+    pub(in crate::p2p) fn set_access(&self, ordinal: usize) -> Result<()> {
         // SAFETY: the range is mapped (only called after a successful cuMemMap) and lives as
         // long as `self`.
         unsafe {
@@ -126,7 +126,7 @@ fn check_support(ordinal: usize) -> Result<()> {
 }
 
 /// `n` rounded up to a multiple of `g` (at least `g`).
-pub(crate) fn round_up(n: usize, g: usize) -> Result<usize> {
+pub(in crate::p2p) fn round_up(n: usize, g: usize) -> Result<usize> {
     n.max(1)
         .checked_next_multiple_of(g)
         .ok_or_else(|| Error::InvalidArgument(format!("{n} bytes overflow usize when padded")))

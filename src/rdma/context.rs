@@ -58,11 +58,11 @@ impl Context {
         &self.info.name
     }
 
-    pub(crate) fn lib(&self) -> &'static Ibverbs {
+    pub(in crate::rdma) fn lib(&self) -> &'static Ibverbs {
         self.lib
     }
 
-    pub(crate) fn as_ptr(&self) -> NonNull<sys::ibv_context> {
+    pub(in crate::rdma) fn as_ptr(&self) -> NonNull<sys::ibv_context> {
         self.raw
     }
 
@@ -175,7 +175,7 @@ impl Context {
 }
 
 /// The preference order of [`Context::select_gid`] on RoCE.
-pub(crate) fn select_roce_gid(table: &[GidEntry]) -> Option<&GidEntry> {
+pub(in crate::rdma) fn select_roce_gid(table: &[GidEntry]) -> Option<&GidEntry> {
     let usable = || table.iter().filter(|e| !e.gid.is_zero());
     usable()
         .find(|e| e.gid_type == GidType::RoceV2 && e.gid.is_ipv4_mapped())
@@ -246,7 +246,7 @@ impl Context {
     ///
     /// `raw` must be a context that stays open for the life of the process (librdmacm keeps
     /// the contexts it opens until the library is unloaded).
-    pub(crate) unsafe fn borrowed(raw: NonNull<sys::ibv_context>) -> Result<Arc<Context>> {
+    pub(in crate::rdma) unsafe fn borrowed(raw: NonNull<sys::ibv_context>) -> Result<Arc<Context>> {
         let lib = result::ibverbs()?;
         // SAFETY: `raw` is a live context (caller), so its device is a valid ibv_device.
         let dev = unsafe { raw.as_ref().device };
@@ -383,7 +383,7 @@ impl Mtu {
         128 << self.raw()
     }
 
-    pub(crate) fn raw(self) -> u32 {
+    pub(in crate::rdma) fn raw(self) -> u32 {
         match self {
             Mtu::Mtu256 => sys::IBV_MTU_256,
             Mtu::Mtu512 => sys::IBV_MTU_512,
@@ -450,7 +450,7 @@ impl Gid {
         self.0[..10] == [0; 10] && self.0[10..12] == [0xff, 0xff]
     }
 
-    pub(crate) fn to_raw(self) -> sys::ibv_gid {
+    pub(in crate::rdma) fn to_raw(self) -> sys::ibv_gid {
         sys::ibv_gid { raw: self.0 }
     }
 }
@@ -508,7 +508,7 @@ pub struct GidEntry {
 }
 
 impl GidEntry {
-    pub(crate) fn from_raw(e: &sys::ibv_gid_entry) -> Self {
+    pub(in crate::rdma) fn from_raw(e: &sys::ibv_gid_entry) -> Self {
         GidEntry {
             // SAFETY: every bit pattern is a valid [u8; 16].
             gid: Gid(unsafe { e.gid.raw }),

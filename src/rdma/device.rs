@@ -46,7 +46,7 @@ impl Verbs {
         self.lib.path()
     }
 
-    pub(crate) fn lib(&self) -> &'static Ibverbs {
+    pub(in crate::rdma) fn lib(&self) -> &'static Ibverbs {
         self.lib
     }
 
@@ -76,17 +76,17 @@ pub fn devices() -> Result<Vec<DeviceInfo>> {
 }
 
 /// The hint for machines without devices.
-pub(crate) const NO_DEVICE_HINT: &str = "ibv_get_device_list found none: load the NIC's RDMA driver (e.g. mlx5_ib) or create a Soft-RoCE device (modprobe rdma_rxe; rdma link add rxe0 type rxe netdev eth0)";
+pub(in crate::rdma) const NO_DEVICE_HINT: &str = "ibv_get_device_list found none: load the NIC's RDMA driver (e.g. mlx5_ib) or create a Soft-RoCE device (modprobe rdma_rxe; rdma link add rxe0 type rxe netdev eth0)";
 
 /// An `ibv_get_device_list` result, freed on drop.
-pub(crate) struct DeviceList {
+pub(in crate::rdma) struct DeviceList {
     lib: &'static Ibverbs,
     list: NonNull<*mut sys::ibv_device>,
     len: usize,
 }
 
 impl DeviceList {
-    pub(crate) fn get(lib: &'static Ibverbs) -> Result<DeviceList> {
+    pub(in crate::rdma) fn get(lib: &'static Ibverbs) -> Result<DeviceList> {
         // SAFETY: plain call; the list is freed in Drop.
         let (list, len) = unsafe { result::get_device_list(lib) }.map_err(|e| match e {
             Error::Verbs { source, .. } if source.raw_os_error() == Some(libc::ENOSYS) => {
@@ -104,7 +104,7 @@ impl DeviceList {
         Ok(list)
     }
 
-    pub(crate) fn iter(&self) -> impl Iterator<Item = *mut sys::ibv_device> + '_ {
+    pub(in crate::rdma) fn iter(&self) -> impl Iterator<Item = *mut sys::ibv_device> + '_ {
         // SAFETY: the list holds `len` valid entries while it is alive.
         (0..self.len).map(move |i| unsafe { *self.list.as_ptr().add(i) })
     }
@@ -172,7 +172,7 @@ fn c_array(a: &[std::ffi::c_char]) -> String {
 }
 
 impl DeviceInfo {
-    pub(crate) fn from_raw(lib: &'static Ibverbs, d: *mut sys::ibv_device) -> DeviceInfo {
+    pub(in crate::rdma) fn from_raw(lib: &'static Ibverbs, d: *mut sys::ibv_device) -> DeviceInfo {
         // SAFETY: `d` is an entry of a live device list.
         let dev = unsafe { &*d };
         DeviceInfo {

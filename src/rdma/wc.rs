@@ -167,7 +167,7 @@ pub struct WorkCompletion {
 }
 
 impl WorkCompletion {
-    pub(crate) fn from_raw(wc: &sys::ibv_wc) -> Self {
+    pub(in crate::rdma) fn from_raw(wc: &sys::ibv_wc) -> Self {
         let imm = if wc.wc_flags & sys::IBV_WC_WITH_IMM != 0 {
             // SAFETY: IBV_WC_WITH_IMM says the union holds imm_data (network byte order).
             Some(u32::from_be(unsafe { wc.__bindgen_anon_1.imm_data }))

@@ -251,7 +251,7 @@ pub(super) mod cufile_glue {
     /// `n` (nor outside it) is written: [`CuFileHandle::read`] sends the tail of every read
     /// through a scratch buffer, because cuFile's compat path was seen writing device bytes
     /// past what it reported.
-    pub(crate) fn read_clamped(
+    pub(in crate::storage) fn read_clamped(
         cf: &CuFileHandle,
         view: &mut CudaViewMut<'_, u8>,
         off: u64,
@@ -264,7 +264,7 @@ pub(super) mod cufile_glue {
     /// its O_DIRECT descriptor when the driver can take a direct path and the filesystem gave
     /// one (as [`CuFileHandle::open`] chooses), else of its buffered descriptor. Never the path
     /// again: it may name another file by now. `path` names the file in reports.
-    pub(crate) fn open(path: &FsPath, fds: &Fds, write: bool) -> Result<CuFileHandle> {
+    pub(in crate::storage) fn open(path: &FsPath, fds: &Fds, write: bool) -> Result<CuFileHandle> {
         let driver = Driver::open()?;
         debug_assert_eq!(write, fds.writable);
         let direct = driver.nvfs_loaded() || driver.p2pdma_enabled();
@@ -280,7 +280,7 @@ pub(super) mod cufile_glue {
     }
 
     /// The cause to report when cuFile could not be used.
-    pub(crate) fn cause_of(e: &Error, path: &FsPath) -> Cause {
+    pub(in crate::storage) fn cause_of(e: &Error, path: &FsPath) -> Cause {
         match e {
             Error::Unsupported { cause, .. } => cause.clone(),
             Error::LibraryUnavailable { .. }

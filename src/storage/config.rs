@@ -199,7 +199,7 @@ pub struct StorageConfig {
     pub copy_streams: usize,
     /// Which variable set `compat_mode` (for the `ForcedByConfig` cause), if any.
     #[serde(skip)]
-    pub(crate) compat_source: Option<String>,
+    pub(in crate::storage) compat_source: Option<String>,
 }
 
 impl Default for StorageConfig {
@@ -295,19 +295,19 @@ const SEGMENT_SIZE: Bound = Bound {
 
 /// A setting outside its range: which one, and the accepted range.
 #[derive(Debug, Clone, Copy)]
-pub(crate) struct OutOfRange {
+pub(in crate::storage) struct OutOfRange {
     bound: &'static Bound,
     value: usize,
 }
 
 impl OutOfRange {
     /// As the environment's error (the value came from `GPUDIRECT_*`).
-    pub(crate) fn env_error(self) -> Error {
+    pub(in crate::storage) fn env_error(self) -> Error {
         env::invalid(self.bound.var, &self.value.to_string(), self.bound.expected)
     }
 
     /// As an API error (the value came from a `GpuFileOptions` setter or a `StorageConfig`).
-    pub(crate) fn api_error(self) -> Error {
+    pub(in crate::storage) fn api_error(self) -> Error {
         Error::InvalidArgument(format!(
             "{} = {} is out of range: expected {} (GpuFileOptions::{}, or {})",
             self.bound.setter, self.value, self.bound.expected, self.bound.setter, self.bound.var
@@ -337,7 +337,7 @@ impl StorageConfig {
         Self::from_source(Env::process())
     }
 
-    pub(crate) fn from_source(env: Env<'_>) -> Result<Self> {
+    pub(in crate::storage) fn from_source(env: Env<'_>) -> Result<Self> {
         let mut c = StorageConfig::default();
         if let Some(m) = env.var::<CompatMode>("GPUDIRECT_COMPAT_MODE")? {
             c.compat_mode = m;
@@ -405,7 +405,7 @@ impl StorageConfig {
     }
 
     /// [`validate`](Self::validate), then sizes rounded up to a multiple of [`DIRECT_ALIGN`].
-    pub(crate) fn checked(mut self) -> std::result::Result<Self, OutOfRange> {
+    pub(in crate::storage) fn checked(mut self) -> std::result::Result<Self, OutOfRange> {
         if let Some(n) = self.threads {
             check(&THREADS, n)?;
         }
@@ -421,13 +421,13 @@ impl StorageConfig {
     }
 
     /// The size one pipeline step moves through a bounce buffer: `min(task, bounce)`.
-    pub(crate) fn piece_size(&self) -> usize {
+    pub(in crate::storage) fn piece_size(&self) -> usize {
         self.task_size.min(self.bounce_size).max(DIRECT_ALIGN)
     }
 }
 
 /// Rounds a size up to a multiple of [`DIRECT_ALIGN`], capped below [`MAX_IO_PER_CALL`].
-pub(crate) fn round_size(n: usize) -> usize {
+pub(in crate::storage) fn round_size(n: usize) -> usize {
     let r = n.div_ceil(DIRECT_ALIGN).max(1) * DIRECT_ALIGN;
     r.min(MAX_IO_PER_CALL / DIRECT_ALIGN * DIRECT_ALIGN)
 }

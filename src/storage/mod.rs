@@ -38,7 +38,7 @@
 mod backend;
 pub mod config;
 pub mod cufile;
-pub(crate) mod engine;
+pub(in crate::storage) mod engine;
 mod file;
 mod options;
 

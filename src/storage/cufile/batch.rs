@@ -426,7 +426,7 @@ fn decode_cookie(c: *mut c_void) -> (u64, usize) {
 
 /// What draining needs from a batch: the seam that lets the drain policy be tested without
 /// cuFile.
-pub(crate) trait Reap {
+pub(in crate::storage) trait Reap {
     /// Operations submitted and not yet reaped.
     fn in_flight(&self) -> usize;
     /// Cancels everything in flight.
@@ -449,16 +449,16 @@ impl Reap for BatchIo {
 
 /// How [`cancel_and_drain`] waits.
 #[derive(Debug, Clone, Copy)]
-pub(crate) struct DrainPolicy {
+pub(in crate::storage) struct DrainPolicy {
     /// Each poll waits up to this long.
-    pub(crate) poll: Duration,
+    pub(in crate::storage) poll: Duration,
     /// How often a drain without progress is logged (and the cancel repeated), and how long
     /// polls may keep failing before the process aborts.
-    pub(crate) patience: Duration,
+    pub(in crate::storage) patience: Duration,
 }
 
 impl DrainPolicy {
-    pub(crate) const DEFAULT: DrainPolicy = DrainPolicy {
+    pub(in crate::storage) const DEFAULT: DrainPolicy = DrainPolicy {
         poll: Duration::from_millis(100),
         patience: Duration::from_secs(30),
     };
@@ -471,7 +471,7 @@ impl DrainPolicy {
 /// a completion (a hung storage target), it keeps waiting, logging and cancelling again every
 /// `policy.patience`; when polls keep failing for `policy.patience` (nothing can tell any more
 /// whether the device is done), it aborts the process with a message.
-pub(crate) fn cancel_and_drain(b: &mut impl Reap, policy: &DrainPolicy) {
+pub(in crate::storage) fn cancel_and_drain(b: &mut impl Reap, policy: &DrainPolicy) {
     if b.in_flight() == 0 {
         return;
     }

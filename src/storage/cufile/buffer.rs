@@ -12,7 +12,9 @@ use crate::error::{Error, Result};
 ///
 /// cuFile wants the allocation (or registered) base plus an offset, not an interior pointer.
 /// Only called with pointers of live cudarc buffers, whose context exists, so libcuda is loaded.
-pub(crate) fn allocation_range(ptr: cu::CUdeviceptr) -> Result<(cu::CUdeviceptr, usize)> {
+pub(in crate::storage) fn allocation_range(
+    ptr: cu::CUdeviceptr,
+) -> Result<(cu::CUdeviceptr, usize)> {
     // SAFETY: a cudarc buffer exists, so libcuda is loaded and initialised (crate::cuda's door
     // was passed to create its context).
     unsafe { crate::cuda::result::mem::get_address_range(ptr) }

@@ -803,7 +803,7 @@ impl Driver {
         !self.lib.missing_symbols().contains(&symbol)
     }
 
-    pub(crate) fn lib(&self) -> &'static sys::Library {
+    pub(in crate::storage) fn lib(&self) -> &'static sys::Library {
         self.lib
     }
 
@@ -825,7 +825,7 @@ impl Driver {
     /// [`Driver::retain_context`]), makes it current (cuFile needs a valid context) and, when
     /// `synchronize` is set, waits for the stream's pending work (cuFile is ordered with no
     /// stream).
-    pub(crate) fn enter(&self, stream: &CudaStream, synchronize: bool) -> Result<()> {
+    pub(in crate::storage) fn enter(&self, stream: &CudaStream, synchronize: bool) -> Result<()> {
         self.retain_context(stream.context());
         stream
             .context()
@@ -841,7 +841,7 @@ impl Driver {
 
     /// Keeps `ctx` alive for the life of the process (once per context), unless the strategy is
     /// [`ExitStrategy::Nothing`]. Called by every operation that hands cuFile device memory.
-    pub(crate) fn retain_context(&self, ctx: &Arc<CudaContext>) {
+    pub(in crate::storage) fn retain_context(&self, ctx: &Arc<CudaContext>) {
         if !self.exit.retains() {
             return;
         }

@@ -22,11 +22,11 @@ pub use crate::storage::config::MAX_IO_PER_CALL;
 
 /// A registered cuFile handle plus the file it belongs to. Shared (`Arc`) with in-flight
 /// stream-ordered and batch IO, so the registration outlives every operation that uses it.
-pub(crate) struct HandleInner {
+pub(in crate::storage) struct HandleInner {
     // Drop order: deregister (Drop body), then `file` closes, then `driver` is released.
-    pub(crate) fh: sys::CUfileHandle_t,
+    pub(in crate::storage) fh: sys::CUfileHandle_t,
     file: File,
-    pub(crate) driver: Arc<Driver>,
+    pub(in crate::storage) driver: Arc<Driver>,
 }
 
 // SAFETY: `fh` is an opaque cuFile handle; NVIDIA's API reference states that all cuFile APIs
@@ -142,7 +142,7 @@ impl CuFileHandle {
 
     /// [`register`](Self::register), with the reason O_DIRECT was refused for `file` when the
     /// caller tried it (recorded in the path report).
-    pub(crate) fn register_file(
+    pub(in crate::storage) fn register_file(
         driver: Arc<Driver>,
         file: File,
         path: &FsPath,
@@ -222,7 +222,7 @@ impl CuFileHandle {
         &self.inner.driver
     }
 
-    pub(crate) fn inner(&self) -> &Arc<HandleInner> {
+    pub(in crate::storage) fn inner(&self) -> &Arc<HandleInner> {
         &self.inner
     }
 
@@ -440,7 +440,7 @@ pub(super) const READ_OVERRUN: usize = 64 << 10;
 
 /// `len`, shortened so that `file_offset + len` does not pass the end of `file` (0 at or past
 /// it), from `fstat` at the time of the call.
-pub(crate) fn clamp_to_eof(
+pub(in crate::storage) fn clamp_to_eof(
     file: &File,
     path: &FsPath,
     file_offset: u64,

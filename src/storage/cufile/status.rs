@@ -24,12 +24,12 @@ pub const TABLE_1_15: i32 = 1150;
 static LOADED_VERSION: AtomicI32 = AtomicI32::new(0);
 
 /// Records the loaded library's `cuFileGetVersion`, so statuses decode against its table.
-pub(crate) fn set_loaded_version(version: i32) {
+pub(in crate::storage) fn set_loaded_version(version: i32) {
     LOADED_VERSION.store(version, Ordering::Relaxed);
 }
 
 /// The loaded library's version, when known.
-pub(crate) fn loaded_version() -> Option<i32> {
+pub(in crate::storage) fn loaded_version() -> Option<i32> {
     match LOADED_VERSION.load(Ordering::Relaxed) {
         0 => None,
         v => Some(v),
