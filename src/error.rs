@@ -9,6 +9,12 @@ use std::path::PathBuf;
 
 use crate::path::{Cause, Path};
 
+pub(crate) mod cufile;
+mod verbs;
+
+pub use cufile::CuFileStatus;
+pub use verbs::WcStatus;
+
 /// `Result` with [`Error`].
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
@@ -112,7 +118,7 @@ pub enum Error {
         op: &'static str,
         /// The raw status, decoded.
         #[source]
-        source: crate::storage::cufile::CuFileStatus,
+        source: CuFileStatus,
     },
 
     /// A verbs or rdma_cm call failed with an errno.
@@ -131,7 +137,7 @@ pub enum Error {
         /// The work request id given when posting.
         wr_id: u64,
         /// The decoded completion status.
-        status: crate::rdma::WcStatus,
+        status: WcStatus,
     },
 
     /// The peer of an out-of-band connection exchange refused it or spoke another protocol
