@@ -102,9 +102,10 @@ pub enum Error {
     },
 
     /// A CUDA driver call failed.
-    #[error("{op} failed: {source}")]
+    #[error("{op} failed: {}", CudaCode(source))]
     Cuda {
-        /// The driver function, e.g. `"cuCtxEnablePeerAccess"`.
+        /// The driver function, e.g. `"cuCtxEnablePeerAccess"`, or `"a cudarc call"` for a
+        /// cudarc error converted with `?` (`From<DriverError>`).
         op: &'static str,
         /// The raw `CUresult`.
         #[source]
@@ -187,6 +188,27 @@ pub enum Error {
     },
 }
 
+/// Prints a `CUresult` by name and number. cudarc's own `Display` is its `Debug`, which asks
+/// libcuda for a description (`cuGetErrorString`) and so cannot run without the library.
+struct CudaCode<'a>(&'a CudaDriverError);
+
+impl std::fmt::Display for CudaCode<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{:?} ({})", self.0 .0, self.0 .0 as i32)
+    }
+}
+
+/// A cudarc call's error, for `?` in code that mixes cudarc and gpudirect: an [`Error::Cuda`]
+/// with the raw `CUresult` as its source (cudarc's error does not say which call failed).
+impl From<CudaDriverError> for Error {
+    fn from(source: CudaDriverError) -> Self {
+        Error::Cuda {
+            op: "a cudarc call",
+            source,
+        }
+    }
+}
+
 impl Error {
     /// Wraps a CUDA driver error with the name of the failing call.
     pub(crate) fn cuda(op: &'static str, source: CudaDriverError) -> Self {
@@ -209,5 +231,36 @@ impl Error {
                 | Error::NoRdmaSubsystem { .. }
                 | Error::Unsupported { .. }
         )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use cudarc::driver::sys::CUresult;
+
+    #[test]
+    fn cudarc_errors_convert_with_their_code_and_print_without_libcuda() {
+        let e: Error = CudaDriverError(CUresult::CUDA_ERROR_OUT_OF_MEMORY).into();
+        assert!(matches!(
+            &e,
+            Error::Cuda { op: "a cudarc call", source } if source.0 == CUresult::CUDA_ERROR_OUT_OF_MEMORY
+        ));
+        assert_eq!(
+            e.to_string(),
+            "a cudarc call failed: CUDA_ERROR_OUT_OF_MEMORY (2)"
+        );
+        assert!(
+            std::error::Error::source(&e).is_some(),
+            "the source is kept"
+        );
+        let e = Error::cuda(
+            "cuMemAlloc",
+            CudaDriverError(CUresult::CUDA_ERROR_INVALID_VALUE),
+        );
+        assert_eq!(
+            e.to_string(),
+            "cuMemAlloc failed: CUDA_ERROR_INVALID_VALUE (1)"
+        );
     }
 }
