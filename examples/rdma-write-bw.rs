@@ -226,7 +226,7 @@ impl Buffer {
                 stream
                     .memcpy_htod(data, &mut dst)
                     .and_then(|_| stream.synchronize())
-                    .map_err(|e| gpudirect::Error::InvalidArgument(format!("cuMemcpyHtoD: {e}")))
+                    .map_err(gpudirect::Error::from)
             }
         }
     }

@@ -82,9 +82,7 @@ fn run(path: Option<std::path::PathBuf>) -> gpudirect::Result<()> {
                     ", page cache"
                 }
             );
-            let back = stream
-                .clone_dtoh(&buf)
-                .map_err(|e| gpudirect::Error::InvalidArgument(format!("copy back failed: {e}")))?;
+            let back = stream.clone_dtoh(&buf)?; // cudarc errors convert with `?`
             let disk = read_all(&path)?;
             println!(
                 "verified: {}",
@@ -125,8 +123,10 @@ fn read_all(p: &std::path::Path) -> gpudirect::Result<Vec<u8>> {
     let mut v = Vec::new();
     std::fs::File::open(p)
         .and_then(|mut f| f.read_to_end(&mut v))
-        .map_err(|e| {
-            gpudirect::Error::InvalidArgument(format!("reading {} back failed: {e}", p.display()))
+        .map_err(|source| gpudirect::Error::Io {
+            op: "read",
+            path: Some(p.to_path_buf()),
+            source,
         })?;
     Ok(v)
 }
@@ -144,8 +144,10 @@ fn make_sample() -> gpudirect::Result<std::path::PathBuf> {
         x ^= x << 17;
         c.copy_from_slice(&x.to_le_bytes()[..c.len()]);
     }
-    std::fs::write(&p, &data).map_err(|e| {
-        gpudirect::Error::InvalidArgument(format!("writing the sample {} failed: {e}", p.display()))
+    std::fs::write(&p, &data).map_err(|source| gpudirect::Error::Io {
+        op: "write",
+        path: Some(p.clone()),
+        source,
     })?;
     Ok(p)
 }

@@ -103,7 +103,7 @@ fn fill(buf: &mut [u8], mut x: u64) {
 }
 
 fn cuda<T>(r: Result<T, gpudirect::cudarc::driver::DriverError>) -> gpudirect::Result<T> {
-    r.map_err(|e| gpudirect::Error::InvalidArgument(format!("CUDA: {e}")))
+    r.map_err(gpudirect::Error::from)
 }
 
 fn run(args: &Args) -> gpudirect::Result<()> {

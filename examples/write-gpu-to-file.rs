@@ -68,9 +68,7 @@ fn run(arg: Option<String>) -> gpudirect::Result<()> {
         c.copy_from_slice(&x.to_le_bytes()[..c.len()]);
     }
     let stream = ctx.default_stream();
-    let dev = stream
-        .clone_htod(&host)
-        .map_err(|e| gpudirect::Error::InvalidArgument(format!("upload failed: {e}")))?;
+    let dev = stream.clone_htod(&host)?; // cudarc errors convert with `?`
 
     let file = GpuFile::options()
         .create(true)
@@ -89,8 +87,11 @@ fn run(arg: Option<String>) -> gpudirect::Result<()> {
     );
     println!("path: {}", report.path);
     println!("O_DIRECT: {}", if report.odirect { "yes" } else { "no" });
-    let disk = std::fs::read(&path)
-        .map_err(|e| gpudirect::Error::InvalidArgument(format!("reading back failed: {e}")))?;
+    let disk = std::fs::read(&path).map_err(|source| gpudirect::Error::Io {
+        op: "read",
+        path: Some(path.clone()),
+        source,
+    })?;
     let ok = disk == host;
     println!(
         "verified: {}",

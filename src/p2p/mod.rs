@@ -7,8 +7,8 @@
 //! println!("{}", Topology::probe()?);
 //! let (a, b) = (gpudirect::cuda::context(0)?, gpudirect::cuda::context(1)?);
 //! let (sa, sb) = (a.default_stream(), b.default_stream());
-//! let src = sa.clone_htod(&vec![7u8; 1 << 20]).map_err(|e| gpudirect::Error::InvalidArgument(e.to_string()))?;
-//! let mut dst = sb.alloc_zeros::<u8>(1 << 20).map_err(|e| gpudirect::Error::InvalidArgument(e.to_string()))?;
+//! let src = sa.clone_htod(&vec![7u8; 1 << 20])?; // cudarc errors convert with `?`
+//! let mut dst = sb.alloc_zeros::<u8>(1 << 20)?;
 //! let _access = PeerAccess::both_ways(&a, &b)?; // context + default-pool access
 //! let report = copy_peer(&src, &mut dst, &sb)?;
 //! assert!(report.path.is_direct(), "{}", report.path);
