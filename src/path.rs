@@ -184,6 +184,18 @@ pub enum Cause {
     },
     /// The memory is stream-ordered pool memory, which is not GPUDirect-RDMA capable.
     PoolMemoryNotGdrCapable,
+    /// The pointer is not device memory (host or managed memory): a NIC would reach host
+    /// memory, not the GPU.
+    NotDeviceMemory {
+        /// True for managed (unified) memory, false for host memory.
+        managed: bool,
+    },
+    /// The NIC's driver rejected the registration as invalid (`EINVAL`): the range's alignment,
+    /// its access flags or the kind of memory (e.g. a VMM range) does not suit it.
+    RegistrationInvalid {
+        /// The verb that refused, e.g. `"ibv_reg_dmabuf_mr"`.
+        op: String,
+    },
     /// The range is not aligned as the registration path requires.
     Misaligned {
         /// The alignment required, in bytes.
@@ -257,6 +269,12 @@ impl Cause {
             Cause::PoolMemoryNotGdrCapable => {
                 "allocate with gpudirect::rdma::GdrBuffer (cuMemAlloc) instead of the stream-ordered pool".into()
             }
+            Cause::NotDeviceMemory { .. } => {
+                "register device memory (a gpudirect::rdma::GdrBuffer), or host memory with ProtectionDomain::register_host".into()
+            }
+            Cause::RegistrationInvalid { .. } => {
+                "register a gpudirect::rdma::GdrBuffer (64 KiB aligned cuMemAlloc memory) with the default access flags".into()
+            }
             Cause::Misaligned { required } => format!("align the range to {required} bytes"),
             Cause::GdrPathsRefused { dmabuf, peermem } => {
                 format!("for dma-buf: {}; or for peermem: {}", dmabuf.fix(), peermem.fix())
@@ -311,6 +329,16 @@ impl Cause {
             Cause::PoolMemoryNotGdrCapable => {
                 f.write_str("stream-ordered pool memory is not GPUDirect-RDMA capable")
             }
+            Cause::NotDeviceMemory { managed: true } => f.write_str(
+                "the pointer is managed memory, which is host memory to a NIC, not the GPU's",
+            ),
+            Cause::NotDeviceMemory { managed: false } => {
+                f.write_str("the pointer is host memory, not device memory")
+            }
+            Cause::RegistrationInvalid { op } => write!(
+                f,
+                "{op} rejected the range as invalid (EINVAL: its alignment, access flags or kind of memory)"
+            ),
             Cause::Misaligned { required } => write!(f, "the range is not {required}-byte aligned"),
             Cause::GdrPathsRefused { dmabuf, peermem } => {
                 f.write_str("no GPUDirect RDMA registration path: dma-buf refused (")?;
@@ -618,6 +646,11 @@ mod tests {
             },
             Cause::PoolMemoryNotGdrCapable,
             Cause::Misaligned { required: 4096 },
+            Cause::NotDeviceMemory { managed: true },
+            Cause::NotDeviceMemory { managed: false },
+            Cause::RegistrationInvalid {
+                op: "ibv_reg_dmabuf_mr".into(),
+            },
         ];
         for c in causes {
             let s = c.to_string();

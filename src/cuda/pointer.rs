@@ -222,9 +222,8 @@ impl PointerInfo {
     /// Why this memory must not be registered for GPUDirect RDMA, or `None` when it may.
     pub fn gdr_refusal(&self) -> Option<Cause> {
         if !self.is_device || self.is_managed {
-            Some(Cause::Other {
-                message: "the pointer is not device memory (host or managed memory: a NIC would read host memory, not the GPU)".into(),
-                fix: "register a gpudirect::rdma::GdrBuffer".into(),
+            Some(Cause::NotDeviceMemory {
+                managed: self.is_managed,
             })
         } else if self.from_pool || !self.gdr_capable {
             Some(Cause::PoolMemoryNotGdrCapable)
@@ -293,6 +292,14 @@ mod tests {
             Some(Cause::PoolMemoryNotGdrCapable)
         );
         let managed = PointerInfo::for_test(true, true, true, false);
-        assert!(matches!(managed.gdr_refusal(), Some(Cause::Other { .. })));
+        assert_eq!(
+            managed.gdr_refusal(),
+            Some(Cause::NotDeviceMemory { managed: true })
+        );
+        let host = PointerInfo::for_test(false, false, false, false);
+        assert_eq!(
+            host.gdr_refusal(),
+            Some(Cause::NotDeviceMemory { managed: false })
+        );
     }
 }
