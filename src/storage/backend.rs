@@ -42,7 +42,7 @@ fn forced(setting: String) -> PathReport {
 
 /// What cheap facts say about cuFile DMA for a file.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) enum Verdict {
+pub(in crate::storage) enum Verdict {
     /// cuFile cannot move this file's bytes by DMA, for this cause: the engine it is.
     Engine(Cause),
     /// Every cheap fact allows DMA: open the driver and register the file to find out.
@@ -84,7 +84,7 @@ fn json_enables_p2pdma(s: &str) -> bool {
 /// The cheap facts of one file, in the order cuFile itself fails on them: a filesystem without
 /// GDS support, a block device without the udev record cuFile registers through, a host
 /// without a DMA path.
-pub(crate) fn cheap_verdict(fs: &str, dev: u64, host_dma: bool) -> Verdict {
+pub(in crate::storage) fn cheap_verdict(fs: &str, dev: u64, host_dma: bool) -> Verdict {
     use crate::storage::cufile::file_handle::{gds_capable_fs, udev_record};
     if !gds_capable_fs(fs) {
         return Verdict::Engine(Cause::FilesystemUnsupported { fs: fs.to_string() });
@@ -123,7 +123,7 @@ fn fs_magic(f: &std::fs::File) -> Option<i64> {
 }
 
 /// The verdict for an open file (cached per device and filesystem).
-pub(crate) fn verdict(fds: &Fds) -> Verdict {
+pub(in crate::storage) fn verdict(fds: &Fds) -> Verdict {
     use std::os::unix::fs::MetadataExt;
     let (Ok(meta), Some(magic)) = (fds.buffered.metadata(), fs_magic(&fds.buffered)) else {
         // Facts unavailable: let cuFile answer.

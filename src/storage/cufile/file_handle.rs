@@ -494,7 +494,7 @@ pub fn filesystem_type(path: &FsPath) -> Option<String> {
 }
 
 /// Names a `statfs` magic number.
-pub(crate) fn fs_name(magic: i64) -> String {
+pub(in crate::storage) fn fs_name(magic: i64) -> String {
     let name = match magic as u32 {
         0xEF53 => "ext4",
         0x5846_5342 => "xfs",
@@ -525,14 +525,14 @@ pub(crate) fn fs_name(magic: i64) -> String {
 }
 
 /// Filesystems on which cuFile can do GPUDirect (with nvidia-fs or P2PDMA).
-pub(crate) fn gds_capable_fs(fs: &str) -> bool {
+pub(in crate::storage) fn gds_capable_fs(fs: &str) -> bool {
     matches!(
         fs,
         "ext4" | "xfs" | "nfs" | "lustre" | "beegfs" | "gpfs" | "virtiofs"
     ) || fs.starts_with("wekafs")
 }
 
-pub(crate) fn udev_record(dev: u64) -> (String, PathBuf) {
+pub(in crate::storage) fn udev_record(dev: u64) -> (String, PathBuf) {
     let (maj, min) = (libc::major(dev), libc::minor(dev));
     let device = format!("{maj}:{min}");
     let record = PathBuf::from(format!("/run/udev/data/b{device}"));
