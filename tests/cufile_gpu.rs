@@ -1039,10 +1039,12 @@ fn gpu_cufile_read_stays_inside_the_view() {
     let d = driver();
     let path = scratch("overrun");
     let file = random((1 << 20) + 333);
-    let Some(buffered) = register(&d, &path, &file) else {
+    // Registers once (and writes the udev record when asked), then measures with one
+    // registration of the file at a time.
+    let Some(first) = register(&d, &path, &file) else {
         return std::fs::remove_file(&path).unwrap();
     };
-    let direct = CuFileHandle::open_with(Arc::clone(&d), &path, OpenMode::Read, true).unwrap();
+    drop(first);
     let size = file.len() as u64;
     // (name, length asked, file offset, extra offset of the view inside the guard)
     let cases: [(&str, usize, u64, usize); 4] = [
@@ -1051,25 +1053,18 @@ fn gpu_cufile_read_stays_inside_the_view() {
         ("one block at offset 1", 4096, 1, 0),
         ("aligned control", 8192, 8192, 0),
     ];
+    let total_for = |len: usize| 2 * GUARD + len + 8192;
     let mut raw_overruns = Vec::new();
     let mut failures = Vec::new();
-    for h in [&buffered, &direct] {
-        let kind = if h.is_o_direct() {
-            "O_DIRECT"
-        } else {
-            "buffered"
-        };
-        eprintln!("handle {kind}: {}", h.path_report());
+    for o_direct in [false, true] {
+        let kind = if o_direct { "O_DIRECT" } else { "buffered" };
+        // Raw cuFile first, on a descriptor and registration of its own.
         for &(name, len, off, skew) in &cases {
-            let expect = (size - off).min(len as u64) as usize;
+            let mut buf = stream.clone_htod(&random(total_for(len))).unwrap();
             // The view starts at a 4 KiB-aligned device address plus `skew`.
-            let total = 2 * GUARD + len + 8192;
-            let mut buf = stream.clone_htod(&random(total)).unwrap();
             let start = GUARD + aligned_offset(&buf) + skew;
             let before = dtoh(&stream, &buf);
-
-            // Raw cuFile.
-            let got = raw_cufile_read(&path, h.is_o_direct(), &mut buf, start, len, off);
+            let got = raw_cufile_read(&path, o_direct, &mut buf, start, len, off);
             let after = dtoh(&stream, &buf);
             let n = got.max(0) as usize;
             let (head, tail) = overrun(&before, &after, start, n);
@@ -1083,9 +1078,17 @@ fn gpu_cufile_read_stays_inside_the_view() {
             if head > 0 || tail > 0 {
                 raw_overruns.push(format!("{kind} {name}: head {head}, tail {tail}"));
             }
-
-            // gpudirect's handle, on fresh random bytes.
-            let mut buf = stream.clone_htod(&random(total)).unwrap();
+        }
+        // Then gpudirect's handle, on fresh random bytes.
+        let h = CuFileHandle::open_with(Arc::clone(&d), &path, OpenMode::Read, o_direct).unwrap();
+        eprintln!(
+            "handle {kind} (o_direct {}): {}",
+            h.is_o_direct(),
+            h.path_report()
+        );
+        for &(name, len, off, skew) in &cases {
+            let expect = (size - off).min(len as u64) as usize;
+            let mut buf = stream.clone_htod(&random(total_for(len))).unwrap();
             let start = GUARD + aligned_offset(&buf) + skew;
             let before = dtoh(&stream, &buf);
             let n = h
@@ -1105,6 +1108,7 @@ fn gpu_cufile_read_stays_inside_the_view() {
                 ));
             }
         }
+        drop(h);
     }
     eprintln!(
         "RAW verdict: {}",
@@ -1116,8 +1120,6 @@ fn gpu_cufile_read_stays_inside_the_view() {
         }
     );
     assert!(failures.is_empty(), "{failures:#?}");
-    drop(direct);
-    drop(buffered);
     std::fs::remove_file(&path).unwrap();
 }
 
