@@ -176,6 +176,27 @@ pub enum Error {
         problem: crate::safetensors::Problem,
     },
 
+    /// A batch (`storage::ReadBatch`, `WriteBatch`) was refused before any byte moved, because
+    /// of the item named (its index in the order the items were added): no item was transferred.
+    #[error("batch item {index} refused, nothing was transferred: {source}")]
+    BatchRefused {
+        /// The item's index.
+        index: usize,
+        /// What is wrong with it.
+        #[source]
+        source: Box<Error>,
+    },
+
+    /// Items of a batch failed while it ran (a file error, a file that shrank); every item not
+    /// listed was transferred completely. The bytes of a failed item's range are unspecified.
+    #[error("{}", batch_failed_msg(*.total, .failed))]
+    BatchFailed {
+        /// Items in the batch.
+        total: usize,
+        /// The failed items (index, error), in index order; never empty.
+        failed: Vec<(usize, Error)>,
+    },
+
     /// A setting was given after the point where the library still honours it.
     #[error("{setting} must be set before {before}: {hint}")]
     TooLate {
@@ -206,6 +227,17 @@ impl From<CudaDriverError> for Error {
             op: "a cudarc call",
             source,
         }
+    }
+}
+
+/// The message of [`Error::BatchFailed`].
+fn batch_failed_msg(total: usize, failed: &[(usize, Error)]) -> String {
+    match failed.first() {
+        Some((i, e)) => format!(
+            "{} of {total} batch items failed (every other item was transferred completely); first: item {i}: {e}",
+            failed.len()
+        ),
+        None => format!("a batch of {total} items failed"),
     }
 }
 

@@ -22,7 +22,7 @@ use crate::path::{Cause, FallbackPolicy, Path, PathReport};
 use crate::storage::cufile::CuFileHandle;
 
 /// Reads smaller than this never use O_DIRECT under [`ODirect::Auto`].
-const AUTO_DIRECT_MIN: usize = 1 << 20;
+pub(super) const AUTO_DIRECT_MIN: usize = 1 << 20;
 /// Pages sampled to decide whether a range is cold (see [`ODirect::Auto`]).
 const RESIDENCY_SAMPLES: usize = 64;
 
@@ -249,18 +249,18 @@ impl GpuFile {
             .map_err(|e| self.fds.err("fsync", e))
     }
 
-    fn engine_report(&self) -> PathReport {
+    pub(super) fn engine_report(&self) -> PathReport {
         self.report.clone()
     }
 
-    fn check_policy(&self) -> Result<()> {
+    pub(super) fn check_policy(&self) -> Result<()> {
         if self.policy == FallbackPolicy::Warn && self.warned.swap(true, Ordering::Relaxed) {
             return Ok(());
         }
         self.policy.check(&self.report)
     }
 
-    fn check_device(&self, ordinal: usize) -> Result<()> {
+    pub(super) fn check_device(&self, ordinal: usize) -> Result<()> {
         match self.device {
             Some(d) if d != ordinal => Err(Error::InvalidArgument(format!(
                 "the buffer is on GPU {ordinal} but {} was opened for GPU {d}: pass a buffer of GPU {d} or open without GpuFileOptions::device",
@@ -270,7 +270,7 @@ impl GpuFile {
         }
     }
 
-    fn check_writable(&self) -> Result<()> {
+    pub(super) fn check_writable(&self) -> Result<()> {
         if self.fds.writable {
             Ok(())
         } else {
@@ -281,7 +281,7 @@ impl GpuFile {
         }
     }
 
-    fn read_direct(&self, off: u64, n: usize) -> bool {
+    pub(super) fn read_direct(&self, off: u64, n: usize) -> bool {
         let Some(d) = self.fds.direct() else {
             return false;
         };
@@ -297,7 +297,7 @@ impl GpuFile {
     }
 
     /// The segment pipeline's shape, when this file's reads to the GPU use it.
-    fn seg_params(&self) -> Option<SegParams> {
+    pub(super) fn seg_params(&self) -> Option<SegParams> {
         (self.cfg.pipeline == Pipeline::Segments).then_some(SegParams {
             segment_size: self.cfg.segment_size,
             segments: self.cfg.segments.max(2),
@@ -327,7 +327,7 @@ impl GpuFile {
 
     /// Worker threads for a job: the configured count, else the default (at least
     /// [`engine::MIN_DIRECT_THREADS`] for O_DIRECT jobs, which wait on the disk).
-    fn threads_for(&self, device: Option<usize>, direct: bool) -> usize {
+    pub(super) fn threads_for(&self, device: Option<usize>, direct: bool) -> usize {
         let pin = self.cfg.numa_pin && device.is_some();
         match (self.cfg.threads, direct) {
             (Some(n), _) => n.clamp(1, engine::MAX_THREADS),
@@ -336,7 +336,7 @@ impl GpuFile {
         }
     }
 
-    fn write_direct(&self) -> bool {
+    pub(super) fn write_direct(&self) -> bool {
         self.fds.direct().is_some() && self.cfg.odirect_write != ODirect::Off
     }
 
@@ -367,7 +367,7 @@ impl GpuFile {
     /// Bytes a read of `len` at `off` can move before end of file. `None` when the file's size
     /// is unknown: `fstat` says 0 but a byte exists at `off` (`/proc`, sysfs, some FUSE
     /// filesystems), so the read must go on to end of file instead of trusting the size.
-    fn readable(&self, off: u64, len: usize) -> Result<Option<usize>> {
+    pub(super) fn readable(&self, off: u64, len: usize) -> Result<Option<usize>> {
         let size = self.fds.size()?;
         if size == 0 && len > 0 {
             let mut probe = 0u8;
@@ -383,6 +383,16 @@ impl GpuFile {
         } else {
             len.min((size - off).min(usize::MAX as u64) as usize)
         }))
+    }
+
+    /// The file's size, `None` when it is unknown (`fstat` says 0 but the file has content,
+    /// see [`readable`](Self::readable)).
+    pub(super) fn known_size(&self) -> Result<Option<u64>> {
+        let size = self.fds.size()?;
+        if size == 0 && self.readable(0, 1)?.is_none() {
+            return Ok(None);
+        }
+        Ok(Some(size))
     }
 
     /// Reads a file of unknown size (see [`readable`](Self::readable)) from `off` into host
@@ -555,7 +565,7 @@ impl GpuFile {
         Ok(r)
     }
 
-    fn eof(&self, off: u64, want: usize, got: usize) -> Error {
+    pub(super) fn eof(&self, off: u64, want: usize, got: usize) -> Error {
         self.fds.err(
             "read_exact",
             std::io::Error::new(
@@ -652,7 +662,7 @@ impl GpuFile {
         Ok(rep)
     }
 
-    fn prepare_write(&self, direct: bool, off: u64, len: usize) -> Result<()> {
+    pub(super) fn prepare_write(&self, direct: bool, off: u64, len: usize) -> Result<()> {
         if direct && off + len as u64 > self.fds.size()? {
             io::preallocate(&self.fds.buffered, off, len as u64);
         }

@@ -36,6 +36,7 @@
 //! transfers ([`GpuFile::pread_host`], [`GpuFile::pwrite_host`]) run on the same pool.
 
 mod backend;
+mod batch;
 pub mod config;
 pub mod cufile;
 pub(in crate::storage) mod engine;
@@ -45,6 +46,9 @@ mod options;
 pub use cufile::{CuFileStatus, IoReturn};
 
 pub use backend::Backend;
+pub use batch::{
+    read_many, BatchDst, BatchReport, BatchSrc, PathShare, ReadBatch, ReadItem, WriteBatch,
+};
 pub use config::{CompatMode, ODirect, Pipeline, StorageConfig};
 pub use file::{read_to_gpu, DeviceDst, DeviceSrc, GpuFile, IoReport};
 pub use options::GpuFileOptions;

@@ -181,6 +181,11 @@ impl GpuFileOptions {
         self
     }
 
+    /// The settings so far (not yet checked).
+    pub(super) fn config_ref(&self) -> &StorageConfig {
+        &self.config
+    }
+
     /// Opens `path` and decides the backend for device transfers.
     ///
     /// Errors: [`Error::InvalidEnvironment`](crate::Error::InvalidEnvironment) for an unparsable
@@ -190,7 +195,12 @@ impl GpuFileOptions {
     /// [`Error::Io`](crate::Error::Io) when `open` fails; with [`Backend::CuFile`] or mode OFF,
     /// the cuFile error or [`Error::Unsupported`](crate::Error::Unsupported) with its cause.
     pub fn open(self, path: impl AsRef<FsPath>) -> Result<GpuFile> {
-        let path = path.as_ref();
+        self.open_with(path.as_ref(), true)
+    }
+
+    /// [`open`](Self::open); without an O_DIRECT descriptor unless `want_direct` (a batch that
+    /// knows none of its reads of this file will use one saves the second `open`).
+    pub(super) fn open_with(self, path: &FsPath, want_direct: bool) -> Result<GpuFile> {
         if self.env_invalid {
             // The snapshot is fixed for the process: this returns the same error again.
             StorageConfig::from_env()?;
@@ -203,13 +213,14 @@ impl GpuFileOptions {
             Some(p) => p,
             None => FallbackPolicy::global()?,
         };
-        let fds = Fds::open(
+        let fds = Fds::open_with(
             path,
             OpenMode {
                 write: self.write,
                 create: self.create,
                 truncate: self.truncate,
             },
+            want_direct,
         )?;
         let (cufile, report) = decide_backend(self.backend, &cfg, path, &fds, self.write)?;
         Ok(GpuFile {

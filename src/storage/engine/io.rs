@@ -34,8 +34,16 @@ pub(crate) struct Fds {
 
 impl Fds {
     /// Opens `path` (regular files only: directories, FIFOs, sockets and devices are an
-    /// [`Error::InvalidArgument`]; a FIFO is opened non-blocking so the check cannot hang).
+    /// [`Error::InvalidArgument`]; a FIFO is opened non-blocking so the check cannot hang),
+    /// with its O_DIRECT descriptor when the filesystem allows one.
+    #[cfg_attr(not(test), allow(dead_code))] // the library opens through open_with
     pub fn open(path: &FsPath, mode: OpenMode) -> Result<Fds> {
+        Self::open_with(path, mode, true)
+    }
+
+    /// [`open`](Self::open), opening the O_DIRECT descriptor only when `want_direct` (else it
+    /// is absent, with the reason "not asked for").
+    pub fn open_with(path: &FsPath, mode: OpenMode, want_direct: bool) -> Result<Fds> {
         let mut oo = std::fs::OpenOptions::new();
         oo.read(true)
             .write(mode.write)
@@ -71,9 +79,16 @@ impl Fds {
             return Err(not_regular(path, what));
         }
         clear_nonblock(&buffered, path)?;
-        let (direct, direct_refused) = match open_direct(&buffered, path, mode.write) {
-            Ok(f) => (Some(f), None),
-            Err(e) => (None, Some(e.to_string())),
+        let (direct, direct_refused) = if !want_direct {
+            (
+                None,
+                Some("not asked for (no read of this batch would use it)".into()),
+            )
+        } else {
+            match open_direct(&buffered, path, mode.write) {
+                Ok(f) => (Some(f), None),
+                Err(e) => (None, Some(e.to_string())),
+            }
         };
         Ok(Fds {
             buffered,

@@ -514,6 +514,25 @@ impl Engine {
         job.outcome(0)
     }
 
+    /// Runs `f(i)` for every `i < n` on up to `threads` workers (opening or closing many files
+    /// in parallel). False when `f` panicked.
+    pub fn for_each(&self, n: usize, threads: usize, f: &(dyn Fn(usize) + Sync)) -> bool {
+        if n == 0 {
+            return true;
+        }
+        let next = AtomicUsize::new(0);
+        self.pool.run(
+            threads.clamp(1, MAX_THREADS).min(n),
+            &|_ws: &mut WorkerState| loop {
+                let i = next.fetch_add(1, Ordering::Relaxed);
+                if i >= n {
+                    break;
+                }
+                f(i);
+            },
+        )
+    }
+
     /// Sets up (or reuses, or grows) this engine's segment ring for `ctx`, with no job running.
     fn seg_res<'g>(
         &self,
@@ -855,13 +874,14 @@ mod tests {
         let mut data = vec![0u8; len];
         rand::rngs::StdRng::seed_from_u64(7).fill_bytes(&mut data);
         std::fs::write(&p, &data).unwrap();
-        let fds = Fds::open(
+        let fds = Fds::open_with(
             &p,
             io::OpenMode {
                 write: false,
                 create: false,
                 truncate: false,
             },
+            true,
         )
         .unwrap();
         let stream = ctx.new_stream().unwrap();

@@ -1,0 +1,1190 @@
+//! Many transfers in one job: [`ReadBatch`] (files → device buffers), [`WriteBatch`] (device
+//! buffers and host bytes → one file), and the sugar [`read_many`] and
+//! [`GpuFile::read_ranges`].
+//!
+//! A batch is one engine job: the files it opens by path are opened in parallel on the engine's
+//! workers, every item's pieces are spread over the workers, reads are packed into the pinned
+//! segments so that pieces contiguous in one destination share one host→device copy, and the
+//! call returns once, with one [`BatchReport`].
+//!
+//! See [`ReadBatch`] for what a batch refuses and what it reports.
+
+use std::collections::HashMap;
+use std::path::{Path as FsPath, PathBuf};
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::{Duration, Instant};
+
+use cudarc::driver::{CudaStream, CudaView, CudaViewMut, DevicePtr, DevicePtrMut, DeviceSlice};
+use serde::Serialize;
+
+use super::backend::cufile_glue;
+use super::engine::io;
+use super::engine::plan::{plan_item, Dir, Task};
+use super::engine::{self, Mem, Op};
+use super::file::{dst_bytes, src_bytes, DeviceDst, DeviceSrc, GpuFile, AUTO_DIRECT_MIN};
+use super::options::GpuFileOptions;
+use super::ODirect;
+use crate::cuda::AnyBitPattern;
+use crate::error::{Error, Result};
+use crate::path::{Path, PathReport};
+
+/// A destination registered with [`ReadBatch::destination`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BatchDst(usize);
+
+/// A device source registered with [`WriteBatch::source`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BatchSrc(usize);
+
+/// The items that took one path, in a [`BatchReport`].
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct PathShare {
+    /// The path and, for a fallback, why.
+    pub path: PathReport,
+    /// Items that took it.
+    pub items: usize,
+    /// Their bytes.
+    pub bytes: usize,
+}
+
+/// What a batch did. Returned only when every item was transferred completely.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[non_exhaustive]
+pub struct BatchReport {
+    /// Items in the batch.
+    pub items: usize,
+    /// Bytes moved (the sum of the items' lengths).
+    pub bytes: usize,
+    /// Wall time of the call, from `run` to its return (files opened and closed included).
+    pub elapsed: Duration,
+    /// The job's path: the path of the most bytes (see [`paths`](Self::paths) when items took
+    /// different ones).
+    pub path: PathReport,
+    /// Every path taken, with its items and bytes.
+    pub paths: Vec<PathShare>,
+    /// Whether any byte went through O_DIRECT.
+    pub odirect: bool,
+    /// Distinct files.
+    pub files: usize,
+    /// Host↔device copies the engine issued for the job (one per run of payload contiguous in
+    /// a pinned segment and in one buffer).
+    pub copies: usize,
+    /// Per item (in the order added): bytes moved, which is its length.
+    pub item_bytes: Vec<usize>,
+}
+
+impl BatchReport {
+    /// Throughput in GB/s (10⁹ bytes per second) over [`elapsed`](Self::elapsed).
+    pub fn gbps(&self) -> f64 {
+        self.bytes as f64 / self.elapsed.as_secs_f64().max(1e-12) / 1e9
+    }
+
+    fn new(t0: Instant, item_bytes: Vec<usize>, paths: Vec<PathShare>, files: usize) -> Self {
+        let path = paths
+            .iter()
+            .max_by_key(|p| p.bytes)
+            .map(|p| p.path.clone())
+            .unwrap_or_else(|| PathReport::direct(Path::Unknown));
+        BatchReport {
+            items: item_bytes.len(),
+            bytes: item_bytes.iter().sum(),
+            elapsed: t0.elapsed(),
+            path,
+            paths,
+            odirect: false,
+            files,
+            copies: 0,
+            item_bytes,
+        }
+    }
+}
+
+impl std::fmt::Display for BatchReport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{} bytes in {} items from {} files in {:.3} s ({:.2} GB/s) via {}",
+            self.bytes,
+            self.items,
+            self.files,
+            self.elapsed.as_secs_f64(),
+            self.gbps(),
+            self.path
+        )?;
+        if self.paths.len() > 1 {
+            write!(f, " and {} other paths", self.paths.len() - 1)?;
+        }
+        if self.odirect {
+            f.write_str(" with O_DIRECT")?;
+        }
+        Ok(())
+    }
+}
+
+fn panicked() -> Error {
+    Error::Io {
+        op: "IO engine",
+        path: None,
+        source: std::io::Error::other(
+            "an IO worker panicked (a bug in gpudirect: please report it)",
+        ),
+    }
+}
+
+fn refuse(index: usize, source: Error) -> Error {
+    Error::BatchRefused {
+        index,
+        source: Box::new(source),
+    }
+}
+
+fn check_range(off: u64, len: usize) -> Result<()> {
+    match off.checked_add(len as u64) {
+        Some(end) if end <= i64::MAX as u64 => Ok(()),
+        _ => Err(Error::InvalidArgument(format!(
+            "file offset {off} + length {len} passes the largest file offset (2^63 - 1): use a smaller offset"
+        ))),
+    }
+}
+
+/// Adds the bytes of `items` to the share of `report`.
+fn share(paths: &mut Vec<PathShare>, report: &PathReport, bytes: usize) {
+    match paths.iter_mut().find(|p| p.path == *report) {
+        Some(p) => {
+            p.items += 1;
+            p.bytes += bytes;
+        }
+        None => paths.push(PathShare {
+            path: report.clone(),
+            items: 1,
+            bytes,
+        }),
+    }
+}
+
+/// The first pair of overlapping ranges `(buffer, start, end, item)`: the later item's index
+/// and the other's. Empty ranges never overlap.
+fn first_overlap(mut spans: Vec<(usize, u64, u64, usize)>) -> Option<(usize, usize)> {
+    spans.retain(|s| s.2 > s.1);
+    spans.sort_unstable();
+    let mut worst: Option<(usize, usize)> = None;
+    let mut prev: Option<(usize, u64, usize)> = None; // (buffer, furthest end, its item)
+    for (b, start, end, item) in spans {
+        if let Some((pb, pend, pitem)) = prev {
+            if pb == b && start < pend {
+                let pair = (item.max(pitem), item.min(pitem));
+                if worst.is_none_or(|w| pair.0 < w.0) {
+                    worst = Some(pair);
+                }
+            }
+            if pb == b && pend >= end {
+                continue;
+            }
+        }
+        prev = Some((b, end, item));
+    }
+    worst
+}
+
+trait ErasedDst {
+    fn bytes(&mut self) -> CudaViewMut<'_, u8>;
+}
+
+struct TypedDst<'a, T: AnyBitPattern>(CudaViewMut<'a, T>);
+
+impl<T: AnyBitPattern> ErasedDst for TypedDst<'_, T> {
+    fn bytes(&mut self) -> CudaViewMut<'_, u8> {
+        dst_bytes(&mut self.0)
+    }
+}
+
+trait ErasedSrc {
+    fn bytes(&self) -> CudaView<'_, u8>;
+}
+
+struct TypedSrc<'a, T: cudarc::driver::DeviceRepr>(CudaView<'a, T>);
+
+impl<T: cudarc::driver::DeviceRepr> ErasedSrc for TypedSrc<'_, T> {
+    fn bytes(&self) -> CudaView<'_, u8> {
+        src_bytes(&self.0)
+    }
+}
+
+enum Source<'a> {
+    Path(PathBuf),
+    File(&'a GpuFile),
+}
+
+struct ReadItem_ {
+    src: usize,
+    file_offset: u64,
+    len: usize,
+    dst: usize,
+    dst_offset: usize,
+}
+
+/// Many reads into device buffers in one job.
+///
+/// Register each destination buffer once with [`destination`](Self::destination) (it stays
+/// mutably borrowed until the batch is run or dropped), then add items: `len` bytes at
+/// `file_offset` of a file into `dst` at byte `dst_offset`. Files named by path are opened by
+/// the batch (in parallel, with [`with_options`](Self::with_options)'s settings);
+/// [`read_file`](Self::read_file) takes an open [`GpuFile`]. Items may share a file and a
+/// destination; their destination ranges must not overlap. Destinations must be on one GPU.
+///
+/// # What a batch refuses, and what it reports
+/// Before any byte moves, every item is checked; the **whole batch is refused** with
+/// [`Error::BatchRefused`] naming the first bad item when one is bad: a path that does not
+/// open or is not a regular file (directory, FIFO, socket, device), an item past end of file,
+/// a file whose size is unknown (`fstat` says 0 but it has content, as on `/proc`), a
+/// destination (or source) range outside its buffer, two items whose destination ranges overlap
+/// (reads) or whose file ranges overlap (writes), offsets past the largest file offset,
+/// destinations on different GPUs, a fallback refused by the policy. Nothing is moved then.
+///
+/// While the batch runs, a file error (an IO error, a file that shrank or was truncated since
+/// the check) fails **its item only**: the others are completed, and the call returns
+/// [`Error::BatchFailed`] listing the failed items; their destination ranges are unspecified,
+/// every other item is complete. A CUDA error fails the whole job ([`Error::Cuda`]). `Ok` means
+/// every byte of every item is in place. A file deleted after it was opened stays readable (the
+/// batch holds it open); one deleted before `run` does not open and refuses the batch.
+///
+/// ```no_run
+/// # fn main() -> gpudirect::Result<()> {
+/// use gpudirect::storage::ReadBatch;
+/// let stream = gpudirect::cuda::context(0)?.default_stream();
+/// let files: Vec<std::path::PathBuf> = (0..10_000).map(|i| format!("data/{i}.bin").into()).collect();
+/// let mut dst = stream.alloc_zeros::<u8>(files.len() * 100 << 10)?;
+/// let mut batch = ReadBatch::new();
+/// let d = batch.destination(&mut dst);
+/// for (i, f) in files.iter().enumerate() {
+///     batch.read(f, 0, 100 << 10, d, i * (100 << 10));
+/// }
+/// let report = batch.run()?;
+/// println!("{report}");
+/// # Ok(()) }
+/// ```
+///
+/// A borrowed destination cannot go away while the batch holds it:
+///
+/// ```compile_fail
+/// # fn f(stream: std::sync::Arc<cudarc::driver::CudaStream>) {
+/// let mut buf = stream.alloc_zeros::<u8>(16).unwrap();
+/// let mut batch = gpudirect::storage::ReadBatch::new();
+/// let d = batch.destination(&mut buf);
+/// drop(buf); // the batch borrows `buf` until it is run
+/// batch.read("f", 0, 16, d, 0);
+/// # }
+/// ```
+pub struct ReadBatch<'a> {
+    options: GpuFileOptions,
+    srcs: Vec<Source<'a>>,
+    by_path: HashMap<PathBuf, usize>,
+    by_file: HashMap<usize, usize>,
+    dsts: Vec<Box<dyn ErasedDst + 'a>>,
+    items: Vec<ReadItem_>,
+}
+
+impl Default for ReadBatch<'_> {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl std::fmt::Debug for ReadBatch<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ReadBatch")
+            .field("items", &self.items.len())
+            .field("files", &self.srcs.len())
+            .field("destinations", &self.dsts.len())
+            .finish()
+    }
+}
+
+impl<'a> ReadBatch<'a> {
+    /// An empty batch; files it opens use [`GpuFile::options`]'s settings.
+    pub fn new() -> Self {
+        Self::with_options(GpuFile::options())
+    }
+
+    /// An empty batch whose files opened by path use `options` (engine settings, backend,
+    /// fallback policy, device); the job's threads, piece and segment settings come from the
+    /// first item's file.
+    pub fn with_options(options: GpuFileOptions) -> Self {
+        ReadBatch {
+            options,
+            srcs: Vec::new(),
+            by_path: HashMap::new(),
+            by_file: HashMap::new(),
+            dsts: Vec::new(),
+            items: Vec::new(),
+        }
+    }
+
+    /// Registers a destination buffer (any [`DeviceDst`]: `CudaSlice<T>`, `CudaViewMut<T>`),
+    /// borrowed until the batch is run; items address it by byte offset.
+    pub fn destination<D>(&mut self, dst: &'a mut D) -> BatchDst
+    where
+        D: DeviceDst + ?Sized,
+        D::Elem: 'a,
+    {
+        self.dsts.push(Box::new(TypedDst(dst.as_dst())));
+        BatchDst(self.dsts.len() - 1)
+    }
+
+    /// Adds an item: `len` bytes at `file_offset` of the file at `path` (opened by the batch)
+    /// into `dst` at byte `dst_offset`.
+    pub fn read(
+        &mut self,
+        path: impl AsRef<FsPath>,
+        file_offset: u64,
+        len: usize,
+        dst: BatchDst,
+        dst_offset: usize,
+    ) -> &mut Self {
+        let path = path.as_ref();
+        let src = match self.by_path.get(path) {
+            Some(&i) => i,
+            None => {
+                self.srcs.push(Source::Path(path.to_path_buf()));
+                self.by_path.insert(path.to_path_buf(), self.srcs.len() - 1);
+                self.srcs.len() - 1
+            }
+        };
+        self.push(src, file_offset, len, dst, dst_offset)
+    }
+
+    /// Adds an item read from an open file.
+    pub fn read_file(
+        &mut self,
+        file: &'a GpuFile,
+        file_offset: u64,
+        len: usize,
+        dst: BatchDst,
+        dst_offset: usize,
+    ) -> &mut Self {
+        let key = file as *const GpuFile as usize;
+        let src = match self.by_file.get(&key) {
+            Some(&i) => i,
+            None => {
+                self.srcs.push(Source::File(file));
+                self.by_file.insert(key, self.srcs.len() - 1);
+                self.srcs.len() - 1
+            }
+        };
+        self.push(src, file_offset, len, dst, dst_offset)
+    }
+
+    fn push(
+        &mut self,
+        src: usize,
+        file_offset: u64,
+        len: usize,
+        dst: BatchDst,
+        dst_offset: usize,
+    ) -> &mut Self {
+        self.items.push(ReadItem_ {
+            src,
+            file_offset,
+            len,
+            dst: dst.0,
+            dst_offset,
+        });
+        self
+    }
+
+    /// Items added.
+    pub fn len(&self) -> usize {
+        self.items.len()
+    }
+
+    /// True when no item was added.
+    pub fn is_empty(&self) -> bool {
+        self.items.is_empty()
+    }
+
+    /// Runs the batch: returns when every item is in place (`Ok`), or when the batch was
+    /// refused (nothing moved) or some items failed (see [`ReadBatch`]).
+    pub fn run(self) -> Result<BatchReport> {
+        let t0 = Instant::now();
+        let ReadBatch {
+            options,
+            srcs,
+            mut dsts,
+            items,
+            ..
+        } = self;
+        if items.is_empty() {
+            return Ok(BatchReport::new(t0, Vec::new(), Vec::new(), 0));
+        }
+        crate::cuda::driver_version()?;
+        let mut views: Vec<CudaViewMut<'_, u8>> = dsts.iter_mut().map(|d| d.bytes()).collect();
+        // One context for every destination an item uses.
+        for (i, it) in items.iter().enumerate() {
+            if it.dst >= views.len() {
+                return Err(refuse(
+                    i,
+                    Error::InvalidArgument(format!(
+                        "destination {} was not registered with this batch: use the BatchDst its destination() returned",
+                        it.dst
+                    )),
+                ));
+            }
+        }
+        let ctx = views[items[0].dst].stream().context().clone();
+        for (i, it) in items.iter().enumerate() {
+            let c = views[it.dst].stream().context();
+            if c.cu_ctx() != ctx.cu_ctx() {
+                return Err(refuse(
+                    i,
+                    Error::InvalidArgument(format!(
+                        "its destination is on GPU {} and the first item's on GPU {}: run one batch per GPU",
+                        c.ordinal(),
+                        ctx.ordinal()
+                    )),
+                ));
+            }
+        }
+        let ordinal = ctx.ordinal();
+        let first_item_of = |src: usize| items.iter().position(|it| it.src == src).unwrap_or(0);
+
+        // Open the files named by path, in parallel on the engine's workers.
+        let mut longest = vec![0usize; srcs.len()];
+        for it in &items {
+            longest[it.src] = longest[it.src].max(it.len);
+        }
+        let odirect_on = options.config_ref().odirect_read == ODirect::On;
+        let eng = engine::engine(Some(ordinal), options.config_ref().numa_pin)?;
+        let opened: Vec<OnceLock<Result<GpuFile>>> = srcs.iter().map(|_| OnceLock::new()).collect();
+        let to_open: Vec<usize> = (0..srcs.len())
+            .filter(|&s| matches!(srcs[s], Source::Path(_)))
+            .collect();
+        if !to_open.is_empty() {
+            let threads = engine::default_threads(Some(ordinal), options.config_ref().numa_pin);
+            let ok = eng.for_each(to_open.len(), threads, &|k| {
+                let s = to_open[k];
+                if let Source::Path(p) = &srcs[s] {
+                    let want_direct = odirect_on || longest[s] >= AUTO_DIRECT_MIN;
+                    let _ = opened[s].set(options.clone().open_with(p, want_direct));
+                }
+            });
+            if !ok {
+                return Err(panicked());
+            }
+        }
+        let mut files: Vec<&GpuFile> = Vec::with_capacity(srcs.len());
+        for (s, src) in srcs.iter().enumerate() {
+            match src {
+                Source::File(f) => files.push(f),
+                Source::Path(_) => match opened[s].get() {
+                    Some(Ok(f)) => files.push(f),
+                    Some(Err(e)) => return Err(refuse(first_item_of(s), clone_open_error(e))),
+                    None => return Err(refuse(first_item_of(s), panicked())),
+                },
+            }
+        }
+        for (s, f) in files.iter().enumerate() {
+            f.check_device(ordinal)
+                .map_err(|e| refuse(first_item_of(s), e))?;
+        }
+
+        // Check every item before any byte moves.
+        let mut sizes: Vec<Option<Option<u64>>> = vec![None; files.len()];
+        for (i, it) in items.iter().enumerate() {
+            check_range(it.file_offset, it.len).map_err(|e| refuse(i, e))?;
+            let room = views[it.dst].len();
+            if it
+                .dst_offset
+                .checked_add(it.len)
+                .is_none_or(|end| end > room)
+            {
+                return Err(refuse(
+                    i,
+                    Error::InvalidArgument(format!(
+                        "{} bytes at destination offset {} do not fit its {room}-byte destination: use a larger buffer or a smaller offset",
+                        it.len, it.dst_offset
+                    )),
+                ));
+            }
+            let f = files[it.src];
+            let size = match sizes[it.src] {
+                Some(s) => s,
+                None => {
+                    let s = f.known_size().map_err(|e| refuse(i, e))?;
+                    sizes[it.src] = Some(s);
+                    s
+                }
+            };
+            let Some(size) = size else {
+                return Err(refuse(
+                    i,
+                    f.fds.err(
+                        "fstat",
+                        std::io::Error::new(
+                            std::io::ErrorKind::InvalidData,
+                            format!(
+                                "the file's size is unknown (fstat says 0 but it has content, as files on {} do): read it with GpuFile::read_to_device, which reads to end of file",
+                                crate::storage::cufile::filesystem_type(f.path())
+                                    .unwrap_or_else(|| "this filesystem".into())
+                            ),
+                        ),
+                    ),
+                ));
+            };
+            if it.file_offset + it.len as u64 > size {
+                return Err(refuse(
+                    i,
+                    f.eof(
+                        it.file_offset,
+                        it.len,
+                        size.saturating_sub(it.file_offset) as usize,
+                    ),
+                ));
+            }
+        }
+        let spans = items
+            .iter()
+            .enumerate()
+            .map(|(i, it)| {
+                (
+                    it.dst,
+                    it.dst_offset as u64,
+                    (it.dst_offset + it.len) as u64,
+                    i,
+                )
+            })
+            .collect();
+        if let Some((later, earlier)) = first_overlap(spans) {
+            return Err(refuse(
+                later,
+                Error::InvalidArgument(format!(
+                    "its destination range overlaps item {earlier}'s: give every item its own bytes"
+                )),
+            ));
+        }
+        // The fallback policy, once per distinct path (a file opened by path warns once).
+        let mut checked: Vec<&PathReport> = Vec::new();
+        for (s, f) in files.iter().enumerate() {
+            if !checked.contains(&f.path_report()) {
+                f.check_policy().map_err(|e| refuse(first_item_of(s), e))?;
+                checked.push(f.path_report());
+            }
+        }
+
+        // Move the bytes.
+        let first = files[items[0].src];
+        let piece = first.cfg.piece_size();
+        let engine_items: Vec<usize> = (0..items.len())
+            .filter(|&i| files[items[i].src].cufile.is_none())
+            .collect();
+        let mut failed: Vec<(usize, Error)> = Vec::new();
+        let mut odirect = false;
+        let mut copies = 0;
+        if !engine_items.is_empty() {
+            // Job files: the engine's files, in first-use order.
+            let mut job_file = vec![u32::MAX; files.len()];
+            let mut job_files = Vec::new();
+            let mut tasks: Vec<Task> = Vec::with_capacity(engine_items.len());
+            let mut any_direct = false;
+            for &i in &engine_items {
+                let it = &items[i];
+                if job_file[it.src] == u32::MAX {
+                    job_file[it.src] = job_files.len() as u32;
+                    job_files.push(&*files[it.src].fds);
+                }
+                let direct = files[it.src].read_direct(it.file_offset, it.len);
+                any_direct |= direct;
+                let at = Task {
+                    file: job_file[it.src],
+                    buf: it.dst as u32,
+                    item: i as u32,
+                    buf_off: it.dst_offset,
+                    ..Task::default()
+                };
+                plan_item(
+                    &mut tasks,
+                    at,
+                    it.file_offset,
+                    it.len,
+                    piece,
+                    Dir::Read,
+                    direct,
+                );
+            }
+            let threads = first.threads_for(Some(ordinal), any_direct);
+            let streams: Vec<Arc<CudaStream>> = views.iter().map(|v| v.stream().clone()).collect();
+            let mut bufs = Vec::with_capacity(views.len());
+            let mut guards = Vec::with_capacity(views.len());
+            for (v, s) in views.iter_mut().zip(&streams) {
+                let (p, g) = v.device_ptr_mut(s);
+                bufs.push(Mem::Dev(p));
+                guards.push(g);
+            }
+            sync_streams(&streams)?;
+            // SAFETY: every buffer is a destination view borrowed (mutably, for 'a) by this
+            // batch, in `ctx`; each task lies inside its item's destination range, which was
+            // checked to fit its buffer and to overlap no other item's; Engine::run returns
+            // only after every copy completed.
+            let mut job = unsafe {
+                engine::Job::batch(
+                    job_files,
+                    bufs,
+                    items.len(),
+                    tasks,
+                    piece,
+                    Op::Read,
+                    Some(ctx.clone()),
+                )
+            };
+            if let Some(p) = first.seg_params() {
+                job = job.with_segments(p);
+            }
+            let out = eng.run(job, threads)?;
+            drop(guards);
+            odirect = out.odirect;
+            copies = out.copies;
+            for (k, o) in out.items.into_iter().enumerate() {
+                if files[items[k].src].cufile.is_some() || items[k].len == 0 {
+                    continue;
+                }
+                match o.error {
+                    Some(e) => failed.push((k, e)),
+                    None if !o.complete || o.prefix < items[k].len => {
+                        let f = files[items[k].src];
+                        failed.push((k, f.eof(items[k].file_offset, items[k].len, o.prefix)));
+                    }
+                    None => {}
+                }
+            }
+        }
+        for (i, it) in items.iter().enumerate() {
+            let f = files[it.src];
+            let Some(cf) = &f.cufile else { continue };
+            if it.len == 0 {
+                continue;
+            }
+            let mut v = views[it.dst].slice_mut(it.dst_offset..it.dst_offset + it.len);
+            match cufile_glue::read_clamped(cf, &mut v, it.file_offset, it.len) {
+                Ok(n) if n == it.len => {}
+                Ok(n) => failed.push((i, f.eof(it.file_offset, it.len, n))),
+                Err(e @ Error::Cuda { .. }) => return Err(e),
+                Err(e) => failed.push((i, e)),
+            }
+        }
+        drop(views);
+
+        let mut paths = Vec::new();
+        for it in &items {
+            share(&mut paths, files[it.src].path_report(), it.len);
+        }
+        let nfiles = files.len();
+        drop(files);
+        // Close what the batch opened, in parallel.
+        let slots: Vec<Mutex<Option<GpuFile>>> = opened
+            .into_iter()
+            .map(|o| Mutex::new(o.into_inner().and_then(|r| r.ok())))
+            .collect();
+        if !to_open.is_empty() {
+            let threads = engine::default_threads(Some(ordinal), options.config_ref().numa_pin);
+            eng.for_each(slots.len(), threads, &|k| {
+                drop(slots[k].lock().unwrap_or_else(|p| p.into_inner()).take());
+            });
+        }
+        if !failed.is_empty() {
+            failed.sort_by_key(|f| f.0);
+            return Err(Error::BatchFailed {
+                total: items.len(),
+                failed,
+            });
+        }
+        let mut r = BatchReport::new(t0, items.iter().map(|it| it.len).collect(), paths, nfiles);
+        r.odirect = odirect;
+        r.copies = copies;
+        Ok(r)
+    }
+}
+
+/// The errors `GpuFile::open` returns are not `Clone`; a batch reports the one it got for a
+/// file at its first item (the `OnceLock` keeps the original, this is a faithful copy).
+fn clone_open_error(e: &Error) -> Error {
+    match e {
+        Error::Io { op, path, source } => Error::Io {
+            op,
+            path: path.clone(),
+            source: match source.raw_os_error() {
+                Some(code) => std::io::Error::from_raw_os_error(code),
+                None => std::io::Error::new(source.kind(), source.to_string()),
+            },
+        },
+        Error::InvalidArgument(m) => Error::InvalidArgument(m.clone()),
+        Error::Unsupported { what, cause } => Error::Unsupported {
+            what: what.clone(),
+            cause: cause.clone(),
+        },
+        Error::FallbackRefused { path, cause } => Error::FallbackRefused {
+            path: *path,
+            cause: cause.clone(),
+        },
+        other => Error::InvalidArgument(format!("the file could not be opened: {other}")),
+    }
+}
+
+/// Synchronizes every distinct stream of `streams`.
+fn sync_streams(streams: &[Arc<CudaStream>]) -> Result<()> {
+    let mut done: Vec<cudarc::driver::sys::CUstream> = Vec::new();
+    for s in streams {
+        if !done.contains(&s.cu_stream()) {
+            s.synchronize()
+                .map_err(|e| Error::cuda("cuStreamSynchronize", e))?;
+            done.push(s.cu_stream());
+        }
+    }
+    Ok(())
+}
+
+/// One item of [`read_many`]: `len` bytes at `file_offset` of `path` into the destination at
+/// byte `dst_offset`.
+#[derive(Debug, Clone, Copy)]
+pub struct ReadItem<'p> {
+    /// The file.
+    pub path: &'p FsPath,
+    /// Where in the file.
+    pub file_offset: u64,
+    /// How many bytes.
+    pub len: usize,
+    /// Where in the destination, in bytes.
+    pub dst_offset: usize,
+}
+
+/// Reads many file ranges into one device buffer in one job: [`ReadBatch`] with one
+/// destination.
+///
+/// ```no_run
+/// # fn main() -> gpudirect::Result<()> {
+/// use gpudirect::storage::{read_many, ReadItem};
+/// let stream = gpudirect::cuda::context(0)?.default_stream();
+/// let paths: Vec<std::path::PathBuf> = (0..10_000).map(|i| format!("shard/{i}").into()).collect();
+/// let mut dst = stream.alloc_zeros::<f32>(paths.len() * 25_600)?;
+/// let items: Vec<ReadItem> = paths.iter().enumerate()
+///     .map(|(i, p)| ReadItem { path: p, file_offset: 0, len: 102_400, dst_offset: i * 102_400 })
+///     .collect();
+/// let report = read_many(&mut dst, &items)?;
+/// println!("{report}");
+/// # Ok(()) }
+/// ```
+pub fn read_many<D>(dst: &mut D, items: &[ReadItem<'_>]) -> Result<BatchReport>
+where
+    D: DeviceDst + ?Sized,
+{
+    let mut b = ReadBatch::new();
+    let d = b.destination(dst);
+    for it in items {
+        b.read(it.path, it.file_offset, it.len, d, it.dst_offset);
+    }
+    b.run()
+}
+
+impl GpuFile {
+    /// Reads many ranges of this file into `dst` in one job: each `(file_offset, len,
+    /// dst_offset)` moves `len` bytes at `file_offset` to byte `dst_offset` of `dst`. Refusals
+    /// and failures as [`ReadBatch`].
+    pub fn read_ranges<D>(&self, dst: &mut D, ranges: &[(u64, usize, usize)]) -> Result<BatchReport>
+    where
+        D: DeviceDst + ?Sized,
+    {
+        let mut b = ReadBatch::new();
+        let d = b.destination(dst);
+        for &(off, len, at) in ranges {
+            b.read_file(self, off, len, d, at);
+        }
+        b.run()
+    }
+}
+
+enum WSource<'a> {
+    Dev(usize),
+    Host(&'a [u8]),
+}
+
+struct WriteItem_<'a> {
+    src: WSource<'a>,
+    src_offset: usize,
+    len: usize,
+    file_offset: u64,
+}
+
+/// Many writes into one file in one job: ranges of device buffers (any [`DeviceSrc`]) and host
+/// byte slices (headers), each at its file offset. With [`durable`](Self::durable) (default: the
+/// file's [`GpuFileOptions::durable`]) the job ends with one `fsync`, not one per item.
+///
+/// File ranges of two items must not overlap (the batch is refused: which one would win is
+/// not defined). Refusals and failures as [`ReadBatch`]; a failed
+/// item's file range is unspecified (partly written, see [`GpuFileOptions::durable`]).
+///
+/// ```no_run
+/// # fn main() -> gpudirect::Result<()> {
+/// use gpudirect::storage::{GpuFile, WriteBatch};
+/// let stream = gpudirect::cuda::context(0)?.default_stream();
+/// let a = stream.alloc_zeros::<f32>(1 << 20)?;
+/// let header = b"my header";
+/// let out = GpuFile::create("out.bin")?;
+/// let mut w = WriteBatch::new(&out);
+/// let s = w.source(&a);
+/// w.write_host(header, 0).write(s, 0, 4 << 20, 4096).durable(true);
+/// w.run()?;
+/// # Ok(()) }
+/// ```
+pub struct WriteBatch<'a> {
+    file: &'a GpuFile,
+    srcs: Vec<Box<dyn ErasedSrc + 'a>>,
+    items: Vec<WriteItem_<'a>>,
+    durable: Option<bool>,
+}
+
+impl std::fmt::Debug for WriteBatch<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("WriteBatch")
+            .field("file", &self.file.path())
+            .field("items", &self.items.len())
+            .field("sources", &self.srcs.len())
+            .finish()
+    }
+}
+
+impl<'a> WriteBatch<'a> {
+    /// An empty batch of writes into `file` (opened writable).
+    pub fn new(file: &'a GpuFile) -> Self {
+        WriteBatch {
+            file,
+            srcs: Vec::new(),
+            items: Vec::new(),
+            durable: None,
+        }
+    }
+
+    /// Registers a device source (borrowed until the batch is run); items address it by byte
+    /// offset.
+    pub fn source<S>(&mut self, src: &'a S) -> BatchSrc
+    where
+        S: DeviceSrc + ?Sized,
+        S::Elem: 'a,
+    {
+        self.srcs.push(Box::new(TypedSrc(src.as_src())));
+        BatchSrc(self.srcs.len() - 1)
+    }
+
+    /// Adds an item: `len` bytes of `src` from byte `src_offset`, written at `file_offset`.
+    pub fn write(
+        &mut self,
+        src: BatchSrc,
+        src_offset: usize,
+        len: usize,
+        file_offset: u64,
+    ) -> &mut Self {
+        self.items.push(WriteItem_ {
+            src: WSource::Dev(src.0),
+            src_offset,
+            len,
+            file_offset,
+        });
+        self
+    }
+
+    /// Adds an item of host bytes (a header, an index) written at `file_offset`.
+    pub fn write_host(&mut self, bytes: &'a [u8], file_offset: u64) -> &mut Self {
+        self.items.push(WriteItem_ {
+            src: WSource::Host(bytes),
+            src_offset: 0,
+            len: bytes.len(),
+            file_offset,
+        });
+        self
+    }
+
+    /// One `fsync` at the end of the job (default: the file's `durable` setting).
+    pub fn durable(&mut self, yes: bool) -> &mut Self {
+        self.durable = Some(yes);
+        self
+    }
+
+    /// Items added.
+    pub fn len(&self) -> usize {
+        self.items.len()
+    }
+
+    /// True when no item was added.
+    pub fn is_empty(&self) -> bool {
+        self.items.is_empty()
+    }
+
+    /// Runs the batch: returns when every item is in the file (and on stable storage when
+    /// durable).
+    pub fn run(self) -> Result<BatchReport> {
+        let t0 = Instant::now();
+        let WriteBatch {
+            file,
+            srcs,
+            items,
+            durable,
+        } = self;
+        let durable = durable.unwrap_or(file.durable);
+        if items.is_empty() {
+            return Ok(BatchReport::new(t0, Vec::new(), Vec::new(), 1));
+        }
+        file.check_writable().map_err(|e| refuse(0, e))?;
+        let views: Vec<CudaView<'_, u8>> = srcs.iter().map(|s| s.bytes()).collect();
+        let mut ctx = None;
+        for (i, it) in items.iter().enumerate() {
+            check_range(it.file_offset, it.len).map_err(|e| refuse(i, e))?;
+            if let WSource::Dev(s) = it.src {
+                let Some(v) = views.get(s) else {
+                    return Err(refuse(
+                        i,
+                        Error::InvalidArgument(format!(
+                            "source {s} was not registered with this batch: use the BatchSrc its source() returned"
+                        )),
+                    ));
+                };
+                if it
+                    .src_offset
+                    .checked_add(it.len)
+                    .is_none_or(|end| end > v.len())
+                {
+                    return Err(refuse(
+                        i,
+                        Error::InvalidArgument(format!(
+                            "{} bytes at source offset {} are not inside its {}-byte source",
+                            it.len,
+                            it.src_offset,
+                            v.len()
+                        )),
+                    ));
+                }
+                let c = v.stream().context().clone();
+                match &ctx {
+                    None => {
+                        file.check_device(c.ordinal()).map_err(|e| refuse(i, e))?;
+                        ctx = Some(c);
+                    }
+                    Some(c0) if c0.cu_ctx() != c.cu_ctx() => {
+                        return Err(refuse(
+                            i,
+                            Error::InvalidArgument(format!(
+                                "its source is on GPU {} and an earlier one on GPU {}: run one batch per GPU",
+                                c.ordinal(),
+                                c0.ordinal()
+                            )),
+                        ))
+                    }
+                    Some(_) => {}
+                }
+            }
+        }
+        let spans = items
+            .iter()
+            .enumerate()
+            .map(|(i, it)| (0usize, it.file_offset, it.file_offset + it.len as u64, i))
+            .collect();
+        if let Some((later, earlier)) = first_overlap(spans) {
+            return Err(refuse(
+                later,
+                Error::InvalidArgument(format!(
+                    "its file range overlaps item {earlier}'s: which would win is undefined; write each byte once"
+                )),
+            ));
+        }
+        if ctx.is_some() {
+            file.check_policy().map_err(|e| refuse(0, e))?;
+        }
+        let device_report = if ctx.is_some() {
+            file.path_report().clone()
+        } else {
+            PathReport::fallback(Path::Posix, crate::path::Cause::HostMemory)
+        };
+
+        let mut failed: Vec<(usize, Error)> = Vec::new();
+        let mut odirect = false;
+        let mut copies = 0;
+        if let Some(cf) = &file.cufile {
+            for (i, it) in items.iter().enumerate() {
+                if it.len == 0 {
+                    continue;
+                }
+                let r = match it.src {
+                    WSource::Dev(s) => cf
+                        .write(
+                            &views[s].slice(it.src_offset..it.src_offset + it.len),
+                            it.file_offset,
+                        )
+                        .map(|_| ()),
+                    // SAFETY: the slice is borrowed for 'a and holds len bytes.
+                    WSource::Host(b) => unsafe {
+                        io::pwrite_full(&file.fds.buffered, b.as_ptr(), b.len(), it.file_offset)
+                    }
+                    .map_err(|e| file.fds.err("pwrite", e)),
+                };
+                match r {
+                    Ok(()) => {}
+                    Err(e @ Error::Cuda { .. }) => return Err(e),
+                    Err(e) => failed.push((i, e)),
+                }
+            }
+        } else {
+            let direct = file.write_direct();
+            let (lo, hi) =
+                items
+                    .iter()
+                    .filter(|it| it.len > 0)
+                    .fold((u64::MAX, 0u64), |(lo, hi), it| {
+                        (
+                            lo.min(it.file_offset),
+                            hi.max(it.file_offset + it.len as u64),
+                        )
+                    });
+            if hi > lo {
+                file.prepare_write(direct, lo, (hi - lo) as usize)?;
+            }
+            let piece = file.cfg.piece_size();
+            // Buffers: the device sources, then one per host item.
+            let streams: Vec<Arc<CudaStream>> = views.iter().map(|v| v.stream().clone()).collect();
+            let mut bufs = Vec::with_capacity(views.len() + items.len());
+            let mut guards = Vec::with_capacity(views.len());
+            for (v, s) in views.iter().zip(&streams) {
+                let (p, g) = v.device_ptr(s);
+                bufs.push(Mem::Dev(p));
+                guards.push(g);
+            }
+            let mut tasks = Vec::new();
+            for (i, it) in items.iter().enumerate() {
+                let (buf, buf_off) = match it.src {
+                    WSource::Dev(s) => (s, it.src_offset),
+                    WSource::Host(b) => {
+                        bufs.push(Mem::Host(b.as_ptr().cast_mut()));
+                        (bufs.len() - 1, 0)
+                    }
+                };
+                let at = Task {
+                    buf: buf as u32,
+                    item: i as u32,
+                    buf_off,
+                    ..Task::default()
+                };
+                plan_item(
+                    &mut tasks,
+                    at,
+                    it.file_offset,
+                    it.len,
+                    piece,
+                    Dir::Write,
+                    direct,
+                );
+            }
+            if ctx.is_some() {
+                sync_streams(&streams)?;
+            }
+            let dev = ctx.as_ref().map(|c| c.ordinal());
+            let eng = engine::engine(dev, file.cfg.numa_pin)?;
+            let threads = file.threads_for(dev, direct);
+            // SAFETY: device buffers are the sources borrowed for 'a by this batch, in `ctx`;
+            // host buffers are slices borrowed for 'a (only read: a write job); each task lies
+            // inside its item's source range (checked above); Engine::run returns only after
+            // every copy completed.
+            let job = unsafe {
+                engine::Job::batch(
+                    vec![&*file.fds],
+                    bufs,
+                    items.len(),
+                    tasks,
+                    piece,
+                    Op::Write,
+                    ctx.clone(),
+                )
+            };
+            let out = eng.run(job, threads)?;
+            drop(guards);
+            odirect = out.odirect;
+            copies = out.copies;
+            for (k, o) in out.items.into_iter().enumerate() {
+                match o.error {
+                    Some(e) => failed.push((k, e)),
+                    None if !o.complete && items[k].len > 0 => failed.push((
+                        k,
+                        file.fds.err(
+                            "pwrite",
+                            std::io::Error::other("the item was not written completely"),
+                        ),
+                    )),
+                    None => {}
+                }
+            }
+        }
+        if durable {
+            file.sync_all()?;
+        }
+        if !failed.is_empty() {
+            failed.sort_by_key(|f| f.0);
+            return Err(Error::BatchFailed {
+                total: items.len(),
+                failed,
+            });
+        }
+        let mut paths = Vec::new();
+        for it in &items {
+            match it.src {
+                WSource::Dev(_) => share(&mut paths, &device_report, it.len),
+                WSource::Host(_) => share(
+                    &mut paths,
+                    &PathReport::fallback(Path::Posix, crate::path::Cause::HostMemory),
+                    it.len,
+                ),
+            }
+        }
+        let mut r = BatchReport::new(t0, items.iter().map(|it| it.len).collect(), paths, 1);
+        r.odirect = odirect;
+        r.copies = copies;
+        Ok(r)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn overlaps_are_found_per_buffer_and_name_both_items() {
+        assert_eq!(first_overlap(vec![]), None);
+        // Back to back: no overlap.
+        assert_eq!(first_overlap(vec![(0, 0, 10, 0), (0, 10, 20, 1)]), None);
+        // Same bytes in different buffers: no overlap.
+        assert_eq!(first_overlap(vec![(0, 0, 10, 0), (1, 5, 20, 1)]), None);
+        assert_eq!(
+            first_overlap(vec![(0, 0, 10, 0), (0, 9, 20, 1)]),
+            Some((1, 0))
+        );
+        // A long range swallowing later ones.
+        assert_eq!(
+            first_overlap(vec![(0, 0, 100, 3), (0, 10, 20, 5), (0, 30, 40, 1)]),
+            Some((3, 1))
+        );
+        // Empty ranges never overlap.
+        assert_eq!(first_overlap(vec![(0, 0, 10, 0), (0, 5, 5, 1)]), None);
+    }
+
+    #[test]
+    fn failed_batches_say_how_many_and_which_first() {
+        let e = Error::BatchFailed {
+            total: 10,
+            failed: vec![
+                (3, Error::InvalidArgument("x".into())),
+                (7, Error::InvalidArgument("y".into())),
+            ],
+        };
+        let s = e.to_string();
+        assert!(s.starts_with("2 of 10 batch items failed"), "{s}");
+        assert!(s.contains("item 3"), "{s}");
+        let r = refuse(4, Error::InvalidArgument("bad".into())).to_string();
+        assert!(
+            r.contains("batch item 4 refused, nothing was transferred"),
+            "{r}"
+        );
+    }
+}

@@ -1,0 +1,422 @@
+//! Many reads and writes in one job (issue 10 item 3): `ReadBatch`, `read_many`,
+//! `GpuFile::read_ranges`, `WriteBatch`; bad input refused with nothing moved.
+//!
+//! GPU tests: `.device/run --include-ignored gpu_storage_batch`. Scratch files go under
+//! `GPUDIRECT_TEST_DIR`.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use cudarc::driver::{CudaContext, CudaSlice, CudaStream};
+use gpudirect::storage::{
+    read_many, GpuFile, GpuFileOptions, ODirect, Pipeline, ReadBatch, ReadItem, WriteBatch,
+};
+use gpudirect::{Error, Path};
+use rand::{Rng, RngCore, SeedableRng};
+
+const HINT: &str =
+    "needs a CUDA GPU: run on the GPU machine with `.device/run --include-ignored gpu_storage_batch`";
+
+fn gpu() -> (Arc<CudaContext>, Arc<CudaStream>) {
+    let ctx = gpudirect::cuda::context(0).unwrap_or_else(|e| panic!("{HINT}: {e}"));
+    let stream = ctx.new_stream().expect("cuStreamCreate");
+    (ctx, stream)
+}
+
+fn scratch(name: &str) -> PathBuf {
+    let dir = std::env::var_os("GPUDIRECT_TEST_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(std::env::temp_dir);
+    let d = dir.join(format!("gpudirect-batch-{}-{name}", std::process::id()));
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+fn random(len: usize, seed: u64) -> Vec<u8> {
+    let mut v = vec![0u8; len];
+    rand::rngs::StdRng::seed_from_u64(seed).fill_bytes(&mut v);
+    v
+}
+
+const SENTINEL: u8 = 0xA5;
+
+fn sentinel_buf(stream: &Arc<CudaStream>, len: usize) -> CudaSlice<u8> {
+    stream.clone_htod(&vec![SENTINEL; len]).unwrap()
+}
+
+/// Thousands of files of random sizes packed (with random gaps) into one buffer, under the
+/// segment and lane pipelines, buffered and O_DIRECT: every byte in place, every gap byte
+/// untouched, one report.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gpu_storage_batch_many_files_into_one_buffer() {
+    let (_ctx, stream) = gpu();
+    let d = scratch("many");
+    let mut rng = rand::rngs::StdRng::seed_from_u64(1);
+    let n = 3000;
+    let mut files = Vec::new();
+    let mut expect = Vec::new();
+    for i in 0..n {
+        let len = match i % 4 {
+            0 => 100 << 10,
+            1 => rng.random_range(1..4096),
+            2 => rng.random_range(4096..300 << 10),
+            _ => rng.random_range(1..2 << 20),
+        };
+        let p = d.join(format!("f{i}.bin"));
+        let data = random(len, 100 + i as u64);
+        std::fs::write(&p, &data).unwrap();
+        files.push(p);
+        expect.push(data);
+    }
+    for (opts, name) in [
+        (GpuFile::options(), "default"),
+        (GpuFile::options().odirect(ODirect::On), "odirect"),
+        (GpuFile::options().pipeline(Pipeline::Lanes), "lanes"),
+        (
+            GpuFile::options()
+                .segment_size(4 << 20)
+                .segments(2)
+                .threads(3),
+            "small ring",
+        ),
+    ] {
+        // Layout: file i at offset[i], gaps of 0..64 bytes between (sometimes none).
+        let mut offsets = Vec::new();
+        let mut at = 0usize;
+        for (i, e) in expect.iter().enumerate() {
+            at += if i % 3 == 0 {
+                0
+            } else {
+                rng.random_range(1..64)
+            };
+            offsets.push(at);
+            at += e.len();
+        }
+        let total = at + 17;
+        let mut dst = sentinel_buf(&stream, total);
+        let mut b = ReadBatch::with_options(opts);
+        let h = b.destination(&mut dst);
+        for (i, p) in files.iter().enumerate() {
+            b.read(p, 0, expect[i].len(), h, offsets[i]);
+        }
+        let r = b.run().unwrap_or_else(|e| panic!("{name}: {e}"));
+        let sum: usize = expect.iter().map(Vec::len).sum();
+        assert_eq!((r.items, r.bytes, r.files), (n, sum, n), "{name}");
+        assert_eq!(r.path.path, Path::Posix, "{name}: {}", r.path);
+        assert!(r.path.cause.is_some());
+        eprintln!("{name}: {r}; {} copies", r.copies);
+        let got = stream.clone_dtoh(&dst).unwrap();
+        let mut model = vec![SENTINEL; total];
+        for (i, e) in expect.iter().enumerate() {
+            model[offsets[i]..offsets[i] + e.len()].copy_from_slice(e);
+        }
+        if got != model {
+            let k = got.iter().zip(&model).position(|(a, b)| a != b).unwrap();
+            panic!("{name}: byte {k} differs");
+        }
+    }
+    std::fs::remove_dir_all(&d).unwrap();
+}
+
+/// Ranges of a few files (one large, read direct and buffered) into several typed destination
+/// buffers, padded as a checkpoint's device layout pads tensors.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gpu_storage_batch_several_typed_destinations() {
+    let (_ctx, stream) = gpu();
+    let d = scratch("typed");
+    let big = random((96 << 20) + 1234, 7);
+    let small = random(70_000, 8);
+    let (pb, ps) = (d.join("big.bin"), d.join("small.bin"));
+    std::fs::write(&pb, &big).unwrap();
+    std::fs::write(&ps, &small).unwrap();
+    let fb = GpuFile::options().odirect(ODirect::On).open(&pb).unwrap();
+    let fs = GpuFile::open(&ps).unwrap();
+    let mut bytes = sentinel_buf(&stream, 40 << 20);
+    let mut floats = stream.clone_htod(&vec![-1.5f32; 8 << 20]).unwrap();
+    let mut words = stream.clone_htod(&vec![7u32; 30_000]).unwrap();
+    let mut rng = rand::rngs::StdRng::seed_from_u64(9);
+    let mut b = ReadBatch::new();
+    let hb = b.destination(&mut bytes);
+    let hf = b.destination(&mut floats);
+    let mut wview = words.slice_mut(1000..);
+    let hw = b.destination(&mut wview);
+    // (file, file offset, len, dest, dest byte offset)
+    let mut plan: Vec<(u8, u64, usize, u8, usize)> = Vec::new();
+    let mut ends = [0usize; 3];
+    for _ in 0..60 {
+        let which = rng.random_range(0..3u8);
+        let (file, flen) = if rng.random_bool(0.8) {
+            (0u8, big.len())
+        } else {
+            (1u8, small.len())
+        };
+        let room = [40usize << 20, 32 << 20, 29_000 * 4][which as usize];
+        let len = rng.random_range(1..(1usize << 20).min(flen));
+        let pad = ends[which as usize].next_multiple_of(256);
+        if pad + len > room {
+            continue;
+        }
+        let off = rng.random_range(0..(flen - len) as u64);
+        plan.push((file, off, len, which, pad));
+        ends[which as usize] = pad + len;
+    }
+    for &(file, off, len, which, at) in &plan {
+        let f = if file == 0 { &fb } else { &fs };
+        let h = [hb, hf, hw][which as usize];
+        b.read_file(f, off, len, h, at);
+    }
+    let r = b.run().unwrap();
+    assert_eq!(r.items, plan.len());
+    assert_eq!(r.files, 2);
+    eprintln!("{r}; {} copies for {} items", r.copies, plan.len());
+    let got = [
+        stream.clone_dtoh(&bytes).unwrap(),
+        bytemuck_f32(&stream.clone_dtoh(&floats).unwrap()),
+        bytemuck_u32(&stream.clone_dtoh(&words).unwrap()[1000..]),
+    ];
+    let mut model = [
+        vec![SENTINEL; 40 << 20],
+        bytemuck_f32(&vec![-1.5f32; 8 << 20]),
+        bytemuck_u32(&[7u32; 29_000]),
+    ];
+    for &(file, off, len, which, at) in &plan {
+        let src = if file == 0 { &big } else { &small };
+        model[which as usize][at..at + len].copy_from_slice(&src[off as usize..off as usize + len]);
+    }
+    for k in 0..3 {
+        assert!(got[k] == model[k], "destination {k} differs");
+    }
+    assert!(stream.clone_dtoh(&words).unwrap()[..1000]
+        .iter()
+        .all(|&w| w == 7));
+    std::fs::remove_dir_all(&d).unwrap();
+}
+
+fn bytemuck_f32(v: &[f32]) -> Vec<u8> {
+    v.iter().flat_map(|x| x.to_ne_bytes()).collect()
+}
+
+fn bytemuck_u32(v: &[u32]) -> Vec<u8> {
+    v.iter().flat_map(|x| x.to_ne_bytes()).collect()
+}
+
+/// `read_many` and `GpuFile::read_ranges`: the sugar over `ReadBatch`.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gpu_storage_batch_sugar_read_many_and_read_ranges() {
+    let (_ctx, stream) = gpu();
+    let d = scratch("sugar");
+    let paths: Vec<PathBuf> = (0..50).map(|i| d.join(format!("s{i}"))).collect();
+    let datas: Vec<Vec<u8>> = (0..50)
+        .map(|i| random(4096 * (i + 1) + i, 30 + i as u64))
+        .collect();
+    for (p, x) in paths.iter().zip(&datas) {
+        std::fs::write(p, x).unwrap();
+    }
+    let mut off = 0;
+    let items: Vec<ReadItem> = paths
+        .iter()
+        .zip(&datas)
+        .map(|(p, x)| {
+            let it = ReadItem {
+                path: p,
+                file_offset: 0,
+                len: x.len(),
+                dst_offset: off,
+            };
+            off += x.len();
+            it
+        })
+        .collect();
+    let mut dst = stream.alloc_zeros::<u8>(off).unwrap();
+    let r = read_many(&mut dst, &items).unwrap();
+    assert_eq!(r.bytes, off);
+    assert!(stream.clone_dtoh(&dst).unwrap() == datas.concat());
+    // read_ranges: a file's ranges reversed into a typed buffer.
+    let f = GpuFile::open(&paths[49]).unwrap();
+    let x = &datas[49];
+    let mut out = stream.alloc_zeros::<u16>(1000).unwrap();
+    let r = f
+        .read_ranges(
+            &mut out,
+            &[(1000, 600, 0), (0, 1000, 600), (5000, 400, 1600)],
+        )
+        .unwrap();
+    assert_eq!(r.bytes, 2000);
+    let got = bytemuck_u16(&stream.clone_dtoh(&out).unwrap());
+    assert!(got[..600] == x[1000..1600]);
+    assert!(got[600..1600] == x[..1000]);
+    assert!(got[1600..] == x[5000..5400]);
+    std::fs::remove_dir_all(&d).unwrap();
+}
+
+fn bytemuck_u16(v: &[u16]) -> Vec<u8> {
+    v.iter().flat_map(|x| x.to_ne_bytes()).collect()
+}
+
+extern "C" {
+    #[link_name = "mkfifo"]
+    fn libc_mkfifo(path: *const std::ffi::c_char, mode: u32) -> i32;
+}
+
+/// Bad input refuses the whole batch with the item's index, and no destination byte moves:
+/// item past end of file, overlapping destinations, a destination too small, a directory, a
+/// FIFO, a file deleted after planning, a /proc file of unknown size. A file deleted after it
+/// was opened is still read correctly.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gpu_storage_batch_bad_input_is_refused_and_moves_nothing() {
+    let (_ctx, stream) = gpu();
+    let d = scratch("bad");
+    let good = d.join("good.bin");
+    let data = random(3 << 20, 11);
+    std::fs::write(&good, &data).unwrap();
+    let fifo = d.join("fifo");
+    let c = std::ffi::CString::new(fifo.to_str().unwrap()).unwrap();
+    // SAFETY: a valid NUL-terminated path.
+    assert_eq!(unsafe { libc_mkfifo(c.as_ptr(), 0o600) }, 0);
+    let doomed = d.join("doomed.bin");
+    std::fs::write(&doomed, &data[..5000]).unwrap();
+    type Case<'p> = (
+        &'static str,
+        usize,
+        Vec<(&'p std::path::Path, u64, usize, usize)>,
+    );
+    let cases: Vec<Case> = vec![
+        (
+            "past end of file",
+            1,
+            vec![(&good, 0, 4096, 0), (&good, (3 << 20) - 10, 11, 8192)],
+        ),
+        (
+            "overlapping destinations",
+            2,
+            vec![
+                (&good, 0, 100, 0),
+                (&good, 0, 100, 200),
+                (&good, 0, 100, 250),
+            ],
+        ),
+        (
+            "destination too small",
+            0,
+            vec![(&good, 0, 1 << 20, (4 << 20) - 1000)],
+        ),
+        ("directory", 1, vec![(&good, 0, 10, 0), (&d, 0, 10, 100)]),
+        ("fifo", 1, vec![(&good, 0, 10, 0), (&fifo, 0, 10, 100)]),
+        ("deleted before run", 0, vec![(&doomed, 0, 5000, 0)]),
+        (
+            "size unknown (/proc)",
+            0,
+            vec![(std::path::Path::new("/proc/version"), 0, 10, 0)],
+        ),
+        (
+            "offset past the largest",
+            0,
+            vec![(&good, u64::MAX - 5, 10, 0)],
+        ),
+    ];
+    let mut dst = sentinel_buf(&stream, 4 << 20);
+    for (name, bad, items) in cases {
+        let mut b = ReadBatch::new();
+        let h = b.destination(&mut dst);
+        for &(p, off, len, at) in &items {
+            b.read(p, off, len, h, at);
+        }
+        if name == "deleted before run" {
+            std::fs::remove_file(&doomed).unwrap();
+        }
+        match b.run() {
+            Err(Error::BatchRefused { index, source }) => {
+                assert_eq!(index, bad, "{name}: {source}");
+                eprintln!("{name}: refused: {source}");
+            }
+            other => panic!("{name}: {other:?}"),
+        }
+        assert!(
+            stream
+                .clone_dtoh(&dst)
+                .unwrap()
+                .iter()
+                .all(|&x| x == SENTINEL),
+            "{name}: a refused batch moved bytes"
+        );
+    }
+    // A file deleted after it was opened is still whole.
+    let gone = d.join("gone.bin");
+    std::fs::write(&gone, &data).unwrap();
+    let f = GpuFile::open(&gone).unwrap();
+    std::fs::remove_file(&gone).unwrap();
+    let r = f.read_ranges(&mut dst, &[(0, 3 << 20, 0)]).unwrap();
+    assert_eq!(r.bytes, 3 << 20);
+    assert!(stream.clone_dtoh(&dst).unwrap()[..3 << 20] == data[..]);
+    // Destinations on two GPUs are refused (only with two).
+    std::fs::remove_dir_all(&d).unwrap();
+}
+
+/// `WriteBatch`: a host header and ranges of typed device buffers into one file, one fsync;
+/// overlapping file ranges and a read-only file refused with the file untouched.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gpu_storage_batch_writes_device_and_host_sources() {
+    let (_ctx, stream) = gpu();
+    let d = scratch("write");
+    let header = b"{\"a\": [0, 1], \"b\": [2, 3]}        ".to_vec();
+    let a_host: Vec<f32> = (0..3_000_000).map(|i| i as f32 * 0.25 - 7.0).collect();
+    let b_host = random(777_777, 12);
+    let a = stream.clone_htod(&a_host).unwrap();
+    let bdev = stream.clone_htod(&b_host).unwrap();
+    for (name, opts) in [
+        ("default", GpuFileOptions::default()),
+        ("odirect", GpuFile::options().odirect(ODirect::On)),
+    ] {
+        let p = d.join(format!("w-{name}.bin"));
+        let out = opts.create(true).truncate(true).open(&p).unwrap();
+        let a_bytes = bytemuck_f32(&a_host);
+        let a_at = 4096u64;
+        let b_at = a_at + a_bytes.len() as u64 + 13;
+        let mut w = WriteBatch::new(&out);
+        let sa = w.source(&a);
+        let bview = bdev.slice(1..);
+        let sb = w.source(&bview);
+        w.write_host(&header, 0)
+            .write(sa, 0, a_bytes.len() / 2, a_at)
+            .write(
+                sa,
+                a_bytes.len() / 2,
+                a_bytes.len() / 2,
+                a_at + (a_bytes.len() / 2) as u64,
+            )
+            .write(sb, 0, b_host.len() - 1, b_at)
+            .durable(true);
+        let r = w.run().unwrap();
+        assert_eq!(r.items, 4);
+        eprintln!("{name}: {r}");
+        let file = std::fs::read(&p).unwrap();
+        let mut model = vec![0u8; b_at as usize + b_host.len() - 1];
+        model[..header.len()].copy_from_slice(&header);
+        model[a_at as usize..a_at as usize + a_bytes.len()].copy_from_slice(&a_bytes);
+        model[b_at as usize..].copy_from_slice(&b_host[1..]);
+        assert_eq!(file.len(), model.len(), "{name}");
+        assert!(file == model, "{name}: file differs");
+        // Overlapping items: refused, file untouched.
+        let mut w = WriteBatch::new(&out);
+        let sa = w.source(&a);
+        w.write(sa, 0, 100, 10).write_host(&header, 50);
+        match w.run() {
+            Err(Error::BatchRefused { index: 1, .. }) => {}
+            other => panic!("{name}: overlapping writes: {other:?}"),
+        }
+        assert!(
+            std::fs::read(&p).unwrap() == model,
+            "{name}: a refused batch wrote"
+        );
+    }
+    let ro = GpuFile::open(d.join("w-default.bin")).unwrap();
+    let mut w = WriteBatch::new(&ro);
+    w.write_host(b"x", 0);
+    assert!(matches!(w.run(), Err(Error::BatchRefused { index: 0, .. })));
+    std::fs::remove_dir_all(&d).unwrap();
+}
