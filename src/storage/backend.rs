@@ -301,7 +301,7 @@ mod tests {
     use crate::storage::engine::io::OpenMode;
 
     /// With `GPUDIRECT_TEST_UDEV_FIX=1` (as root), the udev record cuFile looks for, for the
-    /// block device holding `path` (see tests/cufile_gpu.rs).
+    /// block device holding `path` (see tests/storage_cufile_gpu.rs).
     fn udev_fix(path: &FsPath) {
         if std::env::var("GPUDIRECT_TEST_UDEV_FIX").map_or(true, |v| v != "1") {
             return;

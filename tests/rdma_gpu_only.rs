@@ -5,7 +5,7 @@
 //! unaligned ranges, cuMemAlloc and pool memory), the flush helper, the probe's GPU half, and
 //! the typed error a registration meets without an RDMA device.
 //!
-//! Run on the GPU machine: `cargo test --test gpu_rdma -- --include-ignored gpu_gdr_`.
+//! Run on the GPU machine: `cargo test --test rdma_gpu_only -- --include-ignored gpu_gdr_`.
 //! The names avoid `rdma_` so that `--skip rdma_` (the RDMA-device tests) keeps them.
 //! Without a GPU every test fails with a setup hint.
 
