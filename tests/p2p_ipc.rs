@@ -7,6 +7,8 @@
 //! Run:
 //! `cargo test --release --test p2p_ipc -- --ignored --test-threads=1`
 
+mod common;
+
 use std::io::{Read, Write};
 use std::os::fd::AsFd;
 use std::os::unix::net::{UnixListener, UnixStream};
@@ -21,7 +23,7 @@ use rand::{Rng, SeedableRng};
 
 const CHILD_ENV: &str = "GPUDIRECT_P2P_IPC_CHILD";
 const VMM_CHILD_ENV: &str = "GPUDIRECT_P2P_IPC_VMM_CHILD";
-const HINT2: &str = "needs 2 peer-capable CUDA GPUs (ordinals 0 and 1): run on the 2-GPU machine";
+use common::{test_dir, TWO_GPU_HINT as HINT2};
 const LEGACY_LEN: usize = 3 * (1 << 20) + 77;
 const POOL_LEN: usize = 5 * (1 << 20) + 3;
 const WB_OFF: usize = 5;
@@ -47,12 +49,6 @@ fn recv(s: &mut UnixStream) -> Vec<u8> {
     let mut b = vec![0u8; u32::from_le_bytes(n) as usize];
     s.read_exact(&mut b).unwrap();
     b
-}
-
-fn test_dir() -> std::path::PathBuf {
-    std::env::var_os("GPUDIRECT_TEST_DIR")
-        .map(std::path::PathBuf::from)
-        .unwrap_or_else(std::env::temp_dir)
 }
 
 #[test]

@@ -4,6 +4,8 @@
 //! (the tests also serialize themselves: peer access is process-wide state).
 //! Without the hardware they fail with a setup hint.
 
+mod common;
+
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use gpudirect::cudarc::driver::{sys, CudaContext, CudaSlice, CudaStream};
@@ -12,7 +14,6 @@ use gpudirect::p2p::{
     DeviceBuffer, MemoryKind, PairBench, PeerAccess, SmDirection, Topology,
 };
 use gpudirect::{Cause, Error, FallbackPolicy, Path};
-use rand::Rng;
 
 static SERIAL: Mutex<()> = Mutex::new(());
 
@@ -20,28 +21,10 @@ fn serial() -> MutexGuard<'static, ()> {
     SERIAL.lock().unwrap_or_else(|p| p.into_inner())
 }
 
-const HINT1: &str = "needs a CUDA GPU: run on a machine with the NVIDIA driver and a GPU \
-                     (check nvidia-smi, CUDA_VISIBLE_DEVICES)";
-const HINT2: &str = "needs 2 peer-capable CUDA GPUs (ordinals 0 and 1): run on the 2-GPU machine \
-                     (check nvidia-smi topo -m, CUDA_VISIBLE_DEVICES)";
+use common::{need_two_gpus as two_gpus, random, GPU_HINT as HINT1};
 
 fn one_gpu() -> Arc<CudaContext> {
-    gpudirect::cuda::context(0).unwrap_or_else(|e| panic!("{HINT1}: {e}"))
-}
-
-fn two_gpus() -> (Arc<CudaContext>, Arc<CudaContext>) {
-    let n = gpudirect::cuda::device_count().unwrap_or_else(|e| panic!("{HINT2}: {e}"));
-    assert!(n >= 2, "{HINT2}: this process sees {n} device(s)");
-    (
-        gpudirect::cuda::context(0).unwrap(),
-        gpudirect::cuda::context(1).unwrap(),
-    )
-}
-
-fn random(n: usize) -> Vec<u8> {
-    let mut v = vec![0u8; n];
-    rand::rng().fill(&mut v[..]);
-    v
+    common::need_gpu(0)
 }
 
 fn pool_buf(s: &Arc<CudaStream>, data: &[u8]) -> CudaSlice<u8> {

@@ -9,6 +9,8 @@
 //! The names avoid `rdma_` so that `--skip rdma_` (the RDMA-device tests) keeps them.
 //! Without a GPU every test fails with a setup hint.
 
+mod common;
+
 use std::ops::Range;
 use std::os::fd::AsRawFd;
 use std::sync::Arc;
@@ -19,24 +21,13 @@ use gpudirect::rdma::gpu_mr::{host_page_size, GPU_PAGE_SIZE};
 use gpudirect::rdma::probe::{DriverFlavour, GdrProbe};
 use gpudirect::rdma::{export_dmabuf, pointer_info, GdrBuffer, GpuMemory};
 use gpudirect::{Cause, Error};
-use rand::Rng;
+
+use common::random;
 
 fn gpu() -> (Arc<CudaContext>, Arc<CudaStream>) {
-    let ordinal = std::env::var("GPUDIRECT_TEST_GPU")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(0);
-    let ctx = gpudirect::cuda::context(ordinal).unwrap_or_else(|e| {
-        panic!("this test needs a CUDA GPU ({e}); run it on a GPU machine or select tests with --skip gpu_")
-    });
+    let ctx = common::need_gpu(common::test_gpu());
     let stream = ctx.default_stream();
     (ctx, stream)
-}
-
-fn random(n: usize) -> Vec<u8> {
-    let mut v = vec![0u8; n];
-    rand::rng().fill(&mut v[..]);
-    v
 }
 
 /// The fd is an open dma-buf (its /proc link names the dma-buf anon inode).

@@ -8,6 +8,8 @@
 //! (`bash scripts/gpu-suite safetensors` does that and keeps the logs). Scratch files go under
 //! `GPUDIRECT_TEST_DIR`.
 
+mod common;
+
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -17,7 +19,6 @@ use gpudirect::safetensors::{
     self as st, bf16, Dtype, LoadOptions, Problem, SaveOptions, SaveTensor, F8E4M3,
 };
 use gpudirect::Error;
-use rand::{RngCore, SeedableRng};
 
 const HINT: &str =
     "needs a CUDA GPU: run on the GPU machine with `.device/run --include-ignored gpu_safetensors`";
@@ -27,20 +28,10 @@ fn stream() -> Arc<CudaStream> {
     ctx.new_stream().expect("cuStreamCreate")
 }
 
-fn scratch(name: &str) -> PathBuf {
-    let dir = std::env::var_os("GPUDIRECT_TEST_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(std::env::temp_dir);
-    let d = dir.join(format!("gpudirect-st-{}-{name}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    d
-}
+use common::random_seeded as random;
 
-fn random(len: usize, seed: u64) -> Vec<u8> {
-    let mut v = vec![0u8; len];
-    rand::rngs::StdRng::seed_from_u64(seed).fill_bytes(&mut v);
-    v
+fn scratch(name: &str) -> PathBuf {
+    common::scratch_dir(&format!("st-{name}"))
 }
 
 fn to_host(stream: &Arc<CudaStream>, v: &cudarc::driver::CudaView<'_, u8>) -> Vec<u8> {

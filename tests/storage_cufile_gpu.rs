@@ -11,6 +11,8 @@
 //! and `E:ID_FS_TYPE=<fs>` for the device holding the test directory (what `mountpoint -d`
 //! prints) — and then require registration to succeed and every byte to round-trip.
 
+mod common;
+
 use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -22,13 +24,9 @@ use gpudirect::storage::cufile::{
     OpenMode, RegisteredBuffer, Stats,
 };
 use gpudirect::{Cause, Error};
-use rand::RngCore;
 
 fn gpu() -> Arc<CudaStream> {
-    let ctx = gpudirect::cuda::context(0).unwrap_or_else(|e| {
-        panic!("this test needs a CUDA GPU (run gpu_* tests on a GPU machine): {e}")
-    });
-    ctx.new_stream().expect("cuStreamCreate")
+    common::need_gpu(0).new_stream().expect("cuStreamCreate")
 }
 
 fn driver() -> Arc<Driver> {
@@ -37,22 +35,10 @@ fn driver() -> Arc<Driver> {
     })
 }
 
-fn test_dir() -> PathBuf {
-    let d = std::env::var_os("GPUDIRECT_TEST_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(std::env::temp_dir);
-    std::fs::create_dir_all(&d).unwrap();
-    d
-}
+use common::random;
 
 fn scratch(name: &str) -> PathBuf {
-    test_dir().join(format!("gpudirect-cufile-{name}-{}", std::process::id()))
-}
-
-fn random(n: usize) -> Vec<u8> {
-    let mut v = vec![0u8; n];
-    rand::rng().fill_bytes(&mut v);
-    v
+    common::scratch(&format!("cufile-{name}"))
 }
 
 fn udev_fix_requested() -> bool {

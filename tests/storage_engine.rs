@@ -2,6 +2,8 @@
 //!
 //! Scratch files go under `GPUDIRECT_TEST_DIR` (default: the system temp dir).
 
+mod common;
+
 use std::path::PathBuf;
 use std::sync::Arc;
 
@@ -10,12 +12,7 @@ use gpudirect::{Cause, Error, Path};
 use rand::{Rng, RngCore, SeedableRng};
 
 fn scratch(name: &str) -> PathBuf {
-    let dir = std::env::var_os("GPUDIRECT_TEST_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(std::env::temp_dir);
-    let d = dir.join(format!("gpudirect-engine-{}-{name}", std::process::id()));
-    std::fs::create_dir_all(&d).unwrap();
-    d
+    common::scratch_dir(&format!("engine-{name}"))
 }
 
 fn random_file(path: &std::path::Path, len: usize, seed: u64) -> Vec<u8> {

@@ -2,15 +2,12 @@
 //! checked by the same rules. One test per file: the environment is process-wide, and the
 //! variables are set before gpudirect's first look at it (no other thread exists yet).
 
+mod common;
+
 use gpudirect::storage::{Backend, CompatMode, GpuFile, StorageConfig};
 use gpudirect::{Cause, Error, Path};
 
-fn scratch(name: &str) -> std::path::PathBuf {
-    let dir = std::env::var_os("GPUDIRECT_TEST_DIR")
-        .map(std::path::PathBuf::from)
-        .unwrap_or_else(std::env::temp_dir);
-    dir.join(format!("gpudirect-{name}-{}.bin", std::process::id()))
-}
+use common::scratch;
 
 #[test]
 fn environment_is_read_once_and_the_builder_is_checked_like_it() {

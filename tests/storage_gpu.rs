@@ -6,37 +6,31 @@
 //! the test directory's block device and drives cuFile's compat path; without it the test
 //! asserts that cuFile refuses the file because of the missing udev data.
 
+mod common;
+
 use std::path::PathBuf;
 use std::sync::Arc;
 
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream};
 use gpudirect::storage::{read_to_gpu, Backend, CompatMode, GpuFile, ODirect, Pipeline};
 use gpudirect::{Cause, Error, FallbackPolicy, Path};
-use rand::{Rng, RngCore, SeedableRng};
+use rand::{Rng, SeedableRng};
 
 const HINT: &str =
     "needs a CUDA GPU: run on the GPU machine with `.device/run --include-ignored gpu_storage`";
 
 fn gpu(ordinal: usize) -> (Arc<CudaContext>, Arc<CudaStream>) {
-    let ctx = gpudirect::cuda::context(ordinal).unwrap_or_else(|e| panic!("{HINT}: {e}"));
+    let ctx = gpudirect::cuda::context(ordinal)
+        .unwrap_or_else(|e| panic!("{HINT} ({}): {e}", common::GPU_HINT));
     let stream = ctx.new_stream().expect("cuStreamCreate");
     (ctx, stream)
 }
 
 fn scratch(name: &str) -> PathBuf {
-    let dir = std::env::var_os("GPUDIRECT_TEST_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(std::env::temp_dir);
-    let d = dir.join(format!("gpudirect-gpu-{}-{name}", std::process::id()));
-    std::fs::create_dir_all(&d).unwrap();
-    d
+    common::scratch_dir(&format!("gpu-{name}"))
 }
 
-fn random(len: usize, seed: u64) -> Vec<u8> {
-    let mut v = vec![0u8; len];
-    rand::rngs::StdRng::seed_from_u64(seed).fill_bytes(&mut v);
-    v
-}
+use common::random_seeded as random;
 
 /// A device buffer filled with random bytes (never zeros), and its host copy.
 fn device_random(stream: &Arc<CudaStream>, len: usize, seed: u64) -> (CudaSlice<u8>, Vec<u8>) {

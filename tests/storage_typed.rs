@@ -4,37 +4,30 @@
 //! GPU tests (`gpu_*`) run on the GPU machine: `.device/run --include-ignored gpu_storage_typed`.
 //! Scratch files go under `GPUDIRECT_TEST_DIR`.
 
+mod common;
+
 use std::path::PathBuf;
 use std::sync::Arc;
 
 use cudarc::driver::{CudaContext, CudaStream};
 use gpudirect::storage::{read_to_gpu, GpuFile};
 use gpudirect::Error;
-use rand::{RngCore, SeedableRng};
 
 const HINT: &str =
     "needs a CUDA GPU: run on the GPU machine with `.device/run --include-ignored gpu_storage_typed`";
 
 fn gpu() -> (Arc<CudaContext>, Arc<CudaStream>) {
-    let ctx = gpudirect::cuda::context(0).unwrap_or_else(|e| panic!("{HINT}: {e}"));
+    let ctx = gpudirect::cuda::context(0)
+        .unwrap_or_else(|e| panic!("{HINT} ({}): {e}", common::GPU_HINT));
     let stream = ctx.new_stream().expect("cuStreamCreate");
     (ctx, stream)
 }
 
 fn scratch(name: &str) -> PathBuf {
-    let dir = std::env::var_os("GPUDIRECT_TEST_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(std::env::temp_dir);
-    let d = dir.join(format!("gpudirect-typed-{}-{name}", std::process::id()));
-    std::fs::create_dir_all(&d).unwrap();
-    d
+    common::scratch_dir(&format!("typed-{name}"))
 }
 
-fn random(len: usize, seed: u64) -> Vec<u8> {
-    let mut v = vec![0u8; len];
-    rand::rngs::StdRng::seed_from_u64(seed).fill_bytes(&mut v);
-    v
-}
+use common::random_seeded as random;
 
 fn f32s(bytes: &[u8]) -> Vec<f32> {
     bytes
