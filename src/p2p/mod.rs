@@ -76,7 +76,10 @@ pub use copy::{
     copy_peer, copy_peer_async, copy_peer_async_with, copy_peer_with, expected_gbps, plan_copy,
     timed_copy_peer, timed_copy_peer_with, CopyOptions, CopyReport, MemoryKind, TimedCopy,
 };
-pub use peer_access::{registry_state, PeerAccess};
+/// For tests and diagnostics only: not part of the stable API.
+#[doc(hidden)]
+pub use peer_access::registry_state;
+pub use peer_access::PeerAccess;
 pub use topology::{
     nvml_status, parse_pci_bus_id, Connection, GpuInfo, NvmlP2p, NvmlStatus, P2pState, PairInfo,
     Topology,

@@ -43,7 +43,10 @@ pub use cq::{CompletionChannel, CompletionQueue};
 pub use device::{devices, DeviceInfo, Transport, Verbs};
 pub use mr::{AccessFlags, HostMemory, MemoryRegion, RemoteMemory, Scoped, Sge};
 pub use pd::ProtectionDomain;
-pub use qp::{ConnectOptions, ConnectionRecord, QpOptions, QpState, QueuePair, HELPER_WR_ID_BIT};
+/// For tests only: the wr_id bit the blocking helpers reserve; not part of the stable API.
+#[doc(hidden)]
+pub use qp::HELPER_WR_ID_BIT;
+pub use qp::{ConnectOptions, ConnectionRecord, QpOptions, QpState, QueuePair};
 pub use wc::{WcOpcode, WcStatus, WorkCompletion};
 
 pub mod flush;

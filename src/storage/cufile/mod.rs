@@ -41,9 +41,10 @@ pub use driver::{
     library_version, ControlFlags, Driver, DriverBuilder, DriverProperties, ExitStrategy,
     FeatureFlags, FsSupport, LogTarget, EXIT_STRATEGY_ENV,
 };
-pub use file_handle::{
-    classify_registration_failure, filesystem_type, CuFileHandle, OpenMode, MAX_IO_PER_CALL,
-};
+/// For tests and diagnostics (the doctor, `cufile-info`): not part of the stable API.
+#[doc(hidden)]
+pub use file_handle::{classify_registration_failure, filesystem_type};
+pub use file_handle::{CuFileHandle, OpenMode, MAX_IO_PER_CALL};
 
 /// Where cuFile reads its configuration from (see [`config_file`]).
 #[derive(Debug, Clone, PartialEq, Eq)]
