@@ -346,6 +346,29 @@ pub trait DeviceMemory: sealed::Sealed + Send + Sync {
     fn num_bytes(&self) -> usize;
     /// The CUDA context the memory belongs to.
     fn context(&self) -> &Arc<CudaContext>;
+    /// Blocks until the GPU work cudarc ordered as writing this memory is done: everything
+    /// queued on the memory's stream, and a write cudarc recorded from another stream (its
+    /// event tracking, on when a context uses several streams). What a device outside CUDA (a
+    /// NIC) must wait for before it reads the memory by address.
+    fn wait_for_writes(&self) -> Result<()>;
+}
+
+/// [`DeviceMemory::wait_for_writes`] for the cudarc slice behind the memory.
+fn wait_for_slice_writes<T>(slice: &CudaSlice<T>) -> Result<()> {
+    let stream = slice.stream();
+    {
+        // Read intent on the slice's own stream: cudarc makes the stream wait for the last
+        // write recorded on another stream (cuStreamWaitEvent).
+        let (_ptr, _record) = cudarc::driver::DevicePtr::device_ptr(slice, stream);
+    }
+    // cudarc records a failed cuStreamWaitEvent in the context instead of returning it.
+    stream
+        .context()
+        .check_err()
+        .map_err(|e| Error::cuda("cuStreamWaitEvent", e))?;
+    stream
+        .synchronize()
+        .map_err(|e| Error::cuda("cuStreamSynchronize", e))
 }
 
 impl<T, L: Layout> sealed::Sealed for DeviceBuffer<T, L> {}
@@ -358,6 +381,9 @@ impl<T, L: Layout> DeviceMemory for DeviceBuffer<T, L> {
     }
     fn context(&self) -> &Arc<CudaContext> {
         self.slice.context()
+    }
+    fn wait_for_writes(&self) -> Result<()> {
+        wait_for_slice_writes(&self.slice)
     }
 }
 
@@ -373,6 +399,9 @@ impl<T> DeviceMemory for CudaSlice<T> {
     fn context(&self) -> &Arc<CudaContext> {
         CudaSlice::context(self)
     }
+    fn wait_for_writes(&self) -> Result<()> {
+        wait_for_slice_writes(self)
+    }
 }
 
 impl<M: DeviceMemory + ?Sized> sealed::Sealed for Arc<M> {}
@@ -386,6 +415,9 @@ impl<M: DeviceMemory + ?Sized> DeviceMemory for Arc<M> {
     fn context(&self) -> &Arc<CudaContext> {
         (**self).context()
     }
+    fn wait_for_writes(&self) -> Result<()> {
+        (**self).wait_for_writes()
+    }
 }
 
 #[cfg(test)]
@@ -397,5 +429,76 @@ mod tests {
         assert!(round_up(1, GPU_PAGE_SIZE) == Some(GPU_PAGE_SIZE));
         assert!(round_up(GPU_PAGE_SIZE, GPU_PAGE_SIZE) == Some(GPU_PAGE_SIZE));
         assert!(round_up(usize::MAX, GPU_PAGE_SIZE).is_none());
+    }
+
+    /// Blocks the stream it is enqueued on for [`GATE`].
+    unsafe extern "C" fn gate(_: *mut std::ffi::c_void) {
+        std::thread::sleep(GATE);
+    }
+    const GATE: std::time::Duration = std::time::Duration::from_millis(300);
+
+    /// Issue 9 item 15, the GPU half (needs no NIC): the wait that RDMA's post-and-wait helpers
+    /// run before the NIC reads GPU memory (`rdma::GpuMemoryRegion::prepare_for_nic`, i.e.
+    /// [`DeviceMemory::wait_for_writes`]) returns only after a copy into the memory that is
+    /// still queued behind a 300 ms host function: on the memory's own stream, and on another
+    /// stream (cudarc's write event). Control: right after enqueueing, the stream is busy,
+    /// which is when the helpers used to post.
+    #[test]
+    #[ignore = "needs a CUDA GPU"]
+    fn gpu_nic_reads_wait_for_pending_gpu_writes() {
+        use rand::RngCore;
+        use std::time::{Duration, Instant};
+        const N: usize = (1 << 20) + 7;
+        let ctx = crate::cuda::context(0).unwrap_or_else(|e| {
+            panic!("needs a CUDA GPU (driver and device 0; see CUDA_VISIBLE_DEVICES): {e}")
+        });
+        let own = ctx.default_stream();
+        let other = ctx.new_stream().unwrap();
+        assert!(
+            ctx.is_managing_stream_synchronization(),
+            "cudarc event tracking is off"
+        );
+        let mut pattern = vec![0u8; N];
+        rand::rng().fill_bytes(&mut pattern);
+        for (case, stream) in [("the memory's stream", &own), ("another stream", &other)] {
+            let mut src = GdrBuffer::<u8>::alloc(&own, N).unwrap();
+            src.copy_from_host(&pattern).unwrap();
+            let mut buf = GdrBuffer::<u8>::zeroed(&own, N).unwrap();
+            // SAFETY: `gate` only sleeps (no CUDA call); it takes no argument.
+            unsafe {
+                cudarc::driver::result::stream::launch_host_function(
+                    stream.cu_stream(),
+                    gate,
+                    std::ptr::null_mut(),
+                )
+            }
+            .unwrap();
+            stream
+                .memcpy_dtod(&src.as_view(), &mut buf.as_view_mut())
+                .unwrap();
+            // SAFETY: the stream is live; the query has no other precondition.
+            let busy = !unsafe { r::stream::is_idle(stream.cu_stream()) };
+            assert!(busy, "{case}: control: the gate did not hold the stream");
+            let t0 = Instant::now();
+            buf.wait_for_writes().unwrap();
+            let waited = t0.elapsed();
+            // SAFETY: as above.
+            let idle = unsafe { r::stream::is_idle(stream.cu_stream()) };
+            println!("{case}: wait_for_writes returned after {waited:?}; stream idle: {idle}");
+            assert!(
+                idle,
+                "{case}: the copy was still queued when wait_for_writes returned"
+            );
+            assert!(
+                waited >= GATE - Duration::from_millis(50),
+                "{case}: waited only {waited:?}"
+            );
+            let mut back = vec![0u8; N];
+            buf.copy_to_host(&mut back).unwrap();
+            assert!(
+                back == pattern,
+                "{case}: the buffer does not hold the copied bytes"
+            );
+        }
     }
 }

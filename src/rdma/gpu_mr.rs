@@ -74,16 +74,49 @@ impl Default for GpuRegisterOptions {
 /// GPU memory registered with a protection domain, so a NIC reads and writes it directly.
 ///
 /// Owns the memory `M` (a [`GdrBuffer`], an `Arc` of one, or a cudarc [`CudaSlice`](cudarc::driver::CudaSlice) when
-/// forced) and, on the dma-buf path, the exported fd. Teardown order is the field order:
-/// deregister, close the dma-buf, release the memory. [`GpuMemoryRegion::path`] says which
-/// path registered it and [`GpuMemoryRegion::refused`] why the others were not used.
+/// forced) and, on the dma-buf path, the exported fd ([`GpuBacking`], the owner of its
+/// [`MemoryRegion`]). Teardown: deregister, close the dma-buf, release the memory; if
+/// `ibv_dereg_mr` fails, the fd and the memory are leaked rather than released under the NIC.
+/// [`GpuMemoryRegion::path`] says which path registered it and [`GpuMemoryRegion::refused`]
+/// why the others were not used.
+///
+/// # Ordering NIC access after GPU work
+///
+/// A kernel or an async copy (`memcpy_htod`) may still be writing the memory on its stream
+/// when a work request is posted. The post-and-wait helpers that let the NIC read the region
+/// ([`QueuePair::write`](super::QueuePair::write), `write_with_imm`, `send`, given
+/// [`mr`](Self::mr)) first call [`prepare_for_nic`](Self::prepare_for_nic), which waits for
+/// those writes. Work requests posted with the `unsafe` posting functions are not ordered:
+/// call [`prepare_for_nic`](Self::prepare_for_nic) before posting one that reads the memory,
+/// and [`prepare_for_nic_write`](Self::prepare_for_nic_write) before one that writes it (RDMA
+/// read, receive) or before handing the rkey to a peer that writes it. The other direction,
+/// GPU work after a NIC write, is ordered by waiting for the completion (or the peer's message)
+/// and, where the GPU's write ordering needs it, [`RdmaWriteFlush`](super::RdmaWriteFlush).
 pub struct GpuMemoryRegion<M: GpuMemory> {
-    mr: MemoryRegion<()>,
-    dmabuf: Option<DmaBufExport>,
-    mem: M,
+    mr: MemoryRegion<GpuBacking<M>>,
     range: Range<usize>,
     path: Path,
     refused: Vec<(Path, Cause)>,
+}
+
+/// What a [`GpuMemoryRegion`]'s registration keeps alive, released (in this order) only after
+/// the NIC lost access: the exported dma-buf fd, then the memory.
+pub struct GpuBacking<M> {
+    dmabuf: Option<DmaBufExport>,
+    mem: M,
+}
+
+impl<M> fmt::Debug for GpuBacking<M> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("GpuBacking")
+            .field("dmabuf", &self.dmabuf.as_ref().map(|d| d.plan))
+            .finish_non_exhaustive()
+    }
+}
+
+/// The helpers' hook before a NIC read of GPU memory.
+fn wait_for_gpu_writes<M: GpuMemory>(b: &GpuBacking<M>) -> Result<()> {
+    b.mem.wait_for_writes()
 }
 
 impl<M: GpuMemory> fmt::Debug for GpuMemoryRegion<M> {
@@ -92,7 +125,7 @@ impl<M: GpuMemory> fmt::Debug for GpuMemoryRegion<M> {
             .field("mr", &self.mr)
             .field("path", &self.path)
             .field("range", &self.range)
-            .field("dmabuf", &self.dmabuf.as_ref().map(|d| d.plan))
+            .field("dmabuf", &self.dmabuf_plan())
             .finish()
     }
 }
@@ -176,14 +209,14 @@ impl<M: GpuMemory> GpuMemoryRegion<M> {
                         rkey = mr.rkey(),
                         "GDR: registered via dma-buf (SYNC_MEMOPS set)"
                     );
-                    return Ok(GpuMemoryRegion {
+                    return Ok(Self::new(
                         mr,
-                        dmabuf: Some(exp),
+                        Some(exp),
                         mem,
                         range,
-                        path: Path::RdmaDmaBuf,
+                        Path::RdmaDmaBuf,
                         refused,
-                    });
+                    ));
                 }
                 Err(e) if forced => return Err(e),
                 Err(e) => refused.push((Path::RdmaDmaBuf, cause_of(e))),
@@ -201,8 +234,9 @@ impl<M: GpuMemory> GpuMemoryRegion<M> {
             if let Err(e) = set_sync_memops(addr) {
                 tracing::warn!(error = %e, "GDR: could not set SYNC_MEMOPS before peermem registration");
             }
-            // SAFETY: `addr..addr+len` lies inside `mem` (checked above), which the returned
-            // region owns and releases only after deregistering (field order).
+            // SAFETY: `addr..addr+len` lies inside `mem` (checked above), which becomes the
+            // MR's owner (`GpuMemoryRegion::new`), released only after a successful
+            // deregistration; until then `mem` (a parameter) outlives the MR local.
             let r = unsafe { pd.register_raw(addr as *mut std::ffi::c_void, len, opts.access) };
             match r {
                 Ok(mr) => {
@@ -213,14 +247,7 @@ impl<M: GpuMemory> GpuMemoryRegion<M> {
                         rkey = mr.rkey(),
                         "GDR: registered via peermem ibv_reg_mr"
                     );
-                    return Ok(GpuMemoryRegion {
-                        mr,
-                        dmabuf: None,
-                        mem,
-                        range,
-                        path: Path::RdmaPeerMem,
-                        refused,
-                    });
+                    return Ok(Self::new(mr, None, mem, range, Path::RdmaPeerMem, refused));
                 }
                 Err(Error::Verbs { source, .. }) if source.raw_os_error() == Some(libc::EFAULT) => {
                     if forced {
@@ -253,6 +280,24 @@ impl<M: GpuMemory> GpuMemoryRegion<M> {
         Err(Error::Unsupported { what, cause })
     }
 
+    fn new(
+        mr: MemoryRegion<()>,
+        dmabuf: Option<DmaBufExport>,
+        mem: M,
+        range: Range<usize>,
+        path: Path,
+        refused: Vec<(Path, Cause)>,
+    ) -> Self {
+        GpuMemoryRegion {
+            mr: mr
+                .attach(GpuBacking { dmabuf, mem })
+                .with_before_nic_read(wait_for_gpu_writes::<M>),
+            range,
+            path,
+            refused,
+        }
+    }
+
     fn try_dmabuf(
         pd: &Arc<ProtectionDomain>,
         mem: &M,
@@ -280,8 +325,9 @@ impl<M: GpuMemory> GpuMemoryRegion<M> {
         let exp = export_dmabuf(mem, range.clone())?;
         debug_assert_eq!(exp.plan, plan);
         // SAFETY: the fd is an open dma-buf of `export_len >= offset + len` bytes; it and the
-        // memory behind it are owned by the GpuMemoryRegion that takes this MR and released
-        // only after the MR is deregistered (field order).
+        // memory behind it become the owner of this MR (`GpuMemoryRegion::new`), released only
+        // after a successful deregistration (and leaked otherwise). Until then they are locals
+        // of the caller that outlive the MR on every path, unwinding included.
         let mr = unsafe {
             pd.register_dmabuf_raw(
                 exp.plan.offset,
@@ -309,9 +355,32 @@ impl<M: GpuMemory> GpuMemoryRegion<M> {
         PathReport::direct(self.path)
     }
 
-    /// The verbs memory region (keys, address, scatter/gather entries).
-    pub fn mr(&self) -> &MemoryRegion<()> {
+    /// The verbs memory region (keys, address, scatter/gather entries), for the post-and-wait
+    /// helpers of [`QueuePair`](super::QueuePair) (which call
+    /// [`prepare_for_nic`](Self::prepare_for_nic) before letting the NIC read it).
+    pub fn mr(&self) -> &MemoryRegion<GpuBacking<M>> {
         &self.mr
+    }
+
+    /// Blocks until the GPU work that cudarc ordered as writing the memory is done (work
+    /// queued on its stream, and a write cudarc recorded from another stream), so a NIC that
+    /// reads the memory next reads what the GPU wrote (`cuStreamWaitEvent` +
+    /// `cuStreamSynchronize`). The post-and-wait helpers call it; call it yourself before an
+    /// `unsafe` post that reads the memory. Work that cudarc does not see (raw driver calls,
+    /// other libraries) is not covered: synchronize it yourself.
+    pub fn prepare_for_nic(&self) -> Result<()> {
+        self.memory().wait_for_writes()
+    }
+
+    /// Blocks until all GPU work of the memory's context is done (`cuCtxSynchronize`), so a NIC
+    /// that writes the memory next (an RDMA read or receive into it, a peer holding the rkey)
+    /// races with no kernel or copy that still reads or writes it. Call it before such an
+    /// `unsafe` post, or before telling the peer to write.
+    pub fn prepare_for_nic_write(&self) -> Result<()> {
+        self.memory()
+            .context()
+            .synchronize()
+            .map_err(|e| Error::cuda("cuCtxSynchronize", e))
     }
 
     /// Local key.
@@ -357,22 +426,41 @@ impl<M: GpuMemory> GpuMemoryRegion<M> {
 
     /// The dma-buf plan, on the dma-buf path.
     pub fn dmabuf_plan(&self) -> Option<DmaBufPlan> {
-        self.dmabuf.as_ref().map(|d| d.plan)
+        self.mr.owner_ref().dmabuf.as_ref().map(|d| d.plan)
     }
 
     /// The registered memory (read access; cudarc views come from it).
     pub fn memory(&self) -> &M {
-        &self.mem
+        &self.mr.owner_ref().mem
     }
 
-    /// Deregisters, closes the dma-buf and returns the memory.
-    pub fn into_inner(self) -> M {
+    /// Deregisters (`ibv_dereg_mr`), closes the dma-buf and returns the memory; if
+    /// deregistration fails, the region comes back intact with the error (dropping it then
+    /// leaks the memory).
+    // The (Self, Error) shape is the convention for fallible teardown; it is returned rarely.
+    #[allow(clippy::result_large_err)]
+    pub fn close(self) -> std::result::Result<M, (Self, Error)> {
         let GpuMemoryRegion {
-            mr, dmabuf, mem, ..
+            mr,
+            range,
+            path,
+            refused,
         } = self;
-        drop(mr);
-        drop(dmabuf);
-        mem
+        match mr.close() {
+            Ok(GpuBacking { dmabuf, mem }) => {
+                drop(dmabuf);
+                Ok(mem)
+            }
+            Err((mr, e)) => Err((
+                GpuMemoryRegion {
+                    mr,
+                    range,
+                    path,
+                    refused,
+                },
+                e,
+            )),
+        }
     }
 }
 
@@ -381,7 +469,7 @@ impl<T> GpuMemoryRegion<GdrBuffer<T>> {
     /// The NIC may write the same bytes whenever a peer holding the rkey does so: order the
     /// two with completions.
     pub fn as_view_mut(&mut self) -> CudaViewMut<'_, T> {
-        self.mem.as_view_mut()
+        self.mr.owner_mut().mem.as_view_mut()
     }
 }
 

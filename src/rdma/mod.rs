@@ -55,7 +55,7 @@ pub mod probe;
 
 pub use flush::{FlushOptions, FlushOutcome, FlushScope, RdmaWriteFlush, WritesOrdering};
 pub use gpu_mr::{
-    export_dmabuf, pointer_info, DmaBufExport, DmaBufPlan, GdrBuffer, GpuMemory, GpuMemoryRegion,
-    GpuRegisterOptions, PointerInfo, Strategy,
+    export_dmabuf, pointer_info, DmaBufExport, DmaBufPlan, GdrBuffer, GpuBacking, GpuMemory,
+    GpuMemoryRegion, GpuRegisterOptions, PointerInfo, Strategy,
 };
 pub use probe::{GdrProbe, PciDistance};

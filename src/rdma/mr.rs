@@ -185,6 +185,9 @@ impl MrHandle {
 pub struct MemoryRegion<B = ()> {
     handle: MrHandle,
     owner: ManuallyDrop<B>,
+    /// What the post-and-wait helpers run before the NIC reads the region (GPU memory: wait
+    /// for the GPU's pending writes).
+    before_nic_read: Option<fn(&B) -> Result<()>>,
 }
 
 impl<B> fmt::Debug for MemoryRegion<B> {
@@ -220,6 +223,7 @@ impl MemoryRegion<()> {
         MemoryRegion {
             handle,
             owner: ManuallyDrop::new(()),
+            before_nic_read: None,
         }
     }
 
@@ -230,11 +234,35 @@ impl MemoryRegion<()> {
         MemoryRegion {
             handle,
             owner: ManuallyDrop::new(owner),
+            before_nic_read: None,
         }
     }
 }
 
 impl<B> MemoryRegion<B> {
+    /// Makes the post-and-wait helpers call `f` on the owner before every work request that
+    /// lets the NIC read the region.
+    pub(crate) fn with_before_nic_read(mut self, f: fn(&B) -> Result<()>) -> Self {
+        self.before_nic_read = Some(f);
+        self
+    }
+
+    /// Runs the owner's preparation for a NIC read (see `with_before_nic_read`).
+    pub(crate) fn prepare_nic_read(&self) -> Result<()> {
+        match self.before_nic_read {
+            Some(f) => f(&self.owner),
+            None => Ok(()),
+        }
+    }
+
+    pub(crate) fn owner_ref(&self) -> &B {
+        &self.owner
+    }
+
+    pub(crate) fn owner_mut(&mut self) -> &mut B {
+        &mut self.owner
+    }
+
     /// Takes the region apart without deregistering.
     fn into_parts(self) -> (MrHandle, B) {
         let mut me = ManuallyDrop::new(self);

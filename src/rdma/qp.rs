@@ -876,6 +876,9 @@ impl QueuePair {
 
     /// RDMA-writes `local[range]` to `remote` and waits for the completion. The borrow of the
     /// region lasts until the device is done with it, also on error (see [`QpOptions::wait_timeout`]).
+    /// For GPU memory ([`GpuMemoryRegion::mr`](super::GpuMemoryRegion::mr)) it first waits for
+    /// the GPU's pending writes to it ([`GpuMemoryRegion::prepare_for_nic`](super::GpuMemoryRegion::prepare_for_nic));
+    /// so do [`write_with_imm`](Self::write_with_imm) and [`send`](Self::send).
     pub fn write<B>(
         &self,
         local: &MemoryRegion<B>,
@@ -883,6 +886,7 @@ impl QueuePair {
         remote: RemoteMemory,
     ) -> Result<WorkCompletion> {
         let sge = local.sge(range)?;
+        local.prepare_nic_read()?;
         let id = helper_wr_id();
         // SAFETY: `local` is borrowed until `finish` returns, which happens only after the
         // device completed (or flushed) the work request.
@@ -910,6 +914,7 @@ impl QueuePair {
         imm: u32,
     ) -> Result<WorkCompletion> {
         let sge = local.sge(range)?;
+        local.prepare_nic_read()?;
         let id = helper_wr_id();
         // SAFETY: as in `write`.
         unsafe {
@@ -959,6 +964,7 @@ impl QueuePair {
         imm: Option<u32>,
     ) -> Result<WorkCompletion> {
         let sge = local.sge(range)?;
+        local.prepare_nic_read()?;
         let id = helper_wr_id();
         // SAFETY: as in `write`.
         unsafe { self.post_send_raw(id, &[sge], imm, true) }?;
@@ -1237,5 +1243,73 @@ mod device_tests {
         // SAFETY: as above.
         let r = unsafe { a.post_write_with_imm(u64::MAX, &[sge], mr.remote(), 1, true) };
         assert!(matches!(r, Err(Error::InvalidArgument(_))), "{r:?}");
+    }
+
+    static HOOK_CALLS: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+    static HOOK_REFUSES: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+    fn counting_hook(_: &Vec<u8>) -> Result<()> {
+        HOOK_CALLS.fetch_add(1, Ordering::SeqCst);
+        if HOOK_REFUSES.load(Ordering::SeqCst) {
+            return Err(Error::InvalidArgument("refused by the test hook".into()));
+        }
+        Ok(())
+    }
+
+    /// Issue 9 item 15, the NIC half: the helpers that let the NIC read a region (write,
+    /// write_with_imm, send) run the region's preparation (for GPU memory: waiting for the
+    /// GPU's pending writes) before posting, and post nothing when it fails.
+    #[test]
+    #[ignore = "needs an RDMA device"]
+    fn rdma_helpers_prepare_the_region_before_the_nic_reads_it() {
+        const N: usize = 4096;
+        let (pd, a, b) = pair();
+        let mut data = vec![0u8; N];
+        rand::rng().fill_bytes(&mut data);
+        let src = pd
+            .register_host(data.clone(), AccessFlags::LOCAL_WRITE)
+            .unwrap()
+            .with_before_nic_read(counting_hook);
+        let mut dst = pd
+            .register_host(
+                vec![0u8; N],
+                AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE | AccessFlags::REMOTE_READ,
+            )
+            .unwrap();
+        HOOK_REFUSES.store(true, Ordering::SeqCst);
+        let before = HOOK_CALLS.load(Ordering::SeqCst);
+        for r in [
+            a.write(&src, 0..N, dst.remote()),
+            a.write_with_imm(&src, 0..N, dst.remote(), 7),
+            a.send(&src, 0..N, None),
+        ] {
+            assert!(
+                matches!(r, Err(Error::InvalidArgument(ref m)) if m.contains("test hook")),
+                "{r:?}"
+            );
+        }
+        assert_eq!(HOOK_CALLS.load(Ordering::SeqCst) - before, 3);
+        assert_eq!(a.state().unwrap(), QpState::Rts, "nothing was posted");
+        assert!(
+            dst.to_vec().iter().all(|&x| x == 0),
+            "a refused write moved bytes"
+        );
+        HOOK_REFUSES.store(false, Ordering::SeqCst);
+        a.write(&src, 0..N, dst.remote()).unwrap();
+        assert_eq!(dst.to_vec(), data);
+        std::thread::scope(|s| {
+            let h = s.spawn(|| b.recv(&mut dst, 0..N));
+            a.send(&src, 0..N, None).unwrap();
+            h.join().unwrap().unwrap();
+        });
+        assert_eq!(HOOK_CALLS.load(Ordering::SeqCst) - before, 5);
+        // The NIC writing into the region (read, recv) does not use the read preparation.
+        let mut back = pd
+            .register_host(vec![0u8; N], AccessFlags::LOCAL_WRITE)
+            .unwrap()
+            .with_before_nic_read(counting_hook);
+        b.read(&mut back, 0..N, dst.remote()).unwrap();
+        assert_eq!(back.to_vec(), data);
+        assert_eq!(HOOK_CALLS.load(Ordering::SeqCst) - before, 5);
     }
 }
