@@ -451,3 +451,20 @@ fn rdma_cm_id_dropped_before_its_event_does_not_hang() {
     const UNREACHABLE: CmEventType = CmEventType(7); // RDMA_CM_EVENT_UNREACHABLE
     assert!([CmEventType::REJECTED, UNREACHABLE].contains(&got), "{got}");
 }
+
+/// Sweep: any `wait_timeout` works, `Duration::MAX` included (a deadline computed by adding it
+/// to `Instant::now()` would panic after the work request was posted, ending the borrow of a
+/// buffer the NIC is using).
+#[test]
+#[ignore = "needs an RDMA device"]
+fn rdma_helpers_accept_any_wait_timeout() {
+    const N: usize = 65_536;
+    let p = pair(false, Duration::MAX);
+    let data = random_vec(N);
+    let src = p.pd.register_host(data.clone(), ACCESS).unwrap();
+    let dst = p.pd.register_host(random_vec(N), ACCESS).unwrap();
+    p.a.write(&src, 0..N, dst.remote()).unwrap();
+    let mut back = p.pd.register_host(random_vec(N), ACCESS).unwrap();
+    p.b.read(&mut back, 0..N, dst.remote()).unwrap();
+    assert_eq!(first_diff(&bytes(&back), &data), None);
+}

@@ -826,14 +826,31 @@ impl QueuePair {
     /// the QP is moved to ERR, which makes the device complete (flush) it, and this returns only
     /// once its completion arrived. If that cannot be confirmed within [`FLUSH_WAIT`] (the device
     /// is dead, or the CQ overran), the process aborts: returning could let the device write
-    /// memory that is no longer borrowed.
+    /// memory that is no longer borrowed. The same if the wait unwinds (a panicking tracing
+    /// subscriber): the borrow would end with the work request in flight.
     fn finish(
         &self,
         what: &'static str,
         cq: &CompletionQueue,
         wr_id: u64,
     ) -> Result<WorkCompletion> {
-        let cause = match cq.wait_helper(wr_id, Instant::now() + self.wait_timeout) {
+        let in_flight = InFlight {
+            what,
+            qpn: self.qpn(),
+            wr_id,
+        };
+        let r = self.wait_or_flush(what, cq, wr_id);
+        std::mem::forget(in_flight);
+        r
+    }
+
+    fn wait_or_flush(
+        &self,
+        what: &'static str,
+        cq: &CompletionQueue,
+        wr_id: u64,
+    ) -> Result<WorkCompletion> {
+        let cause = match cq.wait_helper(wr_id, deadline(self.wait_timeout)) {
             Ok(Some(wc)) => return wc.ok(),
             Ok(None) => Error::Verbs {
                 op: what,
@@ -856,7 +873,7 @@ impl QueuePair {
         if let Err(e) = self.set_error() {
             tracing::warn!(qpn = self.qpn(), error = %e, "could not move the QP to ERR; still waiting for the completion");
         }
-        let deadline = Instant::now() + FLUSH_WAIT;
+        let deadline = deadline(FLUSH_WAIT);
         loop {
             match cq.wait_helper(wr_id, deadline) {
                 // Completed or flushed: the device is done with the buffer.
@@ -993,6 +1010,33 @@ impl QueuePair {
 /// How long a helper waits for the flush of a work request after moving its QP to ERR. Flush
 /// completions come within microseconds on a live device.
 pub(crate) const FLUSH_WAIT: Duration = Duration::from_secs(10);
+
+/// `now + wait`, or (for a wait too long to represent, e.g. `Duration::MAX`) a century from now.
+fn deadline(wait: Duration) -> Instant {
+    let now = Instant::now();
+    now.checked_add(wait)
+        .or_else(|| now.checked_add(Duration::from_secs(100 * 365 * 86_400)))
+        .unwrap_or(now)
+}
+
+/// Armed while a helper's work request may still be in flight; dropped only if the wait
+/// unwinds, which would end the borrow of the buffer the device may still access.
+struct InFlight {
+    what: &'static str,
+    qpn: u32,
+    wr_id: u64,
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        let msg = format!(
+            "gpudirect: waiting for {} work request {:#x} on QP {:#x} unwound while the device may still access the borrowed buffer, so the process aborts",
+            self.what, self.wr_id, self.qpn
+        );
+        eprintln!("{msg}");
+        std::process::abort();
+    }
+}
 
 /// Helper work-request ids: [`HELPER_WR_ID_BIT`] and a process-wide counter, so that QPs sharing a
 /// CQ never use the same id.
