@@ -201,7 +201,8 @@ impl Verbs {
         let list = DeviceList::get(self.lib())?;
         let mut names = Vec::new();
         for d in list.iter() {
-            let info = DeviceInfo::from_raw(self.lib(), d);
+            // SAFETY: `d` is an entry of `list`, alive for this loop.
+            let info = unsafe { DeviceInfo::from_raw(self.lib(), d) };
             if info.name == name {
                 return self.open_raw(d, info);
             }
@@ -223,7 +224,8 @@ impl Verbs {
             .iter()
             .next()
             .expect("DeviceList::get refuses empty lists");
-        let info = DeviceInfo::from_raw(self.lib(), d);
+        // SAFETY: `d` is an entry of `list`, alive for this function.
+        let info = unsafe { DeviceInfo::from_raw(self.lib(), d) };
         self.open_raw(d, info)
     }
 
@@ -253,7 +255,8 @@ impl Context {
         Ok(Arc::new(Context {
             lib,
             raw,
-            info: DeviceInfo::from_raw(lib, dev),
+            // SAFETY: the device of an open context (librdmacm keeps its device list).
+            info: unsafe { DeviceInfo::from_raw(lib, dev) },
             owned: false,
         }))
     }

@@ -58,7 +58,8 @@ impl Verbs {
         let list = DeviceList::get(self.lib)?;
         Ok(list
             .iter()
-            .map(|d| DeviceInfo::from_raw(self.lib, d))
+            // SAFETY: `d` is an entry of `list`, alive until the end of this statement.
+            .map(|d| unsafe { DeviceInfo::from_raw(self.lib, d) })
             .collect())
     }
 }
@@ -172,12 +173,19 @@ fn c_array(a: &[std::ffi::c_char]) -> String {
 }
 
 impl DeviceInfo {
-    pub(in crate::rdma) fn from_raw(lib: &'static Ibverbs, d: *mut sys::ibv_device) -> DeviceInfo {
-        // SAFETY: `d` is an entry of a live device list.
+    /// # Safety
+    ///
+    /// `d` must be a live device: an entry of a device list that is not freed yet, or the
+    /// device of an open context.
+    pub(in crate::rdma) unsafe fn from_raw(
+        lib: &'static Ibverbs,
+        d: *mut sys::ibv_device,
+    ) -> DeviceInfo {
+        // SAFETY: `d` is live (the caller's contract); only read here.
         let dev = unsafe { &*d };
         DeviceInfo {
             name: c_array(&dev.name),
-            // SAFETY: `d` is an entry of a live device list.
+            // SAFETY: as above.
             guid: unsafe { result::get_device_guid(lib, d) },
             transport: Transport::from(dev.transport_type),
             dev_path: c_array(&dev.dev_path),
