@@ -226,20 +226,11 @@ pub const EXIT_STRATEGY_ENV: &str = "GPUDIRECT_CUFILE_EXIT_STRATEGY";
 
 /// What gpudirect does so that a process that used cuFile exits cleanly.
 ///
-/// At process exit libcufile tears itself down (its C++ static destructors close the driver
-/// implicitly), and that teardown calls into CUDA: libcufile 1.15's own messages show it
-/// freeing the bounce buffers and streams it created (`cuMemFree`, `cuMemHostUnregister`,
-/// `cuStreamDestroy`) and pushing and popping the contexts it adopted. cudarc releases a device's primary context when the last `Arc<CudaContext>`
-/// drops (`cuDevicePrimaryCtxRelease`); when that was the last reference, the context and
-/// everything cuFile created in it are destroyed while cuFile still holds their handles, and
-/// cuFile's exit-time teardown then works on dead handles. Seen with cuFile 1.15.1 on driver
-/// 580: the `cufile_gpu` test binary, whose tests each take and drop GPU 0's context, died with
-/// `Segmentation fault` after all its tests had passed, while binaries that kept a context
-/// alive to the end (the storage engine's workers hold theirs) or never took one (`cufile-info`)
-/// exited cleanly; `examples/cufile-exit.rs` puts this explanation to the test, strategy by
-/// strategy. KvikIO and cuDF hit the same class of crash (rapidsai/kvikio#159, #497;
-/// NVIDIA/cudf#17121) and answer it by leaking their CUDA
-/// resources on purpose (kvikio PR #462).
+/// cuFile tears itself down at process exit and calls into CUDA as it does, so the contexts it
+/// adopted must still be alive then; cudarc releases a primary context when its last
+/// `Arc<CudaContext>` drops. The evidence (a segfault after every test had passed, and the
+/// experiment that explains it): [CONTRIBUTING.md, "cuFile at process
+/// exit"](https://github.com/gpudirect-rs/gpudirect/blob/main/CONTRIBUTING.md#cufile-at-process-exit).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum ExitStrategy {
     /// The default. The driver keeps a reference (`Arc<CudaContext>`, i.e. a retained primary
@@ -251,10 +242,8 @@ pub enum ExitStrategy {
     ///
     /// Once cuFile's statistics are turned on ([`Stats::start`](super::Stats::start)) the
     /// driver is also closed from an `atexit` handler, as with [`CloseAtExit`](Self::CloseAtExit):
-    /// measured on cuFile 1.15 (2×H200, `scripts/cufile-exit-matrix`), a process that started
-    /// statistics segfaulted at exit under every strategy that leaves the driver open, and exited
-    /// cleanly under both strategies that close it; without statistics every strategy exited
-    /// cleanly.
+    /// a process with statistics on crashes at exit when the driver stays open (measured on cuFile
+    /// 1.15; see the link above).
     #[default]
     RetainContexts,
     /// [`RetainContexts`](Self::RetainContexts), plus an `atexit` handler, registered right after
@@ -262,7 +251,7 @@ pub enum ExitStrategy {
     /// run. Experimental: IO still running on other threads at exit then fails with
     /// `CU_FILE_DRIVER_CLOSING`.
     CloseAtExit,
-    /// Neither (gpudirect's behaviour before the fix; for experiments and comparisons only).
+    /// Neither; for experiments and comparisons only (`examples/cufile-exit.rs`).
     Nothing,
 }
 

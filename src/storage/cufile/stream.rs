@@ -84,15 +84,12 @@ impl CuFileHandle {
 }
 
 /// The alignment stream-ordered IO needs on an O_DIRECT handle in cuFile's compatibility mode:
-/// size and file offset must be multiples of it.
-///
-/// Measured with cuFile 1.15.1 on ext4 without nvidia-fs: `cuFileReadAsync` of 65537 bytes at
-/// file offset 4097 into buffer offset 11 on an O_DIRECT descriptor completed with `EIO`, while
-/// the synchronous `cuFileRead` moved such ranges correctly (it bounces them through aligned
-/// host buffers). The stream-ordered path evidently hands the file range to the kernel
-/// unaligned. The device buffer is not constrained: in compatibility mode the kernel reads into
-/// cuFile's own (aligned) host bounce buffer. 4 KiB covers every logical block size in use
-/// (512 B and 4 KiB).
+/// size and file offset must be multiples of it (4 KiB covers every logical block size in use,
+/// 512 B and 4 KiB); the device buffer is not constrained. cuFile's stream path hands the file
+/// range to the kernel unaligned, and fails with `EIO` otherwise; gpudirect refuses
+/// stream-ordered IO outside GDS altogether. The measurements: [CONTRIBUTING.md, "cuFile
+/// stream-ordered IO in compatibility
+/// mode"](https://github.com/gpudirect-rs/gpudirect/blob/main/CONTRIBUTING.md#cufile-stream-ordered-io-in-compatibility-mode).
 pub const STREAM_COMPAT_ODIRECT_ALIGN: u64 = 4096;
 
 /// True for a handle whose IO takes cuFile's compatibility path, where gpudirect refuses
@@ -102,10 +99,8 @@ fn odirect_compat(h: &CuFileHandle) -> bool {
 }
 
 /// Refuses, before cuFile sees it, stream-ordered IO on a handle whose IO takes cuFile's
-/// compatibility path. Measured on cuFile 1.15 (2×H200, no nvidia-fs, `/etc/cufile.json`
-/// present): `cuFileReadAsync` failed with EIO on O_DIRECT and buffered handles alike, for
-/// unaligned requests and for requests whose size, file offset and device address were all
-/// 4 KiB-aligned. KvikIO likewise avoids cuFile's stream API outside GDS.
+/// compatibility path, where `cuFileReadAsync` fails with `EIO` even on fully aligned requests
+/// (CONTRIBUTING.md, "cuFile stream-ordered IO in compatibility mode").
 fn check_alignment(
     h: &CuFileHandle,
     write: bool,

@@ -388,9 +388,7 @@ fn device_cpus(device: Option<usize>, numa_pin: bool) -> Vec<usize> {
 /// The default worker count: the CPUs of the GPU's NUMA node this process may use (all
 /// usable CPUs for host memory or when unknown), at least 4 and at most 16. Page-cached reads
 /// are memory copies: a few busy workers saturate memory bandwidth and more only contend
-/// (measured on 2×H200, 32 cores, 4 GiB page-cached file into GPU 0: 8 workers 36.8 GB/s,
-/// 16 workers 53.7, 24 workers 53.2, 32 workers 52.8, against a 55.4 GB/s pinned H2D limit;
-/// BENCHMARKS.md). 4 keeps a small machine's disk queue fed.
+/// (BENCHMARKS.md, "Default worker count"). 4 keeps a small machine's disk queue fed.
 pub(crate) fn default_threads(device: Option<usize>, numa_pin: bool) -> usize {
     let mut n = device_cpus(device, numa_pin).len();
     if n == 0 {
