@@ -14,7 +14,10 @@
 
 use std::process::Command;
 
-use gpudirect::p2p::{PairBench, PeerAccess, SmDirection, LINK_LIMIT_H200_GBPS};
+use gpudirect::p2p::{PairBench, PeerAccess, SmDirection};
+
+/// The H200 NVLink limit per direction: 18 links x 26.5625 GB/s (nvidia-smi nvlink -s).
+const LINK_LIMIT_H200_GBPS: f64 = 18.0 * 26.5625;
 
 fn median(v: &mut [f64]) -> f64 {
     v.sort_by(|a, b| a.total_cmp(b));

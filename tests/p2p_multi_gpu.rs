@@ -11,8 +11,10 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use gpudirect::cudarc::driver::{sys, CudaContext, CudaSlice, CudaStream};
 use gpudirect::p2p::{
     self, copy_peer, copy_peer_with, plan_copy, registry_state, timed_copy_peer, CopyOptions,
-    DeviceBuffer, MemoryKind, PairBench, PeerAccess, SmDirection, Topology,
+    DeviceBuffer, MemoryKind, PeerAccess, Topology,
 };
+#[cfg(feature = "bench")]
+use gpudirect::p2p::{PairBench, SmDirection};
 use gpudirect::{Cause, Error, FallbackPolicy, Path};
 
 static SERIAL: Mutex<()> = Mutex::new(());
@@ -385,6 +387,7 @@ fn multi_gpu_typed_errors() {
     assert_eq!(sb.clone_dtoh(&dst).unwrap(), sa.clone_dtoh(&src).unwrap());
 }
 
+#[cfg(feature = "bench")]
 #[test]
 #[ignore = "needs 2 CUDA GPUs"]
 fn multi_gpu_sm_copy_and_latency() {

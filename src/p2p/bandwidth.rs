@@ -19,7 +19,7 @@ use crate::error::{Error, Result};
 use crate::path::Link;
 
 /// The H200 NVLink limit per direction: 18 links × 26.5625 GB/s (nvidia-smi nvlink -s).
-pub const LINK_LIMIT_H200_GBPS: f64 = 18.0 * 26.5625;
+pub(in crate::p2p) const LINK_LIMIT_H200_GBPS: f64 = 18.0 * 26.5625;
 
 /// The copy/latency kernels (src/p2p/kernels.cu compiled to PTX; see scripts/regen-p2p-ptx.py).
 const KERNELS_PTX: &str = include_str!("kernels.ptx");

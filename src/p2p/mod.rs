@@ -56,6 +56,7 @@ macro_rules! slice_accessors {
     };
 }
 
+#[cfg(feature = "bench")]
 mod bandwidth;
 mod copy;
 pub mod ipc;
@@ -68,9 +69,10 @@ use serde::Serialize;
 /// `cuMemAlloc` memory (legacy IPC, the context-peer-access path): the ground floor's
 /// [`cuda::DeviceBuffer`](crate::cuda::DeviceBuffer).
 pub use crate::cuda::DeviceBuffer;
+/// The nvbandwidth-style harness (feature `bench`, on by default).
+#[cfg(feature = "bench")]
 pub use bandwidth::{
     measure, BandwidthMatrix, BandwidthOptions, PairBandwidth, PairBench, SmDirection,
-    LINK_LIMIT_H200_GBPS,
 };
 pub use copy::{
     copy_peer, copy_peer_async, copy_peer_async_with, copy_peer_with, expected_gbps, plan_copy,
