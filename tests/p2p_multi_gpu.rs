@@ -422,13 +422,13 @@ fn multi_gpu_sm_copy_and_latency() {
 fn multi_gpu_report_detects_staged_copies() {
     let _g = serial();
     two_gpus();
-    let withheld = p2p::report(&p2p::ReportOptions {
+    let withheld = gpudirect::diag::p2p_report(&gpudirect::diag::P2pReportOptions {
         measure: true,
         measure_bytes: 256 << 20,
         withhold_peer_access: true,
     })
     .unwrap();
-    let granted = p2p::report(&p2p::ReportOptions {
+    let granted = gpudirect::diag::p2p_report(&gpudirect::diag::P2pReportOptions {
         measure: true,
         measure_bytes: 256 << 20,
         withhold_peer_access: false,

@@ -8,7 +8,7 @@ use std::os::fd::AsFd;
 use std::os::unix::net::UnixStream;
 
 use gpudirect::p2p::{
-    self, ipc, nvml_status, parse_pci_bus_id, Connection, GpuInfo, NvmlP2p, NvmlStatus, P2pState,
+    ipc, nvml_status, parse_pci_bus_id, Connection, GpuInfo, NvmlP2p, NvmlStatus, P2pState,
     PairInfo, PeerAccess, Topology, VmmBuffer,
 };
 use gpudirect::Error;
@@ -21,7 +21,7 @@ fn expect_cuda() -> String {
 fn probing_matches_cuda_expectation() {
     let topo = Topology::probe();
     let pa = PeerAccess::between(0, 1);
-    let rep = p2p::report(&p2p::ReportOptions::default());
+    let rep = gpudirect::diag::p2p_report(&gpudirect::diag::P2pReportOptions::default());
     match expect_cuda().as_str() {
         "absent" => {
             assert!(

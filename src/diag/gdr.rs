@@ -1,5 +1,7 @@
 //! The doctor's GDR section: the GDR probe's findings per GPU and per GPU↔NIC pair.
 
+use std::fmt;
+
 use super::{Report, Section, Status};
 use crate::rdma::probe::{DriverFlavour, GdrLevel, GdrProbe, RdmaStatus};
 use crate::Cause;
@@ -175,5 +177,107 @@ impl Report {
             );
         }
         self.gdr = Some(probe);
+    }
+}
+
+/// The probe as text, one fact per line (tests print it on failure); the doctor renders its
+/// verdicts as findings ([`Report::check_gdr`]). Rendering lives here, in the doctor's room.
+impl fmt::Display for GdrProbe {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        writeln!(f, "GDR: peer-memory client: {}", self.peer_memory)?;
+        match &self.driver {
+            Some(d) => writeln!(
+                f,
+                "GDR: NVIDIA kernel module {} flavour={} (/proc/driver/nvidia/version)",
+                d.version.as_deref().unwrap_or("(version unreadable)"),
+                match d.flavour {
+                    DriverFlavour::Open => "open",
+                    DriverFlavour::Proprietary => "proprietary",
+                    DriverFlavour::Unknown => "unknown",
+                }
+            )?,
+            None => writeln!(
+                f,
+                "GDR: NVIDIA kernel module: absent (no /proc/driver/nvidia/version)"
+            )?,
+        }
+        match (&self.cuda_driver_api, &self.cuda_error) {
+            (Some(v), _) => writeln!(f, "GDR: CUDA driver API {}.{}", v / 1000, v % 1000 / 10)?,
+            (None, Some(e)) => writeln!(f, "GDR: CUDA: {e}")?,
+            (None, None) => {}
+        }
+        let o = |v: Option<i32>| v.map_or("?".to_string(), |v| v.to_string());
+        for g in &self.gpus {
+            writeln!(
+                f,
+                "GDR: GPU{} {} pci={} GPU_DIRECT_RDMA_SUPPORTED={} DMA_BUF_SUPPORTED={} VMM_GDR={} WRITES_ORDERING={} FLUSH_OPTIONS={}{}",
+                g.ordinal,
+                g.name.as_deref().unwrap_or("?"),
+                g.pci_bus_id.as_deref().unwrap_or("?"),
+                o(g.gdr_supported),
+                o(g.dma_buf_supported),
+                o(g.vmm_gdr_supported),
+                g.writes_ordering.map_or("?".into(), |w| w.to_string()),
+                g.flush_options.map_or("?".into(), |w| w.to_string()),
+                g.error.as_deref().map(|e| format!(" (error: {e})")).unwrap_or_default()
+            )?;
+        }
+        match &self.rdma {
+            RdmaStatus::NoSubsystem { detail } => writeln!(
+                f,
+                "GDR: RDMA devices: none (kernel has no RDMA subsystem: {detail})"
+            )?,
+            RdmaStatus::NoDevices => writeln!(f, "GDR: RDMA devices: none")?,
+            RdmaStatus::Devices => {
+                for n in &self.rdma_devices {
+                    let ports: Vec<String> = n
+                        .ports
+                        .iter()
+                        .map(|p| format!("port{} {} {}", p.port, p.state, p.link_layer))
+                        .collect();
+                    writeln!(
+                        f,
+                        "GDR: RDMA device {} pci={} numa={} {}",
+                        n.name,
+                        n.pci_bus_id.as_deref().unwrap_or("none (software)"),
+                        n.numa_node.map_or("?".into(), |v| v.to_string()),
+                        ports.join(", ")
+                    )?;
+                    if let Some(d) = &n.dmabuf_detail {
+                        writeln!(
+                            f,
+                            "GDR: {} dma-buf registration: {} ({d})",
+                            n.name,
+                            match n.dmabuf_registration {
+                                Some(true) => "supported",
+                                Some(false) => "unsupported",
+                                None => "unknown",
+                            }
+                        )?;
+                    }
+                }
+            }
+        }
+        writeln!(f, "GDR: verbs: {}", self.verbs)?;
+        for p in &self.pairs {
+            writeln!(
+                f,
+                "GDR: GPU{} <-> {} path={} -> GDR {}: {}",
+                p.gpu,
+                p.nic,
+                p.distance.map_or("?".into(), |d| d.to_string()),
+                if p.allowed { "allowed" } else { "refused" },
+                p.reason
+            )?;
+        }
+        writeln!(
+            f,
+            "GDR: level limit {} ({})",
+            self.gdr_level.level, self.gdr_level.source
+        )?;
+        for x in &self.findings {
+            writeln!(f, "GDR finding: {x}")?;
+        }
+        Ok(())
     }
 }

@@ -24,6 +24,8 @@ mod gdr;
 mod gds;
 mod p2p;
 
+pub use p2p::{p2p_report, MeasuredCopy, P2pReport, P2pReportOptions, PairReport};
+
 /// The part of GPUDirect a finding belongs to.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, PartialOrd, Ord)]
 #[serde(rename_all = "snake_case")]
@@ -102,7 +104,7 @@ pub struct Report {
     /// Every finding, in the order checked.
     pub findings: Vec<Finding>,
     /// The P2P section's data (topology and per-pair paths), when it ran.
-    pub p2p: Option<crate::p2p::P2pReport>,
+    pub p2p: Option<P2pReport>,
     /// The GDR probe's data, when it ran.
     pub gdr: Option<crate::rdma::probe::GdrProbe>,
 }
@@ -114,7 +116,7 @@ impl Serialize for Report {
             schema_version: u32,
             gpudirect_version: &'static str,
             findings: &'a [Finding],
-            p2p: Option<&'a crate::p2p::P2pReport>,
+            p2p: Option<&'a P2pReport>,
             gdr: Option<&'a crate::rdma::probe::GdrProbe>,
         }
         Json {
