@@ -16,10 +16,10 @@ use std::os::fd::AsRawFd;
 use std::sync::Arc;
 
 use gpudirect::cudarc::driver::{CudaContext, CudaStream};
-use gpudirect::rdma::flush::{FlushOutcome, FlushScope, RdmaWriteFlush};
-use gpudirect::rdma::gpu_mr::{host_page_size, GPU_PAGE_SIZE};
-use gpudirect::rdma::probe::{DriverFlavour, GdrProbe};
 use gpudirect::rdma::{export_dmabuf, pointer_info, GdrBuffer, GpuMemory};
+use gpudirect::rdma::{host_page_size, GPU_PAGE_SIZE};
+use gpudirect::rdma::{DriverFlavour, GdrProbe};
+use gpudirect::rdma::{FlushOutcome, FlushScope, RdmaWriteFlush};
 use gpudirect::{Cause, Error};
 
 use common::random;

@@ -3,7 +3,7 @@
 //! (`scripts/rdma-vm-test`), which sets GPUDIRECT_RDMA_DEV (default rxe0).
 //! Without an RDMA device each test fails with a setup hint.
 
-use gpudirect::rdma::probe::{GdrProbe, RdmaStatus};
+use gpudirect::rdma::{GdrProbe, RdmaStatus};
 
 fn rdma_dev() -> String {
     std::env::var("GPUDIRECT_RDMA_DEV").unwrap_or_else(|_| "rxe0".into())

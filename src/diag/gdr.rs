@@ -3,7 +3,7 @@
 use std::fmt;
 
 use super::{Report, Section, Status};
-use crate::rdma::probe::{DriverFlavour, GdrLevel, GdrProbe, RdmaStatus};
+use crate::rdma::{DriverFlavour, GdrLevel, GdrProbe, RdmaStatus};
 use crate::Cause;
 
 impl Report {

@@ -106,7 +106,7 @@ pub struct Report {
     /// The P2P section's data (topology and per-pair paths), when it ran.
     pub p2p: Option<P2pReport>,
     /// The GDR probe's data, when it ran.
-    pub gdr: Option<crate::rdma::probe::GdrProbe>,
+    pub gdr: Option<crate::rdma::GdrProbe>,
 }
 
 impl Serialize for Report {
@@ -117,7 +117,7 @@ impl Serialize for Report {
             gpudirect_version: &'static str,
             findings: &'a [Finding],
             p2p: Option<&'a P2pReport>,
-            gdr: Option<&'a crate::rdma::probe::GdrProbe>,
+            gdr: Option<&'a crate::rdma::GdrProbe>,
         }
         Json {
             schema_version: SCHEMA_VERSION,
@@ -379,7 +379,7 @@ mod tests {
             }),
             "host": crate::Cause::HostMemory,
             "policy": crate::FallbackPolicy::Deny,
-            "rdma": crate::rdma::probe::RdmaStatus::NoDevices,
+            "rdma": crate::rdma::RdmaStatus::NoDevices,
         });
         assert_eq!(samples["cufile"]["path"], "cufile_compat");
         assert_eq!(

@@ -3,7 +3,7 @@
 //! The verbs layer wraps rdma-core's libibverbs (loaded at run time through
 //! [`ibverbs-gdr-sys`](crate::ffi::ibverbs)) in owned types whose parents are held by `Arc`:
 //! [`Context`] → [`ProtectionDomain`] → [`MemoryRegion`] / [`QueuePair`] (which also holds its
-//! [`CompletionQueue`]s). Connecting two processes: [`connect`] (TCP exchange of
+//! [`CompletionQueue`]s). Connecting two processes: [`Exchange`] (TCP exchange of
 //! [`ConnectionRecord`]s) or [`cm`] (librdmacm).
 //!
 //! ```no_run
@@ -25,6 +25,7 @@
 //! ```
 
 pub mod cm;
+#[doc(hidden)]
 pub mod connect;
 mod context;
 mod cq;
@@ -49,13 +50,22 @@ pub use qp::HELPER_WR_ID_BIT;
 pub use qp::{ConnectOptions, ConnectionRecord, QpOptions, QpState, QueuePair};
 pub use wc::{WcOpcode, WcStatus, WorkCompletion};
 
+// One scheme: every item is re-exported flat at `rdma::` (the modules stay reachable, hidden,
+// under their old paths); `cm` is the one public namespace (librdmacm's vocabulary).
+#[doc(hidden)]
 pub mod flush;
+#[doc(hidden)]
 pub mod gpu_mr;
+#[doc(hidden)]
 pub mod probe;
 
 pub use flush::{FlushOptions, FlushOutcome, FlushScope, RdmaWriteFlush, WritesOrdering};
 pub use gpu_mr::{
-    export_dmabuf, pointer_info, DmaBufExport, DmaBufPlan, GdrBuffer, GpuBacking, GpuMemory,
-    GpuMemoryRegion, GpuRegisterOptions, PointerInfo, Strategy,
+    export_dmabuf, host_page_size, pointer_info, set_sync_memops, DmaBufExport, DmaBufPlan,
+    GdrBuffer, GpuBacking, GpuMemory, GpuMemoryRegion, GpuRegisterOptions, PointerInfo, Strategy,
+    GPU_PAGE_SIZE,
 };
-pub use probe::{GdrProbe, PciDistance};
+pub use probe::{
+    pci_distance, DriverFlavour, GdrLevel, GdrPair, GdrProbe, GpuGdr, NvidiaDriver, PciDistance,
+    PeerMemoryClient, RdmaDeviceInfo, RdmaPort, RdmaStatus, GDR_LEVEL_ENV,
+};
