@@ -11,6 +11,11 @@
 //!   safetensors file, shards or a model directory onto the GPU in one job, save GPU tensors
 //!   atomically.
 //! - [`diag`]: the findings the `doctor` example prints.
+//! - [`cuda`]: the ground floor the rooms share — the checked door to libcuda, what a pointer
+//!   is, `cuMemAlloc` buffers ([`cuda::DeviceBuffer`], [`cuda::GdrBuffer`]), dma-buf export, a
+//!   GPU's PCI id and NUMA node.
+//!
+//! How the rooms stand on each other, and the walls between them: `ARCHITECTURE.md`.
 //!
 //! # Quick start
 //!
