@@ -37,6 +37,17 @@ pub struct IoReport {
     pub odirect: bool,
 }
 
+impl IoReport {
+    /// A report of `bytes` moved over `path` (`odirect`: some went through O_DIRECT).
+    pub fn new(bytes: usize, path: PathReport, odirect: bool) -> Self {
+        IoReport {
+            bytes,
+            path,
+            odirect,
+        }
+    }
+}
+
 impl std::fmt::Display for IoReport {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(f, "{} bytes via {}", self.bytes, self.path)?;
@@ -306,11 +317,15 @@ impl GpuFile {
     }
 
     /// Sets up, ahead of the first transfer, what reads of this file into `device`'s memory
-    /// use: the engine's worker threads (bound to the device's primary context), and the
-    /// pinned segment ring. Without it the first read pays this setup (tens of milliseconds
-    /// for pinning the memory). A no-op for files whose device reads go through cuFile.
+    /// use: the engine's worker threads (bound to the device's primary context), and the pinned
+    /// segment ring, faulted in and page-locked in parallel on the workers. Optional: a first
+    /// transfer without it starts the threads after it is published and pins each ring slot as
+    /// its first copy needs it, overlapped with the reads (so it runs at nearly the steady
+    /// rate); `warm_up` only moves that few-millisecond cost before the clock. A no-op for files
+    /// whose device reads go through cuFile. What it set up is released like any engine state
+    /// ([`release_engines`](super::release_engines), or after the idle timeout).
     ///
-    /// Errors: [`Error::Cuda`] (no such device, pinning refused), [`Error::Io`] (threads).
+    /// Errors: [`Error::Cuda`] (no such device, pinning refused).
     pub fn warm_up(&self, device: usize) -> Result<()> {
         if self.cufile.is_some() {
             return Ok(());
