@@ -501,41 +501,41 @@ impl GpuFile {
                 odirect: false,
             });
         }
-        let Some(n) = self.readable_whole(file_offset, len, esz)? else {
-            let path = self.engine_report();
-            return self.read_unsized_to_device(&mut view, file_offset, esz, path);
-        };
-        if n == 0 {
-            return Ok(IoReport {
-                bytes: 0,
-                path: self.engine_report(),
-                odirect: false,
-            });
-        }
         let piece = self.cfg.piece_size();
-        let direct = self.read_direct(file_offset, n);
-        if n <= small::SMALL_MAX.min(piece) {
+        if len <= small::SMALL_MAX.min(piece) {
+            // Small: no fstat (pread says where the file ends, also for files whose size is
+            // unknown), no engine.
+            if len == 0 {
+                return Ok(IoReport::new(0, self.engine_report(), false));
+            }
+            let direct = self.read_direct(file_offset, len);
             let (dptr, _record) = view.device_ptr_mut(&stream);
+            let whole = |n: usize| self.whole_elements(file_offset, n, len, esz);
             // SAFETY: dptr..dptr+len is `dst`'s device memory in `ctx`, exclusively borrowed for
-            // this call, n <= len; device_ptr_mut ordered `stream` after the buffer's other
-            // users; small::read waits for its copy.
+            // this call; device_ptr_mut ordered `stream` after the buffer's other users;
+            // small::read copies at most len bytes and waits for its copy.
             let (bytes, odirect) = unsafe {
                 small::read(
                     &self.fds,
                     direct,
                     file_offset,
-                    n,
+                    len,
+                    &whole,
                     &ctx,
                     dptr,
                     stream.cu_stream(),
                 )
             }?;
-            return Ok(IoReport {
-                bytes,
-                path: self.engine_report(),
-                odirect,
-            });
+            return Ok(IoReport::new(bytes, self.engine_report(), odirect));
         }
+        let Some(n) = self.readable_whole(file_offset, len, esz)? else {
+            let path = self.engine_report();
+            return self.read_unsized_to_device(&mut view, file_offset, esz, path);
+        };
+        if n == 0 {
+            return Ok(IoReport::new(0, self.engine_report(), false));
+        }
+        let direct = self.read_direct(file_offset, n);
         let engine = engine::engine(Some(ctx.ordinal()), self.cfg.numa_pin)?;
         let threads = self.threads_for(Some(ctx.ordinal()), direct);
         let tasks = plan(file_offset, n, piece, Dir::Read, direct);

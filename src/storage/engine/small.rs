@@ -105,18 +105,21 @@ fn with_buf<R>(f: impl FnOnce(*mut u8) -> (Result<R>, bool)) -> Result<R> {
     r
 }
 
-/// Reads `[off, off + n)` (`n <= SMALL_MAX`, clamped to end of file by the caller) into device
-/// memory `dst` of `ctx`, the copy on `stream` (a live stream of `ctx`, or null), waiting for
-/// it. Returns `(bytes, used O_DIRECT)`.
+/// Reads `[off, off + n)` (`n <= SMALL_MAX`; short at end of file, which `pread` finds: no
+/// `fstat`) into device memory `dst` of `ctx`, the copy on `stream` (a live stream of `ctx`, or
+/// null), waiting for it. `check(bytes read)` may refuse the bytes before they are copied.
+/// Returns `(bytes, used O_DIRECT)`.
 ///
 /// # Safety
 /// `dst` must be device memory of `ctx` writable for `n` bytes, and `stream` ordered after
 /// every access to it the caller needs respected (cudarc's `device_ptr_mut` on that stream).
+#[allow(clippy::too_many_arguments)]
 pub(crate) unsafe fn read(
     fds: &Fds,
     direct: bool,
     off: u64,
     n: usize,
+    check: &dyn Fn(usize) -> Result<()>,
     ctx: &Arc<CudaContext>,
     dst: sys::CUdeviceptr,
     stream: sys::CUstream,
@@ -129,6 +132,9 @@ pub(crate) unsafe fn read(
             Ok(x) => x,
             Err(e) => return (Err(e), true),
         };
+        if let Err(e) = check(got) {
+            return (Err(e), true);
+        }
         if got == 0 {
             return (Ok((0, odirect)), true);
         }
