@@ -5,6 +5,9 @@
 //! Run (from the project root, so the KvikIO script is found):
 //!   cargo bench --bench storage            (here)   or   .device/benches/storage   (GPU machine)
 //!
+//! With `--oneshot` it runs the one-shot benchmark instead (fresh process per sample, first
+//! call; see `benches/storage/oneshot.rs`): `.device/benches/storage --oneshot`.
+//!
 //! Environment:
 //! - `GPUDIRECT_BENCH_SIZE` file size (default 4G; suffixes K/M/G)
 //! - `GPUDIRECT_BENCH_DIR` scratch directory (default `GPUDIRECT_TEST_DIR`, else the temp dir)
@@ -29,6 +32,9 @@
 //!
 //! Output: a table (GB/s = 10^9 bytes/s; median, min, max over rounds; ratio to the pinned H2D
 //! limit), the target checks of issue 4, then one JSON line per row (`"bench":"storage"`).
+
+#[path = "storage/oneshot.rs"]
+mod oneshot;
 
 use std::collections::BTreeMap;
 use std::fs::File;
@@ -476,6 +482,10 @@ fn kvikio_round(cfg: &Cfg, script: &Path, file: &Path, wfile: &Path, t: &mut Tab
 }
 
 fn main() -> Res<()> {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    if args.iter().any(|a| a == "--oneshot") {
+        return oneshot::main(&args);
+    }
     let cfg = Cfg::from_env()?;
     std::fs::create_dir_all(&cfg.dir)?;
     let file = cfg.dir.join("gpudirect-bench-read.bin");

@@ -5,7 +5,8 @@
 //!
 //! Run on the GPU machine from the project root (after `../shared/tools/device-stage`; peers'
 //! wheels in `.whl/`, see `scripts/gpu-suite`'s `wheels()`):
-//!   bash scripts/gpu-suite bench-oneshot       (or: .device/benches/storage_oneshot)
+//!   bash scripts/gpu-suite bench-oneshot       (or: .device/benches/storage --oneshot)
+//! (A mode of `benches/storage.rs`, so the staged binaries stay few.)
 //! Here (no GPU) it checks its own harness and prints what it could not measure.
 //!
 //! Rows (GB/s = 10^9 bytes/s):
@@ -34,6 +35,8 @@
 //!
 //! Output: progress on stderr; a markdown table with ratios and target checks on stdout, then one
 //! JSON line per sample (`"bench":"storage_oneshot"`).
+
+#![allow(clippy::too_many_lines)]
 
 use std::collections::BTreeMap;
 use std::fs::File;
@@ -438,7 +441,7 @@ impl Runner {
 
     fn me(&self, args: &[&str]) -> Command {
         let mut c = Command::new(&self.exe);
-        c.arg("--child").args(args);
+        c.arg("--oneshot").arg("--child").args(args);
         c
     }
 
@@ -867,8 +870,9 @@ fn parent() -> Res<()> {
     Ok(())
 }
 
-fn main() -> Res<()> {
-    let args: Vec<String> = std::env::args().skip(1).collect();
+/// `--oneshot`: the parent (the table); `--child MODE ...`: one measurement.
+pub fn main(args: &[String]) -> Res<()> {
+    let args: Vec<String> = args.iter().filter(|a| *a != "--oneshot").cloned().collect();
     if args.first().map(String::as_str) == Some("--child") {
         if let Err(e) = child(&args[1..]) {
             emit(json!({"error": e.to_string()}));
@@ -876,6 +880,5 @@ fn main() -> Res<()> {
         }
         return Ok(());
     }
-    // `cargo bench` passes --bench; nothing else is expected.
     parent()
 }
