@@ -29,11 +29,26 @@
 //! [`FallbackPolicy::Deny`](crate::FallbackPolicy::Deny) refuses a fallback before a byte moves.
 //!
 //! # The engine
-//! A persistent pool of workers per GPU, pinned to the GPU's NUMA node, each with two pinned
-//! bounce buffers and its own stream: `pread` of one piece overlaps the DMA of the previous
-//! one; writes overlap the other way. O_DIRECT is opportunistic ([`ODirect`]): writes use it for
-//! their aligned part; reads use it when the range is not in the page cache. Host-memory
-//! transfers ([`GpuFile::pread_host`], [`GpuFile::pwrite_host`]) run on the same pool.
+//! One pool of workers per GPU (and one for host memory), pinned to the GPU's NUMA node: workers
+//! `pread` pieces into a ring of large pinned segments and one host→device copy moves each run
+//! of payload that is contiguous in a segment and in one destination buffer; writes overlap a
+//! device→host copy with the `pwrite` of the previous piece. O_DIRECT is opportunistic
+//! ([`ODirect`]): writes use it for their aligned part; reads when the range is not in the page
+//! cache. Host-memory transfers ([`GpuFile::pread_host`], [`GpuFile::pwrite_host`]) run on the
+//! host pool.
+//!
+//! - **First call at full speed**: threads start after the first job is published, the ring's
+//!   memory is faulted in by the reads themselves and each slot page-locked by the worker that
+//!   issues its first copy, so neither sits in front of the first byte
+//!   ([`GpuFile::warm_up`] can still do it ahead).
+//! - **Small transfers** (at most 1 MiB) take a fast path on the calling thread: a pooled pinned
+//!   buffer, one copy on the buffer's own stream, no thread hand-off.
+//! - **Many transfers in one job**: [`ReadBatch`] / [`read_many`] / [`GpuFile::read_ranges`]
+//!   and [`WriteBatch`].
+//! - **Bounded**: a transfer asks for its number of workers and the pool grows to the largest
+//!   asked (at most 1024), whatever the `threads(n)` of each file; [`release_engines`] gives
+//!   the threads and pinned memory back at once, and the engine does so by itself after
+//!   `GPUDIRECT_ENGINE_IDLE_MS` (default 5000) without a transfer.
 
 mod backend;
 mod batch;
