@@ -313,3 +313,176 @@ fn misaligned_tensors_in_the_file_get_aligned_device_offsets() {
         vec![Dtype::U8, Dtype::F32, Dtype::BF16]
     );
 }
+
+/// Multi-GPU plans from real files (no GPU): every byte read once, the copies to the other
+/// GPUs, per-GPU allocations, no staging; tensor parallelism reads splits locally.
+#[test]
+fn fan_out_plans_read_each_byte_once() {
+    let d = tempfile::tempdir().unwrap();
+    let ts = tensors(5, 40);
+    let files = model_dir(d.path(), &ts, 4);
+    let total: u64 = ts.iter().map(|t| t.data.len() as u64).sum();
+    let one = LoadOptions::new().plan(d.path()).unwrap();
+    for n in 1..=8usize {
+        let devs: Vec<usize> = (0..n).collect();
+        let p = LoadOptions::new()
+            .segment_bytes(1)
+            .plan_placed(d.path(), &st::Placement::replicated(), &devs)
+            .unwrap();
+        assert_eq!(p.bytes, total, "each byte read once");
+        assert_eq!(p.copied_bytes, total * (n as u64 - 1));
+        assert_eq!(p.staging_bytes, 0);
+        assert_eq!(p.tensors, 40);
+        assert_eq!(p.segment_bytes, 1 << 20, "segments are at least 1 MiB");
+        for dp in &p.devices {
+            assert_eq!(
+                dp.allocation_bytes, one.allocation_bytes,
+                "the single-GPU layout"
+            );
+            assert_eq!(dp.read_bytes + dp.received_bytes, total);
+            assert_eq!(dp.tensors, 40);
+        }
+        assert_eq!(p.devices.iter().map(|x| x.read_bytes).sum::<u64>(), total);
+        if n == 1 {
+            assert_eq!((p.copies, p.reads), (0, one.reads));
+        }
+    }
+    // Tensor parallelism over 4 GPUs: the tensors with rows split, the scalars replicated.
+    let devs = [0, 1, 2, 3];
+    let mut place = st::Placement::new();
+    for t in ts.iter().filter(|t| !t.shape.is_empty()) {
+        place = place.split_rows(t.name.clone(), devs);
+    }
+    let place = place.replicate("*");
+    let p = LoadOptions::new()
+        .plan_placed(files.clone(), &place, &devs)
+        .unwrap();
+    let scalars: u64 = ts
+        .iter()
+        .filter(|t| t.shape.is_empty())
+        .map(|t| t.data.len() as u64)
+        .sum();
+    assert!(scalars > 0);
+    assert_eq!(p.bytes, total);
+    assert_eq!(
+        p.copied_bytes,
+        3 * scalars,
+        "only the replicated scalars are copied"
+    );
+    for dp in &p.devices {
+        assert!(dp.received_bytes + dp.read_bytes <= total);
+    }
+}
+
+/// The shard that holds `name`.
+fn shard_of(files: &[PathBuf], name: &str) -> PathBuf {
+    files
+        .iter()
+        .find(|f| {
+            st::inspect(f.as_path()).unwrap()[0]
+                .1
+                .tensors
+                .iter()
+                .any(|t| t.name == name)
+        })
+        .unwrap()
+        .clone()
+}
+
+#[test]
+fn fan_out_placement_problems_are_named() {
+    let d = tempfile::tempdir().unwrap();
+    let ts = tensors(6, 12);
+    let files = model_dir(d.path(), &ts, 3);
+    let plan =
+        |p: &st::Placement, devs: &[usize]| LoadOptions::new().plan_placed(d.path(), p, devs);
+    // A scalar (every fourth tensor of the fixture is 0-d) has no rows: it and its shard are
+    // named.
+    let (file, tensor, p) =
+        problem(plan(&st::Placement::new().split_rows("*", [0, 1]), &[0, 1]).unwrap_err());
+    let tensor = tensor.unwrap();
+    assert!(
+        ts.iter().any(|t| t.name == tensor && t.shape.is_empty()),
+        "{tensor}"
+    );
+    assert_eq!(file, shard_of(&files, &tensor));
+    assert_eq!(p, Problem::NotSplittable { shape: vec![] });
+    // A GPU without a stream.
+    let (_, tensor, p) =
+        problem(plan(&st::Placement::new().put("*", [0, 3]), &[0, 1]).unwrap_err());
+    assert_eq!(tensor, None);
+    assert_eq!(
+        p,
+        Problem::UnknownDevice {
+            device: 3,
+            devices: vec![0, 1]
+        }
+    );
+    // A tensor no rule places, and a rule that places nothing.
+    let (file, tensor, p) =
+        problem(plan(&st::Placement::new().put("model.layers.1*", [0]), &[0]).unwrap_err());
+    assert_eq!(p, Problem::Unplaced);
+    let tensor = tensor.unwrap();
+    assert!(!tensor.starts_with("model.layers.1"), "{tensor}");
+    assert_eq!(file, shard_of(&files, &tensor));
+    let (_, _, p) =
+        problem(plan(&st::Placement::replicated().put("lm_head.*", [0]), &[0]).unwrap_err());
+    assert!(
+        matches!(p, Problem::PlacementMatchedNothing { .. }),
+        "{p:?}"
+    );
+    // A byte range past the tensor, and one cutting its elements.
+    let w = ts
+        .iter()
+        .find(|t| t.dtype == safetensors::Dtype::F32 && t.data.len() >= 8)
+        .unwrap();
+    let len = w.data.len() as u64;
+    let (_, tensor, p) = problem(
+        plan(
+            &st::Placement::new()
+                .put_ranges(w.name.clone(), [(0, 0..len + 4)])
+                .replicate("*"),
+            &[0],
+        )
+        .unwrap_err(),
+    );
+    assert_eq!(tensor.as_deref(), Some(w.name.as_str()));
+    assert_eq!(
+        p,
+        Problem::RangeOutOfBounds {
+            start: 0,
+            end: len + 4,
+            len
+        }
+    );
+    let (_, _, p) = problem(
+        plan(
+            &st::Placement::new()
+                .put_ranges(w.name.clone(), [(1, 2..8)])
+                .replicate("*"),
+            &[0, 1],
+        )
+        .unwrap_err(),
+    );
+    assert_eq!(
+        p,
+        Problem::RangeMisaligned {
+            start: 2,
+            end: 8,
+            unit: 4
+        }
+    );
+    // The messages say what to do.
+    let msg = plan(&st::Placement::new().put("*", [0, 3]), &[0, 1])
+        .unwrap_err()
+        .to_string();
+    assert!(
+        msg.contains("GPU 3") && msg.contains("pass a stream"),
+        "{msg}"
+    );
+    // Two streams of one GPU.
+    assert!(matches!(
+        LoadOptions::new().plan_placed(d.path(), &st::Placement::replicated(), &[1, 1]),
+        Err(Error::InvalidArgument(_))
+    ));
+}

@@ -9,6 +9,7 @@
 //! `GPUDIRECT_TEST_DIR`.
 
 mod common;
+mod safetensors_fanout;
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};

@@ -48,7 +48,7 @@ impl Filter {
 }
 
 /// Matches `pat` against all of `s` (`*`, `?`), iteratively, in O(len(pat) × len(s)) at worst.
-fn glob(pat: &[u8], s: &[u8]) -> bool {
+pub(crate) fn glob(pat: &[u8], s: &[u8]) -> bool {
     let (mut p, mut i) = (0, 0);
     let mut star: Option<(usize, usize)> = None;
     while i < s.len() {

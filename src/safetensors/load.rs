@@ -35,8 +35,10 @@ pub struct LoadOptions {
     filter: Option<Filter>,
     staging: Option<u64>,
     file: Option<GpuFileOptions>,
-    fallback: Option<FallbackPolicy>,
-    progress: Option<(ProgressFn, u64)>,
+    pub(super) fallback: Option<FallbackPolicy>,
+    pub(super) progress: Option<(ProgressFn, u64)>,
+    pub(super) segment: Option<u64>,
+    pub(super) peer_access: Option<bool>,
 }
 
 impl fmt::Debug for LoadOptions {
@@ -47,6 +49,8 @@ impl fmt::Debug for LoadOptions {
             .field("file", &self.file)
             .field("fallback", &self.fallback)
             .field("progress", &self.progress.as_ref().map(|p| p.1))
+            .field("segment", &self.segment)
+            .field("peer_access", &self.peer_access)
             .finish()
     }
 }
@@ -118,12 +122,38 @@ impl LoadOptions {
     }
 }
 
-/// The path one device's bytes took (folded from the storage reports).
+/// Where a device's bytes came from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize)]
+pub enum Hop {
+    /// Read from storage into this GPU.
+    Storage,
+    /// Copied from another GPU's memory (a multi-GPU load's fan-out).
+    Peer {
+        /// The GPU the bytes were read into.
+        from: usize,
+    },
+}
+
+impl fmt::Display for Hop {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Hop::Storage => f.write_str("from storage"),
+            Hop::Peer { from } => write!(f, "from GPU {from}"),
+        }
+    }
+}
+
+/// The path some of one device's bytes took: folded from the storage reports (reads) and the
+/// peer copies' reports (a multi-GPU load).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct DevicePath {
     /// The GPU.
     pub device: usize,
-    /// The path, and for a fallback its cause, as the storage layer reported it.
+    /// Where the bytes came from.
+    pub hop: Hop,
+    /// The path, and for a fallback its cause, as the storage layer or the peer copy reported
+    /// it (a peer copy the driver stages through host memory is
+    /// [`Path::StagedThroughHost`](crate::Path::StagedThroughHost) with its cause).
     pub path: PathReport,
     /// Bytes that took it.
     pub bytes: u64,
@@ -132,7 +162,8 @@ pub struct DevicePath {
 /// What one load (or save, as [`SaveReport`](super::SaveReport)) did: one per job.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct LoadReport {
-    /// Tensor bytes moved.
+    /// Tensor bytes moved between storage and device memory (each byte once; a multi-GPU
+    /// load's peer copies are [`LoadReport::copied_bytes`]).
     pub bytes: u64,
     /// Tensors loaded.
     pub tensors: usize,
@@ -141,19 +172,28 @@ pub struct LoadReport {
     /// Storage jobs issued, after merging adjacent tensors: reads for a load, writes for a
     /// save.
     pub reads: usize,
+    /// Peer copies issued (a multi-GPU load; 0 otherwise).
+    pub copies: usize,
+    /// Bytes the peer copies moved (a multi-GPU load; 0 otherwise).
+    pub copied_bytes: u64,
+    /// Device memory the job used beyond the tensors' own: owned mode's staging buffer; 0 for a
+    /// one-allocation load (single or multi-GPU: reads land in place, peer copies go from place
+    /// to place).
+    pub staging_bytes: u64,
     /// Bytes of tensors the filter excluded (never read).
     pub skipped_bytes: u64,
-    /// From the start of the call until every byte was in place (headers, planning,
-    /// allocation and reads included).
+    /// From the start of the call until every byte was in place on every device (headers,
+    /// planning, allocation, reads and copies included).
     pub elapsed: Duration,
-    /// The path per device, one entry per distinct storage report.
+    /// The path per device and where its bytes came from, one entry per distinct report.
     pub paths: Vec<DevicePath>,
     /// Whether any byte went through O_DIRECT.
     pub odirect: bool,
 }
 
 impl LoadReport {
-    /// Bytes per second over [`LoadReport::elapsed`], in GB/s (10^9).
+    /// Bytes per second over [`LoadReport::elapsed`], in GB/s (10^9): storage bytes, each
+    /// counted once however many GPUs received it.
     pub fn gb_per_s(&self) -> f64 {
         let s = self.elapsed.as_secs_f64();
         if s > 0.0 {
@@ -168,19 +208,69 @@ impl LoadReport {
         self.paths.iter().find_map(|p| p.path.cause.as_ref())
     }
 
-    pub(crate) fn add(&mut self, device: usize, r: &IoReport) {
-        self.odirect |= r.odirect;
+    /// The entries of `device`.
+    pub fn paths_of(&self, device: usize) -> impl Iterator<Item = &DevicePath> + '_ {
+        self.paths.iter().filter(move |p| p.device == device)
+    }
+
+    pub(crate) fn empty() -> LoadReport {
+        LoadReport {
+            bytes: 0,
+            tensors: 0,
+            files: 0,
+            reads: 0,
+            copies: 0,
+            copied_bytes: 0,
+            staging_bytes: 0,
+            skipped_bytes: 0,
+            elapsed: Duration::ZERO,
+            paths: Vec::new(),
+            odirect: false,
+        }
+    }
+
+    fn fold(&mut self, device: usize, hop: Hop, path: &PathReport, bytes: u64) {
         match self
             .paths
             .iter_mut()
-            .find(|p| p.device == device && p.path == r.path)
+            .find(|p| p.device == device && p.hop == hop && p.path == *path)
         {
-            Some(p) => p.bytes += r.bytes as u64,
+            Some(p) => p.bytes += bytes,
             None => self.paths.push(DevicePath {
                 device,
-                path: r.path.clone(),
-                bytes: r.bytes as u64,
+                hop,
+                path: path.clone(),
+                bytes,
             }),
+        }
+    }
+
+    /// Folds a storage report of bytes that went to (or came from) `device`.
+    pub(crate) fn add(&mut self, device: usize, r: &IoReport) {
+        self.odirect |= r.odirect;
+        self.fold(device, Hop::Storage, &r.path, r.bytes as u64);
+    }
+
+    /// Folds a peer copy's report (one copy into `report.dst_device`).
+    pub(crate) fn add_copy(&mut self, r: &crate::p2p::CopyReport, path: &PathReport) {
+        self.copies += 1;
+        self.copied_bytes += r.bytes as u64;
+        self.fold(
+            r.dst_device,
+            Hop::Peer { from: r.src_device },
+            path,
+            r.bytes as u64,
+        );
+    }
+
+    /// Adds another part of the same job's report (a multi-GPU load's readers).
+    pub(crate) fn merge(&mut self, o: &LoadReport) {
+        self.reads += o.reads;
+        self.copies += o.copies;
+        self.copied_bytes += o.copied_bytes;
+        self.odirect |= o.odirect;
+        for p in &o.paths {
+            self.fold(p.device, p.hop, &p.path, p.bytes);
         }
     }
 }
@@ -197,11 +287,25 @@ impl fmt::Display for LoadReport {
             self.elapsed.as_secs_f64() * 1e3,
             self.gb_per_s()
         )?;
+        if self.copies > 0 {
+            write!(
+                f,
+                ", then {} bytes in {} peer copies",
+                self.copied_bytes, self.copies
+            )?;
+        }
         for p in &self.paths {
-            write!(f, "; GPU {}: {} via {}", p.device, p.bytes, p.path)?;
+            write!(
+                f,
+                "; GPU {}: {} {} via {}",
+                p.device, p.bytes, p.hop, p.path
+            )?;
         }
         if self.odirect {
             f.write_str(" with O_DIRECT")?;
+        }
+        if self.staging_bytes > 0 {
+            write!(f, "; {} bytes of device staging", self.staging_bytes)?;
         }
         if self.skipped_bytes > 0 {
             write!(f, "; {} bytes filtered out, not read", self.skipped_bytes)?;
@@ -220,22 +324,33 @@ pub struct FileInfo {
 }
 
 #[derive(Debug, Clone)]
-struct Meta {
-    name: String,
-    dtype: Dtype,
-    shape: Vec<usize>,
-    shard: usize,
-    dev_offset: usize,
-    len: usize,
+pub(super) struct Meta {
+    pub name: String,
+    pub dtype: Dtype,
+    pub shape: Vec<usize>,
+    pub shard: usize,
+    pub dev_offset: usize,
+    pub len: usize,
+    /// Set when this is a byte range of a tensor (a placed multi-GPU load).
+    pub piece: Option<Piece>,
+}
+
+/// Where a piece sits in its whole tensor.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(super) struct Piece {
+    /// Bytes into the whole tensor.
+    pub start: u64,
+    /// The whole tensor's shape.
+    pub full_shape: Vec<usize>,
 }
 
 /// Everything a load knows apart from the bytes.
 #[derive(Debug, Clone)]
-struct Catalog {
-    source: PathBuf,
-    files: Vec<FileInfo>,
-    index: Option<Index>,
-    filtered: bool,
+pub(super) struct Catalog {
+    pub source: PathBuf,
+    pub files: Vec<FileInfo>,
+    pub index: Option<Index>,
+    pub filtered: bool,
 }
 
 impl Catalog {
@@ -258,11 +373,11 @@ impl Catalog {
 /// (one read per file written by torch or the `safetensors` crate); it is freed when the
 /// `Checkpoint` drops (views borrow it).
 pub struct Checkpoint {
-    buf: CudaSlice<u8>,
-    tensors: Vec<Meta>,
-    by_name: HashMap<String, usize>,
-    cat: Catalog,
-    report: LoadReport,
+    pub(super) buf: CudaSlice<u8>,
+    pub(super) tensors: Vec<Meta>,
+    pub(super) by_name: HashMap<String, usize>,
+    pub(super) cat: Catalog,
+    pub(super) report: LoadReport,
 }
 
 impl fmt::Debug for Checkpoint {
@@ -284,6 +399,7 @@ pub struct TensorRef<'a> {
     file: &'a FsPath,
     buf: &'a CudaSlice<u8>,
     range: std::ops::Range<usize>,
+    piece: Option<&'a Piece>,
 }
 
 impl<'a> TensorRef<'a> {
@@ -295,13 +411,27 @@ impl<'a> TensorRef<'a> {
     pub fn dtype(&self) -> Dtype {
         self.dtype
     }
-    /// Its shape (empty for a 0-d scalar).
+    /// Its shape (empty for a 0-d scalar). For a piece of a tensor (a placed multi-GPU load)
+    /// the piece's: `[rows, rest]` for whole rows, else 1-D.
     pub fn shape(&self) -> &'a [usize] {
         self.shape
     }
     /// Elements (1 for a 0-d scalar, 0 for an empty tensor).
     pub fn numel(&self) -> usize {
         self.shape.iter().product()
+    }
+    /// The whole tensor's shape (the same as [`TensorRef::shape`] unless this is a piece).
+    pub fn full_shape(&self) -> &'a [usize] {
+        self.piece.map_or(self.shape, |p| &p.full_shape[..])
+    }
+    /// Which bytes of the whole tensor these are (`0..len` unless this is a piece).
+    pub fn byte_range(&self) -> std::ops::Range<u64> {
+        let start = self.piece.map_or(0, |p| p.start);
+        start..start + self.range.len() as u64
+    }
+    /// True when this is a byte range of a tensor rather than all of it.
+    pub fn is_piece(&self) -> bool {
+        self.piece.is_some()
     }
     /// The shard it came from.
     pub fn file(&self) -> &'a FsPath {
@@ -375,6 +505,7 @@ impl Checkpoint {
             file: &self.cat.files[m.shard].path,
             buf: &self.buf,
             range: m.dev_offset..m.dev_offset + m.len,
+            piece: m.piece.as_ref(),
         }
     }
 
@@ -710,25 +841,26 @@ impl OwnedCheckpoint {
     }
 }
 
-/// Headers read, tensors selected, files opened: what both modes share.
-struct Prepared {
-    shards: Vec<Shard>,
-    sel: Vec<Selected>,
-    files: Vec<Option<GpuFile>>,
-    cat: Catalog,
-    skipped: u64,
-    device: usize,
+/// Headers read, tensors selected, files opened: what every mode shares.
+pub(super) struct Prepared {
+    pub shards: Vec<Shard>,
+    pub sel: Vec<Selected>,
+    pub files: Vec<Option<GpuFile>>,
+    pub cat: Catalog,
+    pub skipped: u64,
+    /// The GPU a single-GPU load reads into.
+    pub device: usize,
 }
 
 /// The host-side part: headers read and checked, tensors selected.
-struct Selection {
-    shards: Vec<Shard>,
-    sel: Vec<Selected>,
-    cat: Catalog,
-    skipped: u64,
+pub(super) struct Selection {
+    pub shards: Vec<Shard>,
+    pub sel: Vec<Selected>,
+    pub cat: Catalog,
+    pub skipped: u64,
 }
 
-fn select(opts: &LoadOptions, src: &Source) -> Result<Selection> {
+pub(super) fn select(opts: &LoadOptions, src: &Source) -> Result<Selection> {
     let resolved = source::resolve(src)?;
     let shards = source::read_shards(&resolved)?;
     let total_tensors: usize = shards.iter().map(|s| s.header.tensors.len()).sum();
@@ -833,7 +965,9 @@ impl LoadOptions {
     }
 }
 
-fn prepare(opts: &LoadOptions, src: Source, stream: &Arc<CudaStream>) -> Result<Prepared> {
+/// Headers, selection, and the shards with bytes to read opened (the policy checked on each
+/// when it is `Deny`); `device` is the GPU a single-GPU load reads into.
+pub(super) fn prepare(opts: &LoadOptions, src: Source, device: usize) -> Result<Prepared> {
     let Selection {
         shards,
         sel,
@@ -860,7 +994,7 @@ fn prepare(opts: &LoadOptions, src: Source, stream: &Arc<CudaStream>) -> Result<
         files,
         cat,
         skipped,
-        device: stream.context().ordinal(),
+        device,
     })
 }
 
@@ -912,7 +1046,7 @@ fn open_files(
     results.into_iter().collect()
 }
 
-fn check_memory(stream: &Arc<CudaStream>, cat: &Catalog, needed: u64) -> Result<()> {
+pub(super) fn check_memory(stream: &Arc<CudaStream>, cat: &Catalog, needed: u64) -> Result<()> {
     let (free, _total) = stream
         .context()
         .mem_get_info()
@@ -932,7 +1066,7 @@ fn check_memory(stream: &Arc<CudaStream>, cat: &Catalog, needed: u64) -> Result<
 }
 
 /// Maps an allocation failure to [`Problem::NotEnoughDeviceMemory`] when it is one.
-fn alloc_error(e: Error, stream: &Arc<CudaStream>, cat: &Catalog, needed: u64) -> Error {
+pub(super) fn alloc_error(e: Error, stream: &Arc<CudaStream>, cat: &Catalog, needed: u64) -> Error {
     match &e {
         Error::Cuda { source, .. }
             if source.0 == cudarc::driver::sys::cudaError_enum::CUDA_ERROR_OUT_OF_MEMORY =>
@@ -959,7 +1093,7 @@ fn alloc_error(e: Error, stream: &Arc<CudaStream>, cat: &Catalog, needed: u64) -
 /// The room's one door to storage reads. Today: one `GpuFile::read_exact_to_device` per read
 /// (each a storage job that synchronizes `dst`'s stream first and returns when the bytes are
 /// in place). When `storage::ReadBatch` lands this becomes one batch for all reads.
-fn read_into(
+pub(super) fn read_into(
     files: &[Option<GpuFile>],
     dst: &mut CudaViewMut<'_, u8>,
     reads: &[Read],
@@ -986,16 +1120,13 @@ fn report_device(v: &CudaViewMut<'_, u8>) -> usize {
     v.stream().context().ordinal()
 }
 
-fn new_report(p: &Prepared) -> LoadReport {
+pub(super) fn new_report(p: &Prepared) -> LoadReport {
     LoadReport {
         bytes: p.sel.iter().map(|t| t.len).sum(),
         tensors: p.sel.len(),
         files: p.files.iter().flatten().count(),
-        reads: 0,
         skipped_bytes: p.skipped,
-        elapsed: Duration::ZERO,
-        paths: Vec::new(),
-        odirect: false,
+        ..LoadReport::empty()
     }
 }
 
@@ -1032,9 +1163,13 @@ fn with_warm_up<R>(files: &[Option<GpuFile>], device: usize, work: impl FnOnce()
     })
 }
 
-fn load_one(opts: &LoadOptions, src: Source, stream: &Arc<CudaStream>) -> Result<Checkpoint> {
+pub(super) fn load_one(
+    opts: &LoadOptions,
+    src: Source,
+    stream: &Arc<CudaStream>,
+) -> Result<Checkpoint> {
     let t0 = Instant::now();
-    let p = prepare(opts, src, stream)?;
+    let p = prepare(opts, src, stream.context().ordinal())?;
     let chunk = plan::plan(&p.sel, None)
         .pop()
         .expect("an unlimited plan is one chunk");
@@ -1077,6 +1212,7 @@ fn load_one(opts: &LoadOptions, src: Source, stream: &Arc<CudaStream>) -> Result
                 shard: s.shard,
                 dev_offset: dev as usize,
                 len: s.len as usize,
+                piece: None,
             }
         })
         .collect();
@@ -1107,7 +1243,7 @@ fn load_owned(
     stream: &Arc<CudaStream>,
 ) -> Result<OwnedCheckpoint> {
     let t0 = Instant::now();
-    let p = prepare(opts, src, stream)?;
+    let p = prepare(opts, src, stream.context().ordinal())?;
     let total: u64 = p.sel.iter().map(|t| t.len).sum();
     let limit = opts.staging_limit(total);
     let chunks: Vec<Chunk> = plan::plan(&p.sel, Some(limit));
@@ -1130,6 +1266,7 @@ fn load_owned(
     })
     .map_err(|e| alloc_error(e, stream, &p.cat, needed))?;
     let mut report = new_report(&p);
+    report.staging_bytes = staging_len;
     let (mut progress, step) = progress_fn(opts, report.bytes);
     let pieces = |reads: &[Read]| match step {
         Some(s) => plan::split(reads, s),
@@ -1230,14 +1367,8 @@ mod tests {
     #[test]
     fn report_folds_paths_per_device() {
         let mut r = LoadReport {
-            bytes: 0,
-            tensors: 0,
-            files: 0,
-            reads: 0,
-            skipped_bytes: 0,
             elapsed: Duration::from_millis(10),
-            paths: vec![],
-            odirect: false,
+            ..LoadReport::empty()
         };
         let posix = PathReport::fallback(crate::Path::Posix, Cause::NoNvidiaFs);
         let gds = PathReport::direct(crate::Path::Gds);
@@ -1257,7 +1388,57 @@ mod tests {
         assert_eq!(r.fallback_cause(), Some(&Cause::NoNvidiaFs));
         let s = r.to_string();
         assert!(
-            s.contains("23 bytes") && s.contains("GPU 0: 16 via") && s.contains("because"),
+            s.contains("23 bytes")
+                && s.contains("GPU 0: 16 from storage via")
+                && s.contains("because"),
+            "{s}"
+        );
+    }
+
+    #[test]
+    fn report_folds_peer_copies_per_destination_and_source() {
+        let mut r = LoadReport::empty();
+        let direct = PathReport::direct(crate::Path::PeerDirect {
+            link: crate::path::Link::NvLink { links: 18 },
+        });
+        let staged = PathReport::fallback(
+            crate::Path::StagedThroughHost,
+            Cause::ForcedByConfig {
+                setting: "LoadOptions::peer_access(false)".into(),
+            },
+        );
+        let copy = |src, dst, bytes| crate::p2p::CopyReport {
+            bytes,
+            src_device: src,
+            dst_device: dst,
+            src_memory: crate::p2p::MemoryKind::Pool,
+            dst_memory: crate::p2p::MemoryKind::Pool,
+            path: direct.clone(),
+        };
+        r.add_copy(&copy(0, 1, 10), &direct);
+        r.add_copy(&copy(0, 1, 5), &direct);
+        r.add_copy(&copy(2, 1, 7), &staged);
+        r.add_copy(&copy(1, 0, 3), &direct);
+        assert_eq!((r.copies, r.copied_bytes), (4, 25));
+        let of1: Vec<(Hop, u64)> = r.paths_of(1).map(|p| (p.hop, p.bytes)).collect();
+        assert_eq!(
+            of1,
+            vec![(Hop::Peer { from: 0 }, 15), (Hop::Peer { from: 2 }, 7)]
+        );
+        assert!(matches!(
+            r.fallback_cause(),
+            Some(Cause::ForcedByConfig { .. })
+        ));
+        let mut whole = LoadReport::empty();
+        whole.merge(&r);
+        whole.merge(&r);
+        assert_eq!((whole.copies, whole.copied_bytes), (8, 50));
+        assert_eq!(whole.paths.len(), 3);
+        let s = whole.to_string();
+        assert!(
+            s.contains("50 bytes in 8 peer copies")
+                && s.contains("GPU 1: 30 from GPU 0 via direct peer access over NVLink x18")
+                && s.contains("GPU 1: 14 from GPU 2 via staged through host memory"),
             "{s}"
         );
     }

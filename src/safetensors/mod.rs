@@ -21,6 +21,12 @@
 //!   a quarter of the checkpoint, 64 MiB to 1 GiB), so the peak is never twice the checkpoint.
 //! - [`LoadOptions`] adds a tensor filter (exact names and `*`/`?` globs; excluded bytes are
 //!   never read), storage settings, a fallback policy and a progress callback.
+//! - [`load_replicated`] and [`load_placed`] load onto several GPUs ([`MultiCheckpoint`]: a
+//!   [`Checkpoint`] per GPU and one report): every tensor everywhere, or as a [`Placement`]
+//!   maps tensors or byte ranges of tensors (tensor parallelism) to GPUs. Each byte is read
+//!   from storage once, into a GPU that wants it, and reaches the others by peer copies over
+//!   NVLink; the report gives the path per GPU, and a staged copy names its cause. No staging
+//!   memory; [`LoadOptions::plan_placed`] shows the plan without a GPU.
 //! - [`save`] writes many GPU tensors into one file: atomic replace, one fsync when durable,
 //!   `__metadata__` supported.
 //! - [`inspect`] reads only the headers (no GPU).
@@ -50,22 +56,27 @@
 //! `F8_E8M0`, the FNUZ and sub-byte MX types) load and save as bytes.
 
 mod dtype;
+mod fanout;
+mod fanout_plan;
 mod filter;
 mod header;
 mod load;
+mod placement;
 mod plan;
 mod problem;
 mod save;
 mod source;
 
 pub use dtype::{Dtype, Element, F8E4M3, F8E5M2};
+pub use fanout::{load_placed, load_replicated, DevicePlan, FanOutPlan, MultiCheckpoint};
 pub use filter::Filter;
 pub use half::{bf16, f16};
 pub use header::{Header, TensorInfo, MAX_HEADER_LEN};
 pub use load::{
-    Checkpoint, DevicePath, FileInfo, LoadOptions, LoadPlan, LoadReport, Owned, OwnedCheckpoint,
-    OwnedTensor, Progress, TensorData, TensorRef,
+    Checkpoint, DevicePath, FileInfo, Hop, LoadOptions, LoadPlan, LoadReport, Owned,
+    OwnedCheckpoint, OwnedTensor, Progress, TensorData, TensorRef,
 };
+pub use placement::Placement;
 pub use problem::Problem;
 pub use save::{save, SaveOptions, SaveReport, SaveTensor};
 pub use source::{Index, Source, INDEX_FILE, SINGLE_FILE};

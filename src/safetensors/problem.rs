@@ -180,4 +180,71 @@ pub enum Problem {
     /// A tensor to save is described wrongly.
     #[error("cannot save it: {0}")]
     BadTensor(String),
+    /// A placement rule's pattern matches no tensor that is loaded.
+    #[error("the placement rule {pattern:?} matches none of the {tensors} tensors loaded (check the name, or the tensor filter)")]
+    PlacementMatchedNothing {
+        /// The rule's pattern, as written.
+        pattern: String,
+        /// How many tensors the load selects.
+        tensors: usize,
+    },
+    /// No placement rule puts the tensor on any GPU.
+    #[error("no placement rule puts it on a GPU: add a rule for it (e.g. replicate(\"*\") last), or leave it out with a tensor filter")]
+    Unplaced,
+    /// A placement rule names a GPU the load has no stream for.
+    #[error("the placement puts it on GPU {device}, but the load's GPUs are {devices:?}: pass a stream for GPU {device} or fix the placement")]
+    UnknownDevice {
+        /// The GPU the rule names.
+        device: usize,
+        /// The GPUs of the load (one stream each), in order.
+        devices: Vec<usize>,
+    },
+    /// A placement rule names no GPU.
+    #[error("the placement rule {pattern:?} names no GPU: give it at least one")]
+    NoDevices {
+        /// The rule's pattern.
+        pattern: String,
+    },
+    /// A byte range of a tensor lies outside it.
+    #[error("bytes [{start}, {end}) are not within the tensor's {len} bytes")]
+    RangeOutOfBounds {
+        /// Start of the range (bytes into the tensor).
+        start: u64,
+        /// End of the range.
+        end: u64,
+        /// The tensor's length.
+        len: u64,
+    },
+    /// A byte range of a tensor does not start and end on element boundaries.
+    #[error(
+        "bytes [{start}, {end}) cut its elements: start and end must be multiples of {unit} bytes"
+    )]
+    RangeMisaligned {
+        /// Start of the range.
+        start: u64,
+        /// End of the range.
+        end: u64,
+        /// The smallest whole number of bytes that holds whole elements (the element size; 3 for 6-bit types).
+        unit: u64,
+    },
+    /// One GPU would get two different byte ranges of the same tensor.
+    #[error("GPU {device} would get two different byte ranges of it ([{first_start}, {first_end}) and [{second_start}, {second_end})): give each GPU one range per tensor")]
+    PlacedTwice {
+        /// The GPU.
+        device: usize,
+        /// First range's start.
+        first_start: u64,
+        /// First range's end.
+        first_end: u64,
+        /// Second range's start.
+        second_start: u64,
+        /// Second range's end.
+        second_end: u64,
+    },
+    /// Rows of a 0-d tensor were asked for.
+    #[error("a tensor of shape {shape:?} has no rows to split: place it whole")]
+    NotSplittable {
+        /// Its shape.
+        shape: Vec<usize>,
+    },
 }

@@ -157,11 +157,7 @@ where
         bytes: out.iter().map(|t| t.len).sum(),
         tensors: out.len(),
         files: 1,
-        reads: 0,
-        skipped_bytes: 0,
-        elapsed: Default::default(),
-        paths: Vec::new(),
-        odirect: false,
+        ..LoadReport::empty()
     };
     // File order, so writes advance through the file.
     let mut order: Vec<usize> = (0..list.len()).collect();

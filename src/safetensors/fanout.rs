@@ -1,0 +1,742 @@
+//! One checkpoint onto several GPUs: [`MultiCheckpoint`], from
+//! [`LoadOptions::load_replicated`] and [`LoadOptions::load_placed`].
+//!
+//! Each byte some GPU wants is read from storage once, by one of the GPUs that want it, straight
+//! into its place in that GPU's allocation (the storage wing's path: cuFile DMA or the parallel
+//! engine); the other GPUs that want it get it by a peer copy over NVLink from there
+//! ([`p2p::copy_peer_async_with`], on a stream of the receiving GPU per pair, with
+//! [`PeerAccess`] held for the pair). One thread per reading GPU reads segment `k + 1` while the
+//! copies of segment `k` run. No staging memory: reads land in place and copies go from place to
+//! place, so each GPU holds its tensors plus the single-GPU layout's padding (under 4 KiB per
+//! read), nothing else.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+use cudarc::driver::{
+    sys, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceSlice, SyncOnDrop,
+};
+
+use super::fanout_plan::{self, Schedule, DEFAULT_SEGMENT, MIN_SEGMENT};
+use super::load::{
+    alloc_error, check_memory, load_one, new_report, prepare, read_into, select, Checkpoint,
+    LoadOptions, LoadReport, Meta, Piece, Prepared, Progress,
+};
+use super::placement::{Placement, Want};
+use super::plan::{self, Selected};
+use super::source::Source;
+use crate::error::{Error, Result};
+use crate::p2p::{self, CopyOptions, PeerAccess};
+use crate::path::{Cause, FallbackPolicy, PathReport};
+
+/// A checkpoint loaded onto several GPUs: one [`Checkpoint`] per GPU (its tensors, or pieces of
+/// tensors, in one allocation on that GPU) and one [`LoadReport`] for the whole job.
+///
+/// The report's [`paths`](LoadReport::paths) say, per GPU, which bytes came from storage and by
+/// which path, and which came from which other GPU by which path: a peer copy that is not
+/// direct is [`Path::StagedThroughHost`](crate::Path::StagedThroughHost) with its
+/// [`Cause`] (peer access not granted or withheld, GPUs without a P2P path, ...).
+/// [`LoadReport::bytes`] counts each byte read from storage once; [`LoadReport::copied_bytes`]
+/// what the peer copies moved; [`LoadReport::elapsed`] runs until the last GPU holds its bytes.
+pub struct MultiCheckpoint {
+    devices: Vec<usize>,
+    checkpoints: Vec<Checkpoint>,
+    report: LoadReport,
+}
+
+impl std::fmt::Debug for MultiCheckpoint {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MultiCheckpoint")
+            .field("devices", &self.devices)
+            .field("report", &self.report)
+            .finish()
+    }
+}
+
+impl MultiCheckpoint {
+    /// The checkpoint on GPU `device` (a CUDA ordinal). Errors: [`Error::InvalidArgument`] for a
+    /// GPU the load had no stream for.
+    pub fn on(&self, device: usize) -> Result<&Checkpoint> {
+        self.devices
+            .iter()
+            .position(|&d| d == device)
+            .map(|k| &self.checkpoints[k])
+            .ok_or_else(|| {
+                Error::InvalidArgument(format!(
+                    "GPU {device} is not one of this load's GPUs {:?}",
+                    self.devices
+                ))
+            })
+    }
+
+    /// The GPUs, in the order of the streams the load was given.
+    pub fn devices(&self) -> &[usize] {
+        &self.devices
+    }
+
+    /// Each GPU with its checkpoint.
+    pub fn iter(&self) -> impl Iterator<Item = (usize, &Checkpoint)> + '_ {
+        self.devices.iter().copied().zip(&self.checkpoints)
+    }
+
+    /// The checkpoints by value, each with its GPU.
+    pub fn into_checkpoints(self) -> Vec<(usize, Checkpoint)> {
+        self.devices.into_iter().zip(self.checkpoints).collect()
+    }
+
+    /// What the job did: bytes, time until the last GPU held its bytes, the path per GPU.
+    pub fn report(&self) -> &LoadReport {
+        &self.report
+    }
+}
+
+/// What a multi-GPU load would do, from the headers alone ([`LoadOptions::plan_placed`]; no
+/// GPU).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FanOutPlan {
+    /// Per GPU, in the order given.
+    pub devices: Vec<DevicePlan>,
+    /// Tensors selected.
+    pub tensors: usize,
+    /// Bytes read from storage (each once).
+    pub bytes: u64,
+    /// Bytes the peer copies move.
+    pub copied_bytes: u64,
+    /// Storage reads.
+    pub reads: usize,
+    /// Peer copies.
+    pub copies: usize,
+    /// Bytes per segment (the unit a reader reads before its copies start).
+    pub segment_bytes: u64,
+    /// Device memory for staging: 0 (reads land in place, copies go from place to place).
+    pub staging_bytes: u64,
+    /// Bytes of tensors the filter excludes (never read).
+    pub skipped_bytes: u64,
+}
+
+/// One GPU's part of a [`FanOutPlan`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DevicePlan {
+    /// The GPU (CUDA ordinal).
+    pub device: usize,
+    /// Tensors (or pieces of tensors) it gets.
+    pub tensors: usize,
+    /// Bytes of its one allocation (its pieces plus alignment padding).
+    pub allocation_bytes: u64,
+    /// Bytes it reads from storage.
+    pub read_bytes: u64,
+    /// Its storage reads.
+    pub reads: usize,
+    /// Bytes it receives from other GPUs.
+    pub received_bytes: u64,
+    /// Peer copies into it.
+    pub copies_in: usize,
+}
+
+impl FanOutPlan {
+    fn new(
+        devices: &[usize],
+        wants: &[Vec<Want>],
+        s: &Schedule,
+        tensors: usize,
+        segment_bytes: u64,
+        skipped_bytes: u64,
+    ) -> Self {
+        let mut per: Vec<DevicePlan> = devices
+            .iter()
+            .enumerate()
+            .map(|(k, &device)| DevicePlan {
+                device,
+                tensors: wants[k].len(),
+                allocation_bytes: s.layouts[k].dev_len,
+                read_bytes: 0,
+                reads: 0,
+                received_bytes: 0,
+                copies_in: 0,
+            })
+            .collect();
+        for (r, segs) in s.segments.iter().enumerate() {
+            for g in segs {
+                per[r].reads += g.reads.len();
+                per[r].read_bytes += g.reads.iter().map(|x| x.len).sum::<u64>();
+                for c in &g.copies {
+                    per[c.dst].copies_in += 1;
+                    per[c.dst].received_bytes += c.len;
+                }
+            }
+        }
+        FanOutPlan {
+            tensors,
+            bytes: s.read_bytes(),
+            copied_bytes: s.copied_bytes(),
+            reads: per.iter().map(|d| d.reads).sum(),
+            copies: per.iter().map(|d| d.copies_in).sum(),
+            devices: per,
+            segment_bytes,
+            staging_bytes: 0,
+            skipped_bytes,
+        }
+    }
+}
+
+impl LoadOptions {
+    /// Multi-GPU loads: bytes per segment, the unit one GPU reads before the copies of it to the
+    /// other GPUs start (they overlap its next read). Default 64 MiB; at least 1 MiB.
+    pub fn segment_bytes(mut self, n: u64) -> Self {
+        self.segment = Some(n.max(MIN_SEGMENT));
+        self
+    }
+
+    /// Multi-GPU loads: whether to grant peer access ([`PeerAccess`], context and memory pool)
+    /// between the GPUs for the load (default true). Without it the driver stages peer copies
+    /// through host memory, and the report says so with
+    /// [`Cause::ForcedByConfig`](crate::Cause::ForcedByConfig) (unless other code in the process
+    /// holds the access, in which case they are direct and reported so).
+    pub fn peer_access(mut self, yes: bool) -> Self {
+        self.peer_access = Some(yes);
+        self
+    }
+
+    /// Loads `src` onto every GPU of `streams` (one stream per GPU, each GPU once): every tensor
+    /// on every GPU, each byte read from storage once and fanned out by peer copies. See
+    /// [`MultiCheckpoint`]. With one stream this is [`LoadOptions::load`] (no copies).
+    ///
+    /// Errors: those of [`LoadOptions::load`], per GPU; [`Error::InvalidArgument`] for no stream
+    /// or two streams of one GPU; [`Error::FallbackRefused`] (before any byte moves) when the
+    /// policy is `Deny` and a copy between two of the GPUs would be staged.
+    pub fn load_replicated(
+        &self,
+        src: impl Into<Source>,
+        streams: &[Arc<CudaStream>],
+    ) -> Result<MultiCheckpoint> {
+        load_fanout(self, src.into(), &Placement::replicated(), streams)
+    }
+
+    /// Loads `src` onto the GPUs of `streams` (one stream per GPU, each GPU once) as `placement`
+    /// maps tensors, or byte ranges of tensors, to them. Bytes several GPUs want are read once
+    /// and copied to the others; bytes one GPU alone wants are read straight into it. See
+    /// [`Placement`] for the rules and their typed errors, and [`MultiCheckpoint`].
+    pub fn load_placed(
+        &self,
+        src: impl Into<Source>,
+        placement: &Placement,
+        streams: &[Arc<CudaStream>],
+    ) -> Result<MultiCheckpoint> {
+        load_fanout(self, src.into(), placement, streams)
+    }
+
+    /// What [`LoadOptions::load_placed`] onto `devices` (CUDA ordinals) would do, from the
+    /// headers alone (no GPU): every error it would find before touching a device, and per GPU
+    /// what it reads, receives and allocates.
+    pub fn plan_placed(
+        &self,
+        src: impl Into<Source>,
+        placement: &Placement,
+        devices: &[usize],
+    ) -> Result<FanOutPlan> {
+        check_devices(devices)?;
+        let s = select(self, &src.into())?;
+        let wants = resolve(placement, &s.sel, &s.cat.source, &s.shards, devices)?;
+        let seg = self.segment();
+        let sched = fanout_plan::schedule(&s.sel, &wants, seg);
+        Ok(FanOutPlan::new(
+            devices,
+            &wants,
+            &sched,
+            s.sel.len(),
+            seg,
+            s.skipped,
+        ))
+    }
+
+    fn segment(&self) -> u64 {
+        self.segment.unwrap_or(DEFAULT_SEGMENT)
+    }
+}
+
+/// Loads `src` onto every GPU of `streams`: [`LoadOptions::load_replicated`] with the defaults.
+pub fn load_replicated(
+    src: impl Into<Source>,
+    streams: &[Arc<CudaStream>],
+) -> Result<MultiCheckpoint> {
+    LoadOptions::new().load_replicated(src, streams)
+}
+
+/// Loads `src` onto the GPUs of `streams` as `placement` says: [`LoadOptions::load_placed`] with
+/// the defaults.
+pub fn load_placed(
+    src: impl Into<Source>,
+    placement: &Placement,
+    streams: &[Arc<CudaStream>],
+) -> Result<MultiCheckpoint> {
+    LoadOptions::new().load_placed(src, placement, streams)
+}
+
+fn check_devices(devices: &[usize]) -> Result<()> {
+    if devices.is_empty() {
+        return Err(Error::InvalidArgument(
+            "a multi-GPU load needs at least one GPU: pass one stream per GPU".into(),
+        ));
+    }
+    for (i, d) in devices.iter().enumerate() {
+        if devices[..i].contains(d) {
+            return Err(Error::InvalidArgument(format!(
+                "GPU {d} appears twice among the load's GPUs {devices:?}: pass one stream per GPU"
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// The placement's byte ranges per GPU, or its typed error naming the tensor's shard.
+fn resolve(
+    placement: &Placement,
+    sel: &[Selected],
+    source: &std::path::Path,
+    shards: &[super::source::Shard],
+    devices: &[usize],
+) -> Result<Vec<Vec<Want>>> {
+    placement
+        .resolve(sel, devices)
+        .map_err(|(tensor, problem)| {
+            let file = tensor
+                .as_ref()
+                .and_then(|n| sel.iter().find(|t| &t.name == n))
+                .map_or_else(|| source.to_owned(), |t| shards[t.shard].path.clone());
+            Error::Checkpoint {
+                file,
+                tensor,
+                problem,
+            }
+        })
+}
+
+/// `len` bytes at `ptr` of a buffer this load owns: a peer copy's destination, used by a thread
+/// that does not hold the buffer's `CudaSlice` (each reading thread writes disjoint ranges of
+/// every GPU's allocation, which cudarc's borrows cannot split across threads).
+///
+/// Its `device_ptr_mut` neither waits for nor records cudarc events: the buffers' events would
+/// order every copy into a GPU after the one before and after that GPU's own reads, which the
+/// plan makes disjoint. The load orders its work itself: a copy is enqueued after the read that
+/// brought its bytes returned (storage reads are synchronous), every range is written once, and
+/// every copy stream is synchronized before the buffers are used or freed ([`Landing`]).
+struct Span<'a> {
+    ptr: sys::CUdeviceptr,
+    len: usize,
+    stream: &'a Arc<CudaStream>,
+}
+
+impl DeviceSlice<u8> for Span<'_> {
+    fn len(&self) -> usize {
+        self.len
+    }
+    fn stream(&self) -> &Arc<CudaStream> {
+        self.stream
+    }
+}
+
+impl DevicePtrMut<u8> for Span<'_> {
+    fn device_ptr_mut<'b>(&'b mut self, _: &'b CudaStream) -> (sys::CUdeviceptr, SyncOnDrop<'b>) {
+        (self.ptr, SyncOnDrop::Sync(None))
+    }
+}
+
+/// A GPU's allocation as the copying threads see it: its base pointer, length and stream.
+struct Base {
+    ptr: sys::CUdeviceptr,
+    len: usize,
+    stream: Arc<CudaStream>,
+}
+
+impl Base {
+    fn span(&self, off: u64, len: u64) -> Result<Span<'_>> {
+        let (off, len) = (off as usize, len as usize);
+        if off.checked_add(len).is_none_or(|end| end > self.len) {
+            return Err(Error::InvalidArgument(
+                "internal: a peer copy past its destination".into(),
+            ));
+        }
+        Ok(Span {
+            ptr: self.ptr + off as u64,
+            len,
+            stream: &self.stream,
+        })
+    }
+}
+
+/// The GPUs' allocations and the copy streams writing into them. Dropping it (on any return or
+/// unwind) first synchronizes every copy stream; if that fails the copies may still run, so the
+/// allocations are leaked rather than freed under them.
+struct Landing {
+    lanes: Vec<Arc<CudaStream>>,
+    bufs: Vec<CudaSlice<u8>>,
+}
+
+impl Landing {
+    fn drain(&mut self) -> Result<()> {
+        let mut first = None;
+        for l in &self.lanes {
+            if let Err(e) = l.synchronize() {
+                first.get_or_insert(Error::cuda("cuStreamSynchronize", e));
+            }
+        }
+        match first {
+            None => Ok(()),
+            Some(e) => {
+                tracing::error!(
+                    "a peer copy stream failed to synchronize ({e}): leaking the load's device allocations, which copies may still write"
+                );
+                for b in self.bufs.drain(..) {
+                    std::mem::forget(b);
+                }
+                Err(e)
+            }
+        }
+    }
+}
+
+impl Drop for Landing {
+    fn drop(&mut self) {
+        let _ = self.drain();
+    }
+}
+
+/// A staged path's cause: the peer-access refusal for the pair when there was one, or the
+/// option that withheld it.
+fn explain(path: PathReport, refused: Option<&Cause>) -> PathReport {
+    match refused {
+        Some(c) if !path.path.is_direct() => PathReport::fallback(path.path, c.clone()),
+        _ => path,
+    }
+}
+
+fn load_fanout(
+    opts: &LoadOptions,
+    src: Source,
+    placement: &Placement,
+    streams: &[Arc<CudaStream>],
+) -> Result<MultiCheckpoint> {
+    let t0 = Instant::now();
+    let devices: Vec<usize> = streams.iter().map(|s| s.context().ordinal()).collect();
+    check_devices(&devices)?;
+    if streams.len() == 1 && placement.is_replicated() {
+        // One GPU: the plain load, exactly.
+        let ck = load_one(opts, src, &streams[0])?;
+        let report = ck.report().clone();
+        return Ok(MultiCheckpoint {
+            devices,
+            checkpoints: vec![ck],
+            report,
+        });
+    }
+    let p = prepare(opts, src, devices[0])?;
+    let wants = resolve(placement, &p.sel, &p.cat.source, &p.shards, &devices)?;
+    let sched = fanout_plan::schedule(&p.sel, &wants, opts.segment());
+    for (k, s) in streams.iter().enumerate() {
+        check_memory(s, &p.cat, sched.layouts[k].dev_len)?;
+    }
+    let policy = match opts.fallback {
+        Some(x) => x,
+        None => FallbackPolicy::global()?,
+    };
+    let pairs = sched.pairs();
+    // Peer access for every pair with copies: the receiving GPU reads the reader's memory.
+    let mut grants: Vec<PeerAccess> = Vec::new();
+    let mut refused: HashMap<(usize, usize), Cause> = HashMap::new();
+    for &(r, d) in &pairs {
+        if opts.peer_access == Some(false) {
+            refused.insert(
+                (r, d),
+                Cause::ForcedByConfig {
+                    setting: "LoadOptions::peer_access(false)".into(),
+                },
+            );
+            continue;
+        }
+        match PeerAccess::enable(streams[d].context(), streams[r].context()) {
+            Ok(g) => grants.push(g),
+            Err(Error::Unsupported { cause, .. }) => {
+                refused.insert((r, d), cause);
+            }
+            Err(e) => return Err(e),
+        }
+    }
+    let bufs = allocate(&p, &sched, streams)?;
+    let mut landing = Landing {
+        lanes: Vec::new(),
+        bufs,
+    };
+    // Stream-ordered allocations are usable on other streams once their stream has run them.
+    for s in streams {
+        s.synchronize()
+            .map_err(|e| Error::cuda("cuStreamSynchronize", e))?;
+    }
+    let mut lane_of: HashMap<(usize, usize), usize> = HashMap::new();
+    for &(r, d) in &pairs {
+        let lane = streams[d]
+            .context()
+            .new_stream()
+            .map_err(|e| Error::cuda("cuStreamCreate", e))?;
+        lane_of.insert((r, d), landing.lanes.len());
+        landing.lanes.push(lane);
+    }
+    let bases: Vec<Base> = landing
+        .bufs
+        .iter()
+        .map(|b| Base {
+            ptr: b.device_ptr(b.stream()).0,
+            len: b.len(),
+            stream: b.stream().clone(),
+        })
+        .collect();
+    // Every pair's path, before any byte moves (a `Deny` policy refuses a staged one here).
+    for &(r, d) in &pairs {
+        let src = landing.bufs[r].slice(0..1);
+        let mut dst = bases[d].span(0, 1)?;
+        let lane = &landing.lanes[lane_of[&(r, d)]];
+        let rep = p2p::plan_copy(&src, &mut dst, lane)?;
+        policy.check(&explain(rep.path, refused.get(&(r, d))))?;
+    }
+
+    let mut report = new_report(&p);
+    report.bytes = sched.read_bytes();
+    let total = sched.read_bytes() + sched.copied_bytes();
+    let progress = opts.progress.as_ref().map(|(f, step)| {
+        f(Progress { done: 0, total });
+        (f.clone(), *step)
+    });
+    // Held while the callback runs, so it sees `done` grow in order.
+    let done = Mutex::new(0u64);
+    let cancel = AtomicBool::new(false);
+    let copts = |r: usize, d: usize| CopyOptions {
+        policy: Some(policy),
+        src_device: Some(devices[r]),
+        dst_device: Some(devices[d]),
+    };
+    let lanes = &landing.lanes;
+    let parts: Vec<Result<LoadReport>> = std::thread::scope(|sc| {
+        let mut hs = Vec::new();
+        for (r, buf) in landing.bufs.iter_mut().enumerate() {
+            let segs = &sched.segments[r];
+            if segs.is_empty() {
+                continue;
+            }
+            let (p, bases, lane_of, refused) = (&p, &bases, &lane_of, &refused);
+            let (progress, done, cancel, copts) = (&progress, &done, &cancel, &copts);
+            hs.push(sc.spawn(move || {
+                let mut run = || -> Result<LoadReport> {
+                    let mut rep = LoadReport::empty();
+                    let mut tick = |n: u64| {
+                        if let Some((f, _)) = progress {
+                            let mut d = done.lock().unwrap_or_else(|e| e.into_inner());
+                            *d += n;
+                            f(Progress { done: *d, total });
+                        }
+                    };
+                    for seg in segs {
+                        if cancel.load(Ordering::Relaxed) {
+                            break;
+                        }
+                        let reads = match progress {
+                            Some((_, step)) => plan::split(&seg.reads, *step),
+                            None => seg.reads.clone(),
+                        };
+                        read_into(
+                            &p.files,
+                            &mut buf.as_view_mut(),
+                            &reads,
+                            &mut rep,
+                            &mut tick,
+                        )?;
+                        for c in &seg.copies {
+                            let (a, b) = (c.src_offset as usize, (c.src_offset + c.len) as usize);
+                            let src = buf.try_slice(a..b).ok_or_else(|| {
+                                Error::InvalidArgument(
+                                    "internal: a peer copy past its source".into(),
+                                )
+                            })?;
+                            let mut dst = bases[c.dst].span(c.dst_offset, c.len)?;
+                            let lane = &lanes[lane_of[&(r, c.dst)]];
+                            // SAFETY: `src` is bytes of this GPU's allocation the reads above
+                            // wrote (storage reads return when the bytes are in place) and that
+                            // no stream writes again; `dst` is bytes of GPU `c.dst`'s allocation
+                            // that only this copy writes (the plan writes each device byte once;
+                            // tier-1 tested) and nothing reads before the load returns. Both
+                            // allocations live in `landing`, whose drop synchronizes every lane
+                            // before they can be freed (or leaks them); the allocations' own
+                            // streams were synchronized after allocating. The `PeerAccess` the
+                            // copy is planned with is held in `grants` until after that.
+                            let cr = unsafe {
+                                p2p::copy_peer_async_with(&src, &mut dst, lane, &copts(r, c.dst))
+                            }?;
+                            rep.add_copy(&cr, &explain(cr.path.clone(), refused.get(&(r, c.dst))));
+                        }
+                    }
+                    Ok(rep)
+                };
+                let out = run();
+                if out.is_err() {
+                    cancel.store(true, Ordering::Relaxed);
+                }
+                out
+            }));
+        }
+        hs.into_iter()
+            .map(|h| {
+                h.join().unwrap_or_else(|_| {
+                    cancel.store(true, Ordering::Relaxed);
+                    Err(Error::InvalidArgument("a reading thread panicked".into()))
+                })
+            })
+            .collect()
+    });
+    let drained = landing.drain();
+    for part in parts {
+        report.merge(&part?);
+    }
+    drained?;
+    if let Some((f, _)) = &progress {
+        f(Progress { done: total, total });
+    }
+    drop(grants);
+    let bufs = std::mem::take(&mut landing.bufs);
+    drop(landing);
+    report.elapsed = t0.elapsed();
+    let mut checkpoints = Vec::with_capacity(bufs.len());
+    for (k, buf) in bufs.into_iter().enumerate() {
+        let tensors: Vec<Meta> = wants[k]
+            .iter()
+            .zip(&sched.layouts[k].offsets)
+            .map(|(w, &dev)| {
+                let t = &p.sel[w.sel];
+                Meta {
+                    name: t.name.clone(),
+                    dtype: t.dtype,
+                    shape: w.shape.clone(),
+                    shard: t.shard,
+                    dev_offset: dev as usize,
+                    len: w.len() as usize,
+                    piece: (w.start != 0 || w.end != t.len).then(|| Piece {
+                        start: w.start,
+                        full_shape: t.shape.clone(),
+                    }),
+                }
+            })
+            .collect();
+        let by_name = tensors
+            .iter()
+            .enumerate()
+            .map(|(i, m)| (m.name.clone(), i))
+            .collect();
+        checkpoints.push(Checkpoint {
+            buf,
+            tensors,
+            by_name,
+            cat: p.cat.clone(),
+            report: report.clone(),
+        });
+    }
+    Ok(MultiCheckpoint {
+        devices,
+        checkpoints,
+        report,
+    })
+}
+
+/// One allocation per GPU as its layout says, while the storage engines of the reading GPUs
+/// warm up.
+fn allocate(
+    p: &Prepared,
+    sched: &Schedule,
+    streams: &[Arc<CudaStream>],
+) -> Result<Vec<CudaSlice<u8>>> {
+    let first = p.files.iter().flatten().next();
+    let readers: Vec<usize> = (0..streams.len())
+        .filter(|&k| !sched.segments[k].is_empty())
+        .map(|k| streams[k].context().ordinal())
+        .collect();
+    std::thread::scope(|sc| {
+        let warm: Vec<_> = match first {
+            Some(f) => readers
+                .iter()
+                .map(|&d| sc.spawn(move || f.warm_up(d)))
+                .collect(),
+            None => Vec::new(),
+        };
+        let mut bufs = Vec::with_capacity(streams.len());
+        let mut err = None;
+        for (k, s) in streams.iter().enumerate() {
+            let size = sched.layouts[k].dev_len;
+            let r = usize::try_from(size)
+                .map_err(|_| {
+                    Error::InvalidArgument("the checkpoint exceeds the address space".into())
+                })
+                .and_then(|len| {
+                    if len == 0 {
+                        s.null::<u8>().map_err(|e| Error::cuda("cuMemAlloc", e))
+                    } else {
+                        // SAFETY: uninitialised bytes; every byte a view can reach is a piece's,
+                        // written by a read or a peer copy before the checkpoints exist (padding
+                        // is never exposed); dropped on error.
+                        unsafe { s.alloc::<u8>(len) }.map_err(|e| Error::cuda("cuMemAlloc", e))
+                    }
+                })
+                .map_err(|e| alloc_error(e, s, &p.cat, size));
+            match r {
+                Ok(b) => bufs.push(b),
+                Err(e) => {
+                    err = Some(e);
+                    break;
+                }
+            }
+        }
+        for h in warm {
+            if let Ok(Err(e)) = h.join() {
+                tracing::debug!("storage warm-up failed (the first read pays its setup): {e}");
+            }
+        }
+        match err {
+            Some(e) => Err(e),
+            None => Ok(bufs),
+        }
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn devices_are_checked() {
+        assert!(check_devices(&[0, 1, 2]).is_ok());
+        for bad in [&[][..], &[0, 1, 0][..]] {
+            match check_devices(bad) {
+                Err(Error::InvalidArgument(m)) => assert!(m.contains("stream per GPU"), "{m}"),
+                other => panic!("{other:?}"),
+            }
+        }
+    }
+
+    #[test]
+    fn a_staged_copy_names_the_refusal() {
+        let staged = PathReport::fallback(
+            crate::Path::StagedThroughHost,
+            Cause::PoolAccessNotGranted {
+                accessor: 1,
+                owner: 0,
+            },
+        );
+        let why = Cause::ForcedByConfig {
+            setting: "LoadOptions::peer_access(false)".into(),
+        };
+        assert_eq!(explain(staged.clone(), None), staged);
+        assert_eq!(explain(staged.clone(), Some(&why)).cause, Some(why.clone()));
+        let direct = PathReport::direct(crate::Path::PeerDirect {
+            link: crate::path::Link::NvLink { links: 18 },
+        });
+        // Someone else granted the access: the copy went direct and says so.
+        assert_eq!(explain(direct.clone(), Some(&why)), direct);
+    }
+}
