@@ -226,15 +226,32 @@ fn gpu_safetensors_round_trip_mixed_dtypes_both_modes() {
         .unwrap();
     let v: Vec<F8E4M3> = s.clone_dtoh(&ck.get::<F8E4M3>(&f8.name).unwrap()).unwrap();
     assert_eq!(v.iter().map(|x| x.0).collect::<Vec<_>>(), f8.bytes);
-    // Owned mode, default staging and a tiny one (many chunks, oversize tensors read directly).
-    for staging in [None, Some(1000u64)] {
-        let o = match staging {
-            None => LoadOptions::new(),
-            Some(n) => LoadOptions::new().staging_bytes(n),
+    // Owned mode: each tensor straight into its own allocation (no staging, no device copy),
+    // in one storage batch, and with a progress callback in batches of about 512 MiB.
+    let with_bytes = ms.iter().filter(|m| !m.bytes.is_empty()).count();
+    for progress in [false, true] {
+        let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
+        let s2 = seen.clone();
+        let o = if progress {
+            LoadOptions::new().progress(move |p| s2.lock().unwrap().push(p))
+        } else {
+            LoadOptions::new()
         };
         let own = o.load_owned(&p, &s).unwrap();
-        println!("owned (staging {staging:?}): {}", own.report());
+        println!("owned (progress {progress}): {}", own.report());
         check_owned(&s, &own, &ms);
+        assert_eq!(own.report().staging_bytes, 0);
+        assert_eq!(
+            own.report().reads,
+            with_bytes,
+            "one read per tensor with bytes"
+        );
+        assert_eq!(own.report().bytes as usize, total);
+        if progress {
+            let seen = seen.lock().unwrap();
+            assert_eq!(seen.first().map(|p| p.done), Some(0));
+            assert_eq!(seen.last().map(|p| p.done), Some(total as u64));
+        }
         let mut own = own;
         let t = own.take(&b.name).unwrap();
         let slice: CudaSlice<bf16> = t.into_slice::<bf16>().unwrap();

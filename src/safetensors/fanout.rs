@@ -539,16 +539,17 @@ fn load_fanout(
                         if cancel.load(Ordering::Relaxed) {
                             break;
                         }
-                        let reads = match progress {
-                            Some((_, step)) => plan::split(&seg.reads, *step),
-                            None => seg.reads.clone(),
-                        };
+                        // One storage batch per segment (its reads, every shard), then its
+                        // copies, queued, while the next segment's batch runs.
+                        let reads: Vec<(usize, plan::Read)> =
+                            seg.reads.iter().map(|&r| (0, r)).collect();
                         read_into(
                             &p.files,
-                            &mut buf.as_view_mut(),
+                            &mut [buf.as_view_mut()],
                             &reads,
                             &mut rep,
                             &mut tick,
+                            progress.as_ref().map(|x| x.1),
                         )?;
                         for c in &seg.copies {
                             let (a, b) = (c.src_offset as usize, (c.src_offset + c.len) as usize);

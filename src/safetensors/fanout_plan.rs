@@ -139,9 +139,7 @@ fn layout(sel: &[Selected], wants: &[Want]) -> Layout {
             }
         })
         .collect();
-    let chunk = plan::plan(&pieces, None)
-        .pop()
-        .expect("an unlimited plan is one chunk");
+    let chunk = plan::plan(&pieces);
     let mut offsets = vec![0; wants.len()];
     for &(k, dev) in &chunk.tensors {
         offsets[k] = dev;
@@ -487,7 +485,7 @@ mod tests {
         check(&sel, &wants, &s, 1 << 20);
         assert_eq!(s.copied_bytes(), 0);
         assert!(s.pairs().is_empty());
-        let single = plan::plan(&sel, None).pop().unwrap();
+        let single = plan::plan(&sel);
         assert_eq!(s.layouts[0].dev_len, single.dev_len);
         let offs: Vec<u64> = single.tensors.iter().map(|x| x.1).collect();
         assert_eq!(s.layouts[0].offsets, offs);

@@ -11,12 +11,12 @@ use cudarc::driver::{CudaSlice, CudaStream, CudaView, CudaViewMut, DeviceSlice};
 
 use super::dtype::{Dtype, Element, F8E4M3, F8E5M2};
 use super::filter::Filter;
-use super::plan::{self, Chunk, Read, Selected};
+use super::plan::{self, Read, Selected};
 use super::problem::Problem;
 use super::source::{self, Index, Shard, Source};
 use crate::error::{Error, Result};
 use crate::path::{Cause, FallbackPolicy, PathReport};
-use crate::storage::{GpuFile, GpuFileOptions, IoReport};
+use crate::storage::{BatchReport, GpuFile, GpuFileOptions, ReadBatch};
 
 /// Progress of a load, given to the callback of [`LoadOptions::progress`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -33,7 +33,6 @@ type ProgressFn = Arc<dyn Fn(Progress) + Send + Sync>;
 #[derive(Clone, Default)]
 pub struct LoadOptions {
     filter: Option<Filter>,
-    staging: Option<u64>,
     file: Option<GpuFileOptions>,
     pub(super) fallback: Option<FallbackPolicy>,
     pub(super) progress: Option<(ProgressFn, u64)>,
@@ -45,7 +44,6 @@ impl fmt::Debug for LoadOptions {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("LoadOptions")
             .field("filter", &self.filter)
-            .field("staging", &self.staging)
             .field("file", &self.file)
             .field("fallback", &self.fallback)
             .field("progress", &self.progress.as_ref().map(|p| p.1))
@@ -55,8 +53,8 @@ impl fmt::Debug for LoadOptions {
     }
 }
 
-/// Bytes between progress callbacks: reads are split into pieces this large only when a
-/// callback is set (each piece is one storage job).
+/// Bytes between progress callbacks: only when a callback is set, the load's storage batch is
+/// cut into batches of about this many bytes (reads longer than it into pieces).
 const PROGRESS_STEP: u64 = 512 << 20;
 
 impl LoadOptions {
@@ -77,15 +75,6 @@ impl LoadOptions {
         self
     }
 
-    /// Owned mode's extra device memory: reads land in a staging buffer of at most this many
-    /// bytes and are copied (device to device) into each tensor's allocation; a tensor larger
-    /// than this is read straight into its own allocation. Default: a quarter of the bytes
-    /// loaded, at least 64 MiB and at most 1 GiB (never more than the bytes loaded).
-    pub fn staging_bytes(mut self, n: u64) -> Self {
-        self.staging = Some(n.max(1));
-        self
-    }
-
     /// Storage settings for every shard (backend, threads, O_DIRECT, ...). Use
     /// [`LoadOptions::fallback`] for the fallback policy.
     pub fn file_options(mut self, o: GpuFileOptions) -> Self {
@@ -100,8 +89,10 @@ impl LoadOptions {
         self
     }
 
-    /// Calls `f` after every piece of at most 512 MiB reaches device memory (reads are split
-    /// into such pieces only when a callback is set).
+    /// Calls `f` (with 0 first) each time about 512 MiB more are in device memory: with a
+    /// callback the load runs as storage batches of about that size instead of one. A
+    /// multi-GPU load also calls it as each GPU's segments are read, and once more when the peer
+    /// copies are done.
     pub fn progress(mut self, f: impl Fn(Progress) + Send + Sync + 'static) -> Self {
         self.progress = Some((Arc::new(f), PROGRESS_STEP));
         self
@@ -176,9 +167,9 @@ pub struct LoadReport {
     pub copies: usize,
     /// Bytes the peer copies moved (a multi-GPU load; 0 otherwise).
     pub copied_bytes: u64,
-    /// Device memory the job used beyond the tensors' own: owned mode's staging buffer; 0 for a
-    /// one-allocation load (single or multi-GPU: reads land in place, peer copies go from place
-    /// to place).
+    /// Device memory the job used for staging, beyond the tensors' own allocations (and their
+    /// alignment padding): 0, as reads land in place (owned mode: in each tensor's own
+    /// allocation) and a multi-GPU load's peer copies go from place to place.
     pub staging_bytes: u64,
     /// Bytes of tensors the filter excluded (never read).
     pub skipped_bytes: u64,
@@ -245,10 +236,23 @@ impl LoadReport {
         }
     }
 
-    /// Folds a storage report of bytes that went to (or came from) `device`.
-    pub(crate) fn add(&mut self, device: usize, r: &IoReport) {
+    /// Folds a storage batch's report (every destination on `device`).
+    pub(crate) fn add_batch(&mut self, device: usize, r: &BatchReport) {
         self.odirect |= r.odirect;
-        self.fold(device, Hop::Storage, &r.path, r.bytes as u64);
+        for p in &r.paths {
+            self.fold(device, Hop::Storage, &p.path, p.bytes as u64);
+        }
+    }
+
+    /// Folds a write batch's report for tensors from `device` (its host items, the header, are
+    /// not the tensors' path and are left out).
+    pub(crate) fn add_write_batch(&mut self, device: usize, r: &BatchReport) {
+        self.odirect |= r.odirect;
+        for p in &r.paths {
+            if p.path.cause != Some(Cause::HostMemory) {
+                self.fold(device, Hop::Storage, &p.path, p.bytes as u64);
+            }
+        }
     }
 
     /// Folds a peer copy's report (one copy into `report.dst_device`).
@@ -752,11 +756,9 @@ impl OwnedTensor {
 /// A loaded checkpoint with one device allocation per tensor ([`OwnedTensor`], a typed
 /// `CudaSlice<T>` each) that can be taken apart and kept.
 ///
-/// Extra device memory is bounded: reads land in one staging buffer of at most
-/// [`LoadOptions::staging_bytes`] (default: a quarter of the bytes loaded, 64 MiB to 1 GiB)
-/// and are copied device-to-device into the tensors' allocations; tensors larger than that
-/// are read straight into their own allocation. Peak device memory is the tensors plus that
-/// one buffer, never twice the checkpoint.
+/// Every tensor is read straight into its own allocation (one storage batch for the whole
+/// load, an item per tensor): no staging buffer and no device-to-device copy, so the device
+/// memory the load needs is the tensors' bytes.
 pub struct OwnedCheckpoint {
     tensors: Vec<Option<OwnedTensor>>,
     by_name: HashMap<String, usize>,
@@ -923,9 +925,7 @@ pub struct LoadPlan {
     pub reads: usize,
     /// Bytes of the one allocation (tensors plus alignment padding).
     pub allocation_bytes: u64,
-    /// Owned mode: the staging buffer's bytes.
-    pub staging_bytes: u64,
-    /// Owned mode: storage reads.
+    /// Owned mode: storage reads (one per tensor with bytes, each into its own allocation).
     pub owned_reads: usize,
 }
 
@@ -934,9 +934,8 @@ impl LoadOptions {
     /// every error a load would find before touching the device.
     pub fn plan(&self, src: impl Into<Source>) -> Result<LoadPlan> {
         let s = select(self, &src.into())?;
-        let one = plan::plan(&s.sel, None).pop().expect("one chunk");
+        let one = plan::plan(&s.sel);
         let total: u64 = s.sel.iter().map(|t| t.len).sum();
-        let owned = plan::plan(&s.sel, Some(self.staging_limit(total)));
         let mut files = vec![false; s.shards.len()];
         for t in &s.sel {
             files[t.shard] |= t.len > 0;
@@ -948,20 +947,8 @@ impl LoadOptions {
             files: files.iter().filter(|&&b| b).count(),
             reads: one.reads.len(),
             allocation_bytes: one.dev_len,
-            staging_bytes: owned
-                .iter()
-                .filter(|c| !c.oversize)
-                .map(|c| c.dev_len)
-                .max()
-                .unwrap_or(0),
-            owned_reads: owned.iter().map(|c| c.reads.len()).sum(),
+            owned_reads: s.sel.iter().filter(|t| t.len > 0).count(),
         })
-    }
-
-    fn staging_limit(&self, total: u64) -> u64 {
-        self.staging
-            .unwrap_or_else(|| default_staging(total))
-            .min(total.max(1))
     }
 }
 
@@ -1090,34 +1077,93 @@ pub(super) fn alloc_error(e: Error, stream: &Arc<CudaStream>, cat: &Catalog, nee
     }
 }
 
-/// The room's one door to storage reads. Today: one `GpuFile::read_exact_to_device` per read
-/// (each a storage job that synchronizes `dst`'s stream first and returns when the bytes are
-/// in place). When `storage::ReadBatch` lands this becomes one batch for all reads.
+/// The room's one door to storage reads: `reads`, each `(destination, read)` moving `len`
+/// bytes at `file_offset` of shard `shard` into `dsts[destination]` at byte `dev_offset`, as one
+/// [`storage::ReadBatch`](crate::storage::ReadBatch): every shard in one engine job (shards
+/// overlap, the engine sees the whole plan), one report. With a progress `step`, reads are cut
+/// into pieces of at most `step` bytes and run as batches of about `step` bytes, `progress`
+/// called after each. Every destination is on one GPU. Returns when every byte is in place, or
+/// with the error of the first read that failed (the batch's item errors unwrapped).
 pub(super) fn read_into(
     files: &[Option<GpuFile>],
-    dst: &mut CudaViewMut<'_, u8>,
-    reads: &[Read],
+    dsts: &mut [CudaViewMut<'_, u8>],
+    reads: &[(usize, Read)],
     report: &mut LoadReport,
     progress: &mut dyn FnMut(u64),
+    step: Option<u64>,
 ) -> Result<()> {
-    for r in reads {
-        let f = files[r.shard].as_ref().ok_or_else(|| {
-            Error::InvalidArgument("internal: a read of an unopened shard".into())
-        })?;
-        let (a, b) = (r.dev_offset as usize, (r.dev_offset + r.len) as usize);
-        let mut v = dst
-            .try_slice_mut(a..b)
-            .ok_or_else(|| Error::InvalidArgument("internal: a read past its buffer".into()))?;
-        let rep = f.read_exact_to_device(&mut v, r.file_offset)?;
-        report.add(report_device(dst), &rep);
-        report.reads += 1;
-        progress(r.len);
+    let Some(device) = dsts.first().map(|d| d.stream().context().ordinal()) else {
+        return Ok(());
+    };
+    let pieces: Vec<(usize, Read)> = match step {
+        Some(s) => reads
+            .iter()
+            .flat_map(|&(d, r)| plan::split(&[r], s).into_iter().map(move |p| (d, p)))
+            .collect(),
+        None => reads.iter().copied().filter(|r| r.1.len > 0).collect(),
+    };
+    let mut groups: Vec<&[(usize, Read)]> = Vec::new();
+    match step {
+        None => groups.push(&pieces),
+        Some(s) => {
+            let (mut start, mut bytes) = (0, 0);
+            for (k, r) in pieces.iter().enumerate() {
+                if k > start && bytes + r.1.len > s {
+                    groups.push(&pieces[start..k]);
+                    (start, bytes) = (k, 0);
+                }
+                bytes += r.1.len;
+            }
+            groups.push(&pieces[start..]);
+        }
+    }
+    for g in groups.into_iter().filter(|g| !g.is_empty()) {
+        let mut used = vec![false; dsts.len()];
+        for &(d, _) in g {
+            *used.get_mut(d).ok_or_else(|| {
+                Error::InvalidArgument("internal: a read into an unknown destination".into())
+            })? = true;
+        }
+        let mut batch = ReadBatch::new();
+        let mut ids = vec![None; dsts.len()];
+        for (k, d) in dsts.iter_mut().enumerate() {
+            if used[k] {
+                ids[k] = Some(batch.destination(d));
+            }
+        }
+        let mut bytes = 0;
+        for &(d, r) in g {
+            let f = files[r.shard].as_ref().ok_or_else(|| {
+                Error::InvalidArgument("internal: a read of an unopened shard".into())
+            })?;
+            let len = usize::try_from(r.len)
+                .map_err(|_| Error::InvalidArgument("a read exceeds the address space".into()))?;
+            let id = ids[d].expect("registered above");
+            batch.read_file(f, r.file_offset, len, id, r.dev_offset as usize);
+            bytes += r.len;
+        }
+        let rep = batch.run().map_err(unbatch)?;
+        report.add_batch(device, &rep);
+        report.reads += g.len();
+        progress(bytes);
     }
     Ok(())
 }
 
-fn report_device(v: &CudaViewMut<'_, u8>) -> usize {
-    v.stream().context().ordinal()
+/// A batch's refusal or item failure as the error of the read behind it (the item's index is
+/// the room's own business).
+pub(super) fn unbatch(e: Error) -> Error {
+    match e {
+        Error::BatchRefused { source, .. } => *source,
+        Error::BatchFailed { failed, total } => match failed.into_iter().next() {
+            Some((_, e)) => e,
+            None => Error::BatchFailed {
+                total,
+                failed: Vec::new(),
+            },
+        },
+        other => other,
+    }
 }
 
 pub(super) fn new_report(p: &Prepared) -> LoadReport {
@@ -1170,9 +1216,7 @@ pub(super) fn load_one(
 ) -> Result<Checkpoint> {
     let t0 = Instant::now();
     let p = prepare(opts, src, stream.context().ordinal())?;
-    let chunk = plan::plan(&p.sel, None)
-        .pop()
-        .expect("an unlimited plan is one chunk");
+    let chunk = plan::plan(&p.sel);
     let size = chunk.dev_len;
     check_memory(stream, &p.cat, size)?;
     let len = usize::try_from(size)
@@ -1192,14 +1236,15 @@ pub(super) fn load_one(
     .map_err(|e| alloc_error(e, stream, &p.cat, size))?;
     let mut report = new_report(&p);
     let (mut progress, step) = progress_fn(opts, report.bytes);
-    let reads = match step {
-        Some(s) => plan::split(&chunk.reads, s),
-        None => chunk.reads.clone(),
-    };
-    {
-        let mut dst = buf.as_view_mut();
-        read_into(&p.files, &mut dst, &reads, &mut report, &mut *progress)?;
-    }
+    let reads: Vec<(usize, Read)> = chunk.reads.iter().map(|&r| (0, r)).collect();
+    read_into(
+        &p.files,
+        &mut [buf.as_view_mut()],
+        &reads,
+        &mut report,
+        &mut *progress,
+        step,
+    )?;
     let tensors: Vec<Meta> = chunk
         .tensors
         .iter()
@@ -1232,11 +1277,6 @@ pub(super) fn load_one(
     })
 }
 
-/// Owned mode's default staging size for `total` bytes loaded.
-fn default_staging(total: u64) -> u64 {
-    (total / 4).clamp(64 << 20, 1 << 30)
-}
-
 fn load_owned(
     opts: &LoadOptions,
     src: Source,
@@ -1245,92 +1285,47 @@ fn load_owned(
     let t0 = Instant::now();
     let p = prepare(opts, src, stream.context().ordinal())?;
     let total: u64 = p.sel.iter().map(|t| t.len).sum();
-    let limit = opts.staging_limit(total);
-    let chunks: Vec<Chunk> = plan::plan(&p.sel, Some(limit));
-    let staging_len = chunks
-        .iter()
-        .filter(|c| !c.oversize)
-        .map(|c| c.dev_len)
-        .max()
-        .unwrap_or(0);
-    let needed = total + staging_len;
-    check_memory(stream, &p.cat, needed)?;
-    let (mut data, mut staging) = with_warm_up(&p.files, p.device, || -> Result<_> {
+    check_memory(stream, &p.cat, total)?;
+    let mut data = with_warm_up(&p.files, p.device, || -> Result<_> {
         let mut data = Vec::with_capacity(p.sel.len());
         for t in &p.sel {
             let numel = t.shape.iter().product::<usize>();
             data.push(TensorData::alloc(stream, t.dtype, numel, t.len as usize)?);
         }
-        let staging = alloc_n::<u8>(stream, staging_len as usize)?;
-        Ok((data, staging))
+        Ok(data)
     })
-    .map_err(|e| alloc_error(e, stream, &p.cat, needed))?;
+    .map_err(|e| alloc_error(e, stream, &p.cat, total))?;
     let mut report = new_report(&p);
-    report.staging_bytes = staging_len;
     let (mut progress, step) = progress_fn(opts, report.bytes);
-    let pieces = |reads: &[Read]| match step {
-        Some(s) => plan::split(reads, s),
-        None => reads.to_vec(),
-    };
-    let mut staged = false;
-    for c in &chunks {
-        if c.oversize {
-            let (i, _) = c.tensors[0];
-            let mut dst = data[i].bytes_mut();
-            read_into(
-                &p.files,
-                &mut dst,
-                &pieces(&c.reads),
-                &mut report,
-                &mut *progress,
-            )?;
-            continue;
-        }
-        if c.reads.is_empty() {
-            continue;
-        }
-        if staged {
-            // The previous chunk's copies out of the staging buffer are queued on `stream`; they
-            // must finish before the next read overwrites it. (Storage reads synchronize the
-            // buffer's stream first too, but the room does not rely on how a backend orders its
-            // DMA: one synchronization per chunk, at most a few per load.)
-            stream
-                .synchronize()
-                .map_err(|e| Error::cuda("cuStreamSynchronize", e))?;
-        }
-        staged = true;
-        {
-            let mut dst = staging.as_view_mut();
-            read_into(
-                &p.files,
-                &mut dst,
-                &pieces(&c.reads),
-                &mut report,
-                &mut *progress,
-            )?;
-        }
-        for &(i, dev) in &c.tensors {
-            let n = p.sel[i].len as usize;
-            if n == 0 {
-                continue;
-            }
-            let src = staging
-                .try_slice(dev as usize..dev as usize + n)
-                .ok_or_else(|| {
-                    Error::InvalidArgument("internal: a copy past the staging buffer".into())
-                })?;
-            let mut dst = data[i].bytes_mut();
-            stream
-                .memcpy_dtod(&src, &mut dst)
-                .map_err(|e| Error::cuda("cuMemcpyDtoDAsync", e))?;
-        }
+    // Each tensor straight into its own allocation: one batch item per tensor, no staging.
+    let reads: Vec<(usize, Read)> = p
+        .sel
+        .iter()
+        .enumerate()
+        .filter(|(_, t)| t.len > 0)
+        .map(|(i, t)| {
+            (
+                i,
+                Read {
+                    shard: t.shard,
+                    file_offset: t.file_offset,
+                    len: t.len,
+                    dev_offset: 0,
+                },
+            )
+        })
+        .collect();
+    {
+        let mut views: Vec<CudaViewMut<'_, u8>> = data.iter_mut().map(|d| d.bytes_mut()).collect();
+        read_into(
+            &p.files,
+            &mut views,
+            &reads,
+            &mut report,
+            &mut *progress,
+            step,
+        )?;
     }
-    // One synchronization, so the report's time covers the device copies and the bytes are in
-    // place for any stream when this returns.
-    stream
-        .synchronize()
-        .map_err(|e| Error::cuda("cuStreamSynchronize", e))?;
-    drop(staging);
     let mut tensors = Vec::with_capacity(p.sel.len());
     let mut by_name = HashMap::with_capacity(p.sel.len());
     for (i, (s, d)) in p.sel.iter().zip(data.drain(..)).enumerate() {
@@ -1357,14 +1352,6 @@ mod tests {
     use super::*;
 
     #[test]
-    fn staging_default_is_bounded() {
-        assert_eq!(default_staging(4 << 30), 1 << 30);
-        assert_eq!(default_staging(100 << 30), 1 << 30);
-        assert_eq!(default_staging(400 << 20), 100 << 20);
-        assert_eq!(default_staging(1 << 20), 64 << 20);
-    }
-
-    #[test]
     fn report_folds_paths_per_device() {
         let mut r = LoadReport {
             elapsed: Duration::from_millis(10),
@@ -1373,14 +1360,7 @@ mod tests {
         let posix = PathReport::fallback(crate::Path::Posix, Cause::NoNvidiaFs);
         let gds = PathReport::direct(crate::Path::Gds);
         for (p, n) in [(&posix, 5), (&gds, 7), (&posix, 11)] {
-            r.add(
-                0,
-                &IoReport {
-                    bytes: n,
-                    path: p.clone(),
-                    odirect: false,
-                },
-            );
+            r.fold(0, Hop::Storage, p, n);
         }
         r.bytes = 23;
         assert_eq!(r.paths.len(), 2);
@@ -1393,6 +1373,40 @@ mod tests {
                 && s.contains("because"),
             "{s}"
         );
+    }
+
+    #[test]
+    fn batch_errors_are_the_reads_own() {
+        let eof = || {
+            Error::io(
+                "read_exact",
+                Some("m.safetensors".into()),
+                std::io::Error::new(std::io::ErrorKind::UnexpectedEof, "short"),
+            )
+        };
+        let refused = Error::BatchRefused {
+            index: 3,
+            source: Box::new(eof()),
+        };
+        assert!(matches!(
+            unbatch(refused),
+            Error::Io {
+                op: "read_exact",
+                ..
+            }
+        ));
+        let failed = Error::BatchFailed {
+            total: 9,
+            failed: vec![(2, eof()), (5, Error::InvalidArgument("x".into()))],
+        };
+        match unbatch(failed) {
+            Error::Io { source, .. } => {
+                assert_eq!(source.kind(), std::io::ErrorKind::UnexpectedEof)
+            }
+            e => panic!("{e}"),
+        }
+        let other = unbatch(Error::InvalidArgument("y".into()));
+        assert!(matches!(other, Error::InvalidArgument(m) if m == "y"));
     }
 
     #[test]

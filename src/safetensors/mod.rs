@@ -17,8 +17,8 @@
 //!   ([`Checkpoint::get`], [`Checkpoint::tensor`] with name, [`Dtype`] and shape). The file→GPU
 //!   transfer is the only copy.
 //! - [`load_owned`] gives an [`OwnedCheckpoint`]: a `CudaSlice<T>` per tensor, to keep and
-//!   drop one by one. Extra device memory is one staging buffer ([`LoadOptions::staging_bytes`]:
-//!   a quarter of the checkpoint, 64 MiB to 1 GiB), so the peak is never twice the checkpoint.
+//!   drop one by one, each read straight into its own allocation (no staging memory, no
+//!   device-to-device copy).
 //! - [`LoadOptions`] adds a tensor filter (exact names and `*`/`?` globs; excluded bytes are
 //!   never read), storage settings, a fallback policy and a progress callback.
 //! - [`load_replicated`] and [`load_placed`] load onto several GPUs ([`MultiCheckpoint`]: a
@@ -45,9 +45,11 @@
 //! All shards are planned in one job: each selected tensor gets a device offset aligned for
 //! its dtype; tensors adjacent in a file become one read, so a whole file written by torch or
 //! the `safetensors` crate is one read; only a filter's gaps or a misaligned tensor split
-//! reads. Reads go through [`storage::GpuFile`](crate::storage::GpuFile) (cuFile where it
-//! moves bytes by DMA, else the parallel POSIX engine with O_DIRECT when the file is not
-//! cached), and the [`LoadReport`] folds their path reports per device.
+//! reads. Every read of the load, across all shards, goes to the storage wing as one
+//! [`storage::ReadBatch`](crate::storage::ReadBatch) (so shards overlap and the engine sees the
+//! whole plan; cuFile where it moves bytes by DMA, else the parallel POSIX engine with O_DIRECT
+//! when the file is not cached), and the [`LoadReport`] folds the batch's path shares per
+//! device. With a progress callback the batch is cut into pieces of about 512 MiB.
 //!
 //! # Element types
 //! [`Element`] maps dtypes to Rust types: `BF16` [`bf16`], `F16` [`f16`](struct@f16), `F32`, `F64`,

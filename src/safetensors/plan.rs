@@ -7,9 +7,7 @@
 //!   aligned even when the file offset is not;
 //! - tensors adjacent in a file whose device offsets keep that adjacency are one read; a new
 //!   read starts at a device offset congruent to its file offset modulo 4 KiB where the dtype
-//!   allows (DMA-friendly), else at a [`RUN_ALIGN`]-aligned one;
-//! - with a chunk limit (owned mode's staging buffer) no chunk exceeds it, and a tensor larger
-//!   than the limit is a chunk of its own read straight into its own allocation.
+//!   allows (DMA-friendly), else at a [`RUN_ALIGN`]-aligned one.
 
 use super::dtype::Dtype;
 use super::source::Shard;
@@ -48,8 +46,6 @@ pub(crate) struct Chunk {
     /// (index into the selected tensors, device offset in this chunk's buffer).
     pub tensors: Vec<(usize, u64)>,
     pub dev_len: u64,
-    /// True when this chunk is one tensor larger than the limit (read into its own buffer).
-    pub oversize: bool,
 }
 
 fn align_up(x: u64, a: u64) -> u64 {
@@ -93,37 +89,18 @@ pub(crate) fn select(shards: &[Shard], keep: impl Fn(&str) -> bool) -> Vec<Selec
     v
 }
 
-/// Plans `sel` (in load order) into chunks of at most `limit` device bytes (`None`: one chunk).
-pub(crate) fn plan(sel: &[Selected], limit: Option<u64>) -> Vec<Chunk> {
-    let new_chunk = || Chunk {
+/// Plans `sel` (in load order) into one device buffer.
+pub(crate) fn plan(sel: &[Selected]) -> Chunk {
+    let mut cur = Chunk {
         reads: Vec::new(),
         tensors: Vec::new(),
         dev_len: 0,
-        oversize: false,
     };
-    let mut chunks = Vec::new();
-    let mut cur = new_chunk();
     for (i, t) in sel.iter().enumerate() {
         if t.len == 0 {
             // Nothing to read: an empty view at offset 0 (in bounds and aligned).
             cur.tensors.push((i, 0));
             continue;
-        }
-        if let Some(lim) = limit {
-            if t.len > lim {
-                chunks.push(Chunk {
-                    reads: vec![Read {
-                        shard: t.shard,
-                        file_offset: t.file_offset,
-                        len: t.len,
-                        dev_offset: 0,
-                    }],
-                    tensors: vec![(i, 0)],
-                    dev_len: t.len,
-                    oversize: true,
-                });
-                continue;
-            }
         }
         let align = t.dtype.align() as u64;
         // Extend the last read when this tensor follows it in the same file and stays aligned.
@@ -138,24 +115,6 @@ pub(crate) fn plan(sel: &[Selected], limit: Option<u64>) -> Vec<Chunk> {
         } else {
             run_start(cur.dev_len, t.file_offset, align)
         };
-        if let Some(lim) = limit {
-            if dev + t.len > lim {
-                // A new chunk (or, for the first read of this one, offset 0: the page phase
-                // must not push a chunk past the limit).
-                if !cur.reads.is_empty() {
-                    chunks.push(std::mem::replace(&mut cur, new_chunk()));
-                }
-                cur.reads.push(Read {
-                    shard: t.shard,
-                    file_offset: t.file_offset,
-                    len: t.len,
-                    dev_offset: 0,
-                });
-                cur.tensors.push((i, 0));
-                cur.dev_len = t.len;
-                continue;
-            }
-        }
         if extend {
             cur.reads.last_mut().expect("extend implies a read").len += t.len;
         } else {
@@ -169,10 +128,7 @@ pub(crate) fn plan(sel: &[Selected], limit: Option<u64>) -> Vec<Chunk> {
         cur.tensors.push((i, dev));
         cur.dev_len = dev + t.len;
     }
-    if !cur.tensors.is_empty() || chunks.is_empty() {
-        chunks.push(cur);
-    }
-    chunks
+    cur
 }
 
 /// Splits reads longer than `max` into pieces of at most `max` (for progress reports).
@@ -218,8 +174,7 @@ mod tests {
             t(0, "e", Dtype::F64, 128 + 4196, 0),
             t(0, "c", Dtype::U8, 128 + 4196, 3),
         ];
-        let c = plan(&sel, None);
-        assert_eq!(c.len(), 1);
+        let c = [plan(&sel)];
         assert_eq!(
             c[0].reads,
             vec![Read {
@@ -244,8 +199,7 @@ mod tests {
             t(1, "c", Dtype::U8, 8, 4),
             t(1, "d", Dtype::U8, 100, 4),
         ];
-        let c = plan(&sel, None);
-        assert_eq!(c.len(), 1);
+        let c = [plan(&sel)];
         let offs: Vec<u64> = c[0].reads.iter().map(|r| r.dev_offset).collect();
         // a: page phase 8; b: phase 11 does not suit F32, so 256-aligned; c, d: phases 8 and
         // 100, each the first such offset past the previous read.
@@ -254,8 +208,7 @@ mod tests {
     }
 
     /// Random plans: every byte of every selected tensor is read exactly once, into the
-    /// tensor's place; reads never overlap in device memory; offsets are aligned; chunks respect
-    /// the limit.
+    /// tensor's place; reads never overlap in device memory; offsets are aligned.
     #[test]
     fn random_plans_are_exact() {
         let mut rng = rand::rngs::StdRng::seed_from_u64(11);
@@ -273,20 +226,12 @@ mod tests {
                     off += len;
                 }
             }
-            let limit = if rng.random_bool(0.5) {
-                Some(rng.random_range(1..200u64))
-            } else {
-                None
-            };
-            let chunks = plan(&sel, limit);
+            let chunks = [plan(&sel)];
             let mut seen = vec![0; sel.len()];
             for c in &chunks {
                 for r in &c.reads {
                     let phase = r.dev_offset % PAGE == r.file_offset % PAGE;
                     assert!(phase || r.dev_offset.is_multiple_of(RUN_ALIGN), "{r:?}");
-                }
-                if let (Some(l), false) = (limit, c.oversize) {
-                    assert!(c.dev_len <= l, "{c:?}");
                 }
                 let mut spans: Vec<(u64, u64)> = c
                     .reads
