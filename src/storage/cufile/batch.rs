@@ -1,11 +1,32 @@
 //! Batch IO (`cuFileBatchIOSetUp` / `Submit` / `GetStatus` / `Cancel` / `Destroy`).
 //!
-//! [`BatchIo::run`] is the safe form: it submits, waits for every completion (cancelling and
-//! draining on error, blocking until the drain ends or aborting the process when cuFile stops
-//! answering) and returns, so nothing the device touches outlives the borrow.
-//! [`BatchIo::submit`] + [`BatchIo::poll`] is the overlapping form and is `unsafe`: the caller
-//! keeps buffers and handles alive until their completions are reaped.
+//! [`BatchIo::run`] is the safe form: it submits, waits for every completion (cancelling on
+//! error or timeout) and returns only when nothing of the batch is in flight, so nothing the
+//! device touches outlives the borrow. [`BatchIo::submit`] + [`BatchIo::poll`] is the
+//! overlapping form and is `unsafe`: the caller keeps buffers and handles alive until their
+//! completions are reaped (or a [`BatchIo::cancel`] returned `Ok`).
+//!
+//! # What a cancel guarantees
+//!
+//! cuFile's API reference says only that `cuFileBatchIOCancel` cancels the batch's operations.
+//! What it does, in libcufile 1.15 (the one the GPU machine runs, read in its code): for each
+//! IO engine it cancels what has not started and *waits inside the call* for what has (the
+//! io_uring engine polls the pending operations for up to 30 s, the mixed engine up to 5 s,
+//! the aio/P2PDMA engine cancels and reaps with `io_getevents`), frees the batch's work items
+//! and sets the batch idle; then it returns `CU_FILE_SUCCESS`, or
+//! `CU_FILE_INTERNAL_BATCH_CANCEL_ERROR` (5042, "retry later") when an engine could not cancel.
+//! The operations it ended are **never reported** by `cuFileBatchIOGetStatus` afterwards (a
+//! batch that waited for them forever hung the GPU suite), and NVIDIA's own sample
+//! (`NVIDIA/MagnumIO: gds/samples/3_cuFile_Batch/batch_cancel.cc`) treats a successful cancel as
+//! the end of the batch's IO: it expects "Got events: 0" from `GetStatus` after it and frees the
+//! buffers. So gpudirect does the same: after a successful cancel every operation not reported
+//! yet is over, and gets a completion with status `CUFILE_CANCELED` (its destination's bytes are
+//! unspecified). A cancel that fails leaves the operations running: gpudirect then waits for
+//! their own completions and retries the cancel, and if
+//! neither ends them within 30 s it aborts the process with a message — returning would release buffers the
+//! device may still write, and waiting without bound is a hang.
 
+use std::collections::HashSet;
 use std::ffi::c_void;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -52,24 +73,29 @@ pub struct BatchCompletion {
     pub submission: u64,
     /// Index of the operation in its submitted slice.
     pub index: usize,
-    /// Raw `CUfileStatus_t` (`CUFILE_COMPLETE` = 0x10, `CUFILE_FAILED` = 0x40, ...).
+    /// Raw `CUfileStatus_t` (`CUFILE_COMPLETE` = 0x10, `CUFILE_CANCELED` = 0x8,
+    /// `CUFILE_FAILED` = 0x40, ...). An operation ended by a successful [`BatchIo::cancel`]
+    /// before cuFile reported it has `CUFILE_CANCELED`.
     pub status: u32,
     /// Bytes moved, or the decoded error.
     pub result: Result<usize>,
 }
 
 /// A batch context of fixed capacity (`cuFileBatchIOSetUp`), destroyed on drop
-/// (`cuFileBatchIODestroy`, after cancelling and draining anything in flight).
+/// (`cuFileBatchIODestroy`, after cancelling anything in flight).
 pub struct BatchIo {
     handle: sys::CUfileBatchHandle_t,
     capacity: u32,
-    in_flight: usize,
+    /// The cookies of the operations submitted to cuFile and neither reported nor ended by a
+    /// cancel. A completion whose cookie is not here is not counted (see `get_status`).
+    outstanding: HashSet<usize>,
     /// The number the next submission gets; part of every cookie (see [`cookie`]).
     next_submission: u64,
-    /// Completions of reads that start at or past end of file: never submitted (nothing to
-    /// move), handed out by the next [`poll`](Self::poll).
+    /// Completions not handed out yet: reads that start at or past end of file (never
+    /// submitted, nothing to move), those a cancel collected or ended; the next
+    /// [`poll`](Self::poll) returns them.
     ready: Vec<BatchCompletion>,
-    // Registrations used by in-flight operations stay alive until they are drained.
+    // Registrations used by in-flight operations stay alive until nothing is in flight.
     holds: Vec<Arc<HandleInner>>,
     driver: Arc<Driver>,
 }
@@ -78,7 +104,7 @@ impl std::fmt::Debug for BatchIo {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("BatchIo")
             .field("capacity", &self.capacity)
-            .field("in_flight", &self.in_flight)
+            .field("in_flight", &self.in_flight())
             .finish_non_exhaustive()
     }
 }
@@ -87,7 +113,7 @@ impl std::fmt::Debug for BatchIo {
 // all cuFile APIs are thread-safe, so it may be polled, cancelled and destroyed from another
 // thread than the one that set it up. `BatchIo` is not `Sync`: every state change takes
 // `&mut self`. Moving it with operations in flight moves their registrations (`holds`) with it,
-// and its Drop drains them on whichever thread runs it (or aborts, see `cancel_and_drain`);
+// and its Drop cancels them on whichever thread runs it (or aborts, see `cancel_and_drain`);
 // `mem::forget` leaks the context and registrations with the IO still running, which `run`
 // never allows (it returns only with nothing in flight) and `submit`'s contract covers.
 unsafe impl Send for BatchIo {}
@@ -106,7 +132,7 @@ impl BatchIo {
         Ok(BatchIo {
             handle,
             capacity,
-            in_flight: 0,
+            outstanding: HashSet::new(),
             next_submission: 0,
             ready: Vec::new(),
             holds: Vec::new(),
@@ -126,21 +152,21 @@ impl BatchIo {
     }
 
     /// Operations submitted and not yet reaped by [`poll`](Self::poll) (including reads that
-    /// start at end of file, which complete at once with 0 bytes).
+    /// start at end of file, which complete at once with 0 bytes, and operations a cancel
+    /// ended, whose completions the next poll hands out).
     pub fn in_flight(&self) -> usize {
-        self.in_flight + self.ready.len()
+        self.outstanding.len() + self.ready.len()
     }
 
     /// Submits `ops`, waits for all of them (each poll waits up to `timeout`; the whole run
     /// fails after `timeout` without progress) and returns their completions in order.
     ///
-    /// Synchronous and safe: on any error the batch is cancelled and drained before returning,
-    /// so no operation can still write a buffer once `run` returns, `Ok` or `Err`. If cancelled
-    /// operations do not finish, `run` keeps waiting (logging every 30 s); if cuFile's polls
-    /// keep failing for 30 s, nothing can tell whether the device is done with the buffers, and
-    /// the process aborts rather than return. Each view's stream is synchronised before
-    /// submission. Refused ([`Error::InvalidArgument`], nothing submitted) while operations of
-    /// an earlier [`submit`](Self::submit) are in flight: reap them with [`poll`](Self::poll).
+    /// Synchronous and safe: on any error or timeout the batch is cancelled before returning,
+    /// and `run` returns (`Ok` or `Err`) only when no operation can still touch a buffer (see
+    /// the module's "What a cancel guarantees": a cancel that cuFile refuses for
+    /// 30 s while the operations do not finish aborts the process with a message). Each view's stream is synchronised before submission. Refused
+    /// ([`Error::InvalidArgument`], nothing submitted) while operations of an earlier
+    /// [`submit`](Self::submit) are in flight: reap them with [`poll`](Self::poll).
     pub fn run(
         &mut self,
         ops: &mut [BatchOp<'_>],
@@ -159,21 +185,26 @@ impl BatchIo {
             )));
         }
         // SAFETY: every buffer and handle is borrowed by `ops` for this call, and this call
-        // does not return before every operation has completed or been cancelled and drained.
+        // does not return before every operation has completed or been ended by a successful
+        // cancel (or the process aborts, see `cancel_and_drain`).
         let mine = unsafe { self.submit(ops) }?;
         let mut done: Vec<Option<BatchCompletion>> = (0..ops.len()).map(|_| None).collect();
-        for c in std::mem::take(&mut self.ready) {
-            let i = c.index;
-            if c.submission == mine && i < done.len() {
-                done[i] = Some(c);
+        let take = |done: &mut Vec<Option<BatchCompletion>>, got: Vec<BatchCompletion>| {
+            for c in got {
+                let i = c.index;
+                if c.submission == mine && i < done.len() {
+                    done[i] = Some(c);
+                }
             }
-        }
+        };
+        take(&mut done, std::mem::take(&mut self.ready));
         let mut last_progress = Instant::now();
-        while self.in_flight > 0 {
-            match self.poll(1, Some(timeout)) {
+        while !self.outstanding.is_empty() {
+            match self.get_status(1, Some(timeout)) {
                 Ok(got) => {
                     if got.is_empty() && last_progress.elapsed() >= timeout {
                         self.cancel_and_drain();
+                        self.ready.clear();
                         return Err(Error::Io {
                             op: "cuFileBatchIOGetStatus",
                             path: None,
@@ -186,15 +217,11 @@ impl BatchIo {
                     if !got.is_empty() {
                         last_progress = Instant::now();
                     }
-                    for c in got {
-                        let i = c.index;
-                        if c.submission == mine && i < done.len() {
-                            done[i] = Some(c);
-                        }
-                    }
+                    take(&mut done, got);
                 }
                 Err(e) => {
                     self.cancel_and_drain();
+                    self.ready.clear();
                     return Err(e);
                 }
             }
@@ -221,14 +248,15 @@ impl BatchIo {
     ///
     /// # Safety
     /// Every buffer named in `ops` must stay allocated and unaccessed by anything else until
-    /// its completion has been returned by [`poll`](Self::poll), or until [`cancel`](Self::cancel)
-    /// followed by polls has drained the batch (dropping the `BatchIo` does that: its drop
-    /// blocks until nothing is in flight, or aborts as [`run`](Self::run) does). A `BatchIo`
-    /// passed to `mem::forget` with operations in flight never drains: their buffers must then
-    /// never be freed or reused. The file registrations are held by the batch itself.
+    /// its completion has been returned by [`poll`](Self::poll), or until
+    /// [`cancel`](Self::cancel) has returned `Ok` (dropping the `BatchIo` cancels: its drop
+    /// returns only when nothing is in flight, or aborts as [`run`](Self::run) does). A
+    /// `BatchIo` passed to `mem::forget` with operations in flight never cancels them: their
+    /// buffers must then never be freed or reused. The file registrations are held by the batch
+    /// itself.
     pub unsafe fn submit(&mut self, ops: &mut [BatchOp<'_>]) -> Result<u64> {
         let _restore = crate::cuda::CurrentContext::save();
-        let free = self.capacity as usize - self.in_flight;
+        let free = self.capacity as usize - self.outstanding.len();
         if ops.len() > free {
             return Err(Error::InvalidArgument(format!(
                 "{} operations exceed the batch's free capacity {free}",
@@ -311,25 +339,39 @@ impl BatchIo {
             unsafe { result::batch_submit(self.driver.lib(), self.handle, &mut params) }?;
         }
         self.ready.extend(ready);
-        self.in_flight += params.len();
+        self.outstanding
+            .extend(params.iter().map(|p| p.cookie as usize));
         self.holds.extend(holds);
         self.next_submission = self.next_submission.wrapping_add(1);
         Ok(submission)
     }
 
     /// Waits for at least `min_nr` completions or `timeout` (`cuFileBatchIOGetStatus`) and
-    /// returns those that arrived (possibly fewer on timeout).
+    /// returns those that arrived (possibly fewer on timeout). Completions a
+    /// [`cancel`](Self::cancel) collected or ended come first, without waiting.
     pub fn poll(&mut self, min_nr: u32, timeout: Option<Duration>) -> Result<Vec<BatchCompletion>> {
         if !self.ready.is_empty() {
             return Ok(std::mem::take(&mut self.ready));
         }
-        if self.in_flight == 0 {
+        self.get_status(min_nr, timeout)
+    }
+
+    /// `cuFileBatchIOGetStatus` for the operations cuFile still runs: their completions, each
+    /// counted once. A finished event whose cookie is not outstanding (reported twice, or for
+    /// an operation a cancel ended) is logged and dropped.
+    fn get_status(
+        &mut self,
+        min_nr: u32,
+        timeout: Option<Duration>,
+    ) -> Result<Vec<BatchCompletion>> {
+        if self.outstanding.is_empty() {
             return Ok(Vec::new());
         }
+        let _restore = crate::cuda::CurrentContext::save();
         // SAFETY: all-zero is valid for CUfileIOEvents_t.
         let zero: sys::CUfileIOEvents_t = unsafe { std::mem::zeroed() };
-        let mut events = vec![zero; self.in_flight];
-        let min_nr = min_nr.min(self.in_flight as u32);
+        let mut events = vec![zero; self.outstanding.len()];
+        let min_nr = min_nr.min(self.outstanding.len() as u32);
         // SAFETY: the batch handle is live.
         let n = unsafe {
             result::batch_get_status(self.driver.lib(), self.handle, min_nr, &mut events, timeout)
@@ -347,7 +389,14 @@ impl BatchIo {
             if !finished {
                 continue;
             }
-            self.in_flight = self.in_flight.saturating_sub(1);
+            if !self.outstanding.remove(&(ev.cookie as usize)) {
+                tracing::warn!(
+                    cookie = ev.cookie as usize,
+                    status,
+                    "cuFileBatchIOGetStatus reported an operation that is not in flight; ignored"
+                );
+                continue;
+            }
             let result = if status & sys::CUFILE_COMPLETE != 0 {
                 match IoReturn::decode_event(ev.ret) {
                     IoReturn::Bytes(b) => Ok(b),
@@ -381,27 +430,81 @@ impl BatchIo {
                 result,
             });
         }
-        if self.in_flight == 0 {
+        if self.outstanding.is_empty() {
             self.holds.clear();
         }
         Ok(out)
     }
 
-    /// Cancels everything in flight (`cuFileBatchIOCancel`); completions (cancelled or not)
-    /// still have to be reaped with [`poll`](Self::poll).
+    /// Cancels everything in flight (`cuFileBatchIOCancel`).
+    ///
+    /// `Ok` means nothing of this batch runs any more (see the module's "What a cancel
+    /// guarantees"): completions that had arrived keep their result, every other operation gets
+    /// one with status `CUFILE_CANCELED` and an error (its destination's bytes are
+    /// unspecified); the next [`poll`](Self::poll) hands them all out. `Err` (e.g. cuFile's
+    /// "retry later") means the operations may still run: keep polling, or cancel again.
     pub fn cancel(&mut self) -> Result<()> {
-        if self.in_flight == 0 {
+        if self.outstanding.is_empty() {
+            return Ok(());
+        }
+        let _restore = crate::cuda::CurrentContext::save();
+        // What has arrived keeps its real result.
+        self.collect_now();
+        if self.outstanding.is_empty() {
             return Ok(());
         }
         // SAFETY: the batch handle is live.
-        unsafe { result::batch_cancel(self.driver.lib(), self.handle) }
+        unsafe { result::batch_cancel(self.driver.lib(), self.handle) }?;
+        // A cuFile that does report the operations it cancelled: take those reports.
+        self.collect_now();
+        let ended = end_all(&mut self.outstanding);
+        self.ready.extend(ended);
+        self.holds.clear();
+        Ok(())
     }
 
-    /// Cancels and reaps until nothing is in flight; never returns before (see
-    /// [`cancel_and_drain`]).
+    /// Moves the completions that have arrived, without waiting, into `ready`; a failing poll is
+    /// only logged (the caller goes on to cancel, or has cancelled).
+    fn collect_now(&mut self) {
+        match self.get_status(0, Some(Duration::ZERO)) {
+            Ok(got) => self.ready.extend(got),
+            Err(e) => {
+                tracing::debug!(error = %e, "polling a batch before or after its cancel failed")
+            }
+        }
+    }
+
+    /// Cancels until nothing is in flight; never returns before (see [`cancel_and_drain`]).
     fn cancel_and_drain(&mut self) {
         cancel_and_drain(self, &DrainPolicy::DEFAULT)
     }
+}
+
+/// Completions for every operation in `outstanding`, which a successful cancel ended before
+/// cuFile reported it (status `CUFILE_CANCELED`), in cookie order; `outstanding` is left empty.
+fn end_all(outstanding: &mut HashSet<usize>) -> Vec<BatchCompletion> {
+    let mut cookies: Vec<usize> = outstanding.drain().collect();
+    cookies.sort_unstable();
+    cookies
+        .into_iter()
+        .map(|c| {
+            let (submission, index) = decode_cookie(c as *mut c_void);
+            BatchCompletion {
+                submission,
+                index,
+                status: sys::CUFILE_CANCELED,
+                result: Err(Error::Io {
+                    op: "cuFileBatchIOCancel",
+                    path: None,
+                    source: std::io::Error::new(
+                        std::io::ErrorKind::Interrupted,
+                        "the operation was cancelled before cuFile reported it; the bytes of its \
+                         destination are unspecified",
+                    ),
+                }),
+            }
+        })
+        .collect()
 }
 
 /// Bits of a cookie holding the operation's index in its submission (the capacity is bounded
@@ -427,9 +530,9 @@ fn decode_cookie(c: *mut c_void) -> (u64, usize) {
 /// What draining needs from a batch: the seam that lets the drain policy be tested without
 /// cuFile.
 pub(in crate::storage) trait Reap {
-    /// Operations submitted and not yet reaped.
+    /// Operations that may still touch memory.
     fn in_flight(&self) -> usize;
-    /// Cancels everything in flight.
+    /// Cancels everything in flight; `Ok` means nothing is in flight any more.
     fn cancel(&mut self) -> Result<()>;
     /// Waits up to `wait` for at least one completion and reaps what arrived.
     fn reap(&mut self, wait: Duration) -> Result<()>;
@@ -437,86 +540,95 @@ pub(in crate::storage) trait Reap {
 
 impl Reap for BatchIo {
     fn in_flight(&self) -> usize {
-        self.in_flight
+        self.outstanding.len()
     }
     fn cancel(&mut self) -> Result<()> {
         BatchIo::cancel(self)
     }
     fn reap(&mut self, wait: Duration) -> Result<()> {
-        self.poll(1, Some(wait)).map(|_| ())
+        let got = self.get_status(1, Some(wait))?;
+        self.ready.extend(got);
+        Ok(())
     }
 }
 
-/// How [`cancel_and_drain`] waits.
+/// How [`cancel_and_drain`] waits when cuFile refuses to cancel.
 #[derive(Debug, Clone, Copy)]
 pub(in crate::storage) struct DrainPolicy {
-    /// Each poll waits up to this long.
+    /// Each poll for the operations' own completions waits up to this long.
     pub(in crate::storage) poll: Duration,
-    /// How often a drain without progress is logged (and the cancel repeated), and how long
-    /// polls may keep failing before the process aborts.
+    /// How long the operations are polled before the cancel is tried again.
+    pub(in crate::storage) retry: Duration,
+    /// How long, in all, cancels may fail while operations stay in flight before the process
+    /// aborts (30 s by default).
     pub(in crate::storage) patience: Duration,
 }
 
 impl DrainPolicy {
+    /// What [`BatchIo::run`] and `BatchIo`'s drop use: polls of 100 ms, a new cancel every
+    /// second, abort after 30 s.
     pub(in crate::storage) const DEFAULT: DrainPolicy = DrainPolicy {
         poll: Duration::from_millis(100),
+        retry: Duration::from_secs(1),
         patience: Duration::from_secs(30),
     };
 }
 
-/// Cancels and reaps until nothing is in flight, and only then returns.
+/// Cancels and returns only when nothing is in flight; never waits without bound.
 ///
-/// The operations write buffers the batch only borrows, so returning earlier would let the
-/// caller free or reuse memory the device may still write. Hence: while polls succeed without
-/// a completion (a hung storage target), it keeps waiting, logging and cancelling again every
-/// `policy.patience`; when polls keep failing for `policy.patience` (nothing can tell any more
-/// whether the device is done), it aborts the process with a message.
+/// The operations touch buffers the batch only borrows, so returning earlier would let the
+/// caller free or reuse memory the device may still write. A successful cancel ends them all
+/// (module doc). While cuFile refuses to cancel, the operations may still finish on their own:
+/// they are polled, and the cancel retried every `policy.retry`; when after `policy.patience`
+/// neither has ended them, nothing can tell any more whether the device is done with the
+/// buffers, and the process aborts with a message.
 pub(in crate::storage) fn cancel_and_drain(b: &mut impl Reap, policy: &DrainPolicy) {
     if b.in_flight() == 0 {
         return;
     }
-    if let Err(e) = b.cancel() {
-        tracing::warn!(error = %e, "cuFileBatchIOCancel failed");
-    }
     let start = Instant::now();
-    let mut last_log = start;
-    let mut failing_since: Option<Instant> = None;
-    while b.in_flight() > 0 {
-        match b.reap(policy.poll) {
-            Ok(()) => failing_since = None,
+    let mut last_error: Option<Error> = None;
+    loop {
+        match b.cancel() {
+            Ok(()) if b.in_flight() == 0 => return,
+            Ok(()) => {
+                last_error = Some(Error::InvalidArgument(format!(
+                    "cuFileBatchIOCancel succeeded with {} operations still in flight",
+                    b.in_flight()
+                )))
+            }
             Err(e) => {
-                let since = *failing_since.get_or_insert_with(|| {
-                    tracing::warn!(error = %e, "polling a cancelled cuFile batch failed; retrying");
-                    Instant::now()
-                });
-                if since.elapsed() >= policy.patience {
-                    abort_in_flight(b.in_flight(), &e);
+                if last_error.is_none() {
+                    tracing::warn!(error = %e, "cuFileBatchIOCancel failed; waiting for the operations and retrying");
                 }
+                last_error = Some(e);
+            }
+        }
+        let round = Instant::now();
+        while b.in_flight() > 0 && round.elapsed() < policy.retry {
+            if let Err(e) = b.reap(policy.poll) {
+                last_error = Some(e);
                 std::thread::sleep(policy.poll);
             }
         }
-        if b.in_flight() > 0 && last_log.elapsed() >= policy.patience {
-            tracing::warn!(
-                in_flight = b.in_flight(),
-                waited = ?start.elapsed(),
-                "a cancelled cuFile batch still has operations in flight; waiting for them \
-                 (their buffers are borrowed, so returning before they finish is not safe)"
-            );
-            if let Err(e) = b.cancel() {
-                tracing::warn!(error = %e, "cuFileBatchIOCancel failed");
-            }
-            last_log = Instant::now();
+        if b.in_flight() == 0 {
+            return;
+        }
+        if start.elapsed() >= policy.patience {
+            abort_in_flight(b.in_flight(), start.elapsed(), last_error.as_ref());
         }
     }
 }
 
-/// Ends the process: batch IO may still write borrowed memory and cuFile no longer answers.
+/// Ends the process: batch IO may still write borrowed memory and cuFile neither cancels it
+/// nor reports it finished.
 #[cold]
-fn abort_in_flight(in_flight: usize, e: &Error) -> ! {
+fn abort_in_flight(in_flight: usize, waited: Duration, e: Option<&Error>) -> ! {
+    let why = e.map_or_else(|| "no error".to_string(), |e| e.to_string());
     let msg = format!(
-        "gpudirect: cuFile batch IO may still be in flight ({in_flight} operations) and polling \
-         it keeps failing ({e}); aborting, because returning would release buffers the device \
-         may still write"
+        "gpudirect: cuFile batch IO may still be in flight ({in_flight} operations) after \
+         {waited:?} of failed cancels and polls (last: {why}); aborting, because returning would \
+         release buffers the device may still write"
     );
     tracing::error!("{msg}");
     eprintln!("{msg}");
@@ -525,9 +637,10 @@ fn abort_in_flight(in_flight: usize, e: &Error) -> ! {
 
 impl Drop for BatchIo {
     fn drop(&mut self) {
-        // Blocks until nothing is in flight (or aborts): `submit`'s callers rely on the drop to
-        // keep their borrowed buffers safe.
+        // Returns only when nothing is in flight (or aborts): `submit`'s callers rely on the
+        // drop to keep their borrowed buffers safe.
         self.cancel_and_drain();
+        let _restore = crate::cuda::CurrentContext::save();
         // SAFETY: the handle is live and nothing is in flight.
         unsafe { result::batch_destroy(self.driver.lib(), self.handle) };
     }
@@ -537,14 +650,29 @@ impl Drop for BatchIo {
 mod tests {
     use super::*;
 
-    /// A batch whose operations complete one per `reap` after `stall` empty polls, and whose
-    /// polls fail `failures` times first.
+    /// A batch whose cancel fails `cancel_failures` times and then ends everything (as
+    /// cuFile's does), and whose operations complete one per `reap` after `stall` empty polls
+    /// (`usize::MAX`: never), polls failing `failures` times first.
     struct Fake {
         in_flight: usize,
+        cancel_failures: usize,
         stall: usize,
         failures: usize,
         cancels: usize,
         reaps: usize,
+    }
+
+    impl Fake {
+        fn new(in_flight: usize) -> Fake {
+            Fake {
+                in_flight,
+                cancel_failures: 0,
+                stall: 0,
+                failures: 0,
+                cancels: 0,
+                reaps: 0,
+            }
+        }
     }
 
     impl Reap for Fake {
@@ -553,6 +681,11 @@ mod tests {
         }
         fn cancel(&mut self) -> Result<()> {
             self.cancels += 1;
+            if self.cancel_failures > 0 {
+                self.cancel_failures -= 1;
+                return Err(Error::InvalidArgument("fake cancel failure".into()));
+            }
+            self.in_flight = 0;
             Ok(())
         }
         fn reap(&mut self, wait: Duration) -> Result<()> {
@@ -562,13 +695,32 @@ mod tests {
                 return Err(Error::InvalidArgument("fake poll failure".into()));
             }
             if self.stall > 0 {
-                self.stall -= 1;
+                self.stall = self.stall.saturating_sub(1);
                 std::thread::sleep(wait);
                 return Ok(());
             }
             self.in_flight -= 1;
             Ok(())
         }
+    }
+
+    const FAST: DrainPolicy = DrainPolicy {
+        poll: Duration::from_millis(2),
+        retry: Duration::from_millis(10),
+        patience: Duration::from_millis(60),
+    };
+
+    /// Runs the drain on another thread and gives the fake back, or fails the test if the drain
+    /// does not return within 10 s (a hang must fail, not hang the suite).
+    fn drain_bounded(mut b: Fake) -> (Fake, Duration) {
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let t = Instant::now();
+            cancel_and_drain(&mut b, &FAST);
+            let _ = tx.send((b, t.elapsed()));
+        });
+        rx.recv_timeout(Duration::from_secs(10))
+            .expect("cancel_and_drain did not return within 10 s")
     }
 
     #[test]
@@ -586,86 +738,132 @@ mod tests {
         assert_ne!(cookie(0, 0), cookie(1, 0));
     }
 
-    const FAST: DrainPolicy = DrainPolicy {
-        poll: Duration::from_millis(2),
-        patience: Duration::from_millis(40),
-    };
+    /// cuFile 1.15 never reports the operations a successful cancel ended (the GPU suite hung on
+    /// a drain that waited for them): the cancel's success ends the drain at once, and every
+    /// operation not reported gets exactly one `CUFILE_CANCELED` completion.
+    #[test]
+    fn a_successful_cancel_ends_every_operation_it_did_not_see_reported() {
+        let mut b = Fake::new(8);
+        b.stall = usize::MAX; // cuFile reports nothing, ever
+        let (b, took) = drain_bounded(b);
+        assert_eq!(b.in_flight, 0);
+        assert_eq!((b.cancels, b.reaps), (1, 0), "one cancel, no waiting");
+        assert!(took < Duration::from_secs(1), "{took:?}");
+
+        let mut outstanding: HashSet<usize> = (0..5).map(|i| cookie(3, i) as usize).collect();
+        outstanding.remove(&(cookie(3, 2) as usize)); // reported before the cancel
+        let ended = end_all(&mut outstanding);
+        assert!(outstanding.is_empty());
+        let idx: Vec<(u64, usize)> = ended.iter().map(|c| (c.submission, c.index)).collect();
+        assert_eq!(idx, [(3, 0), (3, 1), (3, 3), (3, 4)]);
+        for c in &ended {
+            assert_eq!(c.status, sys::CUFILE_CANCELED);
+            let e = c.result.as_ref().unwrap_err().to_string();
+            assert!(
+                e.contains("cuFileBatchIOCancel") && e.contains("unspecified"),
+                "{e}"
+            );
+        }
+    }
 
     #[test]
-    fn drain_does_not_return_while_io_is_in_flight_after_a_long_stall() {
-        // 60 empty polls of 2 ms: longer than the patience.
-        let mut b = Fake {
-            in_flight: 3,
-            stall: 60,
-            failures: 0,
-            cancels: 0,
-            reaps: 0,
-        };
-        cancel_and_drain(&mut b, &FAST);
+    fn a_refused_cancel_waits_for_the_operations_own_completions() {
+        let mut b = Fake::new(3);
+        b.cancel_failures = usize::MAX;
+        b.stall = 4;
+        let (b, _) = drain_bounded(b);
         assert_eq!(
             b.in_flight, 0,
-            "cancel_and_drain returned with operations in flight (their buffers may still be written)"
+            "returned with operations in flight (their buffers may still be written)"
         );
         assert!(b.cancels >= 1);
     }
 
     #[test]
-    fn drain_does_not_return_while_io_is_in_flight_after_a_poll_error() {
-        let mut b = Fake {
-            in_flight: 2,
-            stall: 0,
-            failures: 3,
-            cancels: 0,
-            reaps: 0,
-        };
-        cancel_and_drain(&mut b, &FAST);
-        assert_eq!(
-            b.in_flight, 0,
-            "cancel_and_drain returned after a poll error with operations in flight"
-        );
+    fn a_refused_cancel_is_retried_until_cufile_takes_it() {
+        let mut b = Fake::new(2);
+        b.cancel_failures = 2;
+        b.stall = usize::MAX;
+        let (b, _) = drain_bounded(b);
+        assert_eq!(b.in_flight, 0);
+        assert_eq!(b.cancels, 3);
+    }
+
+    #[test]
+    fn poll_errors_during_a_refused_cancel_are_survived() {
+        let mut b = Fake::new(2);
+        b.cancel_failures = usize::MAX;
+        b.failures = 3;
+        let (b, _) = drain_bounded(b);
+        assert_eq!(b.in_flight, 0);
         assert_eq!(b.reaps, 5);
     }
 
     const ABORT_CHILD: &str = "GPUDIRECT_TEST_DRAIN_ABORT_CHILD";
 
-    /// Polls that keep failing: nothing can prove the device is done with the buffers, so the
-    /// process aborts rather than return. Runs the drain in a child process (this test binary,
-    /// filtered to this test) and checks that it died of SIGABRT with a message.
+    /// Runs `test` (this binary, filtered to it) in a child with `ABORT_CHILD=case`, waits at
+    /// most 20 s, and checks that it died of SIGABRT with the abort's message, within bounded
+    /// time.
+    fn expect_abort_in_child(test: &str, case: &str) {
+        use std::os::unix::process::ExitStatusExt;
+        use std::process::{Command, Stdio};
+        let mut child = Command::new(std::env::current_exe().unwrap())
+            .args(["--exact", test, "--nocapture", "--test-threads=1"])
+            .env(ABORT_CHILD, case)
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let t = Instant::now();
+        let status = loop {
+            if let Some(s) = child.try_wait().unwrap() {
+                break s;
+            }
+            if t.elapsed() > Duration::from_secs(20) {
+                let _ = child.kill();
+                let _ = child.wait();
+                panic!("{case}: the drain neither returned nor aborted within 20 s (a hang)");
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        };
+        let mut stderr = String::new();
+        use std::io::Read;
+        child
+            .stderr
+            .take()
+            .unwrap()
+            .read_to_string(&mut stderr)
+            .unwrap();
+        assert_eq!(
+            status.signal(),
+            Some(libc::SIGABRT),
+            "{case}: the drain returned instead of aborting (status {status:?}); stderr:\n{stderr}"
+        );
+        assert!(
+            stderr.contains("cuFile batch IO may still be in flight"),
+            "{case}: {stderr}"
+        );
+    }
+
+    /// Nothing can prove the device is done with the buffers when cuFile refuses every cancel
+    /// and the operations never finish (or polls keep failing): the process aborts, after the
+    /// bounded patience, rather than return or wait forever.
     #[test]
-    fn drain_aborts_when_polls_keep_failing() {
-        if std::env::var_os(ABORT_CHILD).is_some() {
-            let mut b = Fake {
-                in_flight: 1,
-                stall: 0,
-                failures: usize::MAX,
-                cancels: 0,
-                reaps: 0,
-            };
+    fn drain_aborts_when_cancels_keep_failing_and_nothing_finishes() {
+        const NAME: &str = "storage::cufile::batch::tests::drain_aborts_when_cancels_keep_failing_and_nothing_finishes";
+        if let Some(case) = std::env::var_os(ABORT_CHILD) {
+            let mut b = Fake::new(1);
+            b.cancel_failures = usize::MAX;
+            if case == "stall" {
+                b.stall = usize::MAX;
+            } else {
+                b.failures = usize::MAX;
+            }
             cancel_and_drain(&mut b, &FAST);
             // Reaching this line is the failure the parent detects (exit status 0).
             return;
         }
-        let out = std::process::Command::new(std::env::current_exe().unwrap())
-            .args([
-                "--exact",
-                "storage::cufile::batch::tests::drain_aborts_when_polls_keep_failing",
-                "--nocapture",
-                "--test-threads=1",
-            ])
-            .env(ABORT_CHILD, "1")
-            .output()
-            .unwrap();
-        use std::os::unix::process::ExitStatusExt;
-        let stderr = String::from_utf8_lossy(&out.stderr);
-        assert_eq!(
-            out.status.signal(),
-            Some(libc::SIGABRT),
-            "the drain returned instead of aborting (status {:?}); stderr:\n{stderr}",
-            out.status
-        );
-        assert!(
-            stderr.contains("cuFile batch IO may still be in flight"),
-            "{stderr}"
-        );
+        expect_abort_in_child(NAME, "stall");
+        expect_abort_in_child(NAME, "poll-errors");
     }
 }

@@ -513,7 +513,8 @@ pub(crate) unsafe fn batch_get_status(
     let f = sym(lib.cuFileBatchIOGetStatus, "cuFileBatchIOGetStatus")?;
     let mut nr = events.len() as u32;
     let mut ts = timeout.map(|d| libc::timespec {
-        tv_sec: d.as_secs() as libc::time_t,
+        // Saturates: a huge timeout (Duration::MAX) must not wrap to a negative one.
+        tv_sec: d.as_secs().min(libc::time_t::MAX as u64) as libc::time_t,
         tv_nsec: d.subsec_nanos() as libc::c_long,
     });
     let ts_p = ts
