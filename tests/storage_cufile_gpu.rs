@@ -1237,20 +1237,67 @@ fn gpu_cufile_calls_leave_the_current_context_alone() {
         }
         Err(_) => check("a refused CuFileHandle::read_async"),
     }
-    if let Ok(mut batch) = BatchIo::new(Arc::clone(&d), 2) {
-        let mut b2 = stream.clone_htod(&random(4096)).unwrap();
-        unbind_context();
-        {
-            let mut ops = vec![BatchOp::Read {
-                handle: &h,
-                dst: b2.as_view_mut(),
-                file_offset: 0,
-            }];
-            let _ = batch.run(&mut ops, Duration::from_secs(30));
+    // Batch IO, each call on its own: in cuFile's compatibility path GetStatus copies the data
+    // to the GPU itself, on a context it makes current.
+    let mut b2 = stream.clone_htod(&random(4096)).unwrap();
+    let mut b3 = stream.clone_htod(&random(4096)).unwrap();
+    unbind_context();
+    match BatchIo::new(Arc::clone(&d), 2) {
+        Ok(mut batch) => {
+            check("BatchIo::new");
+            {
+                let mut ops = vec![BatchOp::Read {
+                    handle: &h,
+                    dst: b2.as_view_mut(),
+                    file_offset: 0,
+                }];
+                let _ = batch.run(&mut ops, Duration::from_secs(30));
+            }
+            check("BatchIo::run");
+            {
+                let mut ops = vec![BatchOp::Read {
+                    handle: &h,
+                    dst: b3.as_view_mut(),
+                    file_offset: 4096,
+                }];
+                // SAFETY: `ops` borrows `b3` until the end of this block, which ends the
+                // operation first (the cancel's Ok); an unwinding panic drops `batch` before
+                // `b3`.
+                if unsafe { batch.submit(&mut ops) }.is_ok() {
+                    check("BatchIo::submit");
+                    batch.cancel().expect("cuFileBatchIOCancel");
+                    check("BatchIo::cancel");
+                    while batch.in_flight() > 0 {
+                        let _ = batch.poll(1, Some(Duration::from_millis(100)));
+                    }
+                    check("BatchIo::poll");
+                }
+            }
+            drop(batch);
+            check("BatchIo's drop");
         }
-        check("BatchIo::run");
+        Err(e) => {
+            eprintln!("cuFileBatchIOSetUp refused ({e}); checked the error path");
+            check("a refused BatchIo::new");
+        }
     }
+    // Registering a file and deregistering it.
+    let path2 = scratch("current-ctx-2");
+    std::fs::write(&path2, &file[..8192]).unwrap();
+    match CuFileHandle::open(Arc::clone(&d), &path2, OpenMode::Read) {
+        Ok(h2) => {
+            check("CuFileHandle::open");
+            drop(h2);
+            check("CuFileHandle's drop");
+        }
+        Err(e) => {
+            eprintln!("cuFileHandleRegister refused ({e}); checked the error path");
+            check("a refused CuFileHandle::open");
+        }
+    }
+    std::fs::remove_file(&path2).unwrap();
     drop(h);
+    check("the last CuFileHandle's drop");
     std::fs::remove_file(&path).unwrap();
 }
 

@@ -100,6 +100,15 @@ pub(crate) fn decode_ssize(op: &'static str, ret: isize) -> Result<usize> {
     }
 }
 
+/// Puts the calling thread's current CUDA context back as it was when the guard drops. Every
+/// call below that can touch CUDA takes one: cuFile binds contexts of its own (at driver open,
+/// when it registers a handle or buffer, and in its compatibility path's copies, e.g. inside
+/// `cuFileBatchIOGetStatus`), and a gpudirect call must leave the caller's thread as it found
+/// it. Only used once libcuda is known to load (the driver is open or opening).
+fn keep_context() -> crate::cuda::CurrentContext {
+    crate::cuda::CurrentContext::save()
+}
+
 // ---- Library and driver -----------------------------------------------------------------------
 
 /// `cuFileGetVersion`; a library without the symbol is treated as 1.7 (1070), as KvikIO does.
@@ -121,6 +130,7 @@ pub(crate) fn get_version(lib: &sys::Library) -> Result<i32> {
 /// them cuFile 1.15 fails after writing `cufile.log` into the working directory and 1.20 spins
 /// at 100% CPU. `fork()` after this call is undefined behaviour in the child.
 pub(crate) unsafe fn driver_open(lib: &sys::Library) -> Result<()> {
+    let _context = keep_context();
     let f = sym(lib.cuFileDriverOpen, "cuFileDriverOpen")?;
     // SAFETY: no arguments; the caller guarantees libcuda and a device exist.
     check("cuFileDriverOpen", unsafe { f() })
@@ -139,6 +149,7 @@ pub(crate) fn use_count(lib: &sys::Library) -> Result<i64> {
 /// As [`driver_open`]: libcuda must be loadable (without it the call prints a dlopen error
 /// and returns `CU_FILE_CUDA_DRIVER_ERROR`).
 pub(crate) unsafe fn driver_get_properties(lib: &sys::Library) -> Result<sys::CUfileDrvProps_t> {
+    let _context = keep_context();
     let f = sym(lib.cuFileDriverGetProperties, "cuFileDriverGetProperties")?;
     // SAFETY: all-zero is a valid CUfileDrvProps_t (plain integers).
     let mut props: sys::CUfileDrvProps_t = unsafe { std::mem::zeroed() };
@@ -276,6 +287,7 @@ pub(crate) fn get_bar_size_kb(lib: &sys::Library, gpu: i32) -> Result<usize> {
 /// The driver must be open (see [`driver_open`]). `fd` must stay open until the handle is
 /// given to [`handle_deregister`].
 pub(crate) unsafe fn handle_register(lib: &sys::Library, fd: i32) -> Result<sys::CUfileHandle_t> {
+    let _context = keep_context();
     let f = sym(lib.cuFileHandleRegister, "cuFileHandleRegister")?;
     // SAFETY: all-zero is valid for the descriptor (null fs_ops, as DALI and PyTorch do).
     let mut descr: sys::CUfileDescr_t = unsafe { std::mem::zeroed() };
@@ -292,6 +304,7 @@ pub(crate) unsafe fn handle_register(lib: &sys::Library, fd: i32) -> Result<sys:
 /// # Safety
 /// `fh` came from [`handle_register`], is deregistered once, and no IO on it is in flight.
 pub(crate) unsafe fn handle_deregister(lib: &sys::Library, fh: sys::CUfileHandle_t) {
+    let _context = keep_context();
     if let Some(f) = lib.cuFileHandleDeregister {
         // SAFETY: per the caller's contract.
         unsafe { f(fh) }
@@ -309,6 +322,7 @@ pub(crate) unsafe fn buf_register(
     len: usize,
     flags: i32,
 ) -> Result<()> {
+    let _context = keep_context();
     let f = sym(lib.cuFileBufRegister, "cuFileBufRegister")?;
     // SAFETY: per the caller's contract.
     check("cuFileBufRegister", unsafe { f(base, len, flags) })
@@ -319,6 +333,7 @@ pub(crate) unsafe fn buf_register(
 /// # Safety
 /// `base` was registered with [`buf_register`] and no IO on it is in flight.
 pub(crate) unsafe fn buf_deregister(lib: &sys::Library, base: *const c_void) -> Result<()> {
+    let _context = keep_context();
     let f = sym(lib.cuFileBufDeregister, "cuFileBufDeregister")?;
     // SAFETY: per the caller's contract.
     check("cuFileBufDeregister", unsafe { f(base) })
@@ -339,6 +354,7 @@ pub(crate) unsafe fn read(
     file_offset: i64,
     buf_offset: i64,
 ) -> Result<usize> {
+    let _context = keep_context();
     let f = sym(lib.cuFileRead, "cuFileRead")?;
     // SAFETY: per the caller's contract.
     let ret = unsafe { f(fh, base, size, file_offset, buf_offset) };
@@ -357,6 +373,7 @@ pub(crate) unsafe fn write(
     file_offset: i64,
     buf_offset: i64,
 ) -> Result<usize> {
+    let _context = keep_context();
     let f = sym(lib.cuFileWrite, "cuFileWrite")?;
     // SAFETY: per the caller's contract.
     let ret = unsafe { f(fh, base, size, file_offset, buf_offset) };
@@ -373,6 +390,7 @@ pub(crate) unsafe fn readv(
     iov: &[sys::CUfileIOVec_t],
     file_offset: i64,
 ) -> Result<usize> {
+    let _context = keep_context();
     let f = sym(lib.cuFileReadv, "cuFileReadv")?;
     // SAFETY: per the caller's contract; `iov` is valid for `iov.len()` elements.
     let ret = unsafe { f(fh, iov.as_ptr(), iov.len(), file_offset, 0) };
@@ -389,6 +407,7 @@ pub(crate) unsafe fn writev(
     iov: &[sys::CUfileIOVec_t],
     file_offset: i64,
 ) -> Result<usize> {
+    let _context = keep_context();
     let f = sym(lib.cuFileWritev, "cuFileWritev")?;
     // SAFETY: per the caller's contract.
     let ret = unsafe { f(fh, iov.as_ptr(), iov.len(), file_offset, 0) };
@@ -416,6 +435,7 @@ pub(crate) unsafe fn io_async(
     bytes_p: *mut isize,
     stream: sys::CUstream,
 ) -> Result<()> {
+    let _context = keep_context();
     if write {
         let f = sym(lib.cuFileWriteAsync, "cuFileWriteAsync")?;
         // SAFETY: per the caller's contract.
@@ -456,6 +476,7 @@ pub(crate) unsafe fn stream_register(
     stream: sys::CUstream,
     flags: u32,
 ) -> Result<()> {
+    let _context = keep_context();
     let f = sym(lib.cuFileStreamRegister, "cuFileStreamRegister")?;
     // SAFETY: per the caller's contract.
     check("cuFileStreamRegister", unsafe { f(stream, flags) })
@@ -466,6 +487,7 @@ pub(crate) unsafe fn stream_register(
 /// # Safety
 /// `stream` was registered and is still alive.
 pub(crate) unsafe fn stream_deregister(lib: &sys::Library, stream: sys::CUstream) -> Result<()> {
+    let _context = keep_context();
     let f = sym(lib.cuFileStreamDeregister, "cuFileStreamDeregister")?;
     // SAFETY: per the caller's contract.
     check("cuFileStreamDeregister", unsafe { f(stream) })
@@ -475,6 +497,7 @@ pub(crate) unsafe fn stream_deregister(lib: &sys::Library, stream: sys::CUstream
 
 /// `cuFileBatchIOSetUp(&h, nr)`.
 pub(crate) fn batch_setup(lib: &sys::Library, nr: u32) -> Result<sys::CUfileBatchHandle_t> {
+    let _context = keep_context();
     let f = sym(lib.cuFileBatchIOSetUp, "cuFileBatchIOSetUp")?;
     let mut h: sys::CUfileBatchHandle_t = std::ptr::null_mut();
     // SAFETY: `h` is a valid out-pointer.
@@ -486,12 +509,13 @@ pub(crate) fn batch_setup(lib: &sys::Library, nr: u32) -> Result<sys::CUfileBatc
 ///
 /// # Safety
 /// `h` is a live batch; every buffer and file handle named in `params` stays valid until its
-/// completion has been reaped or the batch cancelled and drained.
+/// completion has been reaped or a cancel of the batch has succeeded.
 pub(crate) unsafe fn batch_submit(
     lib: &sys::Library,
     h: sys::CUfileBatchHandle_t,
     params: &mut [sys::CUfileIOParams_t],
 ) -> Result<()> {
+    let _context = keep_context();
     let f = sym(lib.cuFileBatchIOSubmit, "cuFileBatchIOSubmit")?;
     // SAFETY: per the caller's contract; `params` is valid for its length.
     check("cuFileBatchIOSubmit", unsafe {
@@ -510,6 +534,7 @@ pub(crate) unsafe fn batch_get_status(
     events: &mut [sys::CUfileIOEvents_t],
     timeout: Option<Duration>,
 ) -> Result<usize> {
+    let _context = keep_context();
     let f = sym(lib.cuFileBatchIOGetStatus, "cuFileBatchIOGetStatus")?;
     let mut nr = events.len() as u32;
     let mut ts = timeout.map(|d| libc::timespec {
@@ -533,6 +558,7 @@ pub(crate) unsafe fn batch_get_status(
 /// # Safety
 /// `h` is a live batch.
 pub(crate) unsafe fn batch_cancel(lib: &sys::Library, h: sys::CUfileBatchHandle_t) -> Result<()> {
+    let _context = keep_context();
     let f = sym(lib.cuFileBatchIOCancel, "cuFileBatchIOCancel")?;
     // SAFETY: per the caller's contract.
     check("cuFileBatchIOCancel", unsafe { f(h) })
@@ -543,6 +569,7 @@ pub(crate) unsafe fn batch_cancel(lib: &sys::Library, h: sys::CUfileBatchHandle_
 /// # Safety
 /// `h` is a live batch with nothing in flight; it is not used again.
 pub(crate) unsafe fn batch_destroy(lib: &sys::Library, h: sys::CUfileBatchHandle_t) {
+    let _context = keep_context();
     if let Some(f) = lib.cuFileBatchIODestroy {
         // SAFETY: per the caller's contract.
         unsafe { f(h) }
