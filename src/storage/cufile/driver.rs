@@ -196,27 +196,37 @@ impl DriverProperties {
     }
 }
 
-/// Where cuFile writes its log (`cufile.log`, by default into the working directory).
+/// Where cuFile writes its log.
 ///
-/// cuFile takes a log *file* only from the `CUFILE_LOGFILE_PATH` environment variable, and a
-/// program may change its environment only while no other thread runs (C code on other
+/// cuFile 1.15 takes its log's place from two sources only, both read when the driver opens:
+/// the `CUFILE_LOGFILE_PATH` environment variable (a file), else `"logging": {"dir": ...}` of
+/// the `cufile.json` it reads (`/etc/cufile.json`, or `CUFILE_ENV_PATH_JSON`; the file is then
+/// `cufile_<pid>_<date>.<time>.log` there), else `cufile.log` in the working directory. The
+/// log-directory parameter (`CUFILE_PARAM_LOG_DIR` through `cuFileSetParameterString`) is
+/// accepted before `cuFileDriverOpen` and then ignored: cuFile opens its log before it applies
+/// staged parameters (seen on the H200 with 1.15.1 and reproduced with 1.15.1.6 here), so
+/// gpudirect does not use it.
+///
+/// A program may change its environment only while no other thread runs (C code on other
 /// threads — libcuda, NVML, cuFile's own — calls `getenv` without Rust's lock). So gpudirect
-/// sets that variable only when the driver opens in a process with a single thread; otherwise
-/// it sets cuFile's log *directory* (`CUFILE_PARAM_LOG_DIR`, cuFile 1.14+) before
-/// `cuFileDriverOpen`, and the environment is never touched.
+/// sets `CUFILE_LOGFILE_PATH` only when the driver opens in a process with a single thread;
+/// with other threads running, the log goes where cuFile puts it by itself, and
+/// [`Driver::log_file`] says where that is.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum LogTarget {
-    /// `CUFILE_LOGFILE_PATH` if the user set it, else the temporary directory: the file
-    /// `gpudirect-cufile-<pid>.log` there when the process has one thread at open, else
-    /// `cufile.log` in the directory `gpudirect-cufile-<uid>` there. The default.
+    /// The default: `CUFILE_LOGFILE_PATH` if the user set it; else, when the process has one
+    /// thread at open, the file `gpudirect-cufile-<pid>.log` in the temporary directory; else
+    /// cuFile's own place (the `cufile.json` log directory, or `cufile.log` in the working
+    /// directory), reported by [`Driver::log_file`].
     TempDir,
     /// This file. Needs the process to have a single thread when the driver opens (the file
     /// can only be named through the environment); otherwise opening the driver fails with
     /// [`Error::Unsupported`] saying what to do.
     File(PathBuf),
-    /// `cufile.log` in this directory (`CUFILE_PARAM_LOG_DIR`), with any number of threads.
+    /// `cufile.log` in this directory, with the same condition and refusal as
+    /// [`LogTarget::File`] (cuFile takes a directory only from its `cufile.json`).
     Dir(PathBuf),
-    /// Whatever cuFile does on its own (the working directory unless configured).
+    /// Whatever cuFile does on its own, reported by [`Driver::log_file`].
     CuFileDefault,
 }
 
@@ -482,6 +492,13 @@ impl DriverBuilder {
                 hint: TOO_LATE_HINT,
             });
         }
+        // Decided (and refused, if it must be) before any setting reaches cuFile.
+        let log_plan = plan_log(&self.log, process_is_single_threaded(), log_env())?;
+        if let LogPlan::SetEnv(path) = &log_plan {
+            // The process runs this one thread (checked just now), so nothing reads the
+            // environment meanwhile, and no thread can start but through this one.
+            std::env::set_var(LOG_ENV, OsString::from(path.as_os_str()));
+        }
         for s in &self.settings {
             s.apply(lib).map_err(|e| match e {
                 Error::CuFile { source, .. }
@@ -496,13 +513,6 @@ impl DriverBuilder {
                 other => other,
             })?;
         }
-        let log_file = direct_log(&self.log, process_is_single_threaded(), |dir| {
-            result::set_parameter_string(
-                lib,
-                sys::CUFILE_PARAM_LOG_DIR,
-                &result::c_string("log directory", &dir.to_string_lossy())?,
-            )
-        })?;
         // The context cuFile will adopt at open (the thread's current one), retained first so
         // that it outlives cuFile's exit-time teardown.
         let mut retained = Vec::new();
@@ -514,8 +524,13 @@ impl DriverBuilder {
         if exit == ExitStrategy::CloseAtExit {
             register_close_at_exit();
         }
+        let log_file = match log_plan {
+            LogPlan::SetEnv(p) | LogPlan::Known(p) => Some(p),
+            LogPlan::CuFileDefault => cufile_default_log(),
+        };
         // SAFETY: as above.
         let raw = unsafe { result::driver_get_properties(lib) }?;
+
         let force_compat = self.force_compat
             || std::env::var("CUFILE_FORCE_COMPAT_MODE")
                 .map(|v| v.eq_ignore_ascii_case("true") || v == "1")
@@ -537,8 +552,17 @@ impl DriverBuilder {
     }
 }
 
-/// The name cuFile gives its log file in the log directory.
-const LOG_NAME: &str = "cufile.log";
+/// The variable cuFile takes its log file from (read at `cuFileDriverOpen`; verified on
+/// 1.15.1.6).
+const LOG_ENV: &str = "CUFILE_LOGFILE_PATH";
+
+/// The user's `CUFILE_LOGFILE_PATH`, when set and not empty (reading the environment is safe
+/// with other threads running; only changing it is not).
+fn log_env() -> Option<PathBuf> {
+    std::env::var_os(LOG_ENV)
+        .filter(|v| !v.is_empty())
+        .map(PathBuf::from)
+}
 
 /// True when this process runs exactly one thread (the caller), counted in `/proc/self/task`;
 /// false when it cannot tell. With one thread, nothing can read the environment while this
@@ -547,69 +571,110 @@ fn process_is_single_threaded() -> bool {
     std::fs::read_dir("/proc/self/task").is_ok_and(|d| d.take(2).count() == 1)
 }
 
-/// Points cuFile's log away from the working directory (unless asked not to) and returns where
-/// it goes. `CUFILE_LOGFILE_PATH`, which libcufile reads at `cuFileDriverOpen` (verified on
-/// 1.15.1.6; the `CUFILE_PARAM_ENV_LOGFILE_PATH` parameter did not move the log), is set only
-/// when `single_threaded` (see [`LogTarget`]); otherwise `set_log_dir` sets cuFile's log
-/// directory.
-fn direct_log(
-    target: &LogTarget,
-    single_threaded: bool,
-    set_log_dir: impl FnOnce(&std::path::Path) -> Result<()>,
-) -> Result<Option<PathBuf>> {
-    const VAR: &str = "CUFILE_LOGFILE_PATH";
-    let user = std::env::var_os(VAR).filter(|v| !v.is_empty());
-    match target {
-        LogTarget::CuFileDefault => Ok(user.map(PathBuf::from)),
-        LogTarget::File(p) if single_threaded => {
-            std::env::set_var(VAR, OsString::from(p.as_os_str()));
-            Ok(Some(p.clone()))
-        }
-        LogTarget::File(p) => Err(Error::Unsupported {
-            what: format!("cuFile's log in {}", p.display()),
-            cause: crate::Cause::Other {
-                message: "cuFile takes a log file only from CUFILE_LOGFILE_PATH, and changing \
-                          the environment while other threads run is undefined behaviour"
-                    .into(),
-                fix: "set CUFILE_LOGFILE_PATH before the program starts threads, open the \
-                      driver before starting any, or use LogTarget::Dir"
-                    .into(),
-            },
-        }),
+/// What the driver's open does about cuFile's log.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum LogPlan {
+    /// Set `CUFILE_LOGFILE_PATH` to this file first (only ever planned for a single-threaded
+    /// process).
+    SetEnv(PathBuf),
+    /// It goes to this file without gpudirect doing anything (the user's variable).
+    Known(PathBuf),
+    /// It goes where cuFile puts it by itself; found after the open ([`cufile_default_log`]).
+    CuFileDefault,
+}
+
+/// Decides where cuFile's log goes for `target` (see [`LogTarget`]). Never plans to change the
+/// environment unless `single_threaded`; a target that needs it is refused otherwise.
+fn plan_log(target: &LogTarget, single_threaded: bool, user: Option<PathBuf>) -> Result<LogPlan> {
+    let needs_env = |what: String| Error::Unsupported {
+        what,
+        cause: crate::Cause::Other {
+            message: "cuFile takes its log's place only from CUFILE_LOGFILE_PATH or from its \
+                      cufile.json (it ignores the log-directory parameter), and changing the \
+                      environment while other threads run is undefined behaviour"
+                .into(),
+            fix: "set CUFILE_LOGFILE_PATH (or logging.dir in the cufile.json cuFile reads) \
+                  before the program starts threads, open the driver before starting any, or \
+                  use LogTarget::TempDir, which then reports where cuFile logs"
+                .into(),
+        },
+    };
+    Ok(match target {
+        LogTarget::CuFileDefault => user.map_or(LogPlan::CuFileDefault, LogPlan::Known),
+        LogTarget::File(p) if single_threaded => LogPlan::SetEnv(p.clone()),
+        LogTarget::File(p) => return Err(needs_env(format!("cuFile's log in {}", p.display()))),
+        LogTarget::Dir(d) if single_threaded => LogPlan::SetEnv(d.join("cufile.log")),
         LogTarget::Dir(d) => {
-            set_log_dir(d)?;
-            Ok(Some(d.join(LOG_NAME)))
+            return Err(needs_env(format!(
+                "cuFile's log in the directory {}",
+                d.display()
+            )))
         }
-        LogTarget::TempDir => {
-            if let Some(user) = user {
-                return Ok(Some(PathBuf::from(user)));
+        LogTarget::TempDir => match user {
+            Some(u) => LogPlan::Known(u),
+            None if single_threaded => LogPlan::SetEnv(
+                std::env::temp_dir().join(format!("gpudirect-cufile-{}.log", std::process::id())),
+            ),
+            None => {
+                tracing::debug!(
+                    "other threads run: cuFile's log goes where cuFile puts it (Driver::log_file \
+                     says where); set CUFILE_LOGFILE_PATH before starting threads to choose"
+                );
+                LogPlan::CuFileDefault
             }
-            let tmp = std::env::temp_dir();
-            if single_threaded {
-                let path = tmp.join(format!("gpudirect-cufile-{}.log", std::process::id()));
-                std::env::set_var(VAR, OsString::from(path.as_os_str()));
-                return Ok(Some(path));
-            }
-            // SAFETY: getuid has no preconditions and cannot fail.
-            let dir = tmp.join(format!("gpudirect-cufile-{}", unsafe { libc::getuid() }));
-            let applied = std::fs::create_dir_all(&dir)
-                .map_err(|e| Error::io("mkdir", Some(dir.clone()), e))
-                .and_then(|()| set_log_dir(&dir));
-            match applied {
-                Ok(()) => Ok(Some(dir.join(LOG_NAME))),
-                Err(e) => {
-                    tracing::warn!(
-                        error = %e,
-                        "could not point cuFile's log at {}; it goes where cuFile puts it \
-                         (the working directory unless configured): set CUFILE_LOGFILE_PATH \
-                         before starting threads to choose",
-                        dir.display()
-                    );
-                    Ok(None)
-                }
-            }
-        }
+        },
+    })
+}
+
+/// Where cuFile 1.15 put its log by itself, after `cuFileDriverOpen`: `CUFILE_LOGFILE_PATH`;
+/// else the newest `cufile_<pid>_*.log` in the `logging.dir` of the `cufile.json` it read
+/// (`None` when there is none yet); else `cufile.log` in the working directory.
+fn cufile_default_log() -> Option<PathBuf> {
+    if let Some(p) = log_env() {
+        return Some(p);
     }
+    let json_dir = super::config_file()
+        .and_then(|c| std::fs::read_to_string(&c.path).ok())
+        .and_then(|s| json_logging_dir(&s));
+    if let Some(dir) = json_dir {
+        let prefix = format!("cufile_{}_", std::process::id());
+        return std::fs::read_dir(&dir)
+            .ok()?
+            .filter_map(|e| e.ok())
+            .filter(|e| {
+                let n = e.file_name();
+                let n = n.to_string_lossy();
+                n.starts_with(&prefix) && n.ends_with(".log")
+            })
+            .max_by_key(|e| e.metadata().and_then(|m| m.modified()).ok())
+            .map(|e| e.path());
+    }
+    std::env::current_dir().ok().map(|d| d.join("cufile.log"))
+}
+
+/// The `"dir"` of the `"logging"` object of a `cufile.json` (which allows `//` comments), when
+/// set and not empty.
+fn json_logging_dir(json: &str) -> Option<PathBuf> {
+    let text: String = json
+        .lines()
+        .map(|l| l.split("//").next().unwrap_or(""))
+        .collect::<Vec<_>>()
+        .join("\n");
+    let after = &text[text.find("\"logging\"")? + "\"logging\"".len()..];
+    let body = after
+        .trim_start()
+        .strip_prefix(':')?
+        .trim_start()
+        .strip_prefix('{')?;
+    let body = &body[..body.find('}')?];
+    let rest = &body[body.find("\"dir\"")? + "\"dir\"".len()..];
+    let value = rest
+        .trim_start()
+        .strip_prefix(':')?
+        .trim_start()
+        .strip_prefix('"')?;
+    let value = &value[..value.find('"')?];
+    (!value.is_empty()).then(|| PathBuf::from(value))
 }
 
 /// A retained reference to the primary context of the device whose context is current on this
@@ -742,7 +807,11 @@ impl Driver {
         self.force_compat
     }
 
-    /// Where cuFile writes its log, when gpudirect knows.
+    /// Where cuFile writes its log (see [`LogTarget`]): the file gpudirect named through
+    /// `CUFILE_LOGFILE_PATH` (a single-threaded open), the user's `CUFILE_LOGFILE_PATH`, or
+    /// the place cuFile chose itself — its `cufile.json` log directory's
+    /// `cufile_<pid>_*.log`, else `cufile.log` in the working directory at open. `None` when
+    /// cuFile logs into a `cufile.json` directory that holds no file of this process (yet).
     pub fn log_file(&self) -> Option<&std::path::Path> {
         self.log_file.as_deref()
     }
@@ -855,48 +924,92 @@ mod tests {
     use super::*;
 
     /// `set_var` while other threads run races with C code calling `getenv` (libcuda, NVML,
-    /// cuFile's threads): the driver must never change the environment then.
+    /// cuFile's threads): with other threads the plan never changes the environment; a target
+    /// only the environment can reach is refused, typed, saying what to do.
     #[test]
-    fn log_redirect_never_sets_the_environment_while_other_threads_run() {
+    fn log_plan_never_sets_the_environment_while_other_threads_run() {
         let (tx, rx) = std::sync::mpsc::channel::<()>();
         let other = std::thread::spawn(move || rx.recv());
-        let before = std::env::var_os("CUFILE_LOGFILE_PATH");
-        let mut dir_set = None;
         let single = process_is_single_threaded();
-        assert!(!single, "another thread is running");
-        let got = direct_log(&LogTarget::TempDir, single, |d| {
-            dir_set = Some(d.to_path_buf());
-            Ok(())
-        });
-        let after = std::env::var_os("CUFILE_LOGFILE_PATH");
         tx.send(()).unwrap();
         other.join().unwrap().unwrap();
-        assert_eq!(
-            after, before,
-            "CUFILE_LOGFILE_PATH was set while another thread was running"
-        );
-        if before.is_none() {
-            // The log directory was set instead, in the temporary directory.
-            let dir = dir_set.expect("cuFile's log directory is set instead");
-            assert!(dir.starts_with(std::env::temp_dir()), "{}", dir.display());
-            assert_eq!(got.unwrap(), Some(dir.join(LOG_NAME)));
-        }
-        // A log file by name needs the environment: refused, typed, with other threads.
-        let file = std::env::temp_dir().join("x.log");
-        match direct_log(&LogTarget::File(file), false, |_| unreachable!()) {
-            Err(Error::Unsupported { cause, .. }) => {
-                assert!(cause.to_string().contains("CUFILE_LOGFILE_PATH"), "{cause}")
+        assert!(!single, "another thread was running");
+        let file = PathBuf::from("/some/dir/x.log");
+        let dir = PathBuf::from("/some/dir");
+        let user = PathBuf::from("/user/chose.log");
+        for t in [
+            LogTarget::TempDir,
+            LogTarget::CuFileDefault,
+            LogTarget::File(file.clone()),
+            LogTarget::Dir(dir.clone()),
+        ] {
+            for u in [None, Some(user.clone())] {
+                match plan_log(&t, false, u.clone()) {
+                    Ok(LogPlan::SetEnv(p)) => {
+                        panic!(
+                            "{t:?}: plans to set CUFILE_LOGFILE_PATH={} with threads",
+                            p.display()
+                        )
+                    }
+                    Ok(LogPlan::Known(p)) => assert_eq!(Some(p), u, "{t:?}"),
+                    Ok(LogPlan::CuFileDefault) => {
+                        assert!(u.is_none(), "{t:?}: the user's variable is where it goes");
+                        assert!(matches!(t, LogTarget::TempDir | LogTarget::CuFileDefault));
+                    }
+                    Err(Error::Unsupported { cause, .. }) => {
+                        assert!(matches!(t, LogTarget::File(_) | LogTarget::Dir(_)), "{t:?}");
+                        let c = cause.to_string();
+                        assert!(
+                            c.contains("CUFILE_LOGFILE_PATH") && c.contains("cufile.json"),
+                            "{c}"
+                        );
+                    }
+                    Err(e) => panic!("{t:?}: {e}"),
+                }
             }
+        }
+        // A single thread: the environment names the file, unless the user's variable does.
+        assert_eq!(
+            plan_log(&LogTarget::File(file.clone()), true, None).unwrap(),
+            LogPlan::SetEnv(file)
+        );
+        assert_eq!(
+            plan_log(&LogTarget::Dir(dir), true, None).unwrap(),
+            LogPlan::SetEnv(PathBuf::from("/some/dir/cufile.log"))
+        );
+        match plan_log(&LogTarget::TempDir, true, None).unwrap() {
+            LogPlan::SetEnv(p) => assert!(p.starts_with(std::env::temp_dir()), "{}", p.display()),
             other => panic!("{other:?}"),
         }
-        let mut asked = None;
-        let got = direct_log(&LogTarget::Dir("/some/dir".into()), false, |d| {
-            asked = Some(d.to_path_buf());
-            Ok(())
-        });
-        assert_eq!(got.unwrap(), Some(PathBuf::from("/some/dir/cufile.log")));
-        assert_eq!(asked, Some(PathBuf::from("/some/dir")));
-        assert_eq!(after, std::env::var_os("CUFILE_LOGFILE_PATH"));
+        assert_eq!(
+            plan_log(&LogTarget::TempDir, true, Some(user.clone())).unwrap(),
+            LogPlan::Known(user)
+        );
+    }
+
+    #[test]
+    fn cufile_json_logging_dir_is_found_outside_comments() {
+        let j = r#"{
+            // "logging": { "dir": "/commented/out" },
+            "logging": {
+                // "dir": "/home/<xxxx>",
+                "dir": "/var/log/cufile",
+                "level": "ERROR"
+            },
+            "profile": { "dir": "/not/this" }
+        }"#;
+        assert_eq!(json_logging_dir(j), Some(PathBuf::from("/var/log/cufile")));
+        // NVIDIA's default cufile.json: the directory is commented out.
+        let default = r#"{ "logging": {
+                // log directory, if not enabled will create log file under current working directory
+                //"dir": "/home/<xxxx>",
+                // NOTICE|ERROR|WARN|INFO|DEBUG|TRACE (in decreasing order of severity)
+                "level": "ERROR"
+            }, "profile": { "nvtx": false } }"#;
+        assert_eq!(json_logging_dir(default), None);
+        assert_eq!(json_logging_dir(r#"{"logging": {"dir": ""}}"#), None);
+        assert_eq!(json_logging_dir("{}"), None);
+        assert_eq!(json_logging_dir("not json at all"), None);
     }
 
     #[test]

@@ -19,7 +19,8 @@
 //! [`crate::cuda`]): without them cuFile misbehaves (5033 plus a `cufile.log` in the working
 //! directory in 1.15, a 100% CPU spin in 1.20), so gpudirect returns the typed CUDA error
 //! instead and never calls `cuFileDriverOpen`. cuFile's log goes to the temporary directory by
-//! default ([`LogTarget`]).
+//! default when the driver opens in a single-threaded process, else where cuFile puts it by
+//! itself ([`LogTarget`]); [`Driver::log_file`] says where.
 
 mod batch;
 mod buffer;
