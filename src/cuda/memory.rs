@@ -448,6 +448,9 @@ mod tests {
     fn gpu_nic_reads_wait_for_pending_gpu_writes() {
         use rand::RngCore;
         use std::time::{Duration, Instant};
+        let _gates = crate::cuda::HOST_FUNCTION_GATES
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
         const N: usize = (1 << 20) + 7;
         let ctx = crate::cuda::context(0).unwrap_or_else(|e| {
             panic!("needs a CUDA GPU (driver and device 0; see CUDA_VISIBLE_DEVICES): {e}")

@@ -204,6 +204,12 @@ pub fn device_attribute(ordinal: usize, attr: sys::CUdevice_attribute) -> Result
     result::device::attribute(result::device::get(ordinal)?, attr)
 }
 
+/// Held by the unit tests that hold a stream with a host function (`cuLaunchHostFunc`) and
+/// judge ordering by what completes meanwhile: CUDA may run every host function of the process
+/// on one thread, so two such tests running at once can distort each other's timing.
+#[cfg(test)]
+pub(crate) static HOST_FUNCTION_GATES: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -429,15 +429,29 @@ mod tests {
 
     /// A stream-ordered *read* writes the buffer, so its stream must wait for reads of the
     /// buffer still pending on other streams (cudarc's `device_ptr_mut`), not only for writes
-    /// (`device_ptr`, the old behaviour: a write-after-read race with cuFile's DMA).
+    /// (`device_ptr`, the old behaviour: a write-after-read race with cuFile's DMA); and it
+    /// records its write, so a later reader on another stream waits for it (cudarc 0.19.10:
+    /// `device_ptr_mut` returns `SyncOnDrop::record_event(write, stream)`, and `memcpy_dtod`
+    /// takes its source with `device_ptr`, which makes the copying stream wait for that event).
+    /// Controls before each verdict: the gated stream is still busy, so "complete" can only
+    /// mean a missing wait.
     #[test]
     #[ignore = "needs a CUDA GPU"]
     fn gpu_stream_read_waits_for_pending_readers_on_other_streams() {
+        let _gates = crate::cuda::HOST_FUNCTION_GATES
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
         let ctx = crate::cuda::context(0).unwrap_or_else(|e| {
             panic!("this test needs a CUDA GPU (run gpu_* tests on a GPU machine): {e}")
         });
         let io_stream = ctx.new_stream().unwrap();
         let reader = ctx.new_stream().unwrap();
+        assert!(
+            ctx.is_managing_stream_synchronization(),
+            "cudarc event tracking is off"
+        );
+        // SAFETY: the streams are alive; the query has no other precondition.
+        let busy = |s: &CudaStream| !unsafe { crate::cuda::result::stream::is_idle(s.cu_stream()) };
         let mut buf = io_stream.alloc_zeros::<u8>(1 << 20).unwrap();
         let mut copy = reader.alloc_zeros::<u8>(1 << 20).unwrap();
         io_stream.synchronize().unwrap();
@@ -453,10 +467,15 @@ mod tests {
             marker.record(&io_stream).unwrap();
         }
         std::thread::sleep(Duration::from_millis(200));
+        let gate_held = busy(&reader);
         let pending = marker.try_is_complete();
         gate.release();
         reader.synchronize().unwrap();
         io_stream.synchronize().unwrap();
+        assert!(
+            gate_held,
+            "control: the gate did not hold the reader's stream"
+        );
         assert_eq!(
             pending,
             Ok(false),
@@ -465,17 +484,25 @@ mod tests {
         );
         // The write intent is recorded after the IO, so a later reader elsewhere waits for it.
         let later = ctx.new_event(None).unwrap();
+        let io_done = ctx.new_event(None).unwrap();
         let mut gate = Gate::block(&io_stream);
         {
             let (_ptr, _record) = io_pointer(&mut buf, &io_stream, false);
+            // Where the IO would be enqueued, behind the gate.
+            io_done.record(&io_stream).unwrap();
         }
         reader.memcpy_dtod(&buf, &mut copy).unwrap();
         later.record(&reader).unwrap();
         std::thread::sleep(Duration::from_millis(200));
+        let gate_held = busy(&io_stream) && io_done.try_is_complete() == Ok(false);
         let pending = later.try_is_complete();
         gate.release();
         io_stream.synchronize().unwrap();
         reader.synchronize().unwrap();
+        assert!(
+            gate_held,
+            "control: the gate did not hold the IO stream (nothing to judge the reader by)"
+        );
         assert_eq!(
             pending,
             Ok(false),
