@@ -180,6 +180,8 @@ pub struct LoadReport {
     pub paths: Vec<DevicePath>,
     /// Whether any byte went through O_DIRECT.
     pub odirect: bool,
+    /// True for a save's report: its storage jobs are writes, and `Display` says so.
+    pub(crate) writes: bool,
 }
 
 impl LoadReport {
@@ -217,6 +219,7 @@ impl LoadReport {
             elapsed: Duration::ZERO,
             paths: Vec::new(),
             odirect: false,
+            writes: false,
         }
     }
 
@@ -283,11 +286,12 @@ impl fmt::Display for LoadReport {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(
             f,
-            "{} bytes ({} tensors, {} files, {} reads) in {:.1} ms = {:.2} GB/s",
+            "{} bytes ({} tensors, {} files, {} {}) in {:.1} ms = {:.2} GB/s",
             self.bytes,
             self.tensors,
             self.files,
             self.reads,
+            if self.writes { "writes" } else { "reads" },
             self.elapsed.as_secs_f64() * 1e3,
             self.gb_per_s()
         )?;
@@ -1373,6 +1377,11 @@ mod tests {
                 && s.contains("because"),
             "{s}"
         );
+        assert!(s.contains("0 reads)"), "{s}");
+        // A save's report counts writes, and says so.
+        r.writes = true;
+        let s = r.to_string();
+        assert!(s.contains("0 writes)") && !s.contains("reads"), "{s}");
     }
 
     #[test]

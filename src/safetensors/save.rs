@@ -157,6 +157,7 @@ where
         bytes: out.iter().map(|t| t.len).sum(),
         tensors: out.len(),
         files: 1,
+        writes: true,
         ..LoadReport::empty()
     };
     // File order, so writes advance through the file.
