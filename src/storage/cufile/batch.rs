@@ -453,8 +453,19 @@ impl BatchIo {
         if self.outstanding.is_empty() {
             return Ok(());
         }
+        let t = Instant::now();
         // SAFETY: the batch handle is live.
         unsafe { result::batch_cancel(self.driver.lib(), self.handle) }?;
+        let took = t.elapsed();
+        if took >= SLOW_CANCEL {
+            // cuFile 1.15 waits only so long for in-flight IO inside the cancel (5 s in its
+            // mixed engine, 30 s in its io_uring one): say so when it came close.
+            tracing::warn!(
+                ?took,
+                "cuFileBatchIOCancel took long: the storage is stalling; cuFile bounds how long \
+                 it waits for in-flight IO before it reports the cancel done"
+            );
+        }
         // A cuFile that does report the operations it cancelled: take those reports.
         self.collect_now();
         let ended = end_all(&mut self.outstanding);
@@ -479,6 +490,9 @@ impl BatchIo {
         cancel_and_drain(self, &DrainPolicy::DEFAULT)
     }
 }
+
+/// A cancel that takes this long met IO cuFile had to wait for (see [`BatchIo::cancel`]).
+const SLOW_CANCEL: Duration = Duration::from_secs(1);
 
 /// Completions for every operation in `outstanding`, which a successful cancel ended before
 /// cuFile reported it (status `CUFILE_CANCELED`), in cookie order; `outstanding` is left empty.
