@@ -32,7 +32,7 @@ use gpudirect::rdma::{
     AccessFlags, CompletionChannel, CompletionQueue, Context, Exchange, GdrBuffer, GpuMemoryRegion,
     MemoryRegion, ProtectionDomain, QpOptions, QueuePair, RemoteMemory, Sge, WorkCompletion,
 };
-use gpudirect::{Error, Path, Result};
+use gpudirect::{Error, Result, TransferPath};
 
 #[derive(Debug, Clone)]
 struct Args {
@@ -183,7 +183,7 @@ impl Buffer {
 
     fn path(&self) -> String {
         match self {
-            Buffer::Host(_) => format!("{} (ibv_reg_mr)", Path::RdmaHostMemory),
+            Buffer::Host(_) => format!("{} (ibv_reg_mr)", TransferPath::RdmaHostMemory),
             Buffer::Gpu(r) => {
                 let mut s = r.path().to_string();
                 for (p, c) in r.refused() {
@@ -197,7 +197,7 @@ impl Buffer {
     fn path_tag(&self) -> &'static str {
         match self {
             Buffer::Host(_) => "host",
-            Buffer::Gpu(r) if r.path() == Path::RdmaDmaBuf => "dmabuf",
+            Buffer::Gpu(r) if r.path() == TransferPath::RdmaDmaBuf => "dmabuf",
             Buffer::Gpu(_) => "peermem",
         }
     }

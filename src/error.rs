@@ -7,7 +7,7 @@
 
 use std::path::PathBuf;
 
-use crate::path::{Cause, Path};
+use crate::path::{Cause, TransferPath};
 
 pub(crate) mod cufile;
 mod verbs;
@@ -80,7 +80,7 @@ pub enum Error {
     #[error("refused to fall back to {path}: {cause} (fallback policy is deny; unset GPUDIRECT_REQUIRE_DIRECT or allow fallback to proceed)")]
     FallbackRefused {
         /// The path the transfer would have taken.
-        path: Path,
+        path: TransferPath,
         /// Why it would not have been direct.
         cause: Cause,
     },

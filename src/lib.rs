@@ -39,10 +39,10 @@
 //! # Which path did my bytes take
 //!
 //! GPUDirect rarely fails loudly: the bytes still arrive, through host memory, ten times slower.
-//! So every transfer returns (or its handle records) a [`PathReport`]: a [`Path`] —
-//! [`Path::PeerDirect`], [`Path::Gds`], [`Path::RdmaDmaBuf`], [`Path::RdmaPeerMem`] are direct;
-//! [`Path::StagedThroughHost`], [`Path::CuFileCompat`], [`Path::Posix`],
-//! [`Path::RdmaHostMemory`] are fallbacks; [`Path::Unknown`] where nothing observable tells —
+//! So every transfer returns (or its handle records) a [`PathReport`]: a [`TransferPath`] —
+//! [`TransferPath::PeerDirect`], [`TransferPath::Gds`], [`TransferPath::RdmaDmaBuf`], [`TransferPath::RdmaPeerMem`] are direct;
+//! [`TransferPath::StagedThroughHost`], [`TransferPath::CuFileCompat`], [`TransferPath::Posix`],
+//! [`TransferPath::RdmaHostMemory`] are fallbacks; [`TransferPath::Unknown`] where nothing observable tells —
 //! and for fallbacks a [`Cause`] whose `Display` names the fix ("pool memory lacks peer access",
 //! "cuFile can't register files: udev data missing", "no peer-memory client"). How each room
 //! knows:
@@ -129,7 +129,10 @@ pub mod storage;
 pub use cudarc;
 pub use env::ParseValueError;
 pub use error::{Error, Result};
-pub use path::{Cause, FallbackPolicy, Link, Path, PathReport};
+/// The old name of [`TransferPath`] (deprecated).
+#[allow(deprecated)]
+pub use path::Path;
+pub use path::{Cause, FallbackPolicy, Link, PathReport, TransferPath};
 
 /// The README's code blocks, compiled as doctests so the front page cannot rot.
 #[doc = include_str!("../README.md")]

@@ -48,7 +48,7 @@ impl fmt::Display for Link {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
 #[non_exhaustive]
 #[serde(rename_all = "snake_case")]
-pub enum Path {
+pub enum TransferPath {
     /// GPU↔GPU without the host, over the given link.
     PeerDirect {
         /// The link.
@@ -73,30 +73,60 @@ pub enum Path {
     Unknown,
 }
 
-impl Path {
+/// The old name of [`TransferPath`], kept for a release so code written against the old name
+/// keeps compiling (with a deprecation warning), variant paths included.
+///
+/// It was renamed because a user file that imports it cannot also import `std::path::Path`.
+///
+/// ```
+/// #![allow(deprecated)]
+/// use gpudirect::{Path, PathReport, TransferPath};
+/// let old: Path = Path::Posix;
+/// assert_eq!(old, TransferPath::Posix);
+/// assert!(matches!(PathReport::direct(Path::Gds).path, Path::Gds));
+/// let direct = |p: Path| match p {
+///     Path::PeerDirect { .. } | Path::Gds | Path::RdmaDmaBuf | Path::RdmaPeerMem => true,
+///     _ => false,
+/// };
+/// assert!(direct(TransferPath::Gds) && !direct(Path::StagedThroughHost));
+/// ```
+///
+/// Using it warns (here an error, so this example fails to compile):
+///
+/// ```compile_fail
+/// #![deny(deprecated)]
+/// let _ = gpudirect::Path::Posix;
+/// ```
+#[deprecated(note = "renamed to TransferPath (it collided with std::path::Path)")]
+pub type Path = TransferPath;
+
+impl TransferPath {
     /// True for paths on which no host memory carries the payload.
     pub fn is_direct(&self) -> bool {
         matches!(
             self,
-            Path::PeerDirect { .. } | Path::Gds | Path::RdmaDmaBuf | Path::RdmaPeerMem
+            TransferPath::PeerDirect { .. }
+                | TransferPath::Gds
+                | TransferPath::RdmaDmaBuf
+                | TransferPath::RdmaPeerMem
         )
     }
 }
 
-impl fmt::Display for Path {
+impl fmt::Display for TransferPath {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            Path::PeerDirect { link } => write!(f, "direct peer access over {link}"),
-            Path::StagedThroughHost => f.write_str("staged through host memory"),
-            Path::Gds => f.write_str("GPUDirect Storage (DMA)"),
-            Path::CuFileCompat => f.write_str("cuFile compatibility mode (POSIX, staged)"),
-            Path::Posix => {
+            TransferPath::PeerDirect { link } => write!(f, "direct peer access over {link}"),
+            TransferPath::StagedThroughHost => f.write_str("staged through host memory"),
+            TransferPath::Gds => f.write_str("GPUDirect Storage (DMA)"),
+            TransferPath::CuFileCompat => f.write_str("cuFile compatibility mode (POSIX, staged)"),
+            TransferPath::Posix => {
                 f.write_str("gpudirect POSIX engine (staged through pinned host memory)")
             }
-            Path::RdmaDmaBuf => f.write_str("GPUDirect RDMA via dma-buf"),
-            Path::RdmaPeerMem => f.write_str("GPUDirect RDMA via peer-memory client"),
-            Path::RdmaHostMemory => f.write_str("RDMA into host memory"),
-            Path::Unknown => f.write_str("unknown path"),
+            TransferPath::RdmaDmaBuf => f.write_str("GPUDirect RDMA via dma-buf"),
+            TransferPath::RdmaPeerMem => f.write_str("GPUDirect RDMA via peer-memory client"),
+            TransferPath::RdmaHostMemory => f.write_str("RDMA into host memory"),
+            TransferPath::Unknown => f.write_str("unknown path"),
         }
     }
 }
@@ -384,19 +414,19 @@ impl fmt::Display for Cause {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct PathReport {
     /// The path taken.
-    pub path: Path,
+    pub path: TransferPath,
     /// Why the path is not direct (`None` for direct paths).
     pub cause: Option<Cause>,
 }
 
 impl PathReport {
     /// A direct path.
-    pub fn direct(path: Path) -> Self {
+    pub fn direct(path: TransferPath) -> Self {
         PathReport { path, cause: None }
     }
 
     /// A fallback path with its cause.
-    pub fn fallback(path: Path, cause: Cause) -> Self {
+    pub fn fallback(path: TransferPath, cause: Cause) -> Self {
         PathReport {
             path,
             cause: Some(cause),
@@ -518,8 +548,8 @@ impl FallbackPolicy {
 
 /// The (path, cause) kinds already warned about in this process. Bounded: one entry per pair of
 /// enum variants at most, whatever the data in them (device names, file errors).
-fn first_warning(path: &Path, cause: &Cause) -> bool {
-    type Key = (Discriminant<Path>, Discriminant<Cause>);
+fn first_warning(path: &TransferPath, cause: &Cause) -> bool {
+    type Key = (Discriminant<TransferPath>, Discriminant<Cause>);
     static WARNED: OnceLock<Mutex<HashSet<Key>>> = OnceLock::new();
     let key = (std::mem::discriminant(path), std::mem::discriminant(cause));
     WARNED
@@ -531,7 +561,7 @@ fn first_warning(path: &Path, cause: &Cause) -> bool {
 
 /// The `Warn` policy's one warning per kind of cause: to `tracing` when a subscriber takes
 /// gpudirect's warnings, else to stderr (never a panic, even with stderr closed).
-fn warn_once(path: Path, cause: &Cause) {
+fn warn_once(path: TransferPath, cause: &Cause) {
     if !first_warning(&path, cause) {
         return;
     }
@@ -553,22 +583,22 @@ mod tests {
 
     #[test]
     fn direct_paths_are_direct_and_fallbacks_are_not() {
-        assert!(Path::PeerDirect {
+        assert!(TransferPath::PeerDirect {
             link: Link::NvLink { links: 18 }
         }
         .is_direct());
-        assert!(Path::Gds.is_direct());
-        assert!(Path::RdmaDmaBuf.is_direct());
-        assert!(!Path::StagedThroughHost.is_direct());
-        assert!(!Path::Posix.is_direct());
-        assert!(!Path::CuFileCompat.is_direct());
-        assert!(!Path::Unknown.is_direct());
+        assert!(TransferPath::Gds.is_direct());
+        assert!(TransferPath::RdmaDmaBuf.is_direct());
+        assert!(!TransferPath::StagedThroughHost.is_direct());
+        assert!(!TransferPath::Posix.is_direct());
+        assert!(!TransferPath::CuFileCompat.is_direct());
+        assert!(!TransferPath::Unknown.is_direct());
     }
 
     #[test]
     fn deny_refuses_fallback_and_names_cause() {
         let r = PathReport::fallback(
-            Path::StagedThroughHost,
+            TransferPath::StagedThroughHost,
             Cause::PoolAccessNotGranted {
                 accessor: 1,
                 owner: 0,
@@ -581,14 +611,14 @@ mod tests {
         assert!(matches!(
             err,
             Error::FallbackRefused {
-                path: Path::StagedThroughHost,
+                path: TransferPath::StagedThroughHost,
                 ..
             }
         ));
         FallbackPolicy::Allow.check(&r).unwrap();
         FallbackPolicy::Warn.check(&r).unwrap();
         FallbackPolicy::Deny
-            .check(&PathReport::direct(Path::Gds))
+            .check(&PathReport::direct(TransferPath::Gds))
             .unwrap();
     }
 

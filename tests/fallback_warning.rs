@@ -10,7 +10,7 @@ use std::process::{Command, Output};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
-use gpudirect::{Cause, FallbackPolicy, Path, PathReport};
+use gpudirect::{Cause, FallbackPolicy, PathReport, TransferPath};
 
 const ROLE: &str = "GPUDIRECT_TEST_FALLBACK_CHILD";
 const PREFIX: &str = "gpudirect: warning: a transfer falls back";
@@ -57,20 +57,20 @@ fn warning_lines(out: &Output) -> Vec<String> {
 fn fallbacks(policy: impl Fn() -> FallbackPolicy + Sync) -> [PathReport; 3] {
     let udev = |i: usize| {
         PathReport::fallback(
-            Path::Posix,
+            TransferPath::Posix,
             Cause::UdevDataMissing {
                 device: format!("nvme{}n1", i % 3),
             },
         )
     };
     let peer = PathReport::fallback(
-        Path::StagedThroughHost,
+        TransferPath::StagedThroughHost,
         Cause::PeerAccessNotEnabled {
             accessor: 1,
             owner: 0,
         },
     );
-    let host = PathReport::fallback(Path::Posix, Cause::HostMemory);
+    let host = PathReport::fallback(TransferPath::Posix, Cause::HostMemory);
     policy().check(&udev(0)).unwrap();
     std::thread::scope(|s| {
         for t in 0..4 {
@@ -87,7 +87,9 @@ fn fallbacks(policy: impl Fn() -> FallbackPolicy + Sync) -> [PathReport; 3] {
     }
     policy().check(&host).unwrap();
     // Direct paths never warn.
-    policy().check(&PathReport::direct(Path::Gds)).unwrap();
+    policy()
+        .check(&PathReport::direct(TransferPath::Gds))
+        .unwrap();
     [udev(0), peer, host]
 }
 
@@ -117,19 +119,19 @@ fn warn_reaches_stderr_once_per_cause_without_tracing() {
 fn fallbacks_text() -> Vec<(String, String)> {
     let reports = [
         PathReport::fallback(
-            Path::Posix,
+            TransferPath::Posix,
             Cause::UdevDataMissing {
                 device: "nvme0n1".into(),
             },
         ),
         PathReport::fallback(
-            Path::StagedThroughHost,
+            TransferPath::StagedThroughHost,
             Cause::PeerAccessNotEnabled {
                 accessor: 1,
                 owner: 0,
             },
         ),
-        PathReport::fallback(Path::Posix, Cause::HostMemory),
+        PathReport::fallback(TransferPath::Posix, Cause::HostMemory),
     ];
     reports
         .iter()

@@ -15,7 +15,7 @@ use gpudirect::p2p::{
 };
 #[cfg(feature = "bench")]
 use gpudirect::p2p::{PairBench, SmDirection};
-use gpudirect::{Cause, Error, FallbackPolicy, Path};
+use gpudirect::{Cause, Error, FallbackPolicy, TransferPath};
 
 static SERIAL: Mutex<()> = Mutex::new(());
 
@@ -97,7 +97,12 @@ fn multi_gpu_peer_access_refcount_and_restore() {
     let mut dst = sb.alloc_zeros::<u8>(4096).unwrap();
     let before = plan_copy(&src, &mut dst, &sb).unwrap();
     assert_eq!(before.src_memory, MemoryKind::Pool);
-    assert_eq!(before.path.path, Path::StagedThroughHost, "{}", before.path);
+    assert_eq!(
+        before.path.path,
+        TransferPath::StagedThroughHost,
+        "{}",
+        before.path
+    );
     assert_eq!(
         before.path.cause,
         Some(Cause::PoolAccessNotGranted {
@@ -120,7 +125,12 @@ fn multi_gpu_peer_access_refcount_and_restore() {
     drop(second);
     assert_eq!(registry_state(&b, &a), None, "no record without holders");
     let after = plan_copy(&src, &mut dst, &sb).unwrap();
-    assert_eq!(after.path.path, Path::StagedThroughHost, "{}", after.path);
+    assert_eq!(
+        after.path.path,
+        TransferPath::StagedThroughHost,
+        "{}",
+        after.path
+    );
     // Context access was really revoked: enabling it again succeeds (not 704).
     assert_eq!(raw_ctx_access(&b, &a, true), sys::CUresult::CUDA_SUCCESS);
     assert_eq!(raw_ctx_access(&b, &a, false), sys::CUresult::CUDA_SUCCESS);
@@ -138,11 +148,11 @@ fn multi_gpu_peer_access_refcount_and_restore() {
 }
 
 /// Measures one 256 MiB copy; returns GB/s and the reported path.
-fn timed(src: &CudaSlice<u8>, dst: &mut CudaSlice<u8>, s: &Arc<CudaStream>) -> (f64, Path) {
+fn timed(src: &CudaSlice<u8>, dst: &mut CudaSlice<u8>, s: &Arc<CudaStream>) -> (f64, TransferPath) {
     // Warm up, then take the best of three (robust against a first-touch outlier).
     let _ = timed_copy_peer(src, dst, s).unwrap();
     let mut best = 0.0f64;
-    let mut path = Path::Unknown;
+    let mut path = TransferPath::Unknown;
     for _ in 0..3 {
         let t = timed_copy_peer(src, dst, s).unwrap();
         best = best.max(t.gbps);
@@ -162,7 +172,7 @@ fn multi_gpu_pool_path_verified_by_timing() {
     let mut dst = sb.alloc_zeros::<u8>(n).unwrap();
 
     let (staged, p0) = timed(&src, &mut dst, &sb);
-    assert_eq!(p0, Path::StagedThroughHost);
+    assert_eq!(p0, TransferPath::StagedThroughHost);
 
     // Context access alone does not open the pool: still staged, and reported so.
     assert_eq!(raw_ctx_access(&b, &a, true), sys::CUresult::CUDA_SUCCESS);
@@ -179,7 +189,7 @@ fn multi_gpu_pool_path_verified_by_timing() {
 
     let access = PeerAccess::both_ways(&a, &b).unwrap();
     let (direct, p1) = timed(&src, &mut dst, &sb);
-    assert!(matches!(p1, Path::PeerDirect { .. }), "{p1:?}");
+    assert!(matches!(p1, TransferPath::PeerDirect { .. }), "{p1:?}");
     drop(access);
     println!("pool 256 MiB: staged {staged:.1} GB/s, ctx-only {ctx_only_gbps:.1} GB/s, direct {direct:.1} GB/s");
     assert!(
@@ -221,7 +231,7 @@ fn multi_gpu_cumemalloc_path_verified_by_timing() {
         println!(
             "cuMemAlloc 256 MiB: access already enabled in this process, {gbps:.1} GB/s via {p:?}"
         );
-        assert!(matches!(p, Path::PeerDirect { .. }), "{p:?}");
+        assert!(matches!(p, TransferPath::PeerDirect { .. }), "{p:?}");
         assert!(gbps > 150.0, "reported direct but ran at {gbps:.1} GB/s");
         assert_eq!(sb.clone_dtoh(dst.slice()).unwrap(), data);
         return;
@@ -234,10 +244,10 @@ fn multi_gpu_cumemalloc_path_verified_by_timing() {
         })
     );
     let (staged, p0) = time(&mut dst);
-    assert_eq!(p0, Path::StagedThroughHost);
+    assert_eq!(p0, TransferPath::StagedThroughHost);
     let access = PeerAccess::both_ways(&a, &b).unwrap();
     let (direct, p1) = time(&mut dst);
-    assert!(matches!(p1, Path::PeerDirect { .. }), "{p1:?}");
+    assert!(matches!(p1, TransferPath::PeerDirect { .. }), "{p1:?}");
     drop(access);
     println!("cuMemAlloc 256 MiB: staged {staged:.1} GB/s, direct {direct:.1} GB/s");
     assert!(
@@ -371,7 +381,7 @@ fn multi_gpu_typed_errors() {
         matches!(
             e,
             Error::FallbackRefused {
-                path: Path::StagedThroughHost,
+                path: TransferPath::StagedThroughHost,
                 cause: Cause::PoolAccessNotGranted { .. }
             }
         ),
@@ -439,7 +449,7 @@ fn multi_gpu_report_detects_staged_copies() {
         assert!(w.error.is_none() && g.error.is_none(), "{w:?} {g:?}");
         let wm = w.measured.as_ref().unwrap();
         let gm = g.measured.as_ref().unwrap();
-        assert_eq!(wm.path.path, Path::StagedThroughHost);
+        assert_eq!(wm.path.path, TransferPath::StagedThroughHost);
         assert!(wm.flagged);
         assert!(g.with_peer_access.as_ref().unwrap().is_direct());
         assert!(gm.path.is_direct() && !gm.flagged, "{gm:?}");

@@ -16,7 +16,7 @@ use cudarc::driver::{CudaContext, CudaSlice, CudaStream};
 use gpudirect::storage::{
     read_many, GpuFile, GpuFileOptions, ODirect, Pipeline, ReadBatch, ReadItem, WriteBatch,
 };
-use gpudirect::{Error, Path};
+use gpudirect::{Error, TransferPath};
 use rand::{Rng, SeedableRng};
 
 fn gpu() -> (Arc<CudaContext>, Arc<CudaStream>) {
@@ -94,7 +94,7 @@ fn gpu_storage_batch_many_files_into_one_buffer() {
         let r = b.run().unwrap_or_else(|e| panic!("{name}: {e}"));
         let sum: usize = expect.iter().map(Vec::len).sum();
         assert_eq!((r.items, r.bytes, r.files), (n, sum, n), "{name}");
-        assert_eq!(r.path.path, Path::Posix, "{name}: {}", r.path);
+        assert_eq!(r.path.path, TransferPath::Posix, "{name}: {}", r.path);
         assert!(r.path.cause.is_some());
         eprintln!("{name}: {r}; {} copies", r.copies);
         let got = stream.clone_dtoh(&dst).unwrap();

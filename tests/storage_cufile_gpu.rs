@@ -90,7 +90,7 @@ fn register(driver: &Arc<Driver>, path: &Path, content: &[u8]) -> Option<CuFileH
                 h.is_o_direct()
             );
             if !driver.nvfs_loaded() && !driver.p2pdma_enabled() {
-                assert_eq!(r.path, gpudirect::Path::CuFileCompat, "{r}");
+                assert_eq!(r.path, gpudirect::TransferPath::CuFileCompat, "{r}");
                 assert!(r.cause.is_some(), "{r}");
             }
             Some(h)
@@ -341,7 +341,7 @@ fn gpu_cufile_stream_ordered_io() {
     let Some(h) = register(&d, &path, &file) else {
         return std::fs::remove_file(&path).unwrap();
     };
-    let compat = h.path_report().path != gpudirect::Path::Gds;
+    let compat = h.path_report().path != gpudirect::TransferPath::Gds;
     eprintln!(
         "stream IO on {} (o_direct {}): {}",
         path.display(),
@@ -422,7 +422,7 @@ fn gpu_cufile_stream_ordered_io() {
     //    size and file offset; gpudirect refuses the rest with a typed error.
     let expect = std::fs::read(&path).unwrap();
     let h = CuFileHandle::open_with(Arc::clone(&d), &path, OpenMode::ReadWrite, true).unwrap();
-    let compat = h.path_report().path != gpudirect::Path::Gds;
+    let compat = h.path_report().path != gpudirect::TransferPath::Gds;
     eprintln!(
         "O_DIRECT stream handle: o_direct {}, {}",
         h.is_o_direct(),
@@ -594,7 +594,7 @@ fn gpu_cufile_stats_name_the_path() {
     );
     if let Some(r) = observed {
         if !d.nvfs_loaded() && !d.p2pdma_enabled() {
-            assert_eq!(r.path, gpudirect::Path::CuFileCompat);
+            assert_eq!(r.path, gpudirect::TransferPath::CuFileCompat);
         }
     }
     drop(h);

@@ -8,7 +8,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use gpudirect::storage::{Backend, GpuFile, ODirect};
-use gpudirect::{Cause, Error, Path};
+use gpudirect::{Cause, Error, TransferPath};
 use rand::{Rng, RngCore, SeedableRng};
 
 fn scratch(name: &str) -> PathBuf {
@@ -33,7 +33,7 @@ fn check_read(f: &GpuFile, model: &[u8], off: u64, len: usize, misalign: usize) 
         len.min(model.len() - off as usize)
     };
     assert_eq!(r.bytes, expect, "off {off} len {len}");
-    assert_eq!(r.path.path, Path::Posix);
+    assert_eq!(r.path.path, TransferPath::Posix);
     assert_eq!(r.path.cause, Some(Cause::HostMemory));
     if expect > 0 {
         assert!(
@@ -292,7 +292,7 @@ fn engine_backend_reports_forced_by_config() {
         .backend(Backend::Engine)
         .open(&p)
         .unwrap();
-    assert_eq!(f.path_report().path, Path::Posix);
+    assert_eq!(f.path_report().path, TransferPath::Posix);
     assert!(matches!(
         f.path_report().cause,
         Some(Cause::ForcedByConfig { .. })
@@ -300,7 +300,7 @@ fn engine_backend_reports_forced_by_config() {
     assert!(!f.uses_cufile());
     // AUTO without a usable cuFile falls back to the engine with a cause naming cuFile.
     let a = GpuFile::open(&p).unwrap();
-    assert_eq!(a.path_report().path, Path::Posix);
+    assert_eq!(a.path_report().path, TransferPath::Posix);
     assert!(a.path_report().cause.is_some());
     std::fs::remove_dir_all(&d).unwrap();
 }

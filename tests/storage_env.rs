@@ -5,7 +5,7 @@
 mod common;
 
 use gpudirect::storage::{Backend, CompatMode, GpuFile, StorageConfig};
-use gpudirect::{Cause, Error, Path};
+use gpudirect::{Cause, Error, TransferPath};
 
 use common::scratch;
 
@@ -23,7 +23,7 @@ fn environment_is_read_once_and_the_builder_is_checked_like_it() {
     let p = scratch("env");
     std::fs::write(&p, b"0123456789").unwrap();
     let check_forced = |f: &GpuFile| {
-        assert_eq!(f.path_report().path, Path::Posix);
+        assert_eq!(f.path_report().path, TransferPath::Posix);
         match &f.path_report().cause {
             Some(Cause::ForcedByConfig { setting }) => {
                 assert_eq!(setting, "GPUDIRECT_COMPAT_MODE=on")

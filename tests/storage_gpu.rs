@@ -13,7 +13,7 @@ use std::sync::Arc;
 
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream};
 use gpudirect::storage::{read_to_gpu, Backend, CompatMode, GpuFile, ODirect, Pipeline};
-use gpudirect::{Cause, Error, FallbackPolicy, Path};
+use gpudirect::{Cause, Error, FallbackPolicy, TransferPath};
 use rand::{Rng, SeedableRng};
 
 const HINT: &str =
@@ -120,7 +120,7 @@ fn gpu_storage_engine_round_trips_random_data() {
             o = o.task_size(t).bounce_size(t);
         }
         let f = o.open(&src).unwrap();
-        assert_eq!(f.path_report().path, Path::Posix);
+        assert_eq!(f.path_report().path, TransferPath::Posix);
         read_round(&f, &stream, &model, &mut rng, 12);
         // Whole file → GPU → another file at an odd offset → back, byte for byte.
         let mut dev = stream.alloc_zeros::<u8>(size).unwrap();
@@ -296,7 +296,7 @@ fn gpu_storage_zero_length_eof_and_bad_input_are_typed() {
         .unwrap();
     match deny.read_to_device(&mut dev, 0) {
         Err(Error::FallbackRefused {
-            path: Path::Posix,
+            path: TransferPath::Posix,
             cause: Cause::ForcedByConfig { .. },
         }) => {}
         other => panic!("deny: {other:?}"),
@@ -359,7 +359,10 @@ fn gpu_storage_cufile_compat_path_or_udev_cause() {
             .unwrap();
         assert!(f.uses_cufile());
         assert!(
-            matches!(f.path_report().path, Path::CuFileCompat | Path::Gds),
+            matches!(
+                f.path_report().path,
+                TransferPath::CuFileCompat | TransferPath::Gds
+            ),
             "{}",
             f.path_report()
         );
@@ -379,7 +382,7 @@ fn gpu_storage_cufile_compat_path_or_udev_cause() {
             .compat_mode(CompatMode::Auto)
             .open(&p)
             .unwrap();
-        assert_eq!(a.uses_cufile(), a.path_report().path == Path::Gds);
+        assert_eq!(a.uses_cufile(), a.path_report().path == TransferPath::Gds);
     } else {
         // The machine's real state: cuFile cannot register, for want of udev data.
         match GpuFile::options().backend(Backend::CuFile).open(&p) {
@@ -395,7 +398,7 @@ fn gpu_storage_cufile_compat_path_or_udev_cause() {
             .open(&p)
             .unwrap();
         assert!(!a.uses_cufile());
-        assert_eq!(a.path_report().path, Path::Posix);
+        assert_eq!(a.path_report().path, TransferPath::Posix);
         assert!(
             matches!(a.path_report().cause, Some(Cause::UdevDataMissing { .. })),
             "expected UdevDataMissing for {maj}:{min}, got {}",

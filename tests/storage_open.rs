@@ -8,7 +8,7 @@
 use std::time::{Duration, Instant};
 
 use gpudirect::storage::{CompatMode, GpuFile};
-use gpudirect::{Cause, Path};
+use gpudirect::{Cause, TransferPath};
 
 #[test]
 fn auto_open_decides_from_cheap_facts_without_opening_the_cufile_driver() {
@@ -49,7 +49,7 @@ fn auto_open_decides_from_cheap_facts_without_opening_the_cufile_driver() {
         eprintln!("this host has nvidia-fs: the probe ran; only the report is checked");
         assert!(f.path_report().is_direct() || f.path_report().cause.is_some());
     } else {
-        assert_eq!(f.path_report().path, Path::Posix);
+        assert_eq!(f.path_report().path, TransferPath::Posix);
         assert!(
             matches!(
                 f.path_report().cause,

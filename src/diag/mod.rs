@@ -368,13 +368,13 @@ mod tests {
         // Enums with data: keyed by the snake_case variant; unit variants: snake_case strings.
         let samples = serde_json::json!({
             "cufile": crate::PathReport::fallback(
-                crate::Path::CuFileCompat,
+                crate::TransferPath::CuFileCompat,
                 crate::Cause::GdrPathsRefused {
                     dmabuf: Box::new(crate::Cause::DmaBufUnsupported { detail: "x".into() }),
                     peermem: Box::new(crate::Cause::NoPeerMemoryClient),
                 },
             ),
-            "peer": crate::PathReport::direct(crate::Path::PeerDirect {
+            "peer": crate::PathReport::direct(crate::TransferPath::PeerDirect {
                 link: crate::Link::NvLink { links: 18 },
             }),
             "host": crate::Cause::HostMemory,

@@ -24,7 +24,7 @@ use crate::cuda::result as r;
 pub use crate::cuda::MemoryKind;
 use crate::cuda::PointerInfo;
 use crate::error::{Error, Result};
-use crate::path::{Cause, FallbackPolicy, Path, PathReport};
+use crate::path::{Cause, FallbackPolicy, PathReport, TransferPath};
 
 /// Queries the driver about `ptr` ([`PointerInfo::inspect`], with `ctx`, the buffer's cudarc
 /// context, as fallback owner), marking mappings this process imported through [`super::ipc`].
@@ -194,12 +194,12 @@ fn plan(
         access(executor, dst_ctx.cu_ctx(), &d, true)?
     };
     let path = match verdict {
-        Some(Ok(())) => PathReport::direct(Path::PeerDirect {
+        Some(Ok(())) => PathReport::direct(TransferPath::PeerDirect {
             link: super::topology::link_between(s.device, d.device),
         }),
-        Some(Err(cause)) => PathReport::fallback(Path::StagedThroughHost, cause),
+        Some(Err(cause)) => PathReport::fallback(TransferPath::StagedThroughHost, cause),
         None => PathReport::fallback(
-            Path::Unknown,
+            TransferPath::Unknown,
             Cause::Other {
                 message: format!(
                     "gpudirect cannot tell how GPU {}'s source memory was allocated",
@@ -456,7 +456,7 @@ pub fn timed_copy_peer_with<T, Src: DevicePtr<T>, Dst: DevicePtrMut<T>>(
     let gbps = report.bytes as f64 / secs / 1e9;
     let expected_gbps = expected_gbps(report.src_device, report.dst_device);
     let mut suspect = expected_gbps.is_some_and(|e| gbps < 0.25 * e);
-    if let Path::PeerDirect {
+    if let TransferPath::PeerDirect {
         link: crate::path::Link::NvLink { .. },
     } = report.path.path
     {

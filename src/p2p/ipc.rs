@@ -29,7 +29,7 @@ use cudarc::driver::{sys, CudaContext, CudaSlice, CudaStream, CudaView, CudaView
 use crate::cuda::result as r;
 use crate::cuda::{AnyBitPattern, DeviceBuffer};
 use crate::error::{Error, Result};
-use crate::path::{Cause, Path, PathReport};
+use crate::path::{Cause, PathReport, TransferPath};
 
 // ---- process-wide record of mapped ranges ------------------------------------------------
 
@@ -176,11 +176,11 @@ impl<T> IpcMapping<T> {
         // With LAZY_ENABLE_PEER_ACCESS the driver enables peer access from this context to the
         // owner's: reads and writes go straight over the link.
         let path = if owner == ctx.ordinal() {
-            PathReport::direct(Path::PeerDirect {
+            PathReport::direct(TransferPath::PeerDirect {
                 link: crate::path::Link::Unknown,
             })
         } else {
-            PathReport::direct(Path::PeerDirect {
+            PathReport::direct(TransferPath::PeerDirect {
                 link: super::topology::link_between(ctx.ordinal(), owner),
             })
         };
@@ -517,7 +517,7 @@ impl ImportedPool {
             )
         };
         let path = if owner == me {
-            PathReport::direct(Path::PeerDirect {
+            PathReport::direct(TransferPath::PeerDirect {
                 link: crate::path::Link::Unknown,
             })
         } else {
@@ -527,12 +527,12 @@ impl ImportedPool {
             // SAFETY: the imported pool is live (we hold it).
             match unsafe { r::mem_pool::get_access(self.inner.pool, me as i32) } {
                 Ok(sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE) => {
-                    PathReport::direct(Path::PeerDirect {
+                    PathReport::direct(TransferPath::PeerDirect {
                         link: super::topology::link_between(me, owner),
                     })
                 }
                 _ => PathReport::fallback(
-                    Path::StagedThroughHost,
+                    TransferPath::StagedThroughHost,
                     Cause::PoolAccessNotGranted {
                         accessor: me,
                         owner,
@@ -709,17 +709,17 @@ impl<T> VmmImport<T> {
                 other => other,
             })?;
         let path = if owner == me {
-            PathReport::direct(Path::PeerDirect {
+            PathReport::direct(TransferPath::PeerDirect {
                 link: crate::path::Link::Unknown,
             })
         } else {
             // SAFETY: the range is mapped and lives in `range`.
             match unsafe { r::vmm::get_access(range.ptr, me as i32) } {
-                Ok(bits) if bits & 3 == 3 => PathReport::direct(Path::PeerDirect {
+                Ok(bits) if bits & 3 == 3 => PathReport::direct(TransferPath::PeerDirect {
                     link: super::topology::link_between(me, owner),
                 }),
                 _ => PathReport::fallback(
-                    Path::StagedThroughHost,
+                    TransferPath::StagedThroughHost,
                     Cause::Other {
                         message: format!(
                             "imported VMM memory of GPU {owner} is not mapped for GPU {me} (cuMemGetAccess)"

@@ -19,8 +19,8 @@
 //! cudarc allocates from each device's default stream-ordered pool. Context peer access
 //! (`cuCtxEnablePeerAccess`) alone does **not** open a pool to a peer: such copies are staged
 //! through host memory (38 GB/s instead of 395 GB/s on 2×H200 NV18). [`PeerAccess`] grants
-//! both; [`copy_peer`] reports [`Path::PeerDirect`](crate::Path::PeerDirect) or
-//! [`Path::StagedThroughHost`](crate::Path::StagedThroughHost) with its
+//! both; [`copy_peer`] reports [`TransferPath::PeerDirect`](crate::TransferPath::PeerDirect) or
+//! [`TransferPath::StagedThroughHost`](crate::TransferPath::StagedThroughHost) with its
 //! [`Cause`](crate::Cause), and [`timed_copy_peer`] checks the claim against the clock.
 
 /// The accessors every raw-allocation wrapper of this module shares ([`VmmBuffer`] and the IPC

@@ -17,7 +17,7 @@ use serde::Serialize;
 use crate::cuda::dmabuf::check_range;
 use crate::env::Env;
 use crate::error::{Error, Result};
-use crate::path::{Cause, Path, PathReport};
+use crate::path::{Cause, PathReport, TransferPath};
 
 use super::mr::{AccessFlags, MemoryRegion, RemoteMemory, Sge};
 use super::pd::ProtectionDomain;
@@ -95,8 +95,8 @@ impl Default for GpuRegisterOptions {
 pub struct GpuMemoryRegion<M: GpuMemory> {
     mr: MemoryRegion<GpuBacking<M>>,
     range: Range<usize>,
-    path: Path,
-    refused: Vec<(Path, Cause)>,
+    path: TransferPath,
+    refused: Vec<(TransferPath, Cause)>,
 }
 
 /// What a [`GpuMemoryRegion`]'s registration keeps alive, released (in this order) only after
@@ -180,7 +180,7 @@ impl<M: GpuMemory> GpuMemoryRegion<M> {
             }
             tracing::warn!(%cause, "registering memory that is not GPUDirect-RDMA capable, as forced");
         }
-        let mut refused: Vec<(Path, Cause)> = Vec::new();
+        let mut refused: Vec<(TransferPath, Cause)> = Vec::new();
         let forced = opts.strategy != Strategy::Auto;
         let (dmabuf_off, peermem_off) = if forced {
             (None, None)
@@ -195,7 +195,7 @@ impl<M: GpuMemory> GpuMemoryRegion<M> {
         if opts.strategy == Strategy::PeerMem {
             // not asked for
         } else if let Some(setting) = dmabuf_off {
-            refused.push((Path::RdmaDmaBuf, Cause::ForcedByConfig { setting }));
+            refused.push((TransferPath::RdmaDmaBuf, Cause::ForcedByConfig { setting }));
         } else {
             match Self::try_dmabuf(pd, &mem, &range, &info, opts.access) {
                 Ok((mr, exp)) => {
@@ -214,12 +214,12 @@ impl<M: GpuMemory> GpuMemoryRegion<M> {
                         Some(exp),
                         mem,
                         range,
-                        Path::RdmaDmaBuf,
+                        TransferPath::RdmaDmaBuf,
                         refused,
                     ));
                 }
                 Err(e) if forced => return Err(e),
-                Err(e) => refused.push((Path::RdmaDmaBuf, cause_of(e))),
+                Err(e) => refused.push((TransferPath::RdmaDmaBuf, cause_of(e))),
             }
         }
 
@@ -227,9 +227,9 @@ impl<M: GpuMemory> GpuMemoryRegion<M> {
         if opts.strategy == Strategy::DmaBuf {
             // not asked for
         } else if let Some(setting) = peermem_off {
-            refused.push((Path::RdmaPeerMem, Cause::ForcedByConfig { setting }));
+            refused.push((TransferPath::RdmaPeerMem, Cause::ForcedByConfig { setting }));
         } else if !forced && !super::probe::PeerMemoryClient::detect().present() {
-            refused.push((Path::RdmaPeerMem, Cause::NoPeerMemoryClient));
+            refused.push((TransferPath::RdmaPeerMem, Cause::NoPeerMemoryClient));
         } else {
             if let Err(e) = set_sync_memops(addr) {
                 tracing::warn!(error = %e, "GDR: could not set SYNC_MEMOPS before peermem registration");
@@ -247,7 +247,14 @@ impl<M: GpuMemory> GpuMemoryRegion<M> {
                         rkey = mr.rkey(),
                         "GDR: registered via peermem ibv_reg_mr"
                     );
-                    return Ok(Self::new(mr, None, mem, range, Path::RdmaPeerMem, refused));
+                    return Ok(Self::new(
+                        mr,
+                        None,
+                        mem,
+                        range,
+                        TransferPath::RdmaPeerMem,
+                        refused,
+                    ));
                 }
                 Err(Error::Verbs { source, .. }) if source.raw_os_error() == Some(libc::EFAULT) => {
                     if forced {
@@ -256,10 +263,10 @@ impl<M: GpuMemory> GpuMemoryRegion<M> {
                             cause: Cause::NoPeerMemoryClient,
                         });
                     }
-                    refused.push((Path::RdmaPeerMem, Cause::NoPeerMemoryClient));
+                    refused.push((TransferPath::RdmaPeerMem, Cause::NoPeerMemoryClient));
                 }
                 Err(e) if forced => return Err(e),
-                Err(e) => refused.push((Path::RdmaPeerMem, cause_of(e))),
+                Err(e) => refused.push((TransferPath::RdmaPeerMem, cause_of(e))),
             }
         }
 
@@ -285,8 +292,8 @@ impl<M: GpuMemory> GpuMemoryRegion<M> {
         dmabuf: Option<DmaBufExport>,
         mem: M,
         range: Range<usize>,
-        path: Path,
-        refused: Vec<(Path, Cause)>,
+        path: TransferPath,
+        refused: Vec<(TransferPath, Cause)>,
     ) -> Self {
         GpuMemoryRegion {
             mr: mr
@@ -340,13 +347,13 @@ impl<M: GpuMemory> GpuMemoryRegion<M> {
         Ok((mr, exp))
     }
 
-    /// The path the registration took: [`Path::RdmaDmaBuf`] or [`Path::RdmaPeerMem`].
-    pub fn path(&self) -> Path {
+    /// The path the registration took: [`TransferPath::RdmaDmaBuf`] or [`TransferPath::RdmaPeerMem`].
+    pub fn path(&self) -> TransferPath {
         self.path
     }
 
     /// The paths tried before the one taken, and why each was refused.
-    pub fn refused(&self) -> &[(Path, Cause)] {
+    pub fn refused(&self) -> &[(TransferPath, Cause)] {
         &self.refused
     }
 

@@ -36,7 +36,7 @@ use crate::path::{Cause, FallbackPolicy, PathReport};
 ///
 /// The report's [`paths`](LoadReport::paths) say, per GPU, which bytes came from storage and by
 /// which path, and which came from which other GPU by which path: a peer copy that is not
-/// direct is [`Path::StagedThroughHost`](crate::Path::StagedThroughHost) with its
+/// direct is [`TransferPath::StagedThroughHost`](crate::TransferPath::StagedThroughHost) with its
 /// [`Cause`] (peer access not granted or withheld, GPUs without a P2P path, ...).
 /// [`LoadReport::bytes`] counts each byte read from storage once; [`LoadReport::copied_bytes`]
 /// what the peer copies moved; [`LoadReport::elapsed`] runs until the last GPU holds its bytes.
@@ -723,7 +723,7 @@ mod tests {
     #[test]
     fn a_staged_copy_names_the_refusal() {
         let staged = PathReport::fallback(
-            crate::Path::StagedThroughHost,
+            crate::TransferPath::StagedThroughHost,
             Cause::PoolAccessNotGranted {
                 accessor: 1,
                 owner: 0,
@@ -734,7 +734,7 @@ mod tests {
         };
         assert_eq!(explain(staged.clone(), None), staged);
         assert_eq!(explain(staged.clone(), Some(&why)).cause, Some(why.clone()));
-        let direct = PathReport::direct(crate::Path::PeerDirect {
+        let direct = PathReport::direct(crate::TransferPath::PeerDirect {
             link: crate::path::Link::NvLink { links: 18 },
         });
         // Someone else granted the access: the copy went direct and says so.

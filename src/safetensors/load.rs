@@ -144,7 +144,7 @@ pub struct DevicePath {
     pub hop: Hop,
     /// The path, and for a fallback its cause, as the storage layer or the peer copy reported
     /// it (a peer copy the driver stages through host memory is
-    /// [`Path::StagedThroughHost`](crate::Path::StagedThroughHost) with its cause).
+    /// [`TransferPath::StagedThroughHost`](crate::TransferPath::StagedThroughHost) with its cause).
     pub path: PathReport,
     /// Bytes that took it.
     pub bytes: u64,
@@ -1361,8 +1361,8 @@ mod tests {
             elapsed: Duration::from_millis(10),
             ..LoadReport::empty()
         };
-        let posix = PathReport::fallback(crate::Path::Posix, Cause::NoNvidiaFs);
-        let gds = PathReport::direct(crate::Path::Gds);
+        let posix = PathReport::fallback(crate::TransferPath::Posix, Cause::NoNvidiaFs);
+        let gds = PathReport::direct(crate::TransferPath::Gds);
         for (p, n) in [(&posix, 5), (&gds, 7), (&posix, 11)] {
             r.fold(0, Hop::Storage, p, n);
         }
@@ -1421,11 +1421,11 @@ mod tests {
     #[test]
     fn report_folds_peer_copies_per_destination_and_source() {
         let mut r = LoadReport::empty();
-        let direct = PathReport::direct(crate::Path::PeerDirect {
+        let direct = PathReport::direct(crate::TransferPath::PeerDirect {
             link: crate::path::Link::NvLink { links: 18 },
         });
         let staged = PathReport::fallback(
-            crate::Path::StagedThroughHost,
+            crate::TransferPath::StagedThroughHost,
             Cause::ForcedByConfig {
                 setting: "LoadOptions::peer_access(false)".into(),
             },

@@ -9,7 +9,7 @@ use serde::Serialize;
 use super::config::{CompatMode, StorageConfig};
 use super::engine::io::Fds;
 use crate::error::{Error, Result};
-use crate::path::{Cause, Path, PathReport};
+use crate::path::{Cause, PathReport, TransferPath};
 use crate::storage::cufile::CuFileHandle;
 
 /// Which implementation moves a [`GpuFile`](super::GpuFile)'s device bytes.
@@ -27,7 +27,7 @@ pub enum Backend {
 }
 
 fn forced(setting: String) -> PathReport {
-    PathReport::fallback(Path::Posix, Cause::ForcedByConfig { setting })
+    PathReport::fallback(TransferPath::Posix, Cause::ForcedByConfig { setting })
 }
 
 // ---- Deciding before paying ---------------------------------------------------------------------
@@ -216,23 +216,23 @@ pub(super) fn decide_backend(
             },
             CompatMode::Auto => {
                 if let Verdict::Engine(cause) = verdict(fds) {
-                    return Ok((None, PathReport::fallback(Path::Posix, cause)));
+                    return Ok((None, PathReport::fallback(TransferPath::Posix, cause)));
                 }
                 match cufile_glue::open(path, fds, write) {
                     Ok(h) => {
                         let r = h.path_report().clone();
-                        if r.path == Path::Gds {
+                        if r.path == TransferPath::Gds {
                             Ok((Some(h), r))
                         } else {
                             let cause = r.cause.clone().unwrap_or(Cause::NoNvidiaFs);
                             remember(fds, &cause);
-                            Ok((None, PathReport::fallback(Path::Posix, cause)))
+                            Ok((None, PathReport::fallback(TransferPath::Posix, cause)))
                         }
                     }
                     Err(e) => {
                         let cause = cufile_glue::cause_of(&e, path);
                         remember(fds, &cause);
-                        Ok((None, PathReport::fallback(Path::Posix, cause)))
+                        Ok((None, PathReport::fallback(TransferPath::Posix, cause)))
                     }
                 }
             }

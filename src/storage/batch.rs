@@ -26,7 +26,7 @@ use super::options::GpuFileOptions;
 use super::ODirect;
 use crate::cuda::AnyBitPattern;
 use crate::error::{Error, Result};
-use crate::path::{Path, PathReport};
+use crate::path::{PathReport, TransferPath};
 
 /// A destination registered with [`ReadBatch::destination`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -84,7 +84,7 @@ impl BatchReport {
             .iter()
             .max_by_key(|p| p.bytes)
             .map(|p| p.path.clone())
-            .unwrap_or_else(|| PathReport::direct(Path::Unknown));
+            .unwrap_or_else(|| PathReport::direct(TransferPath::Unknown));
         BatchReport {
             items: item_bytes.len(),
             bytes: item_bytes.iter().sum(),
@@ -998,7 +998,7 @@ impl<'a> WriteBatch<'a> {
         let device_report = if ctx.is_some() {
             file.path_report().clone()
         } else {
-            PathReport::fallback(Path::Posix, crate::path::Cause::HostMemory)
+            PathReport::fallback(TransferPath::Posix, crate::path::Cause::HostMemory)
         };
 
         let mut failed: Vec<(usize, Error)> = Vec::new();
@@ -1133,7 +1133,7 @@ impl<'a> WriteBatch<'a> {
                 WSource::Dev(_) => share(&mut paths, &device_report, it.len),
                 WSource::Host(_) => share(
                     &mut paths,
-                    &PathReport::fallback(Path::Posix, crate::path::Cause::HostMemory),
+                    &PathReport::fallback(TransferPath::Posix, crate::path::Cause::HostMemory),
                     it.len,
                 ),
             }

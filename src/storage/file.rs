@@ -18,7 +18,7 @@ use super::engine::{self, small, Job, SegParams, Target};
 use super::options::GpuFileOptions;
 use crate::cuda::AnyBitPattern;
 use crate::error::{Error, Result};
-use crate::path::{Cause, FallbackPolicy, Path, PathReport};
+use crate::path::{Cause, FallbackPolicy, PathReport, TransferPath};
 use crate::storage::cufile::CuFileHandle;
 
 /// Reads smaller than this never use O_DIRECT under [`ODirect::Auto`].
@@ -685,7 +685,7 @@ impl GpuFile {
     }
 
     fn host_report() -> PathReport {
-        PathReport::fallback(Path::Posix, Cause::HostMemory)
+        PathReport::fallback(TransferPath::Posix, Cause::HostMemory)
     }
 
     /// Reads from `file_offset` into `buf` (host memory) with the parallel engine; stops at end

@@ -17,7 +17,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use cudarc::driver::CudaStream;
 use gpudirect::safetensors::{self as st, Hop, LoadOptions, Placement, Problem};
-use gpudirect::{Cause, Error, FallbackPolicy, Path as BytePath};
+use gpudirect::{Cause, Error, FallbackPolicy, TransferPath};
 use rand::{Rng, RngCore, SeedableRng};
 use safetensors::tensor::TensorView;
 
@@ -312,11 +312,11 @@ fn multi_gpu_fanout_replicated_reads_each_byte_once() {
                 let can = topo.pair(dev, *from).is_some_and(|p| p.can_access_peer);
                 if can {
                     assert!(
-                        matches!(path.path, BytePath::PeerDirect { .. }),
+                        matches!(path.path, TransferPath::PeerDirect { .. }),
                         "GPU {from} -> GPU {dev}: {path}"
                     );
                 } else {
-                    assert_eq!(path.path, BytePath::StagedThroughHost);
+                    assert_eq!(path.path, TransferPath::StagedThroughHost);
                     assert!(
                         matches!(path.cause, Some(Cause::PeerUnsupported { .. })),
                         "{path}"
@@ -364,7 +364,7 @@ fn multi_gpu_fanout_without_peer_access_reports_the_staged_path() {
     for p in &m.report().paths {
         if let Hop::Peer { .. } = p.hop {
             staged += 1;
-            assert_eq!(p.path.path, BytePath::StagedThroughHost, "{}", p.path);
+            assert_eq!(p.path.path, TransferPath::StagedThroughHost, "{}", p.path);
             assert_eq!(
                 p.path.cause,
                 Some(Cause::ForcedByConfig {
@@ -390,7 +390,7 @@ fn multi_gpu_fanout_without_peer_access_reports_the_staged_path() {
     {
         Err(Error::FallbackRefused { path, cause }) => {
             println!("refused under Deny: {path} because {cause}");
-            if path == BytePath::StagedThroughHost {
+            if path == TransferPath::StagedThroughHost {
                 assert_eq!(
                     cause,
                     Cause::ForcedByConfig {

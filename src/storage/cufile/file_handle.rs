@@ -14,7 +14,7 @@ use super::buffer::allocation_range;
 use super::status::CuFileStatus;
 use super::{result, Driver};
 use crate::error::{Error, Result};
-use crate::path::{Cause, Path, PathReport};
+use crate::path::{Cause, PathReport, TransferPath};
 
 /// Largest request per cuFile call: Linux moves at most 2 GiB − 4 KiB per read/write, which
 /// bounds cuFile's POSIX path too (the one constant the engine uses as well).
@@ -548,23 +548,26 @@ fn decide_path(
     let fs = filesystem_type(path).unwrap_or_else(|| "unknown".into());
     if driver.compat_forced() {
         return PathReport::fallback(
-            Path::CuFileCompat,
+            TransferPath::CuFileCompat,
             Cause::ForcedByConfig {
                 setting: "cuFile force_compat_mode (CUFILE_FORCE_COMPAT_MODE)".into(),
             },
         );
     }
     if !driver.nvfs_loaded() && !driver.p2pdma_enabled() {
-        return PathReport::fallback(Path::CuFileCompat, Cause::NoNvidiaFs);
+        return PathReport::fallback(TransferPath::CuFileCompat, Cause::NoNvidiaFs);
     }
     if !gds_capable_fs(&fs) {
-        return PathReport::fallback(Path::CuFileCompat, Cause::FilesystemUnsupported { fs });
+        return PathReport::fallback(
+            TransferPath::CuFileCompat,
+            Cause::FilesystemUnsupported { fs },
+        );
     }
     if let Some(reason) = o_direct_refused {
-        return PathReport::fallback(Path::CuFileCompat, Cause::ODirectRefused { reason });
+        return PathReport::fallback(TransferPath::CuFileCompat, Cause::ODirectRefused { reason });
     }
     let _ = dev;
-    PathReport::direct(Path::Gds)
+    PathReport::direct(TransferPath::Gds)
 }
 
 /// Names the cause of a failed [`CuFileHandle::register`] (or open) of `file`.

@@ -4,7 +4,7 @@
 //!   opens, never closed (see its docs for why).
 //! - [`CuFileHandle`]: a registered file that owns its [`std::fs::File`]; synchronous
 //!   read/write into cudarc device buffers; a [`PathReport`](crate::PathReport) saying whether
-//!   IO goes direct ([`Path::Gds`](crate::Path::Gds)) or through cuFile's compatibility mode,
+//!   IO goes direct ([`TransferPath::Gds`](crate::TransferPath::Gds)) or through cuFile's compatibility mode,
 //!   and why.
 //! - [`RegisteredBuffer`]: a device buffer registered with cuFile for its lifetime.
 //! - [`StreamIo`]: stream-ordered IO whose guard owns its parameter block and buffer.

@@ -16,7 +16,7 @@ use cufile_sys as sys;
 use super::result::{self, StatsControl};
 use super::Driver;
 use crate::error::Result;
-use crate::path::{Cause, Path, PathReport};
+use crate::path::{Cause, PathReport, TransferPath};
 
 /// Successful and failed operation counts.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -203,17 +203,17 @@ impl Stats {
         Ok(snap)
     }
 
-    /// The path IO took between two snapshots, from the per-GPU counters: [`Path::Gds`] when
-    /// only nvidia-fs/P2PDMA counters grew, [`Path::CuFileCompat`] when only POSIX ones did,
+    /// The path IO took between two snapshots, from the per-GPU counters: [`TransferPath::Gds`] when
+    /// only nvidia-fs/P2PDMA counters grew, [`TransferPath::CuFileCompat`] when only POSIX ones did,
     /// `None` when nothing (or both) changed. Process-wide: other cuFile IO in the window is
     /// counted too.
     pub fn path_between(before: &StatsSnapshot, after: &StatsSnapshot) -> Option<PathReport> {
         let direct = after.direct_ops().saturating_sub(before.direct_ops());
         let posix = after.posix_ops().saturating_sub(before.posix_ops());
         match (direct > 0, posix > 0) {
-            (true, false) => Some(PathReport::direct(Path::Gds)),
+            (true, false) => Some(PathReport::direct(TransferPath::Gds)),
             (false, true) => Some(PathReport::fallback(
-                Path::CuFileCompat,
+                TransferPath::CuFileCompat,
                 Cause::Other {
                     message: "cuFile's per-GPU counters show POSIX (compatibility-mode) IO".into(),
                     fix: "load nvidia-fs or enable PCI P2PDMA, on a GDS-capable filesystem".into(),
@@ -243,11 +243,11 @@ mod tests {
     fn path_from_counters() {
         assert_eq!(
             Stats::path_between(&snap(0, 0), &snap(3, 0)).map(|r| r.path),
-            Some(Path::Gds)
+            Some(TransferPath::Gds)
         );
         assert_eq!(
             Stats::path_between(&snap(1, 1), &snap(1, 5)).map(|r| r.path),
-            Some(Path::CuFileCompat)
+            Some(TransferPath::CuFileCompat)
         );
         assert_eq!(Stats::path_between(&snap(1, 1), &snap(1, 1)), None);
         assert_eq!(Stats::path_between(&snap(0, 0), &snap(1, 1)), None);

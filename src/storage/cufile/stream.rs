@@ -95,7 +95,7 @@ pub const STREAM_COMPAT_ODIRECT_ALIGN: u64 = 4096;
 /// True for a handle whose IO takes cuFile's compatibility path, where gpudirect refuses
 /// stream-ordered IO (see `check_alignment`).
 fn odirect_compat(h: &CuFileHandle) -> bool {
-    h.path_report().path != crate::Path::Gds
+    h.path_report().path != crate::TransferPath::Gds
 }
 
 /// Refuses, before cuFile sees it, stream-ordered IO on a handle whose IO takes cuFile's
