@@ -2,7 +2,7 @@
 //! directory registers with cuFile (and why not), and a short measured read through the path
 //! gpudirect would choose.
 
-use std::path::{Path as FsPath, PathBuf};
+use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use super::{Report, Section, Status};
@@ -40,7 +40,7 @@ impl Report {
     /// Checks GPUDirect Storage: the library, the kernel driver, registration of a file in
     /// `dir`, and (unless `quick`) a short measured read into GPU `device` through the path
     /// [`GpuFile`] chooses. Needs a GPU for everything past the library check.
-    pub fn check_gds(&mut self, dir: &FsPath, device: Option<usize>, quick: bool) {
+    pub fn check_gds(&mut self, dir: &Path, device: Option<usize>, quick: bool) {
         match cufile::library_version() {
             Ok(v) => self.push(
                 Section::Gds,
@@ -200,7 +200,7 @@ impl Report {
     }
 }
 
-fn write_probe_file(path: &FsPath) -> Result<(), Error> {
+fn write_probe_file(path: &Path) -> Result<(), Error> {
     // A cheap non-constant pattern (xorshift), so a wrong read cannot pass by accident.
     let mut x: u64 = 0x9E37_79B9_7F4A_7C15;
     let mut data = vec![0u8; PROBE_BYTES];
@@ -213,7 +213,7 @@ fn write_probe_file(path: &FsPath) -> Result<(), Error> {
     std::fs::write(path, &data).map_err(|e| Error::io("write", Some(path.to_path_buf()), e))
 }
 
-fn measured_read(path: &FsPath, device: usize) -> Result<(crate::storage::IoReport, f64), Error> {
+fn measured_read(path: &Path, device: usize) -> Result<(crate::storage::IoReport, f64), Error> {
     let stream = crate::cuda::context(device)?.default_stream();
     let f = GpuFile::options().device(device).open(path)?;
     // SAFETY: the read below writes every byte before the buffer is read.

@@ -16,7 +16,7 @@
 //!   NCCL's `NCCL_NET_GDR_LEVEL`), overridable with `GPUDIRECT_GDR_LEVEL`.
 
 use std::fmt;
-use std::path::Path as FsPath;
+use std::path::Path;
 
 use serde::Serialize;
 
@@ -176,11 +176,11 @@ pub struct PeerMemoryClient {
 impl PeerMemoryClient {
     /// Reads the live sysfs.
     pub fn detect() -> Self {
-        Self::detect_in(FsPath::new("/sys"))
+        Self::detect_in(Path::new("/sys"))
     }
 
     /// Reads a sysfs tree rooted at `sys` (for tests).
-    pub fn detect_in(sys: &FsPath) -> Self {
+    pub fn detect_in(sys: &Path) -> Self {
         let rd = |p: &str| {
             std::fs::read_to_string(sys.join(p))
                 .ok()
@@ -386,12 +386,12 @@ pub struct GdrProbe {
 impl GdrProbe {
     /// Probes the live machine (`/sys`, `/proc`, libcuda).
     pub fn run() -> Self {
-        Self::run_in(FsPath::new("/sys"), FsPath::new("/proc"), true)
+        Self::run_in(Path::new("/sys"), Path::new("/proc"), true)
     }
 
     /// Probes with sysfs at `sys` and procfs at `proc`; `live = false` skips libcuda and
     /// libibverbs (for tests on fake trees).
-    pub fn run_in(sys: &FsPath, proc: &FsPath, live: bool) -> Self {
+    pub fn run_in(sys: &Path, proc: &Path, live: bool) -> Self {
         let mut findings = Vec::new();
         let peer_memory = PeerMemoryClient::detect_in(sys);
         let driver = std::fs::read_to_string(proc.join("driver/nvidia/version"))
@@ -495,19 +495,19 @@ impl GdrProbe {
     }
 }
 
-fn read_trim(p: &FsPath) -> Option<String> {
+fn read_trim(p: &Path) -> Option<String> {
     std::fs::read_to_string(p)
         .ok()
         .map(|s| s.trim().to_string())
 }
 
-fn realpath(p: &FsPath) -> Option<String> {
+fn realpath(p: &Path) -> Option<String> {
     std::fs::canonicalize(p)
         .ok()
         .map(|p| p.to_string_lossy().into_owned())
 }
 
-fn probe_gpus(_sys: &FsPath) -> (Option<i32>, Option<String>, Vec<GpuGdr>) {
+fn probe_gpus(_sys: &Path) -> (Option<i32>, Option<String>, Vec<GpuGdr>) {
     use cudarc::driver::sys::CUdevice_attribute as A;
     let api = match cuda::driver_version() {
         Ok(v) => v,
@@ -553,7 +553,7 @@ fn probe_gpus(_sys: &FsPath) -> (Option<i32>, Option<String>, Vec<GpuGdr>) {
     (Some(api), None, gpus)
 }
 
-fn probe_rdma(sys: &FsPath) -> (RdmaStatus, Vec<RdmaDeviceInfo>) {
+fn probe_rdma(sys: &Path) -> (RdmaStatus, Vec<RdmaDeviceInfo>) {
     let class = sys.join("class/infiniband");
     let entries = match std::fs::read_dir(&class) {
         Ok(e) => e,
@@ -604,7 +604,7 @@ fn probe_rdma(sys: &FsPath) -> (RdmaStatus, Vec<RdmaDeviceInfo>) {
                 .map(str::to_string);
             let numa_node = sysfs_path
                 .as_deref()
-                .and_then(|p| read_trim(&FsPath::new(p).join("numa_node")))
+                .and_then(|p| read_trim(&Path::new(p).join("numa_node")))
                 .and_then(|s| s.parse().ok())
                 .filter(|n: &i32| *n >= 0);
             RdmaDeviceInfo {
@@ -682,7 +682,7 @@ fn dmabuf_mr_support(name: &str) -> crate::Result<(bool, String)> {
     })
 }
 
-fn decide_pair(sys: &FsPath, g: &GpuGdr, n: &RdmaDeviceInfo, level: &GdrLevel) -> GdrPair {
+fn decide_pair(sys: &Path, g: &GpuGdr, n: &RdmaDeviceInfo, level: &GdrLevel) -> GdrPair {
     let refuse = |distance, reason: String| GdrPair {
         gpu: g.ordinal,
         nic: n.name.clone(),
@@ -718,7 +718,7 @@ fn decide_pair(sys: &FsPath, g: &GpuGdr, n: &RdmaDeviceInfo, level: &GdrLevel) -
             ),
         );
     };
-    let gpu_numa = read_trim(&FsPath::new(&gpu_path).join("numa_node"))
+    let gpu_numa = read_trim(&Path::new(&gpu_path).join("numa_node"))
         .and_then(|s| s.parse().ok())
         .filter(|n: &i32| *n >= 0);
     let d = pci_distance(&gpu_path, gpu_numa, nic_path, n.numa_node);

@@ -13,7 +13,7 @@
 use std::collections::BTreeMap;
 use std::fs::File;
 use std::os::unix::fs::FileExt;
-use std::path::Path as FsPath;
+use std::path::Path;
 
 use serde::ser::SerializeMap;
 use serde::{Deserialize, Serialize, Serializer};
@@ -69,7 +69,7 @@ struct RawInfo {
 
 /// Reads and validates the header of the safetensors file at `path`; reads only the header's
 /// bytes. Errors: [`Error::Io`] (open, read), [`Error::Checkpoint`] naming the tensor.
-pub fn read(path: &FsPath) -> Result<Header> {
+pub fn read(path: &Path) -> Result<Header> {
     let io = |op, e| Error::io(op, Some(path.to_owned()), e);
     let f = File::open(path).map_err(|e| io("open", e))?;
     let md = f.metadata().map_err(|e| io("fstat", e))?;

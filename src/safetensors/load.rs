@@ -3,7 +3,7 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::fmt;
-use std::path::{Path as FsPath, PathBuf};
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -362,7 +362,7 @@ pub(super) struct Catalog {
 }
 
 impl Catalog {
-    fn err(&self, file: Option<&FsPath>, tensor: &str, problem: Problem) -> Error {
+    fn err(&self, file: Option<&Path>, tensor: &str, problem: Problem) -> Error {
         Error::Checkpoint {
             file: file.unwrap_or(&self.source).to_owned(),
             tensor: Some(tensor.to_owned()),
@@ -404,7 +404,7 @@ pub struct TensorRef<'a> {
     name: &'a str,
     dtype: Dtype,
     shape: &'a [usize],
-    file: &'a FsPath,
+    file: &'a Path,
     buf: &'a CudaSlice<u8>,
     range: std::ops::Range<usize>,
     piece: Option<&'a Piece>,
@@ -442,7 +442,7 @@ impl<'a> TensorRef<'a> {
         self.piece.is_some()
     }
     /// The shard it came from.
-    pub fn file(&self) -> &'a FsPath {
+    pub fn file(&self) -> &'a Path {
         self.file
     }
     /// Its bytes, as stored (little-endian).
@@ -459,7 +459,7 @@ fn typed<'a, T: Element>(
     bytes: CudaView<'a, u8>,
     dtype: Dtype,
     name: &str,
-    file: &FsPath,
+    file: &Path,
 ) -> Result<CudaView<'a, T>> {
     if !T::DTYPES.contains(&dtype) {
         return Err(Error::Checkpoint {
@@ -721,7 +721,7 @@ impl OwnedTensor {
         &self.shape
     }
     /// The shard it came from.
-    pub fn file(&self) -> &FsPath {
+    pub fn file(&self) -> &Path {
         &self.file
     }
     /// Its device memory.

@@ -1,7 +1,7 @@
 //! Saving GPU tensors into one safetensors file: atomic replace, one fsync when durable.
 
 use std::collections::BTreeMap;
-use std::path::{Path as FsPath, PathBuf};
+use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use cudarc::driver::{CudaSlice, CudaView, DeviceSlice};
@@ -123,11 +123,7 @@ pub type SaveReport = LoadReport;
 ///
 /// Errors: [`Problem::BadTensor`](super::Problem::BadTensor) (a shape that does not match the bytes, a duplicate or
 /// empty name; nothing written), [`Error::Io`], [`Error::Cuda`], storage errors.
-pub fn save<'a, I, N>(
-    path: impl AsRef<FsPath>,
-    tensors: I,
-    opts: &SaveOptions,
-) -> Result<SaveReport>
+pub fn save<'a, I, N>(path: impl AsRef<Path>, tensors: I, opts: &SaveOptions) -> Result<SaveReport>
 where
     I: IntoIterator<Item = (N, SaveTensor<'a>)>,
     N: AsRef<str>,
@@ -241,7 +237,7 @@ fn write_all(
 static TMP_SEQ: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 
 /// The temporary file's name for `target`: same directory, hidden, unique per process and call.
-fn temp_path(target: &FsPath) -> Result<PathBuf> {
+fn temp_path(target: &Path) -> Result<PathBuf> {
     let name = target.file_name().ok_or_else(|| {
         Error::InvalidArgument(format!(
             "{} names no file: give a file path to save to",
@@ -267,9 +263,9 @@ fn temp_path(target: &FsPath) -> Result<PathBuf> {
 /// `durable`, fsyncs the directory). `write` is responsible for the file's own fsync. On any
 /// error the temporary file is removed and `target` is untouched.
 pub(crate) fn atomic_replace<R>(
-    target: &FsPath,
+    target: &Path,
     durable: bool,
-    write: impl FnOnce(&FsPath) -> Result<R>,
+    write: impl FnOnce(&Path) -> Result<R>,
 ) -> Result<R> {
     let tmp = temp_path(target)?;
     let cleanup = |e: Error| {
@@ -287,7 +283,7 @@ pub(crate) fn atomic_replace<R>(
     std::fs::rename(&tmp, target)
         .map_err(|e| cleanup(Error::io("rename", Some(target.to_owned()), e)))?;
     if durable {
-        let dir = tmp.parent().unwrap_or(FsPath::new("."));
+        let dir = tmp.parent().unwrap_or(Path::new("."));
         let d = std::fs::File::open(dir).map_err(|e| Error::io("open", Some(dir.to_owned()), e))?;
         d.sync_all()
             .map_err(|e| Error::io("fsync", Some(dir.to_owned()), e))?;
@@ -300,7 +296,7 @@ mod tests {
     use super::*;
     use std::io::Write;
 
-    fn write_host(p: &FsPath, bytes: &[u8], fail_after: Option<usize>) -> Result<()> {
+    fn write_host(p: &Path, bytes: &[u8], fail_after: Option<usize>) -> Result<()> {
         let mut f = std::fs::File::create(p).map_err(|e| Error::io("create", Some(p.into()), e))?;
         let n = fail_after.unwrap_or(bytes.len()).min(bytes.len());
         f.write_all(&bytes[..n])
@@ -312,7 +308,7 @@ mod tests {
             .map_err(|e| Error::io("fsync", Some(p.into()), e))
     }
 
-    fn leftovers(dir: &FsPath) -> Vec<String> {
+    fn leftovers(dir: &Path) -> Vec<String> {
         std::fs::read_dir(dir)
             .unwrap()
             .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
@@ -343,9 +339,9 @@ mod tests {
         std::fs::write(dir_target.join("x"), b"x").unwrap();
         assert!(atomic_replace(&dir_target, true, |t| write_host(t, &new, None)).is_err());
         assert!(leftovers(d.path()).is_empty());
-        assert!(temp_path(FsPath::new("/")).is_err());
-        let rel = temp_path(FsPath::new("x.safetensors")).unwrap();
-        assert_eq!(rel.parent(), Some(FsPath::new(".")));
+        assert!(temp_path(Path::new("/")).is_err());
+        let rel = temp_path(Path::new("x.safetensors")).unwrap();
+        assert_eq!(rel.parent(), Some(Path::new(".")));
     }
 
     const CHILD: &str = "GPUDIRECT_TEST_SAVE_CHILD";

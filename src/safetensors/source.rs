@@ -2,7 +2,7 @@
 //! `model.safetensors.index.json` (Hugging Face's sharded layout).
 
 use std::collections::{BTreeMap, HashMap};
-use std::path::{Path as FsPath, PathBuf};
+use std::path::{Path, PathBuf};
 
 use serde::Deserialize;
 
@@ -45,8 +45,8 @@ impl From<String> for Source {
         Source::Path(p.into())
     }
 }
-impl From<&FsPath> for Source {
-    fn from(p: &FsPath) -> Self {
+impl From<&Path> for Source {
+    fn from(p: &Path) -> Self {
         Source::Path(p.to_owned())
     }
 }
@@ -60,17 +60,17 @@ impl From<&PathBuf> for Source {
         Source::Path(p.clone())
     }
 }
-impl<P: AsRef<FsPath>> From<Vec<P>> for Source {
+impl<P: AsRef<Path>> From<Vec<P>> for Source {
     fn from(v: Vec<P>) -> Self {
         Source::Shards(v.iter().map(|p| p.as_ref().to_owned()).collect())
     }
 }
-impl<P: AsRef<FsPath>> From<&[P]> for Source {
+impl<P: AsRef<Path>> From<&[P]> for Source {
     fn from(v: &[P]) -> Self {
         Source::Shards(v.iter().map(|p| p.as_ref().to_owned()).collect())
     }
 }
-impl<P: AsRef<FsPath>, const N: usize> From<[P; N]> for Source {
+impl<P: AsRef<Path>, const N: usize> From<[P; N]> for Source {
     fn from(v: [P; N]) -> Self {
         Source::Shards(v.iter().map(|p| p.as_ref().to_owned()).collect())
     }
@@ -95,7 +95,7 @@ struct RawIndex {
 }
 
 /// Parses an index file's text. `path` is for errors.
-pub(crate) fn parse_index(path: &FsPath, text: &[u8]) -> Result<Index> {
+pub(crate) fn parse_index(path: &Path, text: &[u8]) -> Result<Index> {
     let bad = |p| Error::Checkpoint {
         file: path.to_owned(),
         tensor: None,
@@ -109,7 +109,7 @@ pub(crate) fn parse_index(path: &FsPath, text: &[u8]) -> Result<Index> {
     let raw: RawIndex =
         serde_json::from_str(text).map_err(|e| bad(Problem::InvalidJson(format!("index: {e}"))))?;
     for (name, shard) in &raw.weight_map {
-        let p = FsPath::new(shard);
+        let p = Path::new(shard);
         let plain = p.components().count() == 1
             && matches!(p.components().next(), Some(std::path::Component::Normal(_)));
         if !plain {
@@ -148,10 +148,10 @@ pub(crate) struct Resolved {
     pub index: Option<Index>,
 }
 
-fn read_index(path: &FsPath) -> Result<Resolved> {
+fn read_index(path: &Path) -> Result<Resolved> {
     let text = std::fs::read(path).map_err(|e| Error::io("read", Some(path.to_owned()), e))?;
     let index = parse_index(path, &text)?;
-    let dir = path.parent().unwrap_or(FsPath::new("."));
+    let dir = path.parent().unwrap_or(Path::new("."));
     let mut files: Vec<PathBuf> = Vec::new();
     let mut seen = HashMap::new();
     for (name, shard) in &index.weight_map {
@@ -307,7 +307,7 @@ pub(crate) fn check_set(shards: &[Shard], index: Option<&Index>) -> Result<()> {
                     .is_some_and(|n| n == shard.as_str())
             });
             if !ok {
-                let dir = idx.path.parent().unwrap_or(FsPath::new("."));
+                let dir = idx.path.parent().unwrap_or(Path::new("."));
                 return Err(Error::Checkpoint {
                     file: dir.join(shard),
                     tensor: Some(name.clone()),
@@ -327,7 +327,7 @@ mod tests {
 
     #[test]
     fn index_parses_and_refuses_bad_shard_names() {
-        let p = FsPath::new("/x/model.safetensors.index.json");
+        let p = Path::new("/x/model.safetensors.index.json");
         let i = parse_index(
             p,
             br#"{"metadata":{"total_size":24,"format":"pt"},"weight_map":{"a":"s1.safetensors","b":"s2.safetensors"}}"#,

@@ -1,7 +1,7 @@
 //! Which implementation moves a [`GpuFile`](super::GpuFile)'s device bytes: the [`Backend`]
 //! choice at open, and where `GpuFile` meets the cuFile layer.
 
-use std::path::Path as FsPath;
+use std::path::Path;
 
 use cudarc::driver::CudaViewMut;
 use serde::Serialize;
@@ -58,7 +58,7 @@ fn host_has_dma_path() -> bool {
         return d.nvfs_loaded() || d.p2pdma_enabled();
     }
     *DMA.get_or_init(|| {
-        FsPath::new("/proc/driver/nvidia-fs").exists() || cufile_json_enables_p2pdma()
+        Path::new("/proc/driver/nvidia-fs").exists() || cufile_json_enables_p2pdma()
     })
 }
 
@@ -178,7 +178,7 @@ fn remember(fds: &Fds, cause: &Cause) {
 pub(super) fn decide_backend(
     backend: Backend,
     cfg: &StorageConfig,
-    path: &FsPath,
+    path: &Path,
     fds: &Fds,
     write: bool,
 ) -> Result<(Option<CuFileHandle>, PathReport)> {
@@ -264,7 +264,7 @@ pub(super) mod cufile_glue {
     /// its O_DIRECT descriptor when the driver can take a direct path and the filesystem gave
     /// one (as [`CuFileHandle::open`] chooses), else of its buffered descriptor. Never the path
     /// again: it may name another file by now. `path` names the file in reports.
-    pub(in crate::storage) fn open(path: &FsPath, fds: &Fds, write: bool) -> Result<CuFileHandle> {
+    pub(in crate::storage) fn open(path: &Path, fds: &Fds, write: bool) -> Result<CuFileHandle> {
         let driver = Driver::open()?;
         debug_assert_eq!(write, fds.writable);
         let direct = driver.nvfs_loaded() || driver.p2pdma_enabled();
@@ -280,7 +280,7 @@ pub(super) mod cufile_glue {
     }
 
     /// The cause to report when cuFile could not be used.
-    pub(in crate::storage) fn cause_of(e: &Error, path: &FsPath) -> Cause {
+    pub(in crate::storage) fn cause_of(e: &Error, path: &Path) -> Cause {
         match e {
             Error::Unsupported { cause, .. } => cause.clone(),
             Error::LibraryUnavailable { .. }
@@ -302,13 +302,13 @@ mod tests {
 
     /// With `GPUDIRECT_TEST_UDEV_FIX=1` (as root), the udev record cuFile looks for, for the
     /// block device holding `path` (see tests/storage_cufile_gpu.rs).
-    fn udev_fix(path: &FsPath) {
+    fn udev_fix(path: &Path) {
         if std::env::var("GPUDIRECT_TEST_UDEV_FIX").map_or(true, |v| v != "1") {
             return;
         }
         let dev = std::fs::metadata(path).unwrap().dev();
         let record = format!("/run/udev/data/b{}:{}", libc::major(dev), libc::minor(dev));
-        if FsPath::new(&record).exists() {
+        if Path::new(&record).exists() {
             return;
         }
         let fs = crate::storage::cufile::filesystem_type(path).unwrap_or_else(|| "ext4".into());

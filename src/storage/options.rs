@@ -1,6 +1,6 @@
 //! [`GpuFileOptions`]: how to open a [`GpuFile`] (access mode, backend, engine settings).
 
-use std::path::Path as FsPath;
+use std::path::Path;
 use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 
@@ -194,13 +194,13 @@ impl GpuFileOptions {
     /// range or anything but a regular file (directory, FIFO, socket, device node);
     /// [`Error::Io`](crate::Error::Io) when `open` fails; with [`Backend::CuFile`] or mode OFF,
     /// the cuFile error or [`Error::Unsupported`](crate::Error::Unsupported) with its cause.
-    pub fn open(self, path: impl AsRef<FsPath>) -> Result<GpuFile> {
+    pub fn open(self, path: impl AsRef<Path>) -> Result<GpuFile> {
         self.open_with(path.as_ref(), true)
     }
 
     /// [`open`](Self::open); without an O_DIRECT descriptor unless `want_direct` (a batch that
     /// knows none of its reads of this file will use one saves the second `open`).
-    pub(super) fn open_with(self, path: &FsPath, want_direct: bool) -> Result<GpuFile> {
+    pub(super) fn open_with(self, path: &Path, want_direct: bool) -> Result<GpuFile> {
         if self.env_invalid {
             // The snapshot is fixed for the process: this returns the same error again.
             StorageConfig::from_env()?;

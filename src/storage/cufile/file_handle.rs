@@ -4,7 +4,7 @@ use std::ffi::c_void;
 use std::fs::File;
 use std::os::fd::AsRawFd;
 use std::os::unix::fs::{FileTypeExt, MetadataExt, OpenOptionsExt};
-use std::path::{Path as FsPath, PathBuf};
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut};
@@ -94,7 +94,7 @@ impl CuFileHandle {
     /// cuFile call); a refused registration → [`Error::CuFile`] with op
     /// `"cuFileHandleRegister"` — [`classify_registration_failure`] names its cause (on
     /// containers: udev data missing).
-    pub fn register(driver: Arc<Driver>, file: File, path: &FsPath) -> Result<CuFileHandle> {
+    pub fn register(driver: Arc<Driver>, file: File, path: &Path) -> Result<CuFileHandle> {
         Self::register_inner(driver, file, path, None)
     }
 
@@ -103,7 +103,7 @@ impl CuFileHandle {
     /// it (otherwise without, recording [`Cause::ODirectRefused`]); when only cuFile's
     /// compatibility (POSIX) path exists, O_DIRECT buys nothing, so the file is opened buffered
     /// and keeps the page cache. [`open_with`](Self::open_with) chooses explicitly.
-    pub fn open(driver: Arc<Driver>, path: &FsPath, mode: OpenMode) -> Result<CuFileHandle> {
+    pub fn open(driver: Arc<Driver>, path: &Path, mode: OpenMode) -> Result<CuFileHandle> {
         let direct = driver.nvfs_loaded() || driver.p2pdma_enabled();
         Self::open_with(driver, path, mode, direct)
     }
@@ -112,7 +112,7 @@ impl CuFileHandle {
     /// refuses, recorded as [`Cause::ODirectRefused`]) or without O_DIRECT, and registers it.
     pub fn open_with(
         driver: Arc<Driver>,
-        path: &FsPath,
+        path: &Path,
         mode: OpenMode,
         o_direct: bool,
     ) -> Result<CuFileHandle> {
@@ -145,7 +145,7 @@ impl CuFileHandle {
     pub(in crate::storage) fn register_file(
         driver: Arc<Driver>,
         file: File,
-        path: &FsPath,
+        path: &Path,
         o_direct_refused: Option<String>,
     ) -> Result<CuFileHandle> {
         Self::register_inner(driver, file, path, o_direct_refused)
@@ -154,7 +154,7 @@ impl CuFileHandle {
     fn register_inner(
         driver: Arc<Driver>,
         file: File,
-        path: &FsPath,
+        path: &Path,
         o_direct_refused: Option<String>,
     ) -> Result<CuFileHandle> {
         let meta = file
@@ -203,7 +203,7 @@ impl CuFileHandle {
     }
 
     /// The file's path as given at registration.
-    pub fn path(&self) -> &FsPath {
+    pub fn path(&self) -> &Path {
         &self.path
     }
 
@@ -442,7 +442,7 @@ pub(super) const READ_OVERRUN: usize = 64 << 10;
 /// it), from `fstat` at the time of the call.
 pub(in crate::storage) fn clamp_to_eof(
     file: &File,
-    path: &FsPath,
+    path: &Path,
     file_offset: u64,
     len: usize,
 ) -> Result<usize> {
@@ -463,7 +463,7 @@ fn check_range(file_offset: u64, len: usize) -> Result<()> {
     Ok(())
 }
 
-fn with_path(e: Error, path: &FsPath) -> Error {
+fn with_path(e: Error, path: &Path) -> Error {
     match e {
         Error::Io {
             op,
@@ -481,7 +481,7 @@ fn with_path(e: Error, path: &FsPath) -> Error {
 // ---- Path decision and failure classification --------------------------------------------------
 
 /// The name of the filesystem holding `path` (`statfs` magic), e.g. `"ext4"`, `"overlay"`.
-pub fn filesystem_type(path: &FsPath) -> Option<String> {
+pub fn filesystem_type(path: &Path) -> Option<String> {
     use std::os::unix::ffi::OsStrExt;
     let c = std::ffi::CString::new(path.as_os_str().as_bytes()).ok()?;
     // SAFETY: all-zero is a valid statfs.
@@ -541,7 +541,7 @@ pub(in crate::storage) fn udev_record(dev: u64) -> (String, PathBuf) {
 
 fn decide_path(
     driver: &Driver,
-    path: &FsPath,
+    path: &Path,
     dev: u64,
     o_direct_refused: Option<String>,
 ) -> PathReport {
@@ -578,7 +578,7 @@ fn decide_path(
 /// block device (`/run/udev/data/b<major>:<minor>` absent — cuFile's usual failure in
 /// containers, reported as an internal error); otherwise [`Cause::CuFileRegistrationFailed`]
 /// with the error's text.
-pub fn classify_registration_failure(err: &Error, file: &FsPath) -> Cause {
+pub fn classify_registration_failure(err: &Error, file: &Path) -> Cause {
     let code = match err {
         Error::CuFile { source, .. } => Some(source.code()),
         _ => None,
