@@ -40,10 +40,10 @@
 //!
 //! GPUDirect rarely fails loudly: the bytes still arrive, through host memory, ten times slower.
 //! So every transfer returns (or its handle records) a [`PathReport`]: a [`TransferPath`] —
-//! [`TransferPath::PeerDirect`], [`TransferPath::Gds`], [`TransferPath::RdmaDmaBuf`], [`TransferPath::RdmaPeerMem`] are direct;
-//! [`TransferPath::StagedThroughHost`], [`TransferPath::CuFileCompat`], [`TransferPath::Posix`],
-//! [`TransferPath::RdmaHostMemory`] are fallbacks; [`TransferPath::Unknown`] where nothing observable tells —
-//! and for fallbacks a [`Cause`] whose `Display` names the fix ("pool memory lacks peer access",
+//! [`TransferPath::PeerDirect`], [`TransferPath::Gds`], [`TransferPath::RdmaDmaBuf`],
+//! [`TransferPath::RdmaPeerMem`] are direct; [`TransferPath::StagedThroughHost`],
+//! [`TransferPath::CuFileCompat`], [`TransferPath::Posix`], [`TransferPath::RdmaHostMemory`] are
+//! fallbacks; [`TransferPath::Unknown`] where nothing observable tells — and for fallbacks a [`Cause`] whose `Display` names the fix ("pool memory lacks peer access",
 //! "cuFile can't register files: udev data missing", "no peer-memory client"). How each room
 //! knows:
 //!

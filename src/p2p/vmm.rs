@@ -198,7 +198,8 @@ impl<T: DeviceRepr + ValidAsZeroBits> VmmBuffer<T> {
 impl<T> VmmBuffer<T> {
     /// Grants device `peer` read/write access to this memory (`cuMemSetAccess`), so peer copies
     /// executed by that device read/write it directly ([`copy_peer`](super::copy_peer) then
-    /// reports [`TransferPath::PeerDirect`](crate::TransferPath::PeerDirect)). Lasts as long as the buffer.
+    /// reports [`TransferPath::PeerDirect`](crate::TransferPath::PeerDirect)). Lasts as long as
+    /// the buffer.
     ///
     /// Errors: [`Error::NoDevice`] for a bad ordinal, [`Error::Unsupported`] when the two
     /// devices cannot access each other (`cuDeviceCanAccessPeer`).

@@ -347,7 +347,8 @@ impl<M: GpuMemory> GpuMemoryRegion<M> {
         Ok((mr, exp))
     }
 
-    /// The path the registration took: [`TransferPath::RdmaDmaBuf`] or [`TransferPath::RdmaPeerMem`].
+    /// The path the registration took: [`TransferPath::RdmaDmaBuf`] or
+    /// [`TransferPath::RdmaPeerMem`].
     pub fn path(&self) -> TransferPath {
         self.path
     }

@@ -18,9 +18,9 @@
 //! # Which path did my bytes take
 //! Each [`GpuFile`] decides at open (see [`Backend`], [`CompatMode`]): cuFile when it moves
 //! bytes by DMA ([`TransferPath::Gds`](crate::TransferPath::Gds)); otherwise gpudirect's engine
-//! ([`TransferPath::Posix`](crate::TransferPath::Posix)) with the [`Cause`](crate::Cause) that ruled cuFile out
-//! (no nvidia-fs, udev data missing, filesystem unsupported, forced by config, …). Under
-//! [`CompatMode::Auto`] that decision comes from cheap facts first (the filesystem, the udev
+//! ([`TransferPath::Posix`](crate::TransferPath::Posix)) with the [`Cause`](crate::Cause) that
+//! ruled cuFile out (no nvidia-fs, udev data missing, filesystem unsupported, forced by config,
+//! …). Under [`CompatMode::Auto`] that decision comes from cheap facts first (the filesystem, the udev
 //! record of its block device, nvidia-fs or P2PDMA on the host), cached per device and
 //! filesystem for the process: cuFile's driver is opened (about half a second) only where they
 //! allow DMA, so an open on a known filesystem costs a few system calls. The doctor still runs

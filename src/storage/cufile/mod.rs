@@ -4,8 +4,8 @@
 //!   opens, never closed (see its docs for why).
 //! - [`CuFileHandle`]: a registered file that owns its [`std::fs::File`]; synchronous
 //!   read/write into cudarc device buffers; a [`PathReport`](crate::PathReport) saying whether
-//!   IO goes direct ([`TransferPath::Gds`](crate::TransferPath::Gds)) or through cuFile's compatibility mode,
-//!   and why.
+//!   IO goes direct ([`TransferPath::Gds`](crate::TransferPath::Gds)) or through cuFile's
+//!   compatibility mode, and why.
 //! - [`RegisteredBuffer`]: a device buffer registered with cuFile for its lifetime.
 //! - [`StreamIo`]: stream-ordered IO whose guard owns its parameter block and buffer.
 //! - [`BatchIo`]: batch IO; [`BatchIo::run`] is safe and blocking, `submit`/`poll` overlap.

@@ -203,9 +203,9 @@ impl Stats {
         Ok(snap)
     }
 
-    /// The path IO took between two snapshots, from the per-GPU counters: [`TransferPath::Gds`] when
-    /// only nvidia-fs/P2PDMA counters grew, [`TransferPath::CuFileCompat`] when only POSIX ones did,
-    /// `None` when nothing (or both) changed. Process-wide: other cuFile IO in the window is
+    /// The path IO took between two snapshots, from the per-GPU counters: [`TransferPath::Gds`]
+    /// when only nvidia-fs/P2PDMA counters grew, [`TransferPath::CuFileCompat`] when only POSIX
+    /// ones did, `None` when nothing (or both) changed. Process-wide: other cuFile IO in the window is
     /// counted too.
     pub fn path_between(before: &StatsSnapshot, after: &StatsSnapshot) -> Option<PathReport> {
         let direct = after.direct_ops().saturating_sub(before.direct_ops());
