@@ -15,11 +15,11 @@ fn environment_is_read_once_and_the_builder_is_checked_like_it() {
     std::env::set_var("GPUDIRECT_NTHREADS", "12");
     std::env::set_var("GPUDIRECT_BOUNCE_SIZE", "1000");
     let c = StorageConfig::from_env().unwrap();
-    assert_eq!(c.compat_mode, CompatMode::On);
+    assert_eq!(c.compat_mode, CompatMode::PosixOnly);
     assert_eq!(c.threads, Some(12));
     assert_eq!(c.bounce_size, 4096, "rounded up to 4 KiB");
 
-    // Mode ON: the engine, with the variable named as the cause.
+    // GPUDIRECT_COMPAT_MODE=on (PosixOnly): the engine, with the variable named as the cause.
     let p = scratch("env");
     std::fs::write(&p, b"0123456789").unwrap();
     let check_forced = |f: &GpuFile| {
@@ -60,15 +60,18 @@ fn environment_is_read_once_and_the_builder_is_checked_like_it() {
         .unwrap();
     assert_eq!(f.config(), &StorageConfig::default());
 
-    // Mode OFF without a usable cuFile: open fails, naming the setting.
-    match GpuFile::options().compat_mode(CompatMode::Off).open(&p) {
+    // CuFileRequired (mode OFF) without a usable cuFile: open fails, naming the setting.
+    match GpuFile::options()
+        .compat_mode(CompatMode::CuFileRequired)
+        .open(&p)
+    {
         Err(Error::Unsupported { what, .. }) => {
             assert!(what.contains("GpuFileOptions::compat_mode"), "{what}")
         }
         Ok(f) if std::env::var("GPUDIRECT_EXPECT_CUDA").is_ok_and(|v| v == "present") => {
             assert!(f.uses_cufile())
         }
-        other => panic!("mode OFF without cuFile: {other:?}"),
+        other => panic!("CuFileRequired without cuFile: {other:?}"),
     }
 
     // The builder is checked by the environment's ranges: an error naming the setter, never a

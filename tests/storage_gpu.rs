@@ -404,12 +404,15 @@ fn gpu_storage_cufile_compat_path_or_udev_cause() {
             "expected UdevDataMissing for {maj}:{min}, got {}",
             a.path_report()
         );
-        match GpuFile::options().compat_mode(CompatMode::Off).open(&p) {
+        match GpuFile::options()
+            .compat_mode(CompatMode::CuFileRequired)
+            .open(&p)
+        {
             Err(Error::Unsupported {
                 cause: Cause::UdevDataMissing { .. },
                 ..
             }) => {}
-            other => panic!("mode OFF without udev data: {other:?}"),
+            other => panic!("CuFileRequired without udev data: {other:?}"),
         }
         let mut rng = rand::rngs::StdRng::seed_from_u64(54);
         read_round(&a, &stream, &model, &mut rng, 4);

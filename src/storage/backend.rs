@@ -174,7 +174,7 @@ fn remember(fds: &Fds, cause: &Cause) {
 ///
 /// [`CompatMode::Auto`] decides from cheap facts first ([`verdict`]) and pays for
 /// `cuFileDriverOpen` and a registration only when they allow DMA; [`Backend::CuFile`] and
-/// [`CompatMode::Off`] always open cuFile (they require it).
+/// [`CompatMode::CuFileRequired`] always open cuFile (they require it).
 pub(super) fn decide_backend(
     backend: Backend,
     cfg: &StorageConfig,
@@ -190,7 +190,7 @@ pub(super) fn decide_backend(
             Ok((Some(h), r))
         }
         Backend::Auto => match cfg.compat_mode {
-            CompatMode::On => Ok((
+            CompatMode::PosixOnly => Ok((
                 None,
                 forced(
                     cfg.compat_source
@@ -198,7 +198,7 @@ pub(super) fn decide_backend(
                         .unwrap_or_else(|| "GPUDIRECT_COMPAT_MODE=ON".into()),
                 ),
             )),
-            CompatMode::Off => match cufile_glue::open(path, fds, write) {
+            CompatMode::CuFileRequired => match cufile_glue::open(path, fds, write) {
                 Ok(h) => {
                     let r = h.path_report().clone();
                     Ok((Some(h), r))

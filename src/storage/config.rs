@@ -42,22 +42,83 @@ pub const DEFAULT_BOUNCE_SIZE: usize = 2 << 20;
 /// tasks and cuFile requests never exceed it.
 pub const MAX_IO_PER_CALL: usize = 0x7fff_f000;
 
-/// KvikIO-style mode: may a [`GpuFile`](super::GpuFile) use cuFile, and must it?
+/// May a [`GpuFile`](super::GpuFile) use cuFile, and must it? What
+/// [`Backend::Auto`](super::Backend::Auto) follows (`GPUDIRECT_COMPAT_MODE`,
+/// [`GpuFileOptions::compat_mode`](super::GpuFileOptions::compat_mode)).
+///
+/// The environment keeps KvikIO's spellings (`KVIKIO_COMPAT_MODE`), in which "compatibility
+/// mode on" means POSIX IO instead of cuFile; the variants say what they do:
+///
+/// | variant | `GPUDIRECT_COMPAT_MODE` | also accepted | what a `GpuFile` uses |
+/// |---|---|---|---|
+/// | [`Auto`](Self::Auto) | `AUTO` | | cuFile when it moves bytes by DMA, else gpudirect's POSIX engine with the cause |
+/// | [`PosixOnly`](Self::PosixOnly) | `ON` (any boolean true) | `posix_only` | never cuFile: gpudirect's POSIX engine |
+/// | [`CuFileRequired`](Self::CuFileRequired) | `OFF` (any boolean false) | `cufile_required` | cuFile, its own compat path included; opening fails without it |
+///
+/// [`FromStr`] takes every spelling in the table, any case, `-` for `_`; [`Display`](fmt::Display)
+/// and `Serialize` write the `snake_case` name (`auto`, `posix_only`, `cufile_required`), which
+/// parses back. The old variant names [`CompatMode::On`] and [`CompatMode::Off`] remain as
+/// deprecated constants.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Default)]
+#[serde(rename_all = "snake_case")]
 pub enum CompatMode {
     /// Use cuFile only when it gives a direct (DMA) path; otherwise gpudirect's engine,
-    /// with the cause reported.
+    /// with the cause reported. `GPUDIRECT_COMPAT_MODE=AUTO`.
     #[default]
     Auto,
-    /// Always gpudirect's engine (cause: forced by config).
-    On,
+    /// Never cuFile: always gpudirect's POSIX engine
+    /// ([`TransferPath::Posix`](crate::TransferPath::Posix), cause: forced by config).
+    /// `GPUDIRECT_COMPAT_MODE=ON` (KvikIO's "compatibility mode on").
+    PosixOnly,
     /// cuFile is required (its own compat path is accepted); opening fails when cuFile
-    /// cannot register the file.
-    Off,
+    /// cannot register the file. `GPUDIRECT_COMPAT_MODE=OFF`.
+    #[serde(rename = "cufile_required")]
+    CuFileRequired,
 }
 
-/// `auto`, or a boolean (`on` = [`CompatMode::On`]).
+#[allow(non_upper_case_globals)] // the old variant names, so `CompatMode::On` keeps compiling
+impl CompatMode {
+    /// The old name of [`CompatMode::PosixOnly`] (KvikIO's `COMPAT_MODE=ON`: no cuFile).
+    ///
+    /// ```
+    /// #![allow(deprecated)]
+    /// use gpudirect::storage::CompatMode;
+    /// assert_eq!(CompatMode::On, CompatMode::PosixOnly);
+    /// assert_eq!(CompatMode::Off, CompatMode::CuFileRequired);
+    /// let uses_cufile = |m: CompatMode| match m {
+    ///     CompatMode::Auto | CompatMode::Off => true,
+    ///     CompatMode::On => false,
+    /// };
+    /// assert!(!uses_cufile(CompatMode::PosixOnly));
+    /// ```
+    ///
+    /// ```compile_fail
+    /// #![deny(deprecated)]
+    /// let _ = gpudirect::storage::CompatMode::On;
+    /// ```
+    #[deprecated(
+        note = "renamed to CompatMode::PosixOnly (GPUDIRECT_COMPAT_MODE=ON: never cuFile)"
+    )]
+    pub const On: CompatMode = CompatMode::PosixOnly;
+
+    /// The old name of [`CompatMode::CuFileRequired`] (KvikIO's `COMPAT_MODE=OFF`).
+    ///
+    /// ```compile_fail
+    /// #![deny(deprecated)]
+    /// let _ = gpudirect::storage::CompatMode::Off;
+    /// ```
+    #[deprecated(
+        note = "renamed to CompatMode::CuFileRequired (GPUDIRECT_COMPAT_MODE=OFF: cuFile or an error)"
+    )]
+    pub const Off: CompatMode = CompatMode::CuFileRequired;
+}
+
+/// `auto`, or a boolean (`on` = [`ODirect::On`]).
 const AUTO_OR_BOOL: &str = "auto, or on/off (1/0, true/false, yes/no)";
+
+/// `GPUDIRECT_COMPAT_MODE`'s spellings: KvikIO's and the variants' names.
+const COMPAT_MODE_SPELLINGS: &str =
+    "auto, on/posix_only (or 1, true, yes), off/cufile_required (or 0, false, no)";
 
 /// `auto`, else the one boolean table: `true` is `on`, `false` is `off`.
 fn auto_or_bool<T>(s: &str, auto: T, on: T, off: T) -> std::result::Result<T, ParseValueError> {
@@ -73,9 +134,19 @@ fn auto_or_bool<T>(s: &str, auto: T, on: T, off: T) -> std::result::Result<T, Pa
 
 impl FromStr for CompatMode {
     type Err = ParseValueError;
-    /// Parses `auto`, `on`/`true`/`yes`/`1`, `off`/`false`/`no`/`0` (any case).
+    /// Parses `auto`, `posix_only` or `on`/`true`/`yes`/`1`, `cufile_required` or
+    /// `off`/`false`/`no`/`0` (any case, `-` for `_`).
     fn from_str(s: &str) -> std::result::Result<Self, ParseValueError> {
-        auto_or_bool(s, CompatMode::Auto, CompatMode::On, CompatMode::Off)
+        match s.trim().to_ascii_lowercase().replace('-', "_").as_str() {
+            "auto" => Ok(CompatMode::Auto),
+            "posix_only" => Ok(CompatMode::PosixOnly),
+            "cufile_required" => Ok(CompatMode::CuFileRequired),
+            _ => match env::parse_bool(s) {
+                Some(true) => Ok(CompatMode::PosixOnly),
+                Some(false) => Ok(CompatMode::CuFileRequired),
+                None => Err(ParseValueError::new(s, COMPAT_MODE_SPELLINGS)),
+            },
+        }
     }
 }
 
@@ -88,11 +159,12 @@ impl CompatMode {
 }
 
 impl fmt::Display for CompatMode {
+    /// The `snake_case` name, a spelling [`FromStr`] accepts.
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(match self {
-            CompatMode::Auto => "AUTO",
-            CompatMode::On => "ON",
-            CompatMode::Off => "OFF",
+            CompatMode::Auto => "auto",
+            CompatMode::PosixOnly => "posix_only",
+            CompatMode::CuFileRequired => "cufile_required",
         })
     }
 }
@@ -452,10 +524,10 @@ mod tests {
     #[test]
     fn modes_parse() {
         assert_eq!("AUTO".parse(), Ok(CompatMode::Auto));
-        assert_eq!("yes".parse(), Ok(CompatMode::On));
-        assert_eq!("0".parse(), Ok(CompatMode::Off));
+        assert_eq!("yes".parse(), Ok(CompatMode::PosixOnly));
+        assert_eq!("0".parse(), Ok(CompatMode::CuFileRequired));
         let e = "maybe".parse::<CompatMode>().unwrap_err();
-        assert!(e.to_string().contains("auto, or on/off"), "{e}");
+        assert!(e.to_string().contains("on/posix_only"), "{e}");
         assert_eq!("On".parse(), Ok(ODirect::On));
         assert!("nope".parse::<ODirect>().is_err());
         assert_eq!("Segments".parse(), Ok(Pipeline::Segments));
@@ -465,6 +537,52 @@ mod tests {
             e.to_string(),
             "\"fast\" is not valid: expected segments or lanes"
         );
+    }
+
+    #[test]
+    fn compat_mode_old_and_new_spellings_parse_and_round_trip() {
+        use CompatMode::*;
+        for (text, mode) in [
+            // KvikIO's spellings (GPUDIRECT_COMPAT_MODE=ON|OFF|AUTO) and the boolean table.
+            ("AUTO", Auto),
+            ("ON", PosixOnly),
+            ("OFF", CuFileRequired),
+            ("on", PosixOnly),
+            ("true", PosixOnly),
+            ("1", PosixOnly),
+            ("Yes", PosixOnly),
+            ("off", CuFileRequired),
+            ("false", CuFileRequired),
+            ("0", CuFileRequired),
+            ("NO", CuFileRequired),
+            // The variants' names.
+            ("auto", Auto),
+            ("posix_only", PosixOnly),
+            ("POSIX-ONLY", PosixOnly),
+            (" posix_only ", PosixOnly),
+            ("cufile_required", CuFileRequired),
+            ("CuFile-Required", CuFileRequired),
+        ] {
+            assert_eq!(text.parse::<CompatMode>(), Ok(mode), "{text:?}");
+        }
+        for mode in [Auto, PosixOnly, CuFileRequired] {
+            let shown = mode.to_string();
+            assert_eq!(shown.parse::<CompatMode>(), Ok(mode), "{shown}");
+            let json = serde_json::to_string(&mode).unwrap();
+            assert_eq!(json, format!("\"{shown}\""));
+        }
+        #[allow(deprecated)]
+        {
+            assert_eq!(CompatMode::On, PosixOnly);
+            assert_eq!(CompatMode::Off, CuFileRequired);
+        }
+        for bad in ["posix", "cufile", "required", "on_posix", "", "2"] {
+            let e = bad.parse::<CompatMode>().unwrap_err();
+            assert_eq!(
+                e.to_string(),
+                format!("{bad:?} is not valid: expected {COMPAT_MODE_SPELLINGS}")
+            );
+        }
     }
 
     fn from_pairs(pairs: &[(&str, &str)]) -> Result<StorageConfig> {
@@ -505,7 +623,7 @@ mod tests {
             ("GPUDIRECT_NUMA_PIN", "0"),
         ])
         .unwrap();
-        assert_eq!(c.compat_mode, CompatMode::On);
+        assert_eq!(c.compat_mode, CompatMode::PosixOnly);
         assert_eq!(c.compat_source.as_deref(), Some("GPUDIRECT_COMPAT_MODE=on"));
         assert_eq!(c.threads, Some(12));
         assert_eq!(c.task_size, 8 << 20);
@@ -521,7 +639,7 @@ mod tests {
     #[test]
     fn environment_garbage_and_out_of_range_values_are_typed_errors() {
         for (var, val, expected) in [
-            ("GPUDIRECT_COMPAT_MODE", "sometimes", "auto, or on/off"),
+            ("GPUDIRECT_COMPAT_MODE", "sometimes", "auto, on/posix_only"),
             ("GPUDIRECT_NTHREADS", "0", "1 to 1024"),
             ("GPUDIRECT_NTHREADS", "many", "1 to 1024"),
             ("GPUDIRECT_NTHREADS", "2000", "1 to 1024"),

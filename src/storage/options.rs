@@ -192,8 +192,9 @@ impl GpuFileOptions {
     /// `GPUDIRECT_*` variable (unless [`config`](Self::config) replaced the environment's
     /// settings); [`Error::InvalidArgument`](crate::Error::InvalidArgument) for a setting out of
     /// range or anything but a regular file (directory, FIFO, socket, device node);
-    /// [`Error::Io`](crate::Error::Io) when `open` fails; with [`Backend::CuFile`] or mode OFF,
-    /// the cuFile error or [`Error::Unsupported`](crate::Error::Unsupported) with its cause.
+    /// [`Error::Io`](crate::Error::Io) when `open` fails; with [`Backend::CuFile`] or
+    /// [`CompatMode::CuFileRequired`], the cuFile error or
+    /// [`Error::Unsupported`](crate::Error::Unsupported) with its cause.
     pub fn open(self, path: impl AsRef<Path>) -> Result<GpuFile> {
         self.open_with(path.as_ref(), true)
     }
