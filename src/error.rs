@@ -197,6 +197,22 @@ pub enum Error {
         failed: Vec<(usize, Error)>,
     },
 
+    /// A transfer was cancelled (`storage::Transfer::cancel`, `storage::TransferControl`)
+    /// before every byte moved. Nothing is in flight any more: every piece that was started
+    /// finished (its copies drained) before this was returned. For a read, the first `prefix`
+    /// bytes of the destination hold the file's bytes; of the rest, `moved - prefix` bytes in
+    /// pieces further on were written too, and the other bytes are as they were. For a write,
+    /// the file's range is partly written.
+    #[error("transfer cancelled after {moved} of {total} bytes ({prefix} in place from the start); nothing is in flight: run it again for the rest")]
+    Cancelled {
+        /// Bytes that moved in all.
+        moved: usize,
+        /// Bytes that moved as one run from the start of the range.
+        prefix: usize,
+        /// Bytes the transfer was asked to move.
+        total: usize,
+    },
+
     /// A setting was given after the point where the library still honours it.
     #[error("{setting} must be set before {before}: {hint}")]
     TooLate {

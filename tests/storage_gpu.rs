@@ -5,8 +5,12 @@
 //! `GPUDIRECT_TEST_UDEV_FIX=1` (as root) the cuFile test writes the udev record cuFile needs for
 //! the test directory's block device and drives cuFile's compat path; without it the test
 //! asserts that cuFile refuses the file because of the missing udev data.
+//!
+//! Non-blocking, stream-ordered transfers (`gpu_transfer_*`) are in the `storage_transfer`
+//! module of this binary.
 
 mod common;
+mod storage_transfer;
 
 use std::path::PathBuf;
 use std::sync::Arc;

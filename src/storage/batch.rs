@@ -619,11 +619,14 @@ impl<'a> ReadBatch<'a> {
                 bufs.push(Mem::Dev(p));
                 guards.push(g);
             }
-            sync_streams(&streams)?;
+            // Instead of synchronizing the streams: an event on each (see stream_events).
+            let after = stream_events(&streams)?;
             // SAFETY: every buffer is a destination view borrowed (mutably, for 'a) by this
             // batch, in `ctx`; each task lies inside its item's destination range, which was
-            // checked to fit its buffer and to overlap no other item's; Engine::run returns
-            // only after every copy completed.
+            // checked to fit its buffer and to overlap no other item's; no copy starts before
+            // the work pending on the buffers (`after`: device_ptr_mut made each stream wait
+            // for its buffer's other users first); Engine::run returns only after every copy
+            // completed.
             let mut job = unsafe {
                 engine::Job::batch(
                     job_files,
@@ -634,7 +637,11 @@ impl<'a> ReadBatch<'a> {
                     Op::Read,
                     Some(ctx.clone()),
                 )
-            };
+            }
+            .with_control(engine::Control {
+                after: &after,
+                ..Default::default()
+            });
             if let Some(p) = first.seg_params() {
                 job = job.with_segments(p);
             }
@@ -728,17 +735,29 @@ fn clone_open_error(e: &Error) -> Error {
     }
 }
 
-/// Synchronizes every distinct stream of `streams`.
-fn sync_streams(streams: &[Arc<CudaStream>]) -> Result<()> {
-    let mut done: Vec<cudarc::driver::sys::CUstream> = Vec::new();
+/// An event recorded now on every distinct stream of `streams`, waited for here (the work
+/// queued on the streams before now, not what other threads queue later: the engine runs one
+/// job per GPU at a time, so its jobs must not wait for kernels on the device), and then by the
+/// engine's copies.
+fn stream_events(streams: &[Arc<CudaStream>]) -> Result<Vec<cudarc::driver::CudaEvent>> {
+    let mut seen: Vec<cudarc::driver::sys::CUstream> = Vec::new();
+    let mut events = Vec::new();
     for s in streams {
-        if !done.contains(&s.cu_stream()) {
-            s.synchronize()
-                .map_err(|e| Error::cuda("cuStreamSynchronize", e))?;
-            done.push(s.cu_stream());
+        if !seen.contains(&s.cu_stream()) {
+            events.push(
+                s.record_event(Some(
+                    cudarc::driver::sys::CUevent_flags::CU_EVENT_DISABLE_TIMING,
+                ))
+                .map_err(|e| Error::cuda("cuEventRecord", e))?,
+            );
+            seen.push(s.cu_stream());
         }
     }
-    Ok(())
+    for e in &events {
+        e.synchronize()
+            .map_err(|e| Error::cuda("cuEventSynchronize", e))?;
+    }
+    Ok(events)
 }
 
 /// One item of [`read_many`]: `len` bytes at `file_offset` of `path` into the destination at
@@ -1078,16 +1097,19 @@ impl<'a> WriteBatch<'a> {
                     direct,
                 );
             }
-            if ctx.is_some() {
-                sync_streams(&streams)?;
-            }
+            let after = if ctx.is_some() {
+                stream_events(&streams)?
+            } else {
+                Vec::new()
+            };
             let dev = ctx.as_ref().map(|c| c.ordinal());
             let eng = engine::engine(dev, file.cfg.numa_pin)?;
             let threads = file.threads_for(dev, direct);
             // SAFETY: device buffers are the sources borrowed for 'a by this batch, in `ctx`;
             // host buffers are slices borrowed for 'a (only read: a write job); each task lies
-            // inside its item's source range (checked above); Engine::run returns only after
-            // every copy completed.
+            // inside its item's source range (checked above); no copy starts before the
+            // sources' pending writers (`after`); Engine::run returns only after every copy
+            // completed.
             let job = unsafe {
                 engine::Job::batch(
                     vec![&*file.fds],
@@ -1098,7 +1120,11 @@ impl<'a> WriteBatch<'a> {
                     Op::Write,
                     ctx.clone(),
                 )
-            };
+            }
+            .with_control(engine::Control {
+                after: &after,
+                ..Default::default()
+            });
             let out = eng.run(job, threads)?;
             drop(guards);
             odirect = out.odirect;

@@ -4,6 +4,7 @@
 use std::path::Path as FsPath;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
+use std::time::Duration;
 
 use cudarc::driver::{
     CudaSlice, CudaStream, CudaView, CudaViewMut, DevicePtr, DevicePtrMut, DeviceRepr, DeviceSlice,
@@ -16,6 +17,7 @@ use super::engine::io::{self, Fds};
 use super::engine::plan::{plan, Dir};
 use super::engine::{self, small, Job, SegParams, Target};
 use super::options::GpuFileOptions;
+use super::transfer::Ctl;
 use crate::cuda::AnyBitPattern;
 use crate::error::{Error, Result};
 use crate::path::{Cause, FallbackPolicy, PathReport, TransferPath};
@@ -28,6 +30,7 @@ const RESIDENCY_SAMPLES: usize = 64;
 
 /// What one transfer did.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[non_exhaustive]
 pub struct IoReport {
     /// Bytes moved. Less than asked only for reads that reach end of file.
     pub bytes: usize,
@@ -35,22 +38,38 @@ pub struct IoReport {
     pub path: PathReport,
     /// Whether any byte went through O_DIRECT (gpudirect's engine only).
     pub odirect: bool,
+    /// Wall time from the call to the last byte in place (for a non-blocking transfer, from
+    /// the `*_async` call, so time spent waiting for the buffer's pending work is included).
+    pub elapsed: Duration,
 }
 
 impl IoReport {
-    /// A report of `bytes` moved over `path` (`odirect`: some went through O_DIRECT).
-    pub fn new(bytes: usize, path: PathReport, odirect: bool) -> Self {
+    /// A report of `bytes` moved over `path` in `elapsed` (`odirect`: some went through
+    /// O_DIRECT).
+    pub fn new(bytes: usize, path: PathReport, odirect: bool, elapsed: Duration) -> Self {
         IoReport {
             bytes,
             path,
             odirect,
+            elapsed,
         }
+    }
+
+    /// Throughput in GB/s (10⁹ bytes per second) over [`elapsed`](Self::elapsed).
+    pub fn gbps(&self) -> f64 {
+        self.bytes as f64 / self.elapsed.as_secs_f64().max(1e-12) / 1e9
     }
 }
 
 impl std::fmt::Display for IoReport {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "{} bytes via {}", self.bytes, self.path)?;
+        write!(
+            f,
+            "{} bytes in {:.3} ms via {}",
+            self.bytes,
+            self.elapsed.as_secs_f64() * 1e3,
+            self.path
+        )?;
         if self.odirect {
             f.write_str(" with O_DIRECT")?;
         }
@@ -149,9 +168,21 @@ pub(super) fn elem_size<T>() -> Result<usize> {
 /// [`CompatMode`](super::CompatMode)), and reported by [`GpuFile::path_report`] and in every [`IoReport`].
 ///
 /// # Ordering
-/// Device transfers synchronize the buffer's stream before the first byte moves and return
-/// when every byte is in place (device memory for reads, the file for writes; `durable`
-/// adds `fsync`). No copy is in flight after a call returns.
+/// Device transfers order themselves after the work queued on the buffer's stream before the
+/// call (and, through cudarc's events, after the buffer's users on other streams) without
+/// synchronizing that stream: an event is recorded on it, waited for before the transfer
+/// enters the engine (work queued on the stream later, by other threads, does not hold it up),
+/// and waited for by the engine's copies. They return when every byte is in place (device
+/// memory for reads, the file for writes; `durable` adds `fsync`): no copy is in flight after
+/// a call returns, so later work on any stream sees the bytes. Through cuFile (which orders on
+/// no stream) the buffer's stream is synchronized.
+///
+/// # Non-blocking transfers
+/// [`read_async`](Self::read_async), [`read_exact_async`](Self::read_exact_async),
+/// [`write_async`](Self::write_async), [`pread_host_async`](Self::pread_host_async) and
+/// [`pwrite_host_async`](Self::pwrite_host_async) move an owned buffer in and return a
+/// [`Transfer`](super::Transfer) at once (a `Future` with the `async` feature), with progress
+/// and cancellation.
 ///
 /// # End of file
 /// A read stops at end of file and reports the bytes it moved ([`IoReport::bytes`]); bytes of
@@ -453,21 +484,20 @@ impl GpuFile {
         off: u64,
         esz: usize,
         path: PathReport,
+        ctl: &Ctl<'_>,
     ) -> Result<IoReport> {
         let len = view.len();
         let bytes = self.read_unsized(off, len)?;
         self.whole_elements(off, bytes.len(), len, esz)?;
         Self::upload(view, &bytes)?;
-        Ok(IoReport {
-            bytes: bytes.len(),
-            path,
-            odirect: false,
-        })
+        ctl.moved(bytes.len());
+        Ok(IoReport::new(bytes.len(), path, false, ctl.elapsed()))
     }
 
     /// Reads from `file_offset` into all of `dst` (or up to end of file).
     ///
-    /// Synchronizes `dst`'s stream first; returns when the bytes are in device memory.
+    /// Orders after the work pending on `dst` (see [Ordering](Self#ordering)); returns when
+    /// the bytes are in device memory.
     /// Errors: [`Error::FallbackRefused`] (policy `Deny` and no direct path; nothing moved),
     /// [`Error::InvalidArgument`] (offset overflow, buffer of another device than
     /// [`GpuFileOptions::device`]), [`Error::Io`], [`Error::Cuda`], cuFile errors.
@@ -476,43 +506,61 @@ impl GpuFile {
         dst: &mut D,
         file_offset: u64,
     ) -> Result<IoReport> {
+        let ctl = Ctl::now();
         let esz = elem_size::<D::Elem>()?;
         let mut typed = dst.as_dst();
         let mut view = dst_bytes(&mut typed);
+        self.read_dev(&mut view, esz, file_offset, &ctl)
+    }
+
+    /// [`read_to_device`](Self::read_to_device) of the bytes of a view of `esz`-byte elements.
+    pub(super) fn read_dev(
+        &self,
+        view: &mut CudaViewMut<'_, u8>,
+        esz: usize,
+        file_offset: u64,
+        ctl: &Ctl<'_>,
+    ) -> Result<IoReport> {
         let len = view.len();
         check_range(file_offset, len)?;
         let stream = view.stream().clone();
         let ctx = stream.context().clone();
         self.check_device(ctx.ordinal())?;
         self.check_policy()?;
+        ctl.start(len)?;
         if let Some(cf) = &self.cufile {
             let Some(n) = self.readable_whole(file_offset, len, esz)? else {
                 let path = cf.path_report().clone();
-                return self.read_unsized_to_device(&mut view, file_offset, esz, path);
+                return self.read_unsized_to_device(view, file_offset, esz, path, ctl);
             };
             let bytes = if n == 0 {
                 0
             } else {
-                cufile_glue::read_clamped(cf, &mut view, file_offset, n)?
+                ctl.wait_gate(&stream, len)?;
+                cufile_glue::read_clamped(cf, view, file_offset, n)?
             };
-            return Ok(IoReport {
+            ctl.moved(bytes);
+            return Ok(IoReport::new(
                 bytes,
-                path: cf.path_report().clone(),
-                odirect: false,
-            });
+                cf.path_report().clone(),
+                false,
+                ctl.elapsed(),
+            ));
         }
         let piece = self.cfg.piece_size();
         if len <= small::SMALL_MAX.min(piece) {
             // Small: no fstat (pread says where the file ends, also for files whose size is
             // unknown), no engine.
             if len == 0 {
-                return Ok(IoReport::new(0, self.engine_report(), false));
+                return Ok(IoReport::new(0, self.engine_report(), false, ctl.elapsed()));
             }
             let direct = self.read_direct(file_offset, len);
             let (dptr, _record) = view.device_ptr_mut(&stream);
+            let copy = ctl.small_stream(&ctx, &stream, len)?;
             let whole = |n: usize| self.whole_elements(file_offset, n, len, esz);
             // SAFETY: dptr..dptr+len is `dst`'s device memory in `ctx`, exclusively borrowed for
-            // this call; device_ptr_mut ordered `stream` after the buffer's other users;
+            // this call; device_ptr_mut ordered `stream` after the buffer's other users, and
+            // `copy` is `stream` or waits for an event recorded on it after that (the call's);
             // small::read copies at most len bytes and waits for its copy.
             let (bytes, odirect) = unsafe {
                 small::read(
@@ -523,39 +571,51 @@ impl GpuFile {
                     &whole,
                     &ctx,
                     dptr,
-                    stream.cu_stream(),
+                    copy.cu_stream(),
                 )
             }?;
-            return Ok(IoReport::new(bytes, self.engine_report(), odirect));
+            ctl.moved(bytes);
+            return Ok(IoReport::new(
+                bytes,
+                self.engine_report(),
+                odirect,
+                ctl.elapsed(),
+            ));
         }
         let Some(n) = self.readable_whole(file_offset, len, esz)? else {
             let path = self.engine_report();
-            return self.read_unsized_to_device(&mut view, file_offset, esz, path);
+            return self.read_unsized_to_device(view, file_offset, esz, path, ctl);
         };
         if n == 0 {
-            return Ok(IoReport::new(0, self.engine_report(), false));
+            return Ok(IoReport::new(0, self.engine_report(), false, ctl.elapsed()));
         }
         let direct = self.read_direct(file_offset, n);
         let engine = engine::engine(Some(ctx.ordinal()), self.cfg.numa_pin)?;
         let threads = self.threads_for(Some(ctx.ordinal()), direct);
         let tasks = plan(file_offset, n, piece, Dir::Read, direct);
         let (dptr, _record) = view.device_ptr_mut(&stream);
-        stream
-            .synchronize()
-            .map_err(|e| Error::cuda("cuStreamSynchronize", e))?;
+        // Instead of synchronizing `stream`: an event recorded on it after device_ptr_mut made
+        // it wait for the buffer's other users (or at the call), waited for before the job and
+        // by the engine's copies.
+        let mut own = None;
+        let after = ctl.gates(&stream, &mut own)?;
+        ctl.wait_for(after, len)?;
         // SAFETY: dptr..dptr+len is `dst`'s device memory in `ctx`, exclusively borrowed for
-        // this call; every task lies within [0, n) with n <= len; Engine::run returns only
-        // after all copies completed.
-        let mut job = unsafe { Job::new(&self.fds, tasks, piece, Target::DevRead { ctx, dptr }) };
+        // this call; every task lies within [0, n) with n <= len; no copy starts before the
+        // work pending on the buffer (`after`); Engine::run returns only after all copies
+        // completed.
+        let mut job = unsafe { Job::new(&self.fds, tasks, piece, Target::DevRead { ctx, dptr }) }
+            .with_control(ctl.engine(after));
         if let Some(p) = self.seg_params() {
             job = job.with_segments(p);
         }
-        let (bytes, odirect) = engine.run(job, threads)?.single()?;
-        Ok(IoReport {
+        let (bytes, odirect) = ctl.single(engine.run(job, threads)?, n)?;
+        Ok(IoReport::new(
             bytes,
-            path: self.engine_report(),
+            self.engine_report(),
             odirect,
-        })
+            ctl.elapsed(),
+        ))
     }
 
     /// [`read_to_device`](Self::read_to_device) that fills all of `dst` or fails with an
@@ -565,7 +625,22 @@ impl GpuFile {
         dst: &mut D,
         file_offset: u64,
     ) -> Result<IoReport> {
-        let want = dst.as_dst().num_bytes();
+        let ctl = Ctl::now();
+        let esz = elem_size::<D::Elem>()?;
+        let mut typed = dst.as_dst();
+        let mut view = dst_bytes(&mut typed);
+        self.read_exact_dev(&mut view, esz, file_offset, &ctl)
+    }
+
+    /// [`read_exact_to_device`](Self::read_exact_to_device) of the bytes of a view.
+    pub(super) fn read_exact_dev(
+        &self,
+        view: &mut CudaViewMut<'_, u8>,
+        esz: usize,
+        file_offset: u64,
+        ctl: &Ctl<'_>,
+    ) -> Result<IoReport> {
+        let want = view.len();
         check_range(file_offset, want)?;
         // Refuse before any byte moves when the file is already too short.
         if let Some(can) = self.readable(file_offset, want)? {
@@ -573,7 +648,7 @@ impl GpuFile {
                 return Err(self.eof(file_offset, want, can));
             }
         }
-        let r = self.read_to_device(dst, file_offset)?;
+        let r = self.read_dev(view, esz, file_offset, ctl)?;
         if r.bytes < want {
             return Err(self.eof(file_offset, want, r.bytes));
         }
@@ -592,16 +667,28 @@ impl GpuFile {
 
     /// Writes all of `src` at `file_offset`, extending the file as needed.
     ///
-    /// Synchronizes `src`'s stream first; returns when the bytes are in the file (and on
-    /// stable storage with [`GpuFileOptions::durable`]). On error the range's contents are
-    /// unspecified (the file may already be extended to its end).
+    /// Orders after the work pending on `src` (see [Ordering](Self#ordering)); returns when
+    /// the bytes are in the file (and on stable storage with [`GpuFileOptions::durable`]). On
+    /// error the range's contents are unspecified (the file may already be extended to its
+    /// end).
     pub fn write_from_device<S: DeviceSrc + ?Sized>(
         &self,
         src: &S,
         file_offset: u64,
     ) -> Result<IoReport> {
+        let ctl = Ctl::now();
         let typed = src.as_src();
         let view = src_bytes(&typed);
+        self.write_dev(&view, file_offset, &ctl)
+    }
+
+    /// [`write_from_device`](Self::write_from_device) of the bytes of a view.
+    pub(super) fn write_dev(
+        &self,
+        view: &CudaView<'_, u8>,
+        file_offset: u64,
+        ctl: &Ctl<'_>,
+    ) -> Result<IoReport> {
         let len = view.len();
         self.check_writable()?;
         check_range(file_offset, len)?;
@@ -609,29 +696,26 @@ impl GpuFile {
         let ctx = stream.context().clone();
         self.check_device(ctx.ordinal())?;
         self.check_policy()?;
-        let rep = if let Some(cf) = &self.cufile {
+        ctl.start(len)?;
+        let (bytes, path, odirect) = if let Some(cf) = &self.cufile {
             let bytes = if len == 0 {
                 0
             } else {
-                cf.write(&view, file_offset)?
+                ctl.wait_gate(&stream, len)?;
+                cf.write(view, file_offset)?
             };
-            IoReport {
-                bytes,
-                path: cf.path_report().clone(),
-                odirect: false,
-            }
+            ctl.moved(bytes);
+            (bytes, cf.path_report().clone(), false)
         } else if len == 0 {
-            IoReport {
-                bytes: 0,
-                path: self.engine_report(),
-                odirect: false,
-            }
+            (0, self.engine_report(), false)
         } else if len <= small::SMALL_MAX.min(self.cfg.piece_size()) {
             let direct = self.write_direct();
             self.prepare_write(direct, file_offset, len)?;
             let (dptr, _record) = view.device_ptr(&stream);
+            let copy = ctl.small_stream(&ctx, &stream, len)?;
             // SAFETY: dptr..dptr+len is `src`'s device memory in `ctx`, borrowed for this call;
-            // device_ptr ordered `stream` after the buffer's writers; small::write waits for
+            // device_ptr ordered `stream` after the buffer's writers, and `copy` is `stream` or
+            // waits for an event recorded on it after that (the call's); small::write waits for
             // its copy.
             let odirect = unsafe {
                 small::write(
@@ -641,14 +725,11 @@ impl GpuFile {
                     len,
                     &ctx,
                     dptr,
-                    stream.cu_stream(),
+                    copy.cu_stream(),
                 )
             }?;
-            IoReport {
-                bytes: len,
-                path: self.engine_report(),
-                odirect,
-            }
+            ctl.moved(len);
+            (len, self.engine_report(), odirect)
         } else {
             let direct = self.write_direct();
             let dev = Some(ctx.ordinal());
@@ -658,23 +739,21 @@ impl GpuFile {
             self.prepare_write(direct, file_offset, len)?;
             let tasks = plan(file_offset, len, piece, Dir::Write, direct);
             let (dptr, _record) = view.device_ptr(&stream);
-            stream
-                .synchronize()
-                .map_err(|e| Error::cuda("cuStreamSynchronize", e))?;
+            let mut own = None;
+            let after = ctl.gates(&stream, &mut own)?;
+            ctl.wait_for(after, len)?;
             // SAFETY: dptr..dptr+len is `src`'s device memory in `ctx`, borrowed for this
-            // call; tasks lie within [0, len); Engine::run returns after all copies completed.
-            let job = unsafe { Job::new(&self.fds, tasks, piece, Target::DevWrite { ctx, dptr }) };
-            let (bytes, odirect) = engine.run(job, threads)?.single()?;
-            IoReport {
-                bytes,
-                path: self.engine_report(),
-                odirect,
-            }
+            // call; tasks lie within [0, len); no copy starts before the buffer's pending
+            // writers (`after`); Engine::run returns after all copies completed.
+            let job = unsafe { Job::new(&self.fds, tasks, piece, Target::DevWrite { ctx, dptr }) }
+                .with_control(ctl.engine(after));
+            let (bytes, odirect) = ctl.single(engine.run(job, threads)?, len)?;
+            (bytes, self.engine_report(), odirect)
         };
         if self.durable {
             self.sync_all()?;
         }
-        Ok(rep)
+        Ok(IoReport::new(bytes, path, odirect, ctl.elapsed()))
     }
 
     pub(super) fn prepare_write(&self, direct: bool, off: u64, len: usize) -> Result<()> {
@@ -691,25 +770,33 @@ impl GpuFile {
     /// Reads from `file_offset` into `buf` (host memory) with the parallel engine; stops at end
     /// of file. The fallback policy does not apply (host memory has no direct path).
     pub fn pread_host(&self, buf: &mut [u8], file_offset: u64) -> Result<IoReport> {
+        self.pread_host_ctl(buf, file_offset, &Ctl::now())
+    }
+
+    pub(super) fn pread_host_ctl(
+        &self,
+        buf: &mut [u8],
+        file_offset: u64,
+        ctl: &Ctl<'_>,
+    ) -> Result<IoReport> {
         check_range(file_offset, buf.len())?;
+        ctl.start(buf.len())?;
         let Some(n) = self.readable(file_offset, buf.len())? else {
             // SAFETY: buf is exclusively borrowed and holds its length.
             let bytes = unsafe {
                 io::pread_full(&self.fds.buffered, buf.as_mut_ptr(), buf.len(), file_offset)
             }
             .map_err(|e| self.fds.err("pread", e))?;
-            return Ok(IoReport {
+            ctl.moved(bytes);
+            return Ok(IoReport::new(
                 bytes,
-                path: Self::host_report(),
-                odirect: false,
-            });
+                Self::host_report(),
+                false,
+                ctl.elapsed(),
+            ));
         };
         if n == 0 {
-            return Ok(IoReport {
-                bytes: 0,
-                path: Self::host_report(),
-                odirect: false,
-            });
+            return Ok(IoReport::new(0, Self::host_report(), false, ctl.elapsed()));
         }
         let engine = engine::engine(None, false)?;
         let piece = self.cfg.task_size;
@@ -718,19 +805,31 @@ impl GpuFile {
         let tasks = plan(file_offset, n, piece, Dir::Read, direct);
         // SAFETY: buf is exclusively borrowed for the call and holds len >= n bytes; tasks lie
         // within [0, n).
-        let job = unsafe { Job::new(&self.fds, tasks, piece, Target::HostRead(buf.as_mut_ptr())) };
-        let (bytes, odirect) = engine.run(job, threads)?.single()?;
-        Ok(IoReport {
+        let job = unsafe { Job::new(&self.fds, tasks, piece, Target::HostRead(buf.as_mut_ptr())) }
+            .with_control(ctl.engine(&[]));
+        let (bytes, odirect) = ctl.single(engine.run(job, threads)?, n)?;
+        Ok(IoReport::new(
             bytes,
-            path: Self::host_report(),
+            Self::host_report(),
             odirect,
-        })
+            ctl.elapsed(),
+        ))
     }
 
     /// Writes all of `buf` (host memory) at `file_offset` with the parallel engine.
     pub fn pwrite_host(&self, buf: &[u8], file_offset: u64) -> Result<IoReport> {
+        self.pwrite_host_ctl(buf, file_offset, &Ctl::now())
+    }
+
+    pub(super) fn pwrite_host_ctl(
+        &self,
+        buf: &[u8],
+        file_offset: u64,
+        ctl: &Ctl<'_>,
+    ) -> Result<IoReport> {
         self.check_writable()?;
         check_range(file_offset, buf.len())?;
+        ctl.start(buf.len())?;
         let mut odirect = false;
         if !buf.is_empty() {
             let direct = self.write_direct();
@@ -740,17 +839,19 @@ impl GpuFile {
             self.prepare_write(direct, file_offset, buf.len())?;
             let tasks = plan(file_offset, buf.len(), piece, Dir::Write, direct);
             // SAFETY: buf is borrowed for the call; tasks lie within [0, len).
-            let job = unsafe { Job::new(&self.fds, tasks, piece, Target::HostWrite(buf.as_ptr())) };
-            odirect = engine.run(job, threads)?.single()?.1;
+            let job = unsafe { Job::new(&self.fds, tasks, piece, Target::HostWrite(buf.as_ptr())) }
+                .with_control(ctl.engine(&[]));
+            odirect = ctl.single(engine.run(job, threads)?, buf.len())?.1;
         }
         if self.durable {
             self.sync_all()?;
         }
-        Ok(IoReport {
-            bytes: buf.len(),
-            path: Self::host_report(),
+        Ok(IoReport::new(
+            buf.len(),
+            Self::host_report(),
             odirect,
-        })
+            ctl.elapsed(),
+        ))
     }
 }
 
@@ -772,6 +873,7 @@ pub fn read_to_gpu<T: AnyBitPattern>(
     path: impl AsRef<FsPath>,
     stream: &Arc<CudaStream>,
 ) -> Result<(CudaSlice<T>, IoReport)> {
+    let t0 = std::time::Instant::now();
     crate::cuda::driver_version()?;
     let esz = elem_size::<T>()?;
     let f = GpuFile::open(path)?;
@@ -804,33 +906,23 @@ pub fn read_to_gpu<T: AnyBitPattern>(
         GpuFile::upload(&mut dst_bytes(&mut buf.as_view_mut()), &bytes)?;
         return Ok((
             buf,
-            IoReport {
-                bytes: bytes.len(),
-                path: f.report.clone(),
-                odirect: false,
-            },
+            IoReport::new(bytes.len(), f.report.clone(), false, t0.elapsed()),
         ));
     }
     if size == 0 {
         let buf = stream
             .null::<T>()
             .map_err(|e| Error::cuda("cuMemAlloc", e))?;
-        return Ok((
-            buf,
-            IoReport {
-                bytes: 0,
-                path: f.report.clone(),
-                odirect: false,
-            },
-        ));
+        return Ok((buf, IoReport::new(0, f.report.clone(), false, t0.elapsed())));
     }
     // SAFETY: every byte is written by the read below, or the buffer is dropped on error; T
     // accepts any bit pattern.
     let mut buf =
         unsafe { stream.alloc::<T>(size / esz) }.map_err(|e| Error::cuda("cuMemAlloc", e))?;
-    let r = f.read_to_device(&mut buf, 0)?;
+    let mut r = f.read_to_device(&mut buf, 0)?;
     if r.bytes < size {
         return Err(f.eof(0, size, r.bytes));
     }
+    r.elapsed = t0.elapsed();
     Ok((buf, r))
 }

@@ -28,6 +28,21 @@
 //! [`IoReport`] carries that [`PathReport`](crate::PathReport);
 //! [`FallbackPolicy::Deny`](crate::FallbackPolicy::Deny) refuses a fallback before a byte moves.
 //!
+//! # Non-blocking and stream-ordered
+//! Every device transfer orders itself after the work queued on the buffer's stream before the
+//! call (and on the buffer elsewhere, through cudarc's events) by recording an event there and
+//! waiting for that event, not for the stream (see [`GpuFile`], "Ordering").
+//! [`GpuFile::read_async`], [`GpuFile::read_exact_async`], [`GpuFile::write_async`]
+//! (and the host-memory [`GpuFile::pread_host_async`], [`GpuFile::pwrite_host_async`]) move an
+//! owned buffer in and return a [`Transfer`] at once: `wait()`/`is_done()`, progress, cancel
+//! ([`TransferControl`]), and with the `async` feature a `Future` for any executor:
+//!
+//! ```ignore
+//! let file = std::sync::Arc::new(GpuFile::open("weights.bin")?);
+//! let (result, buf) = file.read_exact_async(buf, 0).await; // the runtime thread never blocks
+//! println!("{}", result?);
+//! ```
+//!
 //! # The engine
 //! One pool of workers per GPU (and one for host memory), pinned to the GPU's NUMA node: workers
 //! `pread` pieces into a ring of large pinned segments and one host→device copy moves each run
@@ -57,6 +72,7 @@ pub mod cufile;
 pub(in crate::storage) mod engine;
 mod file;
 mod options;
+mod transfer;
 
 pub use cufile::{CuFileStatus, IoReturn};
 
@@ -67,6 +83,7 @@ pub use batch::{
 pub use config::{CompatMode, ODirect, Pipeline, StorageConfig};
 pub use file::{read_to_gpu, DeviceDst, DeviceSrc, GpuFile, IoReport};
 pub use options::GpuFileOptions;
+pub use transfer::{Progress, Transfer, TransferControl};
 
 /// The engine's default worker count for `device` (`None`: host memory): the CPUs of the
 /// GPU's NUMA node this process may use, 4 to 16 (see [`config`]).

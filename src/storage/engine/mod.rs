@@ -26,6 +26,10 @@
 //!   and frees every pinned byte; engines idle for `GPUDIRECT_ENGINE_IDLE_MS` (default 5000)
 //!   do the same by themselves.
 //! - Every stream is synchronized before a job returns: no copy outlives the call.
+//! - **Control** ([`Control`], from the caller): events every copy stream waits for before its
+//!   first copy (the buffers' pending work, instead of synchronizing the caller's stream), a
+//!   cancel flag (no new piece is taken; the pieces taken finish and are drained), and a
+//!   callback per finished piece (progress).
 
 pub(crate) mod bounce;
 pub(crate) mod io;
@@ -40,7 +44,7 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
-use cudarc::driver::{sys, CudaContext};
+use cudarc::driver::{sys, CudaContext, CudaEvent, CudaStream};
 
 use crate::error::{Error, Result};
 use crate::storage::config::DIRECT_ALIGN;
@@ -105,6 +109,23 @@ pub(crate) struct Job<'a> {
     done: Vec<AtomicUsize>,
     used_direct: AtomicBool,
     seg: Option<SegParams>,
+    ctl: Control<'a>,
+    /// The cancel flag stopped the job with tasks left.
+    cut: AtomicBool,
+}
+
+/// What a caller adds to a job (see [`Job::with_control`]).
+#[derive(Clone, Copy, Default)]
+pub(crate) struct Control<'a> {
+    /// Events (recorded on the buffers' streams) that every copy stream of a device job waits
+    /// for before its first copy: the job's copies order after that work without the caller
+    /// synchronizing anything.
+    pub after: &'a [CudaEvent],
+    /// When set, workers take no new task; the tasks taken finish (their copies drained) and
+    /// the outcome says [`Outcome::cancelled`].
+    pub cancel: Option<&'a AtomicBool>,
+    /// Called on a worker with the bytes of each finished task (progress; must be quick).
+    pub on_piece: Option<&'a (dyn Fn(usize) + Sync)>,
 }
 
 /// The shape of a segment pipeline (see [`segment`]).
@@ -130,6 +151,8 @@ pub(crate) struct ItemOutcome {
     /// Bytes moved as a contiguous prefix of the item's range (a task that came up short ends
     /// it: end of file).
     pub prefix: usize,
+    /// Bytes moved in all (more than `prefix` when a cancelled job left holes).
+    pub moved: usize,
     /// Every task of the item moved all its bytes.
     pub complete: bool,
     /// The item's file error, if one happened.
@@ -145,6 +168,8 @@ pub(crate) struct Outcome {
     /// Host→device copies issued (segment pipeline).
     #[allow(dead_code)] // reported by the batch API
     pub copies: usize,
+    /// The job's cancel flag stopped it before every task was done.
+    pub cancelled: bool,
 }
 
 impl<'a> Job<'a> {
@@ -202,6 +227,33 @@ impl<'a> Job<'a> {
             done,
             used_direct: AtomicBool::new(false),
             seg: None,
+            ctl: Control::default(),
+            cut: AtomicBool::new(false),
+        }
+    }
+
+    /// Orders the job after `ctl.after`, lets `ctl.cancel` stop it, reports pieces to
+    /// `ctl.on_piece`.
+    pub fn with_control(mut self, ctl: Control<'a>) -> Self {
+        self.ctl = ctl;
+        self
+    }
+
+    /// Makes `stream` wait for the events the job is ordered after (before its first copy).
+    fn order(&self, stream: &CudaStream) -> Result<()> {
+        for e in self.ctl.after {
+            stream
+                .wait(e)
+                .map_err(|e| Error::cuda("cuStreamWaitEvent", e))?;
+        }
+        Ok(())
+    }
+
+    /// Records that task `i` moved `n` bytes.
+    fn finish(&self, i: usize, n: usize) {
+        self.done[i].store(n, Ordering::Release);
+        if let Some(f) = self.ctl.on_piece {
+            f(n);
         }
     }
 
@@ -217,6 +269,12 @@ impl<'a> Job<'a> {
 
     fn next(&self) -> Option<(usize, Task)> {
         if self.abort.load(Ordering::Relaxed) {
+            return None;
+        }
+        if self.ctl.cancel.is_some_and(|c| c.load(Ordering::Relaxed)) {
+            if self.next.load(Ordering::Relaxed) < self.tasks.len() {
+                self.cut.store(true, Ordering::Relaxed);
+            }
             return None;
         }
         let i = self.next.fetch_add(1, Ordering::Relaxed);
@@ -306,6 +364,7 @@ impl<'a> Job<'a> {
         let mut items: Vec<ItemOutcome> = (0..self.item_failed.len())
             .map(|_| ItemOutcome {
                 prefix: 0,
+                moved: 0,
                 complete: true,
                 error: None,
             })
@@ -313,6 +372,7 @@ impl<'a> Job<'a> {
         let mut in_prefix = vec![true; items.len()];
         for (t, d) in self.tasks.iter().zip(&self.done) {
             let (d, k) = (d.load(Ordering::Relaxed), t.item as usize);
+            items[k].moved += d;
             if in_prefix[k] {
                 items[k].prefix += d;
             }
@@ -329,10 +389,12 @@ impl<'a> Job<'a> {
             items[k].complete = false;
             items[k].error = Some(e);
         }
+        let cancelled = self.cut.load(Ordering::Relaxed) && items.iter().any(|i| !i.complete);
         Ok(Outcome {
             items,
             odirect: self.used_direct.load(Ordering::Relaxed),
             copies,
+            cancelled,
         })
     }
 }
@@ -593,6 +655,8 @@ impl Engine {
         let mut g = self.seg.lock().unwrap_or_else(|p| p.into_inner());
         let res = self.seg_res(&mut g, &ctx, seg_bytes, p)?;
         let sj = segment::SegJob::new(res, layout, p.segments, p.streams);
+        // No copy is issued yet: an error here leaves nothing in flight.
+        sj.order_streams(&job)?;
         let ok = self.pool.run(threads, &|_ws: &mut WorkerState| {
             if let Err(e) = sj.work(&job) {
                 job.fail(e);
@@ -600,6 +664,9 @@ impl Engine {
         });
         if !ok {
             job.fail(panicked());
+        }
+        if job.cut.load(Ordering::Relaxed) {
+            sj.forget_unissued(&job);
         }
         // Every copy completes before the caller's buffers are released.
         let copies = sj.copies.load(Ordering::Relaxed);
@@ -696,7 +763,7 @@ fn host_read(ws: &mut WorkerState, job: &Job<'_>) -> Result<()> {
             })
         };
         match r {
-            Ok(n) => job.done[i].store(n, Ordering::Relaxed),
+            Ok(n) => job.finish(i, n),
             Err(e) => job.fail_item(t.item, e)?,
         }
     }
@@ -710,7 +777,7 @@ fn host_write(ws: &mut WorkerState, job: &Job<'_>) -> Result<()> {
         }
         let r = write_host_task(ws, job, &t);
         match r {
-            Ok(()) => job.done[i].store(t.len, Ordering::Relaxed),
+            Ok(()) => job.finish(i, t.len),
             Err(e) => job.fail_item(t.item, e)?,
         }
     }
@@ -738,6 +805,7 @@ pub(crate) static PANIC_AFTER_COPY: AtomicBool = AtomicBool::new(false);
 
 fn dev_read(ws: &mut WorkerState, job: &Job<'_>, ctx: &Arc<CudaContext>) -> Result<()> {
     let li = ws.lane(ctx)?;
+    job.order(&ws.lanes[li].stream)?;
     ws.ensure_slot(0, job.piece, true)?;
     ws.ensure_slot(1, job.piece, true)?;
     let bufs = [ws.slot_ptr(0), ws.slot_ptr(1)];
@@ -779,7 +847,7 @@ fn dev_read(ws: &mut WorkerState, job: &Job<'_>, ctx: &Arc<CudaContext>) -> Resu
                     panic!("test: panic with a copy in flight");
                 }
             }
-            job.done[i].store(n, Ordering::Relaxed);
+            job.finish(i, n);
             s ^= 1;
         }
         Ok(())
@@ -790,6 +858,7 @@ fn dev_read(ws: &mut WorkerState, job: &Job<'_>, ctx: &Arc<CudaContext>) -> Resu
 
 fn dev_write(ws: &mut WorkerState, job: &Job<'_>, ctx: &Arc<CudaContext>) -> Result<()> {
     let li = ws.lane(ctx)?;
+    job.order(&ws.lanes[li].stream)?;
     ws.ensure_slot(0, job.piece, true)?;
     ws.ensure_slot(1, job.piece, true)?;
     let bufs = [ws.slot_ptr(0), ws.slot_ptr(1)];
@@ -824,7 +893,7 @@ fn dev_write(ws: &mut WorkerState, job: &Job<'_>, ctx: &Arc<CudaContext>) -> Res
             if let Some((ps, pi, pt)) = pending.take() {
                 ws.lanes[li].wait_slot(ps)?;
                 match write_task(job, &pt, bufs[ps]) {
-                    Ok(()) => job.done[pi].store(pt.len, Ordering::Relaxed),
+                    Ok(()) => job.finish(pi, pt.len),
                     Err(e) => job.fail_item(pt.item, e)?,
                 }
             }
@@ -837,7 +906,7 @@ fn dev_write(ws: &mut WorkerState, job: &Job<'_>, ctx: &Arc<CudaContext>) -> Res
                     if !job.item_failed(t.item) {
                         // A host source (e.g. a header) in a device write job.
                         match write_host_task(ws, job, &t) {
-                            Ok(()) => job.done[i].store(t.len, Ordering::Relaxed),
+                            Ok(()) => job.finish(i, t.len),
                             Err(e) => job.fail_item(t.item, e)?,
                         }
                     }

@@ -530,6 +530,27 @@ impl<'r> SegJob<'r> {
         Ok(())
     }
 
+    /// Makes the copy streams this job uses wait for the events it is ordered after.
+    pub fn order_streams(&self, job: &Job<'_>) -> Result<()> {
+        for s in &self.res.streams[..self.nstreams] {
+            job.order(s)?;
+        }
+        Ok(())
+    }
+
+    /// After a cancelled job (every worker returned): the tasks of segments whose copies were
+    /// never issued (the job stopped taking tasks before the segment was full) were read into
+    /// the ring but moved nothing to the device, so they count 0 bytes.
+    pub fn forget_unissued(&self, job: &Job<'_>) {
+        for (g, r) in self.layout.segs.iter().enumerate() {
+            if self.remaining[g].load(Ordering::Acquire) > 0 {
+                for i in r.clone() {
+                    job.done[i].store(0, Ordering::Relaxed);
+                }
+            }
+        }
+    }
+
     /// A worker's loop: read tasks into their spans, issue full segments.
     pub fn work(&self, job: &Job<'_>) -> Result<()> {
         self.res
@@ -557,7 +578,7 @@ impl<'r> SegJob<'r> {
                     }
                 }
             };
-            job.done[i].store(n, Ordering::Release);
+            job.finish(i, n);
             if self.remaining[g].fetch_sub(1, Ordering::AcqRel) == 1 {
                 self.issue(job, g)?;
             }

@@ -1,0 +1,1306 @@
+//! Non-blocking transfers: [`Transfer`], the handle the `*_async` methods of [`GpuFile`]
+//! return, and [`TransferControl`] (progress and cancellation, shared between threads). See
+//! [`Transfer`] for ownership, stream order and cancellation.
+
+use std::any::Any;
+use std::collections::VecDeque;
+use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::task::Waker;
+use std::time::{Duration, Instant};
+
+use cudarc::driver::{
+    sys, CudaContext, CudaEvent, CudaStream, DevicePtr, DevicePtrMut, DeviceSlice,
+};
+
+use super::engine::{self, Control, Outcome};
+use super::file::{dst_bytes, elem_size, src_bytes, DeviceDst, DeviceSrc, GpuFile, IoReport};
+use crate::error::{Error, Result};
+
+/// How far a transfer has come ([`Transfer::progress`], [`TransferControl::progress`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
+#[non_exhaustive]
+pub struct Progress {
+    /// Bytes moved so far: pieces read from the file (reads) or written to it (writes). A
+    /// live count: the pieces of a cancelled read that never reached the device are not in
+    /// the final [`Error::Cancelled`], so it can be below this.
+    pub moved: usize,
+    /// Bytes asked for (a read that reaches end of file moves fewer).
+    pub total: usize,
+}
+
+impl Progress {
+    /// `moved / total`, 1.0 for an empty transfer.
+    pub fn fraction(&self) -> f64 {
+        if self.total == 0 {
+            1.0
+        } else {
+            (self.moved as f64 / self.total as f64).min(1.0)
+        }
+    }
+}
+
+#[derive(Debug, Default)]
+struct ControlInner {
+    cancel: AtomicBool,
+    moved: AtomicUsize,
+    total: AtomicUsize,
+    /// Test hook: cancel once this many bytes moved (0: never).
+    #[cfg(test)]
+    cancel_at: AtomicUsize,
+}
+
+impl ControlInner {
+    fn add(&self, n: usize) {
+        let _moved = self.moved.fetch_add(n, Ordering::Relaxed) + n;
+        #[cfg(test)]
+        {
+            let at = self.cancel_at.load(Ordering::Relaxed);
+            if at > 0 && _moved >= at {
+                self.cancel.store(true, Ordering::Relaxed);
+            }
+        }
+    }
+}
+
+/// Progress and cancellation of a transfer, shared between threads: clone it, hand it to
+/// another thread, and [`cancel`](Self::cancel) or read [`progress`](Self::progress) there
+/// while the transfer runs. Every [`Transfer`] has one ([`Transfer::control`]).
+///
+/// Cancelling is sticky: a transfer started with a cancelled control stops before its first
+/// byte.
+#[derive(Debug, Clone, Default)]
+pub struct TransferControl(Arc<ControlInner>);
+
+impl TransferControl {
+    /// A control that is not cancelled and has counted nothing.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Asks the transfer to stop between pieces (see [`Transfer`]); returns at once.
+    pub fn cancel(&self) {
+        self.0.cancel.store(true, Ordering::Relaxed);
+    }
+
+    /// True once [`cancel`](Self::cancel) was called.
+    pub fn is_cancelled(&self) -> bool {
+        self.0.cancel.load(Ordering::Relaxed)
+    }
+
+    /// Bytes moved so far and bytes asked for.
+    pub fn progress(&self) -> Progress {
+        Progress {
+            moved: self.0.moved.load(Ordering::Relaxed),
+            total: self.0.total.load(Ordering::Relaxed),
+        }
+    }
+
+    /// Test hook: cancel once `bytes` moved.
+    #[cfg(test)]
+    pub(crate) fn cancel_at(&self, bytes: usize) {
+        self.0.cancel_at.store(bytes, Ordering::Relaxed);
+    }
+}
+
+/// An event recorded on a buffer's stream at a transfer's call, and which stream that was.
+pub(super) struct Gate {
+    event: CudaEvent,
+    /// `(context, stream)` handles, as addresses.
+    on: (usize, usize),
+}
+
+fn stream_key(s: &CudaStream) -> (usize, usize) {
+    (s.context().cu_ctx() as usize, s.cu_stream() as usize)
+}
+
+/// How one transfer runs (crate-private): when it started, the event it orders after (`None`:
+/// record one on the buffer's stream when the IO starts, as the blocking calls do), and the
+/// control that counts and cancels it.
+pub(super) struct Ctl<'a> {
+    t0: Instant,
+    gate: Option<&'a Gate>,
+    control: Option<&'a ControlInner>,
+    on_piece: Option<&'a (dyn Fn(usize) + Sync)>,
+}
+
+impl Ctl<'static> {
+    /// A blocking call, starting now.
+    pub fn now() -> Self {
+        Ctl {
+            t0: Instant::now(),
+            gate: None,
+            control: None,
+            on_piece: None,
+        }
+    }
+}
+
+impl<'a> Ctl<'a> {
+    /// Time since the transfer was asked for.
+    pub fn elapsed(&self) -> Duration {
+        self.t0.elapsed()
+    }
+
+    /// The call's event, when it was recorded on `stream` (the buffer's stream now: a
+    /// `DeviceDst` that hands out another buffer than at the call gets an event recorded now).
+    fn gate_on(&self, stream: &CudaStream) -> Option<&'a CudaEvent> {
+        self.gate
+            .filter(|g| g.on == stream_key(stream))
+            .map(|g| &g.event)
+    }
+
+    /// Refuses a transfer of `total` bytes whose control is cancelled before it starts, and
+    /// counts `total` as asked for.
+    pub fn start(&self, total: usize) -> Result<()> {
+        if let Some(c) = self.control {
+            if c.cancel.load(Ordering::Relaxed) {
+                return Err(Error::Cancelled {
+                    moved: 0,
+                    prefix: 0,
+                    total,
+                });
+            }
+            c.total.fetch_add(total, Ordering::Relaxed);
+        }
+        Ok(())
+    }
+
+    fn cancelled(&self) -> bool {
+        self.control
+            .is_some_and(|c| c.cancel.load(Ordering::Relaxed))
+    }
+
+    /// Waits on this thread until the work `after` stands for is done, before a transfer of
+    /// `total` bytes enters the engine (or cuFile). The engine runs one job per GPU at a time:
+    /// a job that waited for a kernel on the device would hold every other transfer to that
+    /// GPU behind it. With a control the wait polls, so cancelling ends it ([`Error::Cancelled`],
+    /// nothing moved).
+    pub fn wait_for(&self, after: &[CudaEvent], total: usize) -> Result<()> {
+        for e in after {
+            if self.control.is_none() {
+                e.synchronize()
+                    .map_err(|e| Error::cuda("cuEventSynchronize", e))?;
+                continue;
+            }
+            let mut nap = Duration::from_micros(20);
+            while !e
+                .try_is_complete()
+                .map_err(|e| Error::cuda("cuEventQuery", e))?
+            {
+                if self.cancelled() {
+                    return Err(Error::Cancelled {
+                        moved: 0,
+                        prefix: 0,
+                        total,
+                    });
+                }
+                std::thread::sleep(nap);
+                nap = (nap * 2).min(Duration::from_millis(1));
+            }
+        }
+        Ok(())
+    }
+
+    /// Counts `n` bytes moved by a path outside the engine (one piece).
+    pub fn moved(&self, n: usize) {
+        if let Some(c) = self.control {
+            c.add(n);
+        }
+    }
+
+    /// The events an engine job on `stream` waits for: the call's gate, or one recorded on
+    /// `stream` now (after the caller's `device_ptr(_mut)` made it wait for the buffer's other
+    /// users) into `own`.
+    pub fn gates<'g>(
+        &self,
+        stream: &CudaStream,
+        own: &'g mut Option<CudaEvent>,
+    ) -> Result<&'g [CudaEvent]>
+    where
+        'a: 'g,
+    {
+        match self.gate_on(stream) {
+            Some(g) => Ok(std::slice::from_ref(g)),
+            None => {
+                let e = record(stream)?;
+                Ok(std::slice::from_ref(own.insert(e)))
+            }
+        }
+    }
+
+    /// The engine's control for a job ordered after `after`.
+    pub fn engine<'g>(&'g self, after: &'g [CudaEvent]) -> Control<'g> {
+        Control {
+            after,
+            cancel: self.control.map(|c| &c.cancel),
+            on_piece: self.on_piece,
+        }
+    }
+
+    /// A one-item engine outcome of a transfer of `total` bytes: `(bytes, used O_DIRECT)`,
+    /// the item's error, or [`Error::Cancelled`].
+    pub fn single(&self, out: Outcome, total: usize) -> Result<(usize, bool)> {
+        if out.cancelled {
+            if let Some(it) = out.items.first().filter(|it| it.error.is_none()) {
+                return Err(Error::Cancelled {
+                    moved: it.moved,
+                    prefix: it.prefix,
+                    total,
+                });
+            }
+        }
+        out.single()
+    }
+
+    /// The stream a small transfer of `total` bytes of `ctx`'s memory copies on: the buffer's
+    /// own `stream` (ordered by it) for a blocking call; for a transfer ordered at its call,
+    /// this thread's side stream of `ctx`, after the call's event (waited for here, and by the
+    /// side stream), so work queued on the buffer's stream since does not hold the copy up.
+    pub fn small_stream(
+        &self,
+        ctx: &Arc<CudaContext>,
+        stream: &Arc<CudaStream>,
+        total: usize,
+    ) -> Result<Arc<CudaStream>> {
+        let Some(g) = self.gate_on(stream) else {
+            return Ok(stream.clone());
+        };
+        self.wait_for(std::slice::from_ref(g), total)?;
+        let s = side_stream(ctx)?;
+        s.wait(g).map_err(|e| Error::cuda("cuStreamWaitEvent", e))?;
+        Ok(s)
+    }
+
+    /// Waits on this thread for the call's event on `stream` (before cuFile, which orders on
+    /// no stream and synchronizes `stream` itself).
+    pub fn wait_gate(&self, stream: &CudaStream, total: usize) -> Result<()> {
+        match self.gate_on(stream) {
+            Some(g) => self.wait_for(std::slice::from_ref(g), total),
+            None => Ok(()),
+        }
+    }
+}
+
+/// An event recorded on `stream` now.
+fn record(stream: &CudaStream) -> Result<CudaEvent> {
+    stream
+        .record_event(Some(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING))
+        .map_err(|e| Error::cuda("cuEventRecord", e))
+}
+
+thread_local! {
+    /// This transfer thread's side streams, one per context it served.
+    static SIDE: std::cell::RefCell<Vec<Arc<CudaStream>>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// This thread's side stream of `ctx`, created on first use (a small transfer's copy waits
+/// for its call's event there and is synchronized before the transfer returns).
+fn side_stream(ctx: &Arc<CudaContext>) -> Result<Arc<CudaStream>> {
+    SIDE.with(|v| {
+        let mut v = v.borrow_mut();
+        if let Some(s) = v.iter().find(|s| s.context().cu_ctx() == ctx.cu_ctx()) {
+            return Ok(s.clone());
+        }
+        let s = ctx
+            .new_stream()
+            .map_err(|e| Error::cuda("cuStreamCreate", e))?;
+        v.push(s.clone());
+        Ok(s)
+    })
+}
+
+enum State<B> {
+    Running(Option<Waker>),
+    Done(Result<IoReport>, B),
+    Panicked(Box<dyn Any + Send>),
+    Taken,
+}
+
+struct Shared<B> {
+    state: Mutex<State<B>>,
+    done: Condvar,
+    control: TransferControl,
+}
+
+impl<B> Shared<B> {
+    fn lock(&self) -> MutexGuard<'_, State<B>> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn complete(&self, end: State<B>) {
+        let waker = {
+            let mut st = self.lock();
+            let w = match &mut *st {
+                State::Running(w) => w.take(),
+                _ => None,
+            };
+            *st = end;
+            w
+        };
+        self.done.notify_all();
+        if let Some(w) = waker {
+            w.wake();
+        }
+    }
+}
+
+/// A transfer in flight: returned by [`GpuFile::read_async`], [`GpuFile::read_exact_async`],
+/// [`GpuFile::write_async`], [`GpuFile::pread_host_async`] and [`GpuFile::pwrite_host_async`].
+///
+/// # Ownership
+/// A transfer **owns its buffer**: the call moves it in, and [`wait`](Self::wait) (or, with
+/// the `async` feature, `.await`) gives it back with the result, as
+/// `(Result<IoReport>, buffer)` — also on error, so no buffer is lost. While the transfer
+/// runs, nothing else can reach the buffer, so no borrow has to outlive the call, and
+/// `mem::forget` of the handle can only leak (the transfer still finishes; the buffer stays
+/// with the forgotten state, never freed under the IO). Dropping a transfer that is still
+/// running cancels it and lets it finish in the background (its buffer is dropped there, after
+/// its last copy): like dropping a future, it never blocks.
+///
+/// The IO runs on a transfer thread (a small pool that grows with the transfers in flight and
+/// shrinks after `GPUDIRECT_ENGINE_IDLE_MS`), which runs the same code as the blocking calls;
+/// the calling thread only records where the transfer sits in the buffer's stream (one
+/// `cuEventRecord`) and hands the work over, which takes microseconds.
+///
+/// # Stream order
+/// At the call, the buffer's stream is made to wait for the buffer's pending users on other
+/// streams (cudarc's `device_ptr_mut` / `device_ptr`: its read and write events) and an event
+/// is recorded on it: the IO orders after every kernel and copy queued on the buffer's stream
+/// before the call, and after the buffer's users elsewhere, while work queued later on that
+/// stream does not hold it up. Nobody synchronizes the stream: the transfer thread waits for
+/// that event (cancellably) before the IO enters the engine, whose copies also wait for it on
+/// their streams (`cuStreamWaitEvent`). (The engine runs one job per GPU at a time, so a job
+/// must not sit in it waiting for a kernel: other transfers to that GPU would queue behind.)
+/// The transfer is done when every byte is in place (device memory for reads, the file for
+/// writes): the buffer comes back with no copy in flight, so any later use of it, on any
+/// stream, sees the bytes.
+///
+/// # Cancellation
+/// [`Transfer::cancel`] (or [`TransferControl::cancel`] from anywhere, or dropping the
+/// handle) stops the transfer between pieces: no new piece starts, the pieces started finish
+/// and their copies are drained, then the result is [`Error::Cancelled`] with the bytes that
+/// moved. A transfer whose pieces had all started when it was cancelled completes normally.
+/// Reads through cuFile and small transfers (at most 1 MiB) are one piece: cancellation
+/// reaches them only before they start.
+///
+/// # Example
+/// ```no_run
+/// # fn main() -> gpudirect::Result<()> {
+/// use std::sync::Arc;
+/// use gpudirect::storage::GpuFile;
+/// let stream = gpudirect::cuda::context(0)?.default_stream();
+/// let file = Arc::new(GpuFile::open("weights.bin")?);
+/// let buf = stream.alloc_zeros::<f32>(1 << 28)?;
+/// let t = file.read_exact_async(buf, 0); // returns at once
+/// // ... other work; t.progress(), t.cancel(), t.is_done() ...
+/// let (result, buf) = t.wait();
+/// let report = result?;
+/// println!("{report}");
+/// # drop(buf); Ok(()) }
+/// ```
+///
+/// With the `async` feature, `Transfer` is a [`Future`](std::future::Future) that never blocks
+/// the executor (the transfer thread wakes the task when it is done), on any runtime:
+///
+/// ```ignore
+/// let (result, buf) = file.read_exact_async(buf, 0).await;
+/// ```
+#[must_use = "dropping a Transfer cancels it; wait() or .await it to get the buffer back"]
+pub struct Transfer<B> {
+    shared: Arc<Shared<B>>,
+}
+
+impl<B> std::fmt::Debug for Transfer<B> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Transfer")
+            .field("done", &self.is_done())
+            .field("progress", &self.progress())
+            .finish()
+    }
+}
+
+impl<B: Send + 'static> Transfer<B> {
+    /// Starts `work` on a transfer thread; it gets `Some(error)` instead when no thread can
+    /// run it (then it must return at once, with the buffer).
+    fn start(
+        t0: Instant,
+        control: TransferControl,
+        work: impl FnOnce(Option<Error>, &Ctl<'_>) -> (Result<IoReport>, B) + Send + 'static,
+        gate: Option<Gate>,
+    ) -> Self {
+        let shared = Arc::new(Shared {
+            state: Mutex::new(State::Running(None)),
+            done: Condvar::new(),
+            control,
+        });
+        let s = shared.clone();
+        drivers::submit(Box::new(move |refused: Option<Error>| {
+            let c = s.control.clone();
+            let on_piece = |n: usize| c.0.add(n);
+            let ctl = Ctl {
+                t0,
+                gate: gate.as_ref(),
+                control: Some(&c.0),
+                on_piece: Some(&on_piece),
+            };
+            let end = match catch_unwind(AssertUnwindSafe(|| work(refused, &ctl))) {
+                Ok((r, b)) => State::Done(r, b),
+                Err(p) => State::Panicked(p),
+            };
+            // The gate is dropped after the IO that waited for it.
+            drop(gate);
+            s.complete(end);
+        }));
+        Transfer { shared }
+    }
+
+    /// A transfer that is over before it started (`r` is its result).
+    fn ready(r: Result<IoReport>, buf: B) -> Self {
+        Transfer {
+            shared: Arc::new(Shared {
+                state: Mutex::new(State::Done(r, buf)),
+                done: Condvar::new(),
+                control: TransferControl::new(),
+            }),
+        }
+    }
+}
+
+impl<B> Transfer<B> {
+    /// True when the transfer is over: [`wait`](Self::wait) returns at once.
+    pub fn is_done(&self) -> bool {
+        !matches!(*self.shared.lock(), State::Running(_))
+    }
+
+    /// Waits up to `timeout` for the transfer to be over; true when it is.
+    pub fn wait_timeout(&self, timeout: Duration) -> bool {
+        let st = self.shared.lock();
+        let (st, _) = self
+            .shared
+            .done
+            .wait_timeout_while(st, timeout, |s| matches!(s, State::Running(_)))
+            .unwrap_or_else(|p| p.into_inner());
+        !matches!(*st, State::Running(_))
+    }
+
+    /// Blocks until the transfer is over and gives the buffer back with its result: the
+    /// [`IoReport`] (bytes, path, [`elapsed`](IoReport::elapsed) since the call), or the
+    /// error; [`Error::Cancelled`] when it was cancelled.
+    ///
+    /// # Panics
+    /// When the transfer thread panicked (a bug in gpudirect), with its panic; the buffer was
+    /// dropped there (after every copy of the transfer had drained).
+    pub fn wait(self) -> (Result<IoReport>, B) {
+        let mut st = self.shared.lock();
+        while matches!(*st, State::Running(_)) {
+            st = self.shared.done.wait(st).unwrap_or_else(|p| p.into_inner());
+        }
+        Self::take(&mut st)
+    }
+
+    fn take(st: &mut State<B>) -> (Result<IoReport>, B) {
+        match std::mem::replace(st, State::Taken) {
+            State::Done(r, b) => (r, b),
+            State::Panicked(p) => resume_unwind(p),
+            State::Running(_) | State::Taken => {
+                unreachable!("a transfer's result is taken once, when it is done")
+            }
+        }
+    }
+
+    /// Bytes moved so far and bytes asked for.
+    pub fn progress(&self) -> Progress {
+        self.shared.control.progress()
+    }
+
+    /// Asks the transfer to stop between pieces; returns at once. [`wait`](Self::wait) then
+    /// gives [`Error::Cancelled`] with the bytes that moved (or the report, when every piece
+    /// had started already).
+    pub fn cancel(&self) {
+        self.shared.control.cancel();
+    }
+
+    /// This transfer's control, to cancel it or watch it from another thread.
+    pub fn control(&self) -> TransferControl {
+        self.shared.control.clone()
+    }
+}
+
+impl<B> Drop for Transfer<B> {
+    fn drop(&mut self) {
+        if matches!(*self.shared.lock(), State::Running(_)) {
+            self.shared.control.cancel();
+        }
+    }
+}
+
+/// With the `async` feature.
+#[cfg(feature = "async")]
+impl<B> std::future::Future for Transfer<B> {
+    type Output = (Result<IoReport>, B);
+
+    /// Ready when the transfer is over; until then stores the task's waker, which the
+    /// transfer thread wakes. Never blocks. Polling again after `Ready` panics.
+    fn poll(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Self::Output> {
+        let mut st = self.shared.lock();
+        match &mut *st {
+            State::Running(w) => {
+                if !w.as_ref().is_some_and(|w| w.will_wake(cx.waker())) {
+                    *w = Some(cx.waker().clone());
+                }
+                std::task::Poll::Pending
+            }
+            State::Taken => panic!("a gpudirect Transfer was polled after it completed"),
+            _ => std::task::Poll::Ready(Self::take(&mut st)),
+        }
+    }
+}
+
+/// The transfer threads: a queue of work and the threads that run it. A thread is started
+/// when work arrives and no thread is idle (at most [`MAX`]; more work waits in the queue);
+/// threads idle for `GPUDIRECT_ENGINE_IDLE_MS` (default 5 s) exit.
+mod drivers {
+    use super::*;
+
+    pub(super) type Work = Box<dyn FnOnce(Option<Error>) + Send>;
+
+    /// The most transfer threads at once.
+    pub(super) const MAX: usize = 1024;
+
+    struct Pool {
+        queue: VecDeque<Work>,
+        idle: usize,
+        live: usize,
+    }
+
+    static POOL: Mutex<Pool> = Mutex::new(Pool {
+        queue: VecDeque::new(),
+        idle: 0,
+        live: 0,
+    });
+    static WAKE: Condvar = Condvar::new();
+
+    fn lock() -> MutexGuard<'static, Pool> {
+        POOL.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Transfer threads alive now (for tests).
+    #[cfg(test)]
+    pub(super) fn live() -> usize {
+        lock().live
+    }
+
+    /// Queues `w` and makes sure a thread will run it. When no thread can be started and none
+    /// is alive, the queued work is refused (each gets the error and returns at once).
+    pub(super) fn submit(w: Work) {
+        let mut p = lock();
+        p.queue.push_back(w);
+        if p.idle >= p.queue.len() {
+            WAKE.notify_one();
+            return;
+        }
+        if p.live >= MAX {
+            return;
+        }
+        p.live += 1;
+        drop(p);
+        let spawned = std::thread::Builder::new()
+            .name("gpudirect-transfer".into())
+            .spawn(run);
+        if let Err(e) = spawned {
+            let mut p = lock();
+            p.live -= 1;
+            if p.live > 0 {
+                return;
+            }
+            let refused: Vec<Work> = p.queue.drain(..).collect();
+            drop(p);
+            for w in refused {
+                w(Some(Error::io(
+                    "spawn a transfer thread",
+                    None,
+                    std::io::Error::new(
+                        e.kind(),
+                        format!("{e}: use the blocking call, or free threads and try again"),
+                    ),
+                )));
+            }
+        }
+    }
+
+    fn run() {
+        let idle = engine::idle_timeout().ok().flatten();
+        let mut p = lock();
+        loop {
+            if let Some(w) = p.queue.pop_front() {
+                drop(p);
+                w(None);
+                p = lock();
+                continue;
+            }
+            p.idle += 1;
+            let timed_out = match idle {
+                Some(d) => {
+                    let (g, to) = WAKE.wait_timeout(p, d).unwrap_or_else(|e| e.into_inner());
+                    p = g;
+                    to.timed_out()
+                }
+                None => {
+                    p = WAKE.wait(p).unwrap_or_else(|e| e.into_inner());
+                    false
+                }
+            };
+            p.idle -= 1;
+            if timed_out && p.queue.is_empty() {
+                p.live -= 1;
+                return;
+            }
+        }
+    }
+}
+
+/// Records, on the caller's thread at the call, where a device transfer sits in its buffer's
+/// stream: the stream is made to wait for the buffer's users elsewhere (`device_ptr_mut` for a
+/// read, which writes the buffer; `device_ptr` for a write), then an event is recorded on it.
+fn gate_dst<D: DeviceDst + ?Sized>(dst: &mut D) -> Result<Gate> {
+    let mut v = dst.as_dst();
+    let stream = v.stream().clone();
+    let (_ptr, _record) = v.device_ptr_mut(&stream);
+    Ok(Gate {
+        event: record(&stream)?,
+        on: stream_key(&stream),
+    })
+}
+
+fn gate_src<S: DeviceSrc + ?Sized>(src: &S) -> Result<Gate> {
+    let v = src.as_src();
+    let stream = v.stream().clone();
+    let (_ptr, _record) = v.device_ptr(&stream);
+    Ok(Gate {
+        event: record(&stream)?,
+        on: stream_key(&stream),
+    })
+}
+
+impl GpuFile {
+    /// [`read_to_device`](Self::read_to_device) without blocking: moves `dst` in and returns
+    /// at once; [`Transfer::wait`] (or `.await`) gives `dst` back with the result. Stops at end
+    /// of file ([`IoReport::bytes`] says how far it got). The read orders after the work
+    /// queued on `dst`'s stream and on `dst` elsewhere before this call, without
+    /// synchronizing anything (see [`Transfer`]).
+    ///
+    /// Errors (in the result) as [`read_to_device`](Self::read_to_device), and
+    /// [`Error::Cancelled`].
+    pub fn read_async<D>(self: &Arc<Self>, dst: D, file_offset: u64) -> Transfer<D>
+    where
+        D: DeviceDst + Send + 'static,
+    {
+        self.read_dev_async(dst, file_offset, false, TransferControl::new())
+    }
+
+    /// [`read_exact_to_device`](Self::read_exact_to_device) without blocking: as
+    /// [`read_async`](Self::read_async), failing unless all of `dst` is filled.
+    pub fn read_exact_async<D>(self: &Arc<Self>, dst: D, file_offset: u64) -> Transfer<D>
+    where
+        D: DeviceDst + Send + 'static,
+    {
+        self.read_dev_async(dst, file_offset, true, TransferControl::new())
+    }
+
+    pub(super) fn read_dev_async<D>(
+        self: &Arc<Self>,
+        mut dst: D,
+        off: u64,
+        exact: bool,
+        control: TransferControl,
+    ) -> Transfer<D>
+    where
+        D: DeviceDst + Send + 'static,
+    {
+        let t0 = Instant::now();
+        let gate = match gate_dst(&mut dst) {
+            Ok(g) => g,
+            Err(e) => return Transfer::ready(Err(e), dst),
+        };
+        let file = self.clone();
+        Transfer::start(
+            t0,
+            control,
+            move |refused, ctl| {
+                if let Some(e) = refused {
+                    return (Err(e), dst);
+                }
+                let r = (|| {
+                    let esz = elem_size::<D::Elem>()?;
+                    let mut typed = dst.as_dst();
+                    let mut view = dst_bytes(&mut typed);
+                    if exact {
+                        file.read_exact_dev(&mut view, esz, off, ctl)
+                    } else {
+                        file.read_dev(&mut view, esz, off, ctl)
+                    }
+                })();
+                (r, dst)
+            },
+            Some(gate),
+        )
+    }
+
+    /// [`write_from_device`](Self::write_from_device) without blocking: moves `src` in and
+    /// returns at once; [`Transfer::wait`] (or `.await`) gives it back with the result. The
+    /// write orders after the work queued on `src`'s stream and the writers of `src` elsewhere
+    /// before this call (see [`Transfer`]); it is done when the bytes are in the file (and on
+    /// stable storage with [`durable`](super::GpuFileOptions::durable)).
+    pub fn write_async<S>(self: &Arc<Self>, src: S, file_offset: u64) -> Transfer<S>
+    where
+        S: DeviceSrc + Send + 'static,
+    {
+        self.write_dev_async(src, file_offset, TransferControl::new())
+    }
+
+    pub(super) fn write_dev_async<S>(
+        self: &Arc<Self>,
+        src: S,
+        file_offset: u64,
+        control: TransferControl,
+    ) -> Transfer<S>
+    where
+        S: DeviceSrc + Send + 'static,
+    {
+        let t0 = Instant::now();
+        let gate = match gate_src(&src) {
+            Ok(g) => g,
+            Err(e) => return Transfer::ready(Err(e), src),
+        };
+        let file = self.clone();
+        Transfer::start(
+            t0,
+            control,
+            move |refused, ctl| {
+                if let Some(e) = refused {
+                    return (Err(e), src);
+                }
+                let r = {
+                    let typed = src.as_src();
+                    let view = src_bytes(&typed);
+                    file.write_dev(&view, file_offset, ctl)
+                };
+                (r, src)
+            },
+            Some(gate),
+        )
+    }
+
+    /// [`pread_host`](Self::pread_host) without blocking: moves `buf` (any owned host buffer:
+    /// `Vec<u8>`, `Box<[u8]>`, ...) in; [`Transfer::wait`] gives it back with the result.
+    pub fn pread_host_async<B>(self: &Arc<Self>, buf: B, file_offset: u64) -> Transfer<B>
+    where
+        B: AsMut<[u8]> + Send + 'static,
+    {
+        self.pread_host_async_with(buf, file_offset, TransferControl::new())
+    }
+
+    pub(super) fn pread_host_async_with<B>(
+        self: &Arc<Self>,
+        buf: B,
+        file_offset: u64,
+        control: TransferControl,
+    ) -> Transfer<B>
+    where
+        B: AsMut<[u8]> + Send + 'static,
+    {
+        let t0 = Instant::now();
+        let file = self.clone();
+        Transfer::start(
+            t0,
+            control,
+            move |refused, ctl| {
+                let mut buf = buf;
+                if let Some(e) = refused {
+                    return (Err(e), buf);
+                }
+                let r = file.pread_host_ctl(buf.as_mut(), file_offset, ctl);
+                (r, buf)
+            },
+            None,
+        )
+    }
+
+    /// [`pwrite_host`](Self::pwrite_host) without blocking: moves `buf` in;
+    /// [`Transfer::wait`] gives it back with the result.
+    pub fn pwrite_host_async<B>(self: &Arc<Self>, buf: B, file_offset: u64) -> Transfer<B>
+    where
+        B: AsRef<[u8]> + Send + 'static,
+    {
+        self.pwrite_host_async_with(buf, file_offset, TransferControl::new())
+    }
+
+    pub(super) fn pwrite_host_async_with<B>(
+        self: &Arc<Self>,
+        buf: B,
+        file_offset: u64,
+        control: TransferControl,
+    ) -> Transfer<B>
+    where
+        B: AsRef<[u8]> + Send + 'static,
+    {
+        let t0 = Instant::now();
+        let file = self.clone();
+        Transfer::start(
+            t0,
+            control,
+            move |refused, ctl| {
+                if let Some(e) = refused {
+                    return (Err(e), buf);
+                }
+                let r = file.pwrite_host_ctl(buf.as_ref(), file_offset, ctl);
+                (r, buf)
+            },
+            None,
+        )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::storage::{GpuFileOptions, Pipeline};
+    use rand::{RngCore, SeedableRng};
+    use std::path::PathBuf;
+
+    fn random(n: usize, seed: u64) -> Vec<u8> {
+        let mut v = vec![0u8; n];
+        rand::rngs::StdRng::seed_from_u64(seed).fill_bytes(&mut v);
+        v
+    }
+
+    fn scratch(name: &str) -> PathBuf {
+        let dir = std::env::var_os("GPUDIRECT_TEST_DIR")
+            .map(PathBuf::from)
+            .unwrap_or_else(std::env::temp_dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        dir.join(format!("gpudirect-transfer-{name}-{}", std::process::id()))
+    }
+
+    /// Small pieces so that a transfer has many: cancellation lands between them.
+    fn many_pieces() -> GpuFileOptions {
+        GpuFile::options().task_size(64 << 10).threads(2)
+    }
+
+    fn complement(v: &[u8]) -> Vec<u8> {
+        v.iter().map(|b| !b).collect()
+    }
+
+    #[test]
+    fn async_host_reads_and_writes_move_every_byte() {
+        let p = scratch("rw");
+        let data = random((8 << 20) + 12_345, 1);
+        std::fs::write(&p, &data).unwrap();
+        let f = Arc::new(many_pieces().open(&p).unwrap());
+        let t = f.pread_host_async(vec![0u8; data.len() + 100], 0);
+        assert!(
+            t.wait_timeout(Duration::from_secs(30)),
+            "the read did not finish"
+        );
+        assert!(t.is_done());
+        let pr = t.progress();
+        let (r, buf) = t.wait();
+        let r = r.unwrap();
+        assert_eq!(r.bytes, data.len(), "the read stops at end of file");
+        assert!(
+            buf[..data.len()] == data[..],
+            "the bytes read differ from the file"
+        );
+        assert!(
+            buf[data.len()..].iter().all(|&b| b == 0),
+            "bytes past EOF were written"
+        );
+        assert_eq!(pr.moved, data.len());
+        assert_eq!(pr.total, data.len() + 100);
+        assert!(r.elapsed > Duration::ZERO);
+        assert!(r.to_string().contains(" ms via "), "{r}");
+
+        // Write it back elsewhere in a new file, from an owned boxed slice.
+        let q = scratch("rw-out");
+        let g = Arc::new(many_pieces().create(true).write(true).open(&q).unwrap());
+        let src: Box<[u8]> = data.clone().into_boxed_slice();
+        let (r, back) = g.pwrite_host_async(src, 4096).wait();
+        assert_eq!(r.unwrap().bytes, data.len());
+        assert!(back[..] == data[..], "the source came back changed");
+        let on_disk = std::fs::read(&q).unwrap();
+        assert!(on_disk[..4096].iter().all(|&b| b == 0));
+        assert!(
+            on_disk[4096..] == data[..],
+            "the file differs from what was written"
+        );
+        std::fs::remove_file(&p).unwrap();
+        std::fs::remove_file(&q).unwrap();
+    }
+
+    #[test]
+    fn a_cancelled_host_read_reports_what_moved_and_leaves_nothing_in_flight() {
+        let p = scratch("cancel-read");
+        let data = random(32 << 20, 2);
+        std::fs::write(&p, &data).unwrap();
+        let f = Arc::new(many_pieces().open(&p).unwrap());
+        let c = TransferControl::new();
+        c.cancel_at(4 << 20);
+        // Every byte of the buffer starts different from the file's, so each byte either moved
+        // (equals the file) or was left alone (still the complement).
+        let (r, buf) = f
+            .pread_host_async_with(complement(&data), 0, c.clone())
+            .wait();
+        let (moved, prefix, total) = match r {
+            Err(Error::Cancelled {
+                moved,
+                prefix,
+                total,
+            }) => (moved, prefix, total),
+            other => panic!("a read cancelled after 4 MiB of 32 MiB returned {other:?}"),
+        };
+        assert_eq!(total, data.len());
+        assert!(
+            (4 << 20..data.len()).contains(&moved),
+            "moved {moved} of {total}: the cancel came after 4 MiB and stops the rest"
+        );
+        assert!(prefix <= moved);
+        let same = buf.iter().zip(&data).filter(|(a, b)| a == b).count();
+        assert_eq!(
+            same, moved,
+            "the bytes that changed are not the bytes reported moved"
+        );
+        assert!(
+            buf[..prefix] == data[..prefix],
+            "the reported prefix is not the file's"
+        );
+        let msg = Error::Cancelled {
+            moved,
+            prefix,
+            total,
+        }
+        .to_string();
+        assert!(msg.contains("nothing is in flight"), "{msg}");
+        // Nothing writes the buffer after the result came back.
+        let snap = buf.clone();
+        std::thread::sleep(Duration::from_millis(100));
+        assert!(buf == snap);
+        assert!(c.is_cancelled());
+        // The engine works on after a cancelled job.
+        let (r, again) = f.pread_host_async(buf, 0).wait();
+        assert_eq!(r.unwrap().bytes, data.len());
+        assert!(again == data);
+        std::fs::remove_file(&p).unwrap();
+    }
+
+    #[test]
+    fn a_cancelled_host_write_reports_what_moved() {
+        let p = scratch("cancel-write");
+        let data = random(16 << 20, 3);
+        std::fs::write(&p, complement(&data)).unwrap();
+        let f = Arc::new(many_pieces().write(true).open(&p).unwrap());
+        let c = TransferControl::new();
+        c.cancel_at(2 << 20);
+        let (r, src) = f.pwrite_host_async_with(data.clone(), 0, c).wait();
+        let Err(Error::Cancelled { moved, total, .. }) = r else {
+            panic!("a write cancelled after 2 MiB of 16 MiB returned {r:?}");
+        };
+        assert_eq!(total, data.len());
+        assert!((2 << 20..data.len()).contains(&moved), "moved {moved}");
+        let on_disk = std::fs::read(&p).unwrap();
+        let same = on_disk.iter().zip(&src).filter(|(a, b)| a == b).count();
+        assert_eq!(
+            same, moved,
+            "the file's changed bytes are not the bytes reported moved"
+        );
+        std::fs::remove_file(&p).unwrap();
+    }
+
+    #[test]
+    fn a_cancelled_control_refuses_before_the_first_byte() {
+        let p = scratch("precancel");
+        let data = random(1 << 20, 4);
+        std::fs::write(&p, &data).unwrap();
+        let f = Arc::new(GpuFile::open(&p).unwrap());
+        let c = TransferControl::new();
+        c.cancel();
+        let (r, buf) = f.pread_host_async_with(vec![7u8; data.len()], 0, c).wait();
+        assert!(
+            matches!(
+                r,
+                Err(Error::Cancelled {
+                    moved: 0,
+                    prefix: 0,
+                    total
+                }) if total == data.len()
+            ),
+            "{r:?}"
+        );
+        assert!(
+            buf.iter().all(|&b| b == 7),
+            "a refused read wrote the buffer"
+        );
+        std::fs::remove_file(&p).unwrap();
+    }
+
+    /// An owned buffer that holds the transfer thread in `as_mut` until `go` fires, and says
+    /// when it is dropped.
+    struct Held {
+        buf: Vec<u8>,
+        go: std::sync::mpsc::Receiver<()>,
+        dropped: std::sync::mpsc::Sender<()>,
+    }
+    impl AsMut<[u8]> for Held {
+        fn as_mut(&mut self) -> &mut [u8] {
+            let _ = self.go.recv_timeout(Duration::from_secs(30));
+            &mut self.buf
+        }
+    }
+    impl Drop for Held {
+        fn drop(&mut self) {
+            let _ = self.dropped.send(());
+        }
+    }
+
+    #[test]
+    fn dropping_a_running_transfer_cancels_it_without_blocking() {
+        let p = scratch("drop");
+        let data = random(1 << 20, 5);
+        std::fs::write(&p, &data).unwrap();
+        let f = Arc::new(GpuFile::open(&p).unwrap());
+        let (go_tx, go) = std::sync::mpsc::channel();
+        let (dropped, was_dropped) = std::sync::mpsc::channel();
+        let held = Held {
+            buf: vec![0u8; data.len()],
+            go,
+            dropped,
+        };
+        let t = f.pread_host_async(held, 0);
+        let c = t.control();
+        let t0 = Instant::now();
+        drop(t);
+        assert!(t0.elapsed() < Duration::from_millis(50), "drop blocked");
+        assert!(
+            c.is_cancelled(),
+            "dropping a running transfer did not cancel it"
+        );
+        assert!(
+            was_dropped.try_recv().is_err(),
+            "the buffer was dropped while the transfer thread held it"
+        );
+        go_tx.send(()).unwrap();
+        // The transfer finishes in the background (refused: it was cancelled before its first
+        // byte) and drops the buffer there.
+        was_dropped
+            .recv_timeout(Duration::from_secs(30))
+            .expect("the dropped transfer's buffer was never released");
+        assert_eq!(c.progress().moved, 0);
+        std::fs::remove_file(&p).unwrap();
+    }
+
+    /// A host buffer whose `as_mut` panics: the transfer thread panics inside the work.
+    struct Bomb;
+    impl AsMut<[u8]> for Bomb {
+        fn as_mut(&mut self) -> &mut [u8] {
+            panic!("test: a buffer that panics")
+        }
+    }
+
+    #[test]
+    fn a_panicking_transfer_panics_in_wait_and_the_threads_go_on() {
+        let p = scratch("panic");
+        std::fs::write(&p, random(4096, 6)).unwrap();
+        let f = Arc::new(GpuFile::open(&p).unwrap());
+        let t = f.pread_host_async(Bomb, 0);
+        let r = catch_unwind(AssertUnwindSafe(|| t.wait()));
+        let msg = r
+            .err()
+            .expect("wait returned although the transfer panicked");
+        assert_eq!(
+            msg.downcast_ref::<&str>().copied(),
+            Some("test: a buffer that panics")
+        );
+        assert!(drivers::live() >= 1);
+        let (r, buf) = f.pread_host_async(vec![0u8; 4096], 0).wait();
+        assert_eq!(r.unwrap().bytes, 4096);
+        assert_eq!(buf, std::fs::read(&p).unwrap());
+        std::fs::remove_file(&p).unwrap();
+    }
+
+    #[test]
+    fn transfers_and_controls_cross_threads() {
+        fn send_sync<T: Send + Sync>() {}
+        send_sync::<Transfer<Vec<u8>>>();
+        send_sync::<Transfer<cudarc::driver::CudaSlice<f32>>>();
+        send_sync::<TransferControl>();
+    }
+
+    #[test]
+    fn progress_fraction() {
+        assert_eq!(Progress::default().fraction(), 1.0);
+        let p = Progress { moved: 1, total: 4 };
+        assert_eq!(p.fraction(), 0.25);
+    }
+
+    /// With the `async` feature: a transfer awaited inside a current-thread tokio runtime
+    /// completes through its waker, and the runtime thread keeps running other tasks while
+    /// it is in flight (the largest gap between a ticker task's polls is far below the
+    /// blocking call's).
+    #[cfg(feature = "async")]
+    #[test]
+    fn awaiting_a_host_read_in_tokio_does_not_stall_the_runtime() {
+        use std::sync::atomic::AtomicU64;
+        let p = scratch("tokio");
+        let data = random(256 << 20, 7);
+        std::fs::write(&p, &data).unwrap();
+        let f = Arc::new(GpuFile::open(&p).unwrap());
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .unwrap();
+        let (blocking, waited) = rt.block_on(async {
+            let worst = Arc::new(AtomicU64::new(0));
+            let stop = Arc::new(AtomicBool::new(false));
+            let ticker = {
+                let (worst, stop) = (worst.clone(), stop.clone());
+                tokio::spawn(async move {
+                    let mut last = Instant::now();
+                    while !stop.load(Ordering::Relaxed) {
+                        tokio::task::yield_now().await;
+                        let now = Instant::now();
+                        worst.fetch_max((now - last).as_nanos() as u64, Ordering::Relaxed);
+                        last = now;
+                    }
+                })
+            };
+            let mut buf = vec![0u8; data.len()];
+            tokio::task::yield_now().await;
+            worst.store(0, Ordering::Relaxed);
+            f.pread_host(&mut buf, 0).unwrap();
+            tokio::task::yield_now().await;
+            tokio::task::yield_now().await;
+            let blocking = worst.swap(0, Ordering::Relaxed);
+            let (r, back) = f.pread_host_async(buf, 0).await;
+            tokio::task::yield_now().await;
+            tokio::task::yield_now().await;
+            let waited = worst.swap(0, Ordering::Relaxed);
+            stop.store(true, Ordering::Relaxed);
+            ticker.await.unwrap();
+            assert_eq!(r.unwrap().bytes, data.len());
+            assert!(back == data, "the awaited read differs from the file");
+            (blocking, waited)
+        });
+        eprintln!(
+            "tokio current-thread runtime, 256 MiB page-cached host read: blocking call stalls {:.3} ms, awaited transfer {:.3} ms",
+            blocking as f64 / 1e6,
+            waited as f64 / 1e6
+        );
+        assert!(
+            waited * 2 < blocking,
+            "awaiting the transfer stalled the runtime {waited} ns, the blocking call {blocking} ns"
+        );
+        std::fs::remove_file(&p).unwrap();
+    }
+
+    fn gpu() -> Arc<CudaContext> {
+        crate::cuda::context(0).unwrap_or_else(|e| {
+            panic!("this test needs a CUDA GPU ({e}): run it on a GPU machine with --include-ignored gpu_transfer, see CONTRIBUTING.md")
+        })
+    }
+
+    /// A device read cancelled after 32 MiB of 256 MiB, through each pipeline: the typed
+    /// result counts exactly the destination bytes that changed, the prefix is the file's, and
+    /// nothing writes the buffer after the result is back (no copy in flight).
+    #[test]
+    #[ignore = "needs a CUDA GPU"]
+    fn gpu_transfer_cancelled_read_reports_what_moved_and_leaves_no_copy_in_flight() {
+        let ctx = gpu();
+        let stream = ctx.new_stream().unwrap();
+        let p = scratch("gpu-cancel-read");
+        let data = random(256 << 20, 8);
+        std::fs::write(&p, &data).unwrap();
+        for pipeline in [Pipeline::Segments, Pipeline::Lanes] {
+            let f = Arc::new(
+                GpuFile::options()
+                    .pipeline(pipeline)
+                    .task_size(1 << 20)
+                    .threads(4)
+                    .open(&p)
+                    .unwrap(),
+            );
+            let c = TransferControl::new();
+            c.cancel_at(32 << 20);
+            let buf = stream.clone_htod(&complement(&data)).unwrap();
+            let (r, buf) = f.read_dev_async(buf, 0, true, c).wait();
+            let Err(Error::Cancelled {
+                moved,
+                prefix,
+                total,
+            }) = r
+            else {
+                panic!("{pipeline:?}: a read cancelled after 32 MiB returned {r:?}");
+            };
+            assert_eq!(total, data.len());
+            assert!(
+                (32 << 20..data.len()).contains(&moved),
+                "{pipeline:?}: moved {moved}"
+            );
+            let back = stream.clone_dtoh(&buf).unwrap();
+            let same = back.iter().zip(&data).filter(|(a, b)| a == b).count();
+            assert_eq!(
+                same, moved,
+                "{pipeline:?}: the device bytes that changed are not the bytes reported moved"
+            );
+            assert!(back[..prefix] == data[..prefix], "{pipeline:?}: bad prefix");
+            std::thread::sleep(Duration::from_millis(100));
+            assert!(
+                stream.clone_dtoh(&buf).unwrap() == back,
+                "{pipeline:?}: the buffer changed after the cancelled read returned"
+            );
+            // The engine works on.
+            let (r, buf) = f.read_exact_async(buf, 0).wait();
+            r.unwrap();
+            assert!(stream.clone_dtoh(&buf).unwrap() == data, "{pipeline:?}");
+            eprintln!(
+                "{pipeline:?}: cancelled after {moved} of {total} bytes ({prefix} from the start)"
+            );
+        }
+        std::fs::remove_file(&p).unwrap();
+    }
+
+    /// A device write cancelled after 16 MiB of 128 MiB: the file's changed bytes are the bytes
+    /// reported moved.
+    #[test]
+    #[ignore = "needs a CUDA GPU"]
+    fn gpu_transfer_cancelled_write_reports_what_moved() {
+        let ctx = gpu();
+        let stream = ctx.new_stream().unwrap();
+        let p = scratch("gpu-cancel-write");
+        let data = random(128 << 20, 9);
+        std::fs::write(&p, complement(&data)).unwrap();
+        let f = Arc::new(
+            GpuFile::options()
+                .write(true)
+                .task_size(1 << 20)
+                .threads(4)
+                .open(&p)
+                .unwrap(),
+        );
+        let src = stream.clone_htod(&data).unwrap();
+        let c = TransferControl::new();
+        c.cancel_at(16 << 20);
+        let (r, _src) = f.write_dev_async(src, 0, c).wait();
+        let Err(Error::Cancelled { moved, total, .. }) = r else {
+            panic!("a write cancelled after 16 MiB returned {r:?}");
+        };
+        assert_eq!(total, data.len());
+        assert!((16 << 20..data.len()).contains(&moved), "moved {moved}");
+        let on_disk = std::fs::read(&p).unwrap();
+        let same = on_disk.iter().zip(&data).filter(|(a, b)| a == b).count();
+        assert_eq!(same, moved);
+        std::fs::remove_file(&p).unwrap();
+    }
+}
