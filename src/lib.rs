@@ -43,9 +43,9 @@
 //! [`TransferPath::PeerDirect`], [`TransferPath::Gds`], [`TransferPath::RdmaDmaBuf`],
 //! [`TransferPath::RdmaPeerMem`] are direct; [`TransferPath::StagedThroughHost`],
 //! [`TransferPath::CuFileCompat`], [`TransferPath::Posix`], [`TransferPath::RdmaHostMemory`] are
-//! fallbacks; [`TransferPath::Unknown`] where nothing observable tells — and for fallbacks a [`Cause`] whose `Display` names the fix ("pool memory lacks peer access",
-//! "cuFile can't register files: udev data missing", "no peer-memory client"). How each room
-//! knows:
+//! fallbacks; [`TransferPath::Unknown`] where nothing observable tells — and for fallbacks a
+//! [`Cause`] whose `Display` names the fix ("pool memory lacks peer access", "cuFile can't
+//! register files: udev data missing", "no peer-memory client"). How each room knows:
 //!
 //! - P2P: from the memory's kind and the access actually granted — `cuMemPoolGetAccess` for
 //!   stream-ordered pool memory (what cudarc allocates), `cuMemGetAccess` for VMM memory, and the
@@ -58,6 +58,36 @@
 //! the path, the cause and its fix, once per kind of cause per process; a `tracing` event when a
 //! subscriber listens, else a line on stderr) or `Deny` ([`Error::FallbackRefused`] before any
 //! byte moves).
+//!
+//! # Which allocation type for what
+//!
+//! Four kinds of device memory; they differ in what the driver lets other devices, NICs and
+//! processes do with it. All four reach the storage room and cudarc's kernels and copies as
+//! cudarc views (`as_view()`, `as_view_mut()`).
+//!
+//! - **cudarc's [`CudaSlice`](cudarc::driver::CudaSlice)** (`stream.alloc_zeros`,
+//!   `clone_htod`: the device's stream-ordered pool, `cuMemAllocAsync`): the default for
+//!   storage reads and writes, checkpoint loads and P2P copies, which go direct once a
+//!   [`p2p::PeerAccess`] opened the pool to the peer (context peer access alone leaves pool
+//!   copies staged through host memory). Not for GPUDirect RDMA: the driver reports pool memory
+//!   as not GPUDirect-RDMA capable, and [`rdma::GpuMemoryRegion`] refuses it
+//!   ([`Cause::PoolMemoryNotGdrCapable`]) unless forced. cudarc's pool cannot be shared with
+//!   another process; a [`p2p::ipc::SharedPool`] can.
+//! - **[`cuda::DeviceBuffer`]** (also `p2p::DeviceBuffer`; plain `cuMemAlloc`, zeroed): legacy
+//!   CUDA IPC, since [`p2p::ipc::IpcMemHandle`] exports only `cuMemAlloc` memory; P2P needs only
+//!   context peer access ([`p2p::PeerAccess`] grants it and records it, which is how a copy
+//!   knows its path).
+//! - **[`cuda::GdrBuffer`]** (also `rdma::GdrBuffer`; `cuMemAlloc` starting on a 64 KiB GPU page,
+//!   size rounded up to one, `SYNC_MEMOPS` set): GPUDirect RDMA, registered with
+//!   [`rdma::GpuMemoryRegion`] by dma-buf or a peer-memory client. The alignment keeps a
+//!   peer-memory client (which pins whole GPU pages) and the dma-buf export off memory that is
+//!   not the buffer's; `SYNC_MEMOPS` makes synchronous copies complete before a NIC reads.
+//! - **[`p2p::VmmBuffer`]** (virtual memory management: `cuMemCreate` + `cuMemMap`, created
+//!   exportable as a POSIX file descriptor): memory another process maps
+//!   ([`VmmBuffer::export_fd`](p2p::VmmBuffer::export_fd), sent with [`p2p::ipc::send_fd`],
+//!   mapped with [`p2p::ipc::VmmImport`]), and peer access per buffer
+//!   ([`VmmBuffer::grant_access`](p2p::VmmBuffer::grant_access)) that the driver reports back.
+//!   It is not a [`cuda::DeviceMemory`], so it cannot be registered for RDMA.
 //!
 //! # Configuration
 //!

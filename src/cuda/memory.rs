@@ -64,6 +64,9 @@ impl Layout for GpuPageAligned {
 /// cudarc code sees either as a [`CudaSlice`] ([`as_slice`](Self::as_slice)) or views, so
 /// kernels, `memcpy_htod`/`memcpy_dtoh` and `launch_builder` work unchanged. The slice is never
 /// dropped by cudarc (which would free it with `cuMemFreeAsync`).
+///
+/// Which of gpudirect's allocation types (and cudarc's) for what: [the crate
+/// docs](crate#which-allocation-type-for-what).
 #[derive(Debug)]
 pub struct DeviceBuffer<T = u8, L: Layout = Plain> {
     /// Never dropped by cudarc: leaked in our Drop before `cuMemFree`.

@@ -138,6 +138,9 @@ pub(in crate::p2p) fn round_up(n: usize, g: usize) -> Result<usize> {
 /// ([`VmmBuffer::slice`], [`VmmBuffer::as_view`], [`VmmBuffer::as_view_mut`]). On drop, after
 /// its stream finished: `cuMemUnmap`, `cuMemAddressFree`, `cuMemRelease` (importers in other
 /// processes keep the physical memory alive until they unmap it).
+///
+/// Which of gpudirect's allocation types (and cudarc's) for what: [the crate
+/// docs](crate#which-allocation-type-for-what).
 #[derive(Debug)]
 pub struct VmmBuffer<T> {
     /// Never dropped by cudarc: leaked in our Drop before the range is unmapped.
