@@ -169,6 +169,17 @@ fn remember(fds: &Fds, cause: &Cause) {
     }
 }
 
+/// The setting that chose `cfg.compat_mode`, as a cause names it: the variable or the builder
+/// call that set it, else a `StorageConfig` built in code (`GpuFileOptions::config`).
+fn mode_setting(cfg: &StorageConfig) -> String {
+    cfg.compat_source.clone().unwrap_or_else(|| {
+        format!(
+            "StorageConfig::compat_mode = CompatMode::{:?} (GpuFileOptions::config)",
+            cfg.compat_mode
+        )
+    })
+}
+
 /// Chooses cuFile or the engine for device transfers (see [`Backend`]). cuFile registers a
 /// duplicate of a descriptor in `fds` (the file `GpuFile` opened), never `path` again.
 ///
@@ -190,14 +201,7 @@ pub(super) fn decide_backend(
             Ok((Some(h), r))
         }
         Backend::Auto => match cfg.compat_mode {
-            CompatMode::PosixOnly => Ok((
-                None,
-                forced(
-                    cfg.compat_source
-                        .clone()
-                        .unwrap_or_else(|| "GPUDIRECT_COMPAT_MODE=ON".into()),
-                ),
-            )),
+            CompatMode::PosixOnly => Ok((None, forced(mode_setting(cfg)))),
             CompatMode::CuFileRequired => match cufile_glue::open(path, fds, write) {
                 Ok(h) => {
                     let r = h.path_report().clone();
@@ -207,9 +211,7 @@ pub(super) fn decide_backend(
                     what: format!(
                         "cuFile for {} ({} requires it)",
                         path.display(),
-                        cfg.compat_source
-                            .as_deref()
-                            .unwrap_or("GPUDIRECT_COMPAT_MODE=OFF")
+                        mode_setting(cfg)
                     ),
                     cause: cufile_glue::cause_of(&e, path),
                 }),
@@ -436,6 +438,46 @@ mod tests {
             cheap_verdict("nfs", libc::makedev(0, 50), true),
             Verdict::Probe
         );
+    }
+
+    /// A mode set in a `StorageConfig` built in code is named as such (it was reported as
+    /// `GPUDIRECT_COMPAT_MODE=ON` / `=OFF`, a variable nobody had set).
+    #[test]
+    fn a_mode_from_a_hand_built_config_names_the_config_not_the_variable() {
+        let in_code = |m| StorageConfig {
+            compat_mode: m,
+            ..Default::default()
+        };
+        assert_eq!(
+            mode_setting(&in_code(CompatMode::CuFileRequired)),
+            "StorageConfig::compat_mode = CompatMode::CuFileRequired (GpuFileOptions::config)"
+        );
+        let from_env = StorageConfig {
+            compat_source: Some("GPUDIRECT_COMPAT_MODE=off".into()),
+            ..in_code(CompatMode::CuFileRequired)
+        };
+        assert_eq!(mode_setting(&from_env), "GPUDIRECT_COMPAT_MODE=off");
+
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("f");
+        std::fs::write(&p, b"0123456789").unwrap();
+        let f = crate::storage::GpuFile::options()
+            .config(in_code(CompatMode::PosixOnly))
+            .fallback(crate::FallbackPolicy::Allow)
+            .open(&p)
+            .unwrap();
+        assert_eq!(f.path_report().path, TransferPath::Posix);
+        assert_eq!(
+            f.path_report().cause,
+            Some(Cause::ForcedByConfig {
+                setting: "StorageConfig::compat_mode = CompatMode::PosixOnly \
+                          (GpuFileOptions::config)"
+                    .into()
+            })
+        );
+        let mut b = [0u8; 10];
+        assert_eq!(f.pread_host(&mut b, 0).unwrap().bytes, 10);
+        assert_eq!(&b, b"0123456789");
     }
 
     #[test]
