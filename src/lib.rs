@@ -123,7 +123,9 @@
 //! Handles are `Send + Sync` where the C library documents thread safety (cuFile: "all APIs are
 //! thread-safe"; verbs: objects may be used from any thread, a QP's posting is serialised by
 //! gpudirect). Process-wide state — the cuFile driver, the peer-access registry, the loaders —
-//! lives in `OnceLock`s and mutexes. cuFile must not be used across `fork()`.
+//! lives in `OnceLock`s and mutexes. cuFile must not be used across `fork()`. Non-blocking
+//! storage transfers ([`storage::Transfer`]) run on transfer threads started on demand (they
+//! exit when idle); a `Transfer` is `Send + Sync` when its buffer is `Send`.
 //!
 //! The calling thread's current CUDA context: the cuFile layer ([`storage::cufile`]) and the P2P
 //! copy, peer-access, allocation and IPC calls ([`p2p`]) put back the context that was current
@@ -138,7 +140,9 @@
 //! and close their dma-buf fd, and keep the GPU allocation alive until then. Anything the device
 //! may still touch after a call returns (stream-ordered and batch cuFile IO, posted work
 //! requests) is either an `unsafe fn` with a precise `# Safety` section or a guard that owns the
-//! buffers and synchronises in `Drop`. `Drop` never panics: failures are logged with `tracing`.
+//! buffers and synchronises in `Drop`; a non-blocking storage transfer owns its buffer until it
+//! is done, so dropping or forgetting its handle never frees the buffer under the IO. `Drop`
+//! never panics: failures are logged with `tracing`.
 //! The cuFile driver is never closed (closing it at exit crashes in the wild).
 #![deny(unsafe_op_in_unsafe_fn)]
 #![warn(missing_docs)]

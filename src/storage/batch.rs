@@ -23,6 +23,7 @@ use super::engine::plan::{plan_item, Dir, Task};
 use super::engine::{self, Mem, Op};
 use super::file::{dst_bytes, src_bytes, DeviceDst, DeviceSrc, GpuFile, AUTO_DIRECT_MIN};
 use super::options::GpuFileOptions;
+use super::transfer::{Ctl, TransferControl};
 use super::ODirect;
 use crate::cuda::AnyBitPattern;
 use crate::error::{Error, Result};
@@ -128,6 +129,27 @@ fn panicked() -> Error {
         source: std::io::Error::other(
             "an IO worker panicked (a bug in gpudirect: please report it)",
         ),
+    }
+}
+
+/// [`Error::Cancelled`] for a batch: what moved in all, and the bytes of the leading items (in
+/// the order added) that are complete.
+fn cancelled<I>(
+    items: &[I],
+    moved: &[usize],
+    complete: &[bool],
+    len: impl Fn(&I) -> usize,
+    total: usize,
+) -> Error {
+    Error::Cancelled {
+        moved: moved.iter().sum(),
+        prefix: items
+            .iter()
+            .zip(complete)
+            .take_while(|(_, &c)| c)
+            .map(|(it, _)| len(it))
+            .sum(),
+        total,
     }
 }
 
@@ -282,6 +304,7 @@ pub struct ReadBatch<'a> {
     by_file: HashMap<usize, usize>,
     dsts: Vec<Box<dyn ErasedDst + 'a>>,
     items: Vec<ReadItem_>,
+    control: Option<TransferControl>,
 }
 
 impl Default for ReadBatch<'_> {
@@ -317,7 +340,19 @@ impl<'a> ReadBatch<'a> {
             by_file: HashMap::new(),
             dsts: Vec::new(),
             items: Vec::new(),
+            control: None,
         }
+    }
+
+    /// Counts the batch's progress in `control` and lets it cancel the batch from another
+    /// thread: the engine stops between pieces, the pieces started finish and their copies
+    /// drain, then [`run`](Self::run) returns [`Error::Cancelled`] (its `prefix` counts the
+    /// leading items, in the order added, that are complete; other items' destination ranges
+    /// are unspecified). A control cancelled before `run` refuses the batch before any byte
+    /// moves.
+    pub fn control(&mut self, control: &TransferControl) -> &mut Self {
+        self.control = Some(control.clone());
+        self
     }
 
     /// Registers a destination buffer (any [`DeviceDst`]: `CudaSlice<T>`, `CudaViewMut<T>`),
@@ -411,11 +446,18 @@ impl<'a> ReadBatch<'a> {
             srcs,
             mut dsts,
             items,
+            control,
             ..
         } = self;
         if items.is_empty() {
             return Ok(BatchReport::new(t0, Vec::new(), Vec::new(), 0));
         }
+        let counter = control.as_ref().map(|c| move |n: usize| c.add(n));
+        let ctl = Ctl::blocking(
+            t0,
+            control.as_ref(),
+            counter.as_ref().map(|f| f as &(dyn Fn(usize) + Sync)),
+        );
         crate::cuda::driver_version()?;
         let mut views: Vec<CudaViewMut<'_, u8>> = dsts.iter_mut().map(|d| d.bytes()).collect();
         // One context for every destination an item uses.
@@ -571,12 +613,18 @@ impl<'a> ReadBatch<'a> {
         }
 
         // Move the bytes.
+        let total: usize = items.iter().map(|it| it.len).sum();
+        ctl.start(total)?;
         let first = files[items[0].src];
         let piece = first.cfg.piece_size();
         let engine_items: Vec<usize> = (0..items.len())
             .filter(|&i| files[items[i].src].cufile.is_none())
             .collect();
         let mut failed: Vec<(usize, Error)> = Vec::new();
+        // Per item, for a cancelled batch: bytes moved, and whether it is complete.
+        let mut moved = vec![0usize; items.len()];
+        let mut complete: Vec<bool> = items.iter().map(|it| it.len == 0).collect();
+        let mut cut = false;
         let mut odirect = false;
         let mut copies = 0;
         if !engine_items.is_empty() {
@@ -621,6 +669,7 @@ impl<'a> ReadBatch<'a> {
             }
             // Instead of synchronizing the streams: an event on each (see stream_events).
             let after = stream_events(&streams)?;
+            ctl.wait_for(&after, total)?;
             // SAFETY: every buffer is a destination view borrowed (mutably, for 'a) by this
             // batch, in `ctx`; each task lies inside its item's destination range, which was
             // checked to fit its buffer and to overlap no other item's; no copy starts before
@@ -638,10 +687,7 @@ impl<'a> ReadBatch<'a> {
                     Some(ctx.clone()),
                 )
             }
-            .with_control(engine::Control {
-                after: &after,
-                ..Default::default()
-            });
+            .with_control(ctl.engine(&after));
             if let Some(p) = first.seg_params() {
                 job = job.with_segments(p);
             }
@@ -649,8 +695,14 @@ impl<'a> ReadBatch<'a> {
             drop(guards);
             odirect = out.odirect;
             copies = out.copies;
+            cut = out.cancelled;
             for (k, o) in out.items.into_iter().enumerate() {
                 if files[items[k].src].cufile.is_some() || items[k].len == 0 {
+                    continue;
+                }
+                moved[k] = o.moved;
+                complete[k] = o.error.is_none() && o.complete && o.prefix == items[k].len;
+                if cut && o.error.is_none() {
                     continue;
                 }
                 match o.error {
@@ -669,8 +721,17 @@ impl<'a> ReadBatch<'a> {
             if it.len == 0 {
                 continue;
             }
+            if cut || ctl.cancelled() {
+                cut = true;
+                continue;
+            }
             let mut v = views[it.dst].slice_mut(it.dst_offset..it.dst_offset + it.len);
-            match cufile_glue::read_clamped(cf, &mut v, it.file_offset, it.len) {
+            let r = cufile_glue::read_clamped(cf, &mut v, it.file_offset, it.len);
+            if let Ok(n) = r {
+                (moved[i], complete[i]) = (n, n == it.len);
+                ctl.moved(n);
+            }
+            match r {
                 Ok(n) if n == it.len => {}
                 Ok(n) => failed.push((i, f.eof(it.file_offset, it.len, n))),
                 Err(e @ Error::Cuda { .. }) => return Err(e),
@@ -695,6 +756,9 @@ impl<'a> ReadBatch<'a> {
             eng.for_each(slots.len(), threads, &|k| {
                 drop(slots[k].lock().unwrap_or_else(|p| p.into_inner()).take());
             });
+        }
+        if cut {
+            return Err(cancelled(&items, &moved, &complete, |it| it.len, total));
         }
         if !failed.is_empty() {
             failed.sort_by_key(|f| f.0);
@@ -735,10 +799,10 @@ fn clone_open_error(e: &Error) -> Error {
     }
 }
 
-/// An event recorded now on every distinct stream of `streams`, waited for here (the work
-/// queued on the streams before now, not what other threads queue later: the engine runs one
-/// job per GPU at a time, so its jobs must not wait for kernels on the device), and then by the
-/// engine's copies.
+/// An event recorded now on every distinct stream of `streams`. The caller waits for them
+/// before the job (the work queued on the streams before now, not what other threads queue
+/// later: the engine runs one job per GPU at a time, so its jobs must not wait for kernels on
+/// the device), and the engine's copies wait for them too.
 fn stream_events(streams: &[Arc<CudaStream>]) -> Result<Vec<cudarc::driver::CudaEvent>> {
     let mut seen: Vec<cudarc::driver::sys::CUstream> = Vec::new();
     let mut events = Vec::new();
@@ -752,10 +816,6 @@ fn stream_events(streams: &[Arc<CudaStream>]) -> Result<Vec<cudarc::driver::Cuda
             );
             seen.push(s.cu_stream());
         }
-    }
-    for e in &events {
-        e.synchronize()
-            .map_err(|e| Error::cuda("cuEventSynchronize", e))?;
     }
     Ok(events)
 }
@@ -857,6 +917,7 @@ pub struct WriteBatch<'a> {
     srcs: Vec<Box<dyn ErasedSrc + 'a>>,
     items: Vec<WriteItem_<'a>>,
     durable: Option<bool>,
+    control: Option<TransferControl>,
 }
 
 impl std::fmt::Debug for WriteBatch<'_> {
@@ -877,7 +938,16 @@ impl<'a> WriteBatch<'a> {
             srcs: Vec::new(),
             items: Vec::new(),
             durable: None,
+            control: None,
         }
+    }
+
+    /// Counts the batch's progress in `control` and lets it cancel the batch, as
+    /// [`ReadBatch::control`]; a cancelled write batch skips its `fsync`, and the file ranges
+    /// of items not complete are partly written.
+    pub fn control(&mut self, control: &TransferControl) -> &mut Self {
+        self.control = Some(control.clone());
+        self
     }
 
     /// Registers a device source (borrowed until the batch is run); items address it by byte
@@ -944,7 +1014,14 @@ impl<'a> WriteBatch<'a> {
             srcs,
             items,
             durable,
+            control,
         } = self;
+        let counter = control.as_ref().map(|c| move |n: usize| c.add(n));
+        let ctl = Ctl::blocking(
+            t0,
+            control.as_ref(),
+            counter.as_ref().map(|f| f as &(dyn Fn(usize) + Sync)),
+        );
         let durable = durable.unwrap_or(file.durable);
         if items.is_empty() {
             return Ok(BatchReport::new(t0, Vec::new(), Vec::new(), 1));
@@ -1020,13 +1097,27 @@ impl<'a> WriteBatch<'a> {
             PathReport::fallback(TransferPath::Posix, crate::path::Cause::HostMemory)
         };
 
+        let total: usize = items.iter().map(|it| it.len).sum();
+        ctl.start(total)?;
         let mut failed: Vec<(usize, Error)> = Vec::new();
         let mut odirect = false;
         let mut copies = 0;
+        let mut moved = vec![0usize; items.len()];
+        let mut complete: Vec<bool> = items.iter().map(|it| it.len == 0).collect();
+        let mut cut = false;
         if let Some(cf) = &file.cufile {
+            if ctx.is_some() {
+                let streams: Vec<Arc<CudaStream>> =
+                    views.iter().map(|v| v.stream().clone()).collect();
+                ctl.wait_for(&stream_events(&streams)?, total)?;
+            }
             for (i, it) in items.iter().enumerate() {
                 if it.len == 0 {
                     continue;
+                }
+                if ctl.cancelled() {
+                    cut = true;
+                    break;
                 }
                 let r = match it.src {
                     WSource::Dev(s) => cf
@@ -1042,7 +1133,10 @@ impl<'a> WriteBatch<'a> {
                     .map_err(|e| file.fds.err("pwrite", e)),
                 };
                 match r {
-                    Ok(()) => {}
+                    Ok(()) => {
+                        (moved[i], complete[i]) = (it.len, true);
+                        ctl.moved(it.len);
+                    }
                     Err(e @ Error::Cuda { .. }) => return Err(e),
                     Err(e) => failed.push((i, e)),
                 }
@@ -1102,6 +1196,7 @@ impl<'a> WriteBatch<'a> {
             } else {
                 Vec::new()
             };
+            ctl.wait_for(&after, total)?;
             let dev = ctx.as_ref().map(|c| c.ordinal());
             let eng = engine::engine(dev, file.cfg.numa_pin)?;
             let threads = file.threads_for(dev, direct);
@@ -1121,16 +1216,17 @@ impl<'a> WriteBatch<'a> {
                     ctx.clone(),
                 )
             }
-            .with_control(engine::Control {
-                after: &after,
-                ..Default::default()
-            });
+            .with_control(ctl.engine(&after));
             let out = eng.run(job, threads)?;
             drop(guards);
             odirect = out.odirect;
             copies = out.copies;
+            cut = out.cancelled;
             for (k, o) in out.items.into_iter().enumerate() {
+                moved[k] = o.moved;
+                complete[k] = o.error.is_none() && o.complete;
                 match o.error {
+                    None if cut => {}
                     Some(e) => failed.push((k, e)),
                     None if !o.complete && items[k].len > 0 => failed.push((
                         k,
@@ -1142,6 +1238,9 @@ impl<'a> WriteBatch<'a> {
                     None => {}
                 }
             }
+        }
+        if cut {
+            return Err(cancelled(&items, &moved, &complete, |it| it.len, total));
         }
         if durable {
             file.sync_all()?;

@@ -97,6 +97,11 @@ impl TransferControl {
         }
     }
 
+    /// Counts `n` bytes moved (what the engine's per-piece callback calls).
+    pub(super) fn add(&self, n: usize) {
+        self.0.add(n);
+    }
+
     /// Test hook: cancel once `bytes` moved.
     #[cfg(test)]
     pub(crate) fn cancel_at(&self, bytes: usize) {
@@ -138,6 +143,21 @@ impl Ctl<'static> {
 }
 
 impl<'a> Ctl<'a> {
+    /// A blocking job that started at `t0`, counted and cancelled by `control` (whose
+    /// per-piece counter `on_piece` is, see [`TransferControl::add`]).
+    pub fn blocking(
+        t0: Instant,
+        control: Option<&'a TransferControl>,
+        on_piece: Option<&'a (dyn Fn(usize) + Sync)>,
+    ) -> Self {
+        Ctl {
+            t0,
+            gate: None,
+            control: control.map(|c| &*c.0),
+            on_piece,
+        }
+    }
+
     /// Time since the transfer was asked for.
     pub fn elapsed(&self) -> Duration {
         self.t0.elapsed()
@@ -167,7 +187,8 @@ impl<'a> Ctl<'a> {
         Ok(())
     }
 
-    fn cancelled(&self) -> bool {
+    /// True when the control asks to stop.
+    pub fn cancelled(&self) -> bool {
         self.control
             .is_some_and(|c| c.cancel.load(Ordering::Relaxed))
     }
@@ -1129,6 +1150,154 @@ mod tests {
         assert_eq!(r.unwrap().bytes, 4096);
         assert_eq!(buf, std::fs::read(&p).unwrap());
         std::fs::remove_file(&p).unwrap();
+    }
+
+    #[test]
+    fn a_write_batch_counts_progress_and_is_cancelled_between_pieces() {
+        use crate::storage::WriteBatch;
+        let p = scratch("batch-cancel");
+        let parts: Vec<Vec<u8>> = (0..64).map(|k| random(512 << 10, 20 + k)).collect();
+        let data: Vec<u8> = parts.concat();
+        let open = || {
+            std::fs::write(&p, complement(&data)).unwrap();
+            many_pieces().write(true).open(&p).unwrap()
+        };
+        // Counted, not cancelled: every byte, and the control saw them all.
+        let f = open();
+        let c = TransferControl::new();
+        let mut w = WriteBatch::new(&f);
+        for (k, part) in parts.iter().enumerate() {
+            w.write_host(part, (k * part.len()) as u64);
+        }
+        w.control(&c);
+        let r = w.run().unwrap();
+        assert_eq!(r.bytes, data.len());
+        assert_eq!(
+            c.progress(),
+            Progress {
+                moved: data.len(),
+                total: data.len()
+            }
+        );
+        assert!(std::fs::read(&p).unwrap() == data);
+        // Cancelled after 4 MiB of 32: the file's changed bytes are the bytes reported moved,
+        // and the reported prefix is whole items, written.
+        let f = open();
+        let c = TransferControl::new();
+        c.cancel_at(4 << 20);
+        let mut w = WriteBatch::new(&f);
+        for (k, part) in parts.iter().enumerate() {
+            w.write_host(part, (k * part.len()) as u64);
+        }
+        w.control(&c).durable(true);
+        let r = w.run();
+        let Err(Error::Cancelled {
+            moved,
+            prefix,
+            total,
+        }) = r
+        else {
+            panic!("a batch cancelled after 4 MiB returned {r:?}");
+        };
+        assert_eq!(total, data.len());
+        assert!((4 << 20..data.len()).contains(&moved), "moved {moved}");
+        assert_eq!(prefix % (512 << 10), 0, "the prefix is whole items");
+        let on_disk = std::fs::read(&p).unwrap();
+        let same = on_disk.iter().zip(&data).filter(|(a, b)| a == b).count();
+        assert_eq!(
+            same, moved,
+            "the changed bytes are not the bytes reported moved"
+        );
+        assert!(on_disk[..prefix] == data[..prefix]);
+        // A control cancelled before the run refuses the batch before a byte moves.
+        let f = open();
+        let mut w = WriteBatch::new(&f);
+        w.write_host(&parts[0], 0).control(&c);
+        assert!(matches!(w.run(), Err(Error::Cancelled { moved: 0, .. })));
+        assert!(std::fs::read(&p).unwrap() == complement(&data));
+        std::fs::remove_file(&p).unwrap();
+    }
+
+    /// A ReadBatch of many items into two device buffers, cancelled after 32 MiB of 128:
+    /// every changed device byte was reported moved, the prefix is whole items and holds the
+    /// files' bytes, and nothing changes after the result is back.
+    #[test]
+    #[ignore = "needs a CUDA GPU"]
+    fn gpu_transfer_cancelled_read_batch_reports_what_moved() {
+        use crate::storage::ReadBatch;
+        let ctx = gpu();
+        let stream = ctx.new_stream().unwrap();
+        let item = 2 << 20;
+        let paths: Vec<PathBuf> = (0..4).map(|k| scratch(&format!("gpu-batch-{k}"))).collect();
+        let parts: Vec<Vec<u8>> = (0..4).map(|k| random(32 << 20, 30 + k)).collect();
+        for (p, d) in paths.iter().zip(&parts) {
+            std::fs::write(p, d).unwrap();
+        }
+        // Item i: file i % 4 at (i / 4) * item into buffer i % 2, back to back.
+        let n = 64;
+        let mut want = [vec![0u8; n / 2 * item], vec![0u8; n / 2 * item]];
+        for i in 0..n {
+            let (f, off) = (i % 4, (i / 4) * item);
+            let at = (i / 2) * item;
+            want[i % 2][at..at + item].copy_from_slice(&parts[f][off..off + item]);
+        }
+        let mut bufs = [
+            stream.clone_htod(&complement(&want[0])).unwrap(),
+            stream.clone_htod(&complement(&want[1])).unwrap(),
+        ];
+        let c = TransferControl::new();
+        c.cancel_at(32 << 20);
+        let r = {
+            let [b0, b1] = &mut bufs;
+            let mut b = ReadBatch::with_options(GpuFile::options().task_size(1 << 20).threads(4));
+            let d = [b.destination(b0), b.destination(b1)];
+            for i in 0..n {
+                b.read(
+                    &paths[i % 4],
+                    ((i / 4) * item) as u64,
+                    item,
+                    d[i % 2],
+                    (i / 2) * item,
+                );
+            }
+            b.control(&c);
+            b.run()
+        };
+        let Err(Error::Cancelled {
+            moved,
+            prefix,
+            total,
+        }) = r
+        else {
+            panic!("a batch cancelled after 32 MiB returned {r:?}");
+        };
+        assert_eq!(total, n * item);
+        assert!((32 << 20..total).contains(&moved), "moved {moved}");
+        assert_eq!(prefix % item, 0);
+        let back = [
+            stream.clone_dtoh(&bufs[0]).unwrap(),
+            stream.clone_dtoh(&bufs[1]).unwrap(),
+        ];
+        let same: usize = (0..2)
+            .map(|k| back[k].iter().zip(&want[k]).filter(|(a, b)| a == b).count())
+            .sum();
+        assert_eq!(
+            same, moved,
+            "the changed device bytes are not the bytes reported moved"
+        );
+        for i in 0..prefix / item {
+            let at = (i / 2) * item;
+            assert!(
+                back[i % 2][at..at + item] == want[i % 2][at..at + item],
+                "item {i}"
+            );
+        }
+        std::thread::sleep(Duration::from_millis(100));
+        assert!(stream.clone_dtoh(&bufs[0]).unwrap() == back[0]);
+        assert!(stream.clone_dtoh(&bufs[1]).unwrap() == back[1]);
+        for p in &paths {
+            std::fs::remove_file(p).unwrap();
+        }
     }
 
     #[test]
