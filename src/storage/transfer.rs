@@ -403,8 +403,9 @@ impl<B> Shared<B> {
 /// handle) stops the transfer between pieces: no new piece starts, the pieces started finish
 /// and their copies are drained, then the result is [`Error::Cancelled`] with the bytes that
 /// moved. A transfer whose pieces had all started when it was cancelled completes normally.
-/// Reads through cuFile and small transfers (at most 1 MiB) are one piece: cancellation
-/// reaches them only before they start.
+/// A transfer still waiting for the buffer's pending work ends at once, having moved nothing.
+/// Transfers through cuFile and small ones (at most 1 MiB) are one piece: cancellation reaches
+/// them only until they start.
 ///
 /// # Example
 /// ```no_run
