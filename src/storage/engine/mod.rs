@@ -249,6 +249,16 @@ impl<'a> Job<'a> {
         Ok(())
     }
 
+    /// The events the job is ordered after (see [`Control::after`]).
+    fn after(&self) -> &[CudaEvent] {
+        self.ctl.after
+    }
+
+    /// Whether the cancel flag stopped the job with tasks left.
+    fn was_cut(&self) -> bool {
+        self.cut.load(Ordering::Relaxed)
+    }
+
     /// Records that task `i` moved `n` bytes.
     fn finish(&self, i: usize, n: usize) {
         self.done[i].store(n, Ordering::Release);
@@ -647,31 +657,14 @@ impl Engine {
         });
     }
 
+    /// Runs a device read through the segment ring.
     fn run_segments(&self, job: Job<'_>, p: SegParams, threads: usize) -> Result<Outcome> {
         let ctx = job.ctx.clone().expect("device job");
-        let per = segment::tasks_per_segment(p.segment_size, job.piece);
-        let seg_bytes = per * job.piece;
-        let layout = segment::layout(&job.tasks, seg_bytes);
+        let seg_bytes = segment::tasks_per_segment(p.segment_size, job.piece) * job.piece;
         let mut g = self.seg.lock().unwrap_or_else(|p| p.into_inner());
         let res = self.seg_res(&mut g, &ctx, seg_bytes, p)?;
-        let sj = segment::SegJob::new(res, layout, p.segments, p.streams);
-        // No copy is issued yet: an error here leaves nothing in flight.
-        sj.order_streams(&job)?;
-        let ok = self.pool.run(threads, &|_ws: &mut WorkerState| {
-            if let Err(e) = sj.work(&job) {
-                job.fail(e);
-            }
-        });
-        if !ok {
-            job.fail(panicked());
-        }
-        if job.cut.load(Ordering::Relaxed) {
-            sj.forget_unissued(&job);
-        }
-        // Every copy completes before the caller's buffers are released.
-        let copies = sj.copies.load(Ordering::Relaxed);
-        drop(sj);
-        if let Err(e) = res.drain() {
+        let (copies, drained) = segment::run(&self.pool, &job, res, p, threads);
+        if let Err(e) = drained {
             // A failed synchronize is a sticky context error: the context runs no more work.
             // The ring may still be named by queued copies, so it is never unmapped.
             tracing::error!(%e, "could not drain the segment ring; leaking it");

@@ -32,6 +32,10 @@
 //! measured ~12× cheaper than `cuMemHostAlloc` on the H200 machine). Reading starts at once;
 //! pinning overlaps the reads of the other slots.
 //!
+//! **Ordering rules** (checked on the host by `pipeline_tests`, on a ring whose copies run
+//! late): a copy is enqueued only after its slot is page-locked as far as it reads; a slot is
+//! read into again only after the copies out of it completed.
+//!
 //! [`Pipeline::Segments`]: crate::storage::config::Pipeline::Segments
 
 use std::ops::Range;
@@ -220,6 +224,55 @@ impl Drop for RingMem {
     }
 }
 
+/// What the segment pipeline needs from its ring: slots of host memory, page-locking, copies on
+/// streams and one completion marker per slot. [`SegRes`] is the CUDA ring; the tests run the
+/// same pipeline ([`SegJob`], [`run`]) on a host-memory ring whose copies complete late, so the
+/// ordering rules below are checked without a GPU:
+/// - a slot's copies are enqueued only after the slot is page-locked as far as they read
+///   ([`ensure_registered`](Ring::ensure_registered) before [`copy`](Ring::copy));
+/// - a slot is read into again only after the copies out of it completed (its marker).
+pub(crate) trait Ring: Sync {
+    /// Slots in the ring.
+    fn slots(&self) -> usize;
+    /// Copy streams.
+    fn streams(&self) -> usize;
+    /// Bytes per slot.
+    fn slot_bytes(&self) -> usize;
+    /// The start of slot `r` (`r < slots()`).
+    fn slot_ptr(&self, r: usize) -> *mut u8;
+    /// Makes the ring's context current on the calling thread.
+    fn bind(&self) -> Result<()>;
+    /// Page-locks at least the first `need` bytes of slot `r`; returns the bytes locked by this
+    /// call (0: they already were). The caller issues the slot's copies and every earlier copy
+    /// out of the slot has completed.
+    fn ensure_registered(&self, r: usize, need: usize) -> Result<usize>;
+    /// Whether the first `end` bytes of slot `r` are page-locked.
+    fn is_registered(&self, r: usize, end: usize) -> bool;
+    /// Enqueues a copy of `len` bytes from `src` to device address `dst` on copy stream
+    /// `stream`.
+    ///
+    /// # Safety
+    /// `src` lies in a page-locked part of a slot and is not rewritten until the slot's next
+    /// marker completed; `dst` is device memory of the ring's context writable for `len` bytes
+    /// until then, touched by nothing else.
+    unsafe fn copy(
+        &self,
+        dst: sys::CUdeviceptr,
+        src: *const u8,
+        len: usize,
+        stream: usize,
+    ) -> Result<()>;
+    /// Makes copy stream `stream` wait for `events` (the work pending on the job's buffers)
+    /// before anything enqueued on it later.
+    fn wait_events(&self, stream: usize, events: &[CudaEvent]) -> Result<()>;
+    /// Records slot `r`'s marker on `stream`, after the copies enqueued there so far.
+    fn record(&self, r: usize, stream: usize) -> Result<()>;
+    /// Blocks until slot `r`'s last recorded marker completed.
+    fn sync_slot(&self, r: usize) -> Result<()>;
+    /// Waits for every copy on every stream.
+    fn drain(&self) -> Result<()>;
+}
+
 /// Pinned segments, copy streams and slot events of one engine, reused across jobs that fit.
 pub(crate) struct SegRes {
     ctx: Arc<CudaContext>,
@@ -311,36 +364,6 @@ impl SegRes {
         self.seg_bytes * self.nseg
     }
 
-    fn slot_ptr(&self, r: usize) -> *mut u8 {
-        debug_assert!(r < self.nseg);
-        // SAFETY: r < nseg, so the offset stays inside the mapping of seg_bytes * nseg bytes.
-        unsafe { self.mem.base.add(r * self.seg_bytes) }
-    }
-
-    /// Page-locks at least the first `need` bytes of slot `r` (in 2 MiB steps, at most the
-    /// slot). The caller issues the slot's copies, every earlier copy out of the slot has
-    /// completed (the ring protocol), and the context is bound.
-    fn ensure_registered(&self, r: usize, need: usize) -> Result<()> {
-        let have = self.registered[r].load(Ordering::Acquire);
-        if have >= need {
-            return Ok(());
-        }
-        let want = need
-            .div_ceil(HUGE_PAGE)
-            .saturating_mul(HUGE_PAGE)
-            .min(self.seg_bytes);
-        if have > 0 {
-            // SAFETY: registered below earlier; no copy uses the slot now (contract).
-            unsafe { mem::host_unregister(self.slot_ptr(r)) }?;
-            self.registered[r].store(0, Ordering::Release);
-        }
-        // SAFETY: [slot, slot + want) lies inside our mapping, which stays mapped until Drop
-        // unregisters it.
-        unsafe { mem::host_register(self.slot_ptr(r), want) }?;
-        self.registered[r].store(want, Ordering::Release);
-        Ok(())
-    }
-
     /// Faults in and page-locks every slot now, on `threads` workers of `pool` (for
     /// `GpuFile::warm_up`; jobs do it lazily otherwise).
     pub fn pin_all(&self, pool: &super::pool::Pool, threads: usize) -> Result<()> {
@@ -385,12 +408,95 @@ impl SegRes {
             None => Ok(()),
         }
     }
+}
 
-    /// Waits for every copy issued on the copy streams.
-    pub fn drain(&self) -> Result<()> {
+impl Ring for SegRes {
+    fn slots(&self) -> usize {
+        self.nseg
+    }
+
+    fn streams(&self) -> usize {
+        self.streams.len()
+    }
+
+    fn slot_bytes(&self) -> usize {
+        self.seg_bytes
+    }
+
+    fn slot_ptr(&self, r: usize) -> *mut u8 {
+        debug_assert!(r < self.nseg);
+        // SAFETY: r < nseg, so the offset stays inside the mapping of seg_bytes * nseg bytes.
+        unsafe { self.mem.base.add(r * self.seg_bytes) }
+    }
+
+    fn bind(&self) -> Result<()> {
         self.ctx
             .bind_to_thread()
-            .map_err(|e| Error::cuda("cuCtxSetCurrent", e))?;
+            .map_err(|e| Error::cuda("cuCtxSetCurrent", e))
+    }
+
+    /// Page-locks in 2 MiB steps (at most the slot); a slot locked less far than asked is
+    /// unregistered and locked again, larger.
+    fn ensure_registered(&self, r: usize, need: usize) -> Result<usize> {
+        let have = self.registered[r].load(Ordering::Acquire);
+        if have >= need {
+            return Ok(0);
+        }
+        let want = need
+            .div_ceil(HUGE_PAGE)
+            .saturating_mul(HUGE_PAGE)
+            .min(self.seg_bytes);
+        if have > 0 {
+            // SAFETY: registered below earlier; no copy uses the slot now (contract).
+            unsafe { mem::host_unregister(self.slot_ptr(r)) }?;
+            self.registered[r].store(0, Ordering::Release);
+        }
+        // SAFETY: [slot, slot + want) lies inside our mapping, which stays mapped until Drop
+        // unregisters it.
+        unsafe { mem::host_register(self.slot_ptr(r), want) }?;
+        self.registered[r].store(want, Ordering::Release);
+        Ok(want)
+    }
+
+    fn is_registered(&self, r: usize, end: usize) -> bool {
+        self.registered[r].load(Ordering::Acquire) >= end
+    }
+
+    unsafe fn copy(
+        &self,
+        dst: sys::CUdeviceptr,
+        src: *const u8,
+        len: usize,
+        stream: usize,
+    ) -> Result<()> {
+        // SAFETY: the caller's contract (page-locked source, device destination of our
+        // context, which the calling worker bound); the stream is ours and live.
+        unsafe { mem::memcpy_htod_async(dst, src, len, self.streams[stream].cu_stream()) }
+    }
+
+    fn wait_events(&self, stream: usize, events: &[CudaEvent]) -> Result<()> {
+        for e in events {
+            self.streams[stream]
+                .wait(e)
+                .map_err(|e| Error::cuda("cuStreamWaitEvent", e))?;
+        }
+        Ok(())
+    }
+
+    fn record(&self, r: usize, stream: usize) -> Result<()> {
+        self.events[r]
+            .record(&self.streams[stream])
+            .map_err(|e| Error::cuda("cuEventRecord", e))
+    }
+
+    fn sync_slot(&self, r: usize) -> Result<()> {
+        self.events[r]
+            .synchronize()
+            .map_err(|e| Error::cuda("cuEventSynchronize", e))
+    }
+
+    fn drain(&self) -> Result<()> {
+        self.bind()?;
         for s in &self.streams {
             s.synchronize()
                 .map_err(|e| Error::cuda("cuStreamSynchronize", e))?;
@@ -437,8 +543,8 @@ struct SlotState {
 }
 
 /// One job's progress through the ring.
-pub(crate) struct SegJob<'r> {
-    res: &'r SegRes,
+pub(crate) struct SegJob<'r, R: Ring + ?Sized> {
+    res: &'r R,
     /// Slots this job uses (at most the ring's).
     nseg: usize,
     /// Copy streams this job uses.
@@ -450,13 +556,13 @@ pub(crate) struct SegJob<'r> {
     pub copies: AtomicUsize,
 }
 
-impl<'r> SegJob<'r> {
-    pub fn new(res: &'r SegRes, layout: Layout, nseg: usize, nstreams: usize) -> Self {
-        let nseg = nseg.clamp(1, res.nseg);
+impl<'r, R: Ring + ?Sized> SegJob<'r, R> {
+    pub fn new(res: &'r R, layout: Layout, nseg: usize, nstreams: usize) -> Self {
+        let nseg = nseg.clamp(1, res.slots());
         SegJob {
             res,
             nseg,
-            nstreams: nstreams.clamp(1, res.streams.len()),
+            nstreams: nstreams.clamp(1, res.streams()),
             remaining: layout
                 .segs
                 .iter()
@@ -487,15 +593,14 @@ impl<'r> SegJob<'r> {
                 .0;
         }
         if st.synced.is_none_or(|x| x < want) {
-            self.res.events[r]
-                .synchronize()
-                .map_err(|e| Error::cuda("cuEventSynchronize", e))?;
+            self.res.sync_slot(r)?;
             st.synced = Some(want);
         }
         Ok(true)
     }
 
-    /// Issues segment `g`'s copies (all its tasks are read).
+    /// Issues segment `g`'s copies (all its tasks are read): the slot is page-locked first,
+    /// then the copies are enqueued and the slot's marker recorded.
     fn issue(&self, job: &Job<'_>, g: usize) -> Result<()> {
         let r = g % self.nseg;
         let runs = copy_runs(
@@ -504,36 +609,34 @@ impl<'r> SegJob<'r> {
             self.layout.segs[g].clone(),
             |i| job.done[i].load(Ordering::Acquire),
         );
-        let stream = &self.res.streams[g % self.nstreams];
+        let stream = g % self.nstreams;
         if let Some(need) = runs.iter().map(|x| x.slot_off + x.len).max() {
             self.res.ensure_registered(r, need)?;
         }
         let slot = self.res.slot_ptr(r);
         for run in &runs {
             let dst = job.dev_ptr(run.buf, run.buf_off)?;
+            debug_assert!(self.res.is_registered(r, run.slot_off + run.len));
             // SAFETY: the source is `run.len` payload bytes read into slot r (layout:
             // slot_off + len <= the segment's bytes <= the slot), page-locked above, not
-            // rewritten until the event recorded below completes (wait()); the destination is
-            // inside the task's own range of a caller's device buffer (Job::new contract); the
+            // rewritten until the marker recorded below completes (wait()); the destination is
+            // inside the task's own range of a caller's device buffer (Job::batch contract); the
             // context is current on this worker.
-            unsafe {
-                mem::memcpy_htod_async(dst, slot.add(run.slot_off), run.len, stream.cu_stream())
-            }?;
+            unsafe { self.res.copy(dst, slot.add(run.slot_off), run.len, stream) }?;
         }
         self.copies.fetch_add(runs.len(), Ordering::Relaxed);
-        self.res.events[r]
-            .record(stream)
-            .map_err(|e| Error::cuda("cuEventRecord", e))?;
+        self.res.record(r, stream)?;
         let (m, cv) = &self.slots[r];
         m.lock().unwrap_or_else(|p| p.into_inner()).issued = Some(g);
         cv.notify_all();
         Ok(())
     }
 
-    /// Makes the copy streams this job uses wait for the events it is ordered after.
+    /// Makes the copy streams this job uses wait for the events it is ordered after (before
+    /// any copy is issued).
     pub fn order_streams(&self, job: &Job<'_>) -> Result<()> {
-        for s in &self.res.streams[..self.nstreams] {
-            job.order(s)?;
+        for s in 0..self.nstreams {
+            self.res.wait_events(s, job.after())?;
         }
         Ok(())
     }
@@ -553,10 +656,7 @@ impl<'r> SegJob<'r> {
 
     /// A worker's loop: read tasks into their spans, issue full segments.
     pub fn work(&self, job: &Job<'_>) -> Result<()> {
-        self.res
-            .ctx
-            .bind_to_thread()
-            .map_err(|e| Error::cuda("cuCtxSetCurrent", e))?;
+        self.res.bind()?;
         while let Some((i, t)) = job.next() {
             let p = self.layout.place[i];
             let g = p.seg as usize;
@@ -585,6 +685,44 @@ impl<'r> SegJob<'r> {
         }
         Ok(())
     }
+}
+
+/// Runs `job` (a read into device memory) through ring `res` on up to `threads` workers of
+/// `pool`. Every copy is drained before this returns. Returns the copies issued and the drain's
+/// outcome: when draining failed, copies may still read the ring and the caller must never
+/// unmap it.
+pub(crate) fn run<R: Ring + ?Sized>(
+    pool: &super::pool::Pool,
+    job: &Job<'_>,
+    res: &R,
+    p: super::SegParams,
+    threads: usize,
+) -> (usize, Result<()>) {
+    let per = tasks_per_segment(p.segment_size, job.piece);
+    let seg_bytes = per * job.piece;
+    debug_assert!(seg_bytes <= res.slot_bytes());
+    let layout = layout(&job.tasks, seg_bytes);
+    let sj = SegJob::new(res, layout, p.segments, p.streams);
+    // No copy is issued yet: an error here leaves nothing in flight (the ring stays usable).
+    if let Err(e) = sj.order_streams(job) {
+        job.fail(e);
+        return (0, Ok(()));
+    }
+    let ok = pool.run(threads, &|_ws: &mut super::worker::WorkerState| {
+        if let Err(e) = sj.work(job) {
+            job.fail(e);
+        }
+    });
+    if !ok {
+        job.fail(super::panicked());
+    }
+    if job.was_cut() {
+        sj.forget_unissued(job);
+    }
+    // Every copy completes before the caller's buffers are released.
+    let copies = sj.copies.load(Ordering::Relaxed);
+    drop(sj);
+    (copies, res.drain())
 }
 
 #[cfg(test)]
@@ -791,6 +929,421 @@ mod tests {
                 plan_item(&mut t, at, off, len, piece, Dir::Read, rng.random());
             }
             check_layout(&t, seg, &mut rng);
+        }
+    }
+}
+
+/// The pipeline's ordering rules, run on the host: a ring of plain memory whose "copies" are
+/// executed late, in order per stream, by a thread each (random delays), into a host buffer
+/// that stands for device memory. A copy enqueued before its slot was page-locked fails the
+/// job; a slot read into again before its copies ran would corrupt the bytes they carry, which
+/// the byte-for-byte check finds.
+#[cfg(test)]
+mod pipeline_tests {
+    use super::*;
+    use crate::storage::engine::io::{Fds, OpenMode};
+    use crate::storage::engine::plan::{plan_item, Dir};
+    use crate::storage::engine::pool::{Pool, PoolConfig};
+    use crate::storage::engine::{Mem, Op, SegParams};
+    use rand::{Rng, SeedableRng};
+    use std::alloc::Layout as AllocLayout;
+    use std::collections::VecDeque;
+
+    enum Cmd {
+        Copy { dst: usize, src: usize, len: usize },
+        Mark { slot: usize, ticket: u64 },
+        Flush(std::sync::mpsc::Sender<()>),
+        Quit,
+    }
+
+    struct Stream {
+        q: Mutex<VecDeque<Cmd>>,
+        cv: Condvar,
+    }
+
+    struct Shared {
+        streams: Vec<Stream>,
+        /// Per slot: (last ticket recorded, last ticket executed).
+        marks: Mutex<Vec<(u64, u64)>>,
+        marks_cv: Condvar,
+        copies_run: AtomicUsize,
+    }
+
+    struct FakeRing {
+        /// Slot memory, aligned for O_DIRECT spans.
+        mem: *mut u8,
+        mem_layout: AllocLayout,
+        slot_bytes: usize,
+        nslots: usize,
+        registered: Vec<AtomicUsize>,
+        /// The "device" buffer: [base, base + len).
+        dev: (usize, usize),
+        copies_enqueued: AtomicUsize,
+        shared: Arc<Shared>,
+        threads: Vec<std::thread::JoinHandle<()>>,
+    }
+
+    // SAFETY: (test) the slots are written by one worker per span and read by the copy threads
+    // only after their segment is complete; the protocol under test keeps them apart.
+    unsafe impl Sync for FakeRing {}
+
+    impl FakeRing {
+        fn new(slot_bytes: usize, nslots: usize, nstreams: usize, dev: (usize, usize)) -> Self {
+            let shared = Arc::new(Shared {
+                streams: (0..nstreams)
+                    .map(|_| Stream {
+                        q: Mutex::new(VecDeque::new()),
+                        cv: Condvar::new(),
+                    })
+                    .collect(),
+                marks: Mutex::new(vec![(0, 0); nslots]),
+                marks_cv: Condvar::new(),
+                copies_run: AtomicUsize::new(0),
+            });
+            let threads = (0..nstreams)
+                .map(|s| {
+                    let sh = shared.clone();
+                    std::thread::spawn(move || {
+                        let mut rng = rand::rngs::StdRng::seed_from_u64(s as u64 + 11);
+                        loop {
+                            let cmd = {
+                                let st = &sh.streams[s];
+                                let mut q = st.q.lock().unwrap();
+                                loop {
+                                    if let Some(c) = q.pop_front() {
+                                        break c;
+                                    }
+                                    q = st.cv.wait(q).unwrap();
+                                }
+                            };
+                            match cmd {
+                                Cmd::Copy { dst, src, len } => {
+                                    // Late: the workers go on reading meanwhile.
+                                    std::thread::sleep(Duration::from_micros(
+                                        rng.random_range(0..400),
+                                    ));
+                                    // SAFETY: (test) both ranges were checked at enqueue time
+                                    // and stay alive until the ring is drained.
+                                    unsafe {
+                                        std::ptr::copy_nonoverlapping(
+                                            src as *const u8,
+                                            dst as *mut u8,
+                                            len,
+                                        )
+                                    };
+                                    sh.copies_run.fetch_add(1, Ordering::SeqCst);
+                                }
+                                Cmd::Mark { slot, ticket } => {
+                                    let mut m = sh.marks.lock().unwrap();
+                                    m[slot].1 = m[slot].1.max(ticket);
+                                    sh.marks_cv.notify_all();
+                                }
+                                Cmd::Flush(ack) => {
+                                    let _ = ack.send(());
+                                }
+                                Cmd::Quit => return,
+                            }
+                        }
+                    })
+                })
+                .collect();
+            let mem_layout =
+                AllocLayout::from_size_align(slot_bytes * nslots, DIRECT_ALIGN).unwrap();
+            // SAFETY: (test) a non-zero size layout; freed in Drop.
+            let mem = unsafe { std::alloc::alloc_zeroed(mem_layout) };
+            assert!(!mem.is_null());
+            FakeRing {
+                mem,
+                mem_layout,
+                slot_bytes,
+                nslots,
+                registered: (0..nslots).map(|_| AtomicUsize::new(0)).collect(),
+                dev,
+                copies_enqueued: AtomicUsize::new(0),
+                shared,
+                threads,
+            }
+        }
+
+        fn push(&self, s: usize, c: Cmd) {
+            let st = &self.shared.streams[s];
+            st.q.lock().unwrap().push_back(c);
+            st.cv.notify_one();
+        }
+    }
+
+    impl Drop for FakeRing {
+        fn drop(&mut self) {
+            for s in 0..self.shared.streams.len() {
+                self.push(s, Cmd::Quit);
+            }
+            for t in self.threads.drain(..) {
+                t.join().unwrap();
+            }
+            // SAFETY: (test) allocated in new with this layout; no copy runs any more.
+            unsafe { std::alloc::dealloc(self.mem, self.mem_layout) };
+        }
+    }
+
+    impl Ring for FakeRing {
+        fn slots(&self) -> usize {
+            self.nslots
+        }
+        fn streams(&self) -> usize {
+            self.shared.streams.len()
+        }
+        fn slot_bytes(&self) -> usize {
+            self.slot_bytes
+        }
+        fn slot_ptr(&self, r: usize) -> *mut u8 {
+            assert!(r < self.nslots);
+            // SAFETY: (test) inside the allocation.
+            unsafe { self.mem.add(r * self.slot_bytes) }
+        }
+        fn bind(&self) -> Result<()> {
+            Ok(())
+        }
+        fn ensure_registered(&self, r: usize, need: usize) -> Result<usize> {
+            assert!(need <= self.slot_bytes);
+            let have = self.registered[r].load(Ordering::SeqCst);
+            if have >= need {
+                return Ok(0);
+            }
+            self.registered[r].store(need, Ordering::SeqCst);
+            Ok(need)
+        }
+        fn is_registered(&self, r: usize, end: usize) -> bool {
+            self.registered[r].load(Ordering::SeqCst) >= end
+        }
+        unsafe fn copy(
+            &self,
+            dst: sys::CUdeviceptr,
+            src: *const u8,
+            len: usize,
+            stream: usize,
+        ) -> Result<()> {
+            let base = self.mem as usize;
+            let off = src as usize - base;
+            let (r, in_slot) = (off / self.slot_bytes, off % self.slot_bytes);
+            assert!(
+                self.is_registered(r, in_slot + len),
+                "a copy out of slot {r} [{in_slot}, +{len}) before it was page-locked that far"
+            );
+            let dst = dst as usize;
+            assert!(
+                dst >= self.dev.0 && dst + len <= self.dev.0 + self.dev.1,
+                "a copy outside the destination"
+            );
+            self.copies_enqueued.fetch_add(1, Ordering::SeqCst);
+            self.push(
+                stream,
+                Cmd::Copy {
+                    dst,
+                    src: src as usize,
+                    len,
+                },
+            );
+            Ok(())
+        }
+        fn wait_events(&self, _stream: usize, events: &[CudaEvent]) -> Result<()> {
+            assert!(events.is_empty(), "the host tests order after nothing");
+            Ok(())
+        }
+        fn record(&self, r: usize, stream: usize) -> Result<()> {
+            let ticket = {
+                let mut m = self.shared.marks.lock().unwrap();
+                m[r].0 += 1;
+                m[r].0
+            };
+            self.push(stream, Cmd::Mark { slot: r, ticket });
+            Ok(())
+        }
+        fn sync_slot(&self, r: usize) -> Result<()> {
+            let mut m = self.shared.marks.lock().unwrap();
+            let want = m[r].0;
+            while m[r].1 < want {
+                m = self.shared.marks_cv.wait(m).unwrap();
+            }
+            Ok(())
+        }
+        fn drain(&self) -> Result<()> {
+            for s in 0..self.shared.streams.len() {
+                let (tx, rx) = std::sync::mpsc::channel();
+                self.push(s, Cmd::Flush(tx));
+                rx.recv().unwrap();
+            }
+            Ok(())
+        }
+    }
+
+    fn scratch(name: &str, bytes: &[u8]) -> std::path::PathBuf {
+        let p = std::env::temp_dir().join(format!(
+            "gpudirect-pipeline-{name}-{}-{:x}",
+            std::process::id(),
+            rand::random::<u32>()
+        ));
+        std::fs::write(&p, bytes).unwrap();
+        p
+    }
+
+    fn open(p: &std::path::Path) -> Fds {
+        Fds::open(
+            p,
+            OpenMode {
+                write: false,
+                create: false,
+                truncate: false,
+            },
+        )
+        .unwrap()
+    }
+
+    struct Case {
+        /// (file index, file offset, length, destination offset) per item.
+        items: Vec<(usize, u64, usize, usize)>,
+        files: Vec<Vec<u8>>,
+        dev_len: usize,
+        piece: usize,
+        seg: SegParams,
+        threads: usize,
+        direct: bool,
+    }
+
+    fn random_case(rng: &mut impl Rng, many_files: bool) -> Case {
+        let piece = rng.random_range(1..=16usize) * DIRECT_ALIGN;
+        let seg = SegParams {
+            segment_size: piece * rng.random_range(1..6usize),
+            segments: rng.random_range(2..5),
+            streams: rng.random_range(1..3),
+        };
+        let mut files = Vec::new();
+        let mut items = Vec::new();
+        let mut end = 0usize;
+        if many_files {
+            for f in 0..rng.random_range(20..120usize) {
+                let mut d = vec![0u8; rng.random_range(1..3 * piece)];
+                rng.fill_bytes(&mut d);
+                let off = rng.random_range(0..d.len() as u64);
+                let len = d.len() - off as usize;
+                let gap = if rng.random() {
+                    0
+                } else {
+                    rng.random_range(1..3000)
+                };
+                items.push((f, off, len, end + gap));
+                end += gap + len;
+                files.push(d);
+            }
+        } else {
+            let mut d = vec![0u8; rng.random_range(20 * piece..60 * piece)];
+            rng.fill_bytes(&mut d);
+            let off = rng.random_range(0..5000u64);
+            items.push((0, off, d.len() - off as usize, 0));
+            end = d.len() - off as usize;
+            files.push(d);
+        }
+        Case {
+            items,
+            files,
+            dev_len: end + 100,
+            piece,
+            seg,
+            threads: rng.random_range(1..6),
+            direct: rng.random_bool(0.3),
+        }
+    }
+
+    /// What the run returned, the "device" bytes, copies enqueued and run.
+    struct Ran {
+        result: Result<super::super::Outcome>,
+        dev: Vec<u8>,
+        enqueued: usize,
+        run: usize,
+    }
+
+    /// Runs a case through the real SegJob on a real pool.
+    fn run_case(c: &Case) -> Ran {
+        let paths: Vec<_> = c
+            .files
+            .iter()
+            .enumerate()
+            .map(|(i, d)| scratch(&i.to_string(), d))
+            .collect();
+        let fds: Vec<Fds> = paths.iter().map(|p| open(p)).collect();
+        let mut dev = vec![0xA5u8; c.dev_len];
+        let mut tasks = Vec::new();
+        for (k, &(f, off, len, at)) in c.items.iter().enumerate() {
+            let t = Task {
+                file: f as u32,
+                item: k as u32,
+                buf_off: at,
+                ..Task::default()
+            };
+            plan_item(&mut tasks, t, off, len, c.piece, Dir::Read, c.direct);
+        }
+        let base = dev.as_mut_ptr() as usize;
+        let seg_bytes = tasks_per_segment(c.seg.segment_size, c.piece) * c.piece;
+        let ring = FakeRing::new(seg_bytes, c.seg.segments, c.seg.streams, (base, c.dev_len));
+        let mem = Mem::Dev(base as u64);
+        // SAFETY: (test) the buffer is `dev`, alive until the job ended; tasks lie inside the
+        // items' ranges, which fit it and do not overlap.
+        let job = unsafe {
+            super::super::Job::batch(
+                fds.iter().collect(),
+                vec![mem],
+                c.items.len(),
+                tasks,
+                c.piece,
+                Op::Read,
+                None,
+            )
+        }
+        .with_segments(c.seg);
+        let pool = Pool::new(PoolConfig::new("test-seg", 8));
+        let (copies, drained) = run(&pool, &job, &ring, c.seg, c.threads);
+        drained.unwrap();
+        let result = job.outcome(copies);
+        let enqueued = ring.copies_enqueued.load(Ordering::SeqCst);
+        let run = ring.shared.copies_run.load(Ordering::SeqCst);
+        drop(ring);
+        pool.shutdown();
+        for p in &paths {
+            std::fs::remove_file(p).unwrap();
+        }
+        Ran {
+            result,
+            dev,
+            enqueued,
+            run,
+        }
+    }
+
+    fn check_bytes(c: &Case, dev: &[u8]) {
+        let mut expect = vec![0xA5u8; c.dev_len];
+        for &(f, off, len, at) in &c.items {
+            expect[at..at + len].copy_from_slice(&c.files[f][off as usize..off as usize + len]);
+        }
+        if let Some(i) = (0..c.dev_len).find(|&i| dev[i] != expect[i]) {
+            panic!(
+                "byte {i} of the destination is {:#x}, expected {:#x} (piece {}, {:?}, {} threads, direct {})",
+                dev[i], expect[i], c.piece, c.seg, c.threads, c.direct
+            );
+        }
+    }
+
+    #[test]
+    fn late_copies_never_see_a_slot_reused_and_every_byte_lands() {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(2024);
+        for round in 0..24 {
+            let c = random_case(&mut rng, round % 2 == 1);
+            let r = run_case(&c);
+            let out = r.result.unwrap();
+            assert!(out.items.iter().all(|i| i.complete && i.error.is_none()));
+            assert_eq!(
+                r.enqueued, r.run,
+                "a copy was still queued when the job returned"
+            );
+            check_bytes(&c, &r.dev);
         }
     }
 }
