@@ -676,6 +676,18 @@ impl Engine {
     }
 }
 
+/// Fails the job when dropped during a panic (so that no worker waits for a slot the panicking
+/// thread would have provided, and no item counts as done).
+pub(crate) struct FailOnUnwind<'j, 'a>(pub &'j Job<'a>);
+
+impl Drop for FailOnUnwind<'_, '_> {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            self.0.fail(panicked());
+        }
+    }
+}
+
 fn work(ws: &mut WorkerState, job: &Job<'_>) {
     let r = match (job.op, job.ctx.as_ref()) {
         (Op::Read, None) => host_read(ws, job),

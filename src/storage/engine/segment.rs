@@ -34,7 +34,8 @@
 //!
 //! **Ordering rules** (checked on the host by `pipeline_tests`, on a ring whose copies run
 //! late): a copy is enqueued only after its slot is page-locked as far as it reads; a slot is
-//! read into again only after the copies out of it completed.
+//! read into again only after the copies out of it completed; a panic on any thread fails the
+//! job, so no worker waits for what the panicking one would have done.
 //!
 //! [`Pipeline::Segments`]: crate::storage::config::Pipeline::Segments
 
@@ -688,9 +689,10 @@ impl<'r, R: Ring + ?Sized> SegJob<'r, R> {
 }
 
 /// Runs `job` (a read into device memory) through ring `res` on up to `threads` workers of
-/// `pool`. Every copy is drained before this returns. Returns the copies issued and the drain's
-/// outcome: when draining failed, copies may still read the ring and the caller must never
-/// unmap it.
+/// `pool`. A panic on a worker fails the job, so no other worker waits for what the panicking
+/// one would have done. Every copy is drained before this returns. Returns the copies issued
+/// and the drain's outcome: when draining failed, copies may still read the ring and the
+/// caller must never unmap it.
 pub(crate) fn run<R: Ring + ?Sized>(
     pool: &super::pool::Pool,
     job: &Job<'_>,
@@ -709,6 +711,7 @@ pub(crate) fn run<R: Ring + ?Sized>(
         return (0, Ok(()));
     }
     let ok = pool.run(threads, &|_ws: &mut super::worker::WorkerState| {
+        let _f = super::FailOnUnwind(job);
         if let Err(e) = sj.work(job) {
             job.fail(e);
         }
@@ -979,6 +982,8 @@ mod pipeline_tests {
         /// The "device" buffer: [base, base + len).
         dev: (usize, usize),
         copies_enqueued: AtomicUsize,
+        /// The copy with this index (in enqueue order) panics instead (`usize::MAX`: none).
+        panic_at_copy: usize,
         shared: Arc<Shared>,
         threads: Vec<std::thread::JoinHandle<()>>,
     }
@@ -1059,6 +1064,7 @@ mod pipeline_tests {
                 nslots,
                 registered: (0..nslots).map(|_| AtomicUsize::new(0)).collect(),
                 dev,
+                panic_at_copy: usize::MAX,
                 copies_enqueued: AtomicUsize::new(0),
                 shared,
                 threads,
@@ -1134,7 +1140,9 @@ mod pipeline_tests {
                 dst >= self.dev.0 && dst + len <= self.dev.0 + self.dev.1,
                 "a copy outside the destination"
             );
-            self.copies_enqueued.fetch_add(1, Ordering::SeqCst);
+            if self.copies_enqueued.fetch_add(1, Ordering::SeqCst) == self.panic_at_copy {
+                panic!("test: a worker panics while it issues a segment's copies");
+            }
             self.push(
                 stream,
                 Cmd::Copy {
@@ -1198,6 +1206,7 @@ mod pipeline_tests {
         .unwrap()
     }
 
+    #[derive(Clone)]
     struct Case {
         /// (file index, file offset, length, destination offset) per item.
         items: Vec<(usize, u64, usize, usize)>,
@@ -1263,6 +1272,18 @@ mod pipeline_tests {
 
     /// Runs a case through the real SegJob on a real pool.
     fn run_case(c: &Case) -> Ran {
+        run_case_with(c, &Knobs::default())
+    }
+
+    /// How [`run_case_with`] runs a case.
+    #[derive(Clone, Default)]
+    struct Knobs {
+        /// The copy with this index (0-based, in enqueue order) panics on its worker.
+        panic_at_copy: Option<usize>,
+    }
+
+    /// [`run_case`] with every knob.
+    fn run_case_with(c: &Case, k: &Knobs) -> Ran {
         let paths: Vec<_> = c
             .files
             .iter()
@@ -1283,7 +1304,8 @@ mod pipeline_tests {
         }
         let base = dev.as_mut_ptr() as usize;
         let seg_bytes = tasks_per_segment(c.seg.segment_size, c.piece) * c.piece;
-        let ring = FakeRing::new(seg_bytes, c.seg.segments, c.seg.streams, (base, c.dev_len));
+        let mut ring = FakeRing::new(seg_bytes, c.seg.segments, c.seg.streams, (base, c.dev_len));
+        ring.panic_at_copy = k.panic_at_copy.unwrap_or(usize::MAX);
         let mem = Mem::Dev(base as u64);
         // SAFETY: (test) the buffer is `dev`, alive until the job ended; tasks lie inside the
         // items' ranges, which fit it and do not overlap.
@@ -1344,6 +1366,45 @@ mod pipeline_tests {
                 "a copy was still queued when the job returned"
             );
             check_bytes(&c, &r.dev);
+        }
+    }
+
+    /// A worker that panics while it issues a segment's copies (a bug, or a failed assertion)
+    /// fails the job: the workers waiting for that segment's slot stop instead of waiting for
+    /// it forever, the job returns an error, every copy issued is drained, and the pool still
+    /// works. (Before, the job was failed only after every worker returned: a hang.)
+    #[test]
+    fn a_panicking_worker_fails_the_job_instead_of_hanging_the_others() {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(41);
+        for round in 0..4 {
+            let mut c = random_case(&mut rng, false);
+            // Several passes over a small ring, several workers: someone waits for the slot.
+            c.seg.segments = 2;
+            c.threads = 4;
+            let k = Knobs {
+                panic_at_copy: Some(round),
+            };
+            let (tx, rx) = std::sync::mpsc::channel();
+            let c2 = c.clone();
+            std::thread::spawn(move || {
+                let r = run_case_with(&c2, &k);
+                let _ = tx.send((r.result.map(|_| ()), r.enqueued, r.run));
+            });
+            let (result, enqueued, run) = rx
+                .recv_timeout(Duration::from_secs(20))
+                .expect("the job hung after a worker panicked");
+            match result {
+                Err(Error::Io { source, .. }) => {
+                    assert!(source.to_string().contains("panicked"), "{source}")
+                }
+                other => panic!("expected the panic's error, got {other:?}"),
+            }
+            // The panicking copy was counted but never enqueued; every other one ran.
+            assert_eq!(
+                enqueued,
+                run + 1,
+                "a copy was still queued when the job returned"
+            );
         }
     }
 }
