@@ -459,6 +459,13 @@ impl<'a> ReadBatch<'a> {
             counter.as_ref().map(|f| f as &(dyn Fn(usize) + Sync)),
         );
         crate::cuda::driver_version()?;
+        engine::trace::mark(|| {
+            format!(
+                "ReadBatch::run: {} items, {} sources",
+                items.len(),
+                srcs.len()
+            )
+        });
         let mut views: Vec<CudaViewMut<'_, u8>> = dsts.iter_mut().map(|d| d.bytes()).collect();
         // One context for every destination an item uses.
         for (i, it) in items.iter().enumerate() {
@@ -615,6 +622,7 @@ impl<'a> ReadBatch<'a> {
         // Move the bytes.
         let total: usize = items.iter().map(|it| it.len).sum();
         ctl.start(total)?;
+        engine::trace::mark(|| "ReadBatch: every item checked".into());
         let first = files[items[0].src];
         let piece = first.cfg.piece_size();
         let engine_items: Vec<usize> = (0..items.len())
@@ -768,6 +776,12 @@ impl<'a> ReadBatch<'a> {
             });
         }
         let mut r = BatchReport::new(t0, items.iter().map(|it| it.len).collect(), paths, nfiles);
+        engine::trace::mark(|| {
+            format!(
+                "ReadBatch::run done in {:.3} ms",
+                r.elapsed.as_secs_f64() * 1e3
+            )
+        });
         r.odirect = odirect;
         r.copies = copies;
         Ok(r)

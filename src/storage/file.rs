@@ -878,6 +878,13 @@ pub fn read_to_gpu<T: AnyBitPattern>(
     let esz = elem_size::<T>()?;
     let f = GpuFile::open(path)?;
     let size = f.len()?;
+    engine::trace::mark(|| {
+        format!(
+            "read_to_gpu: {} opened ({size} B) in {:.3} ms",
+            f.path().display(),
+            t0.elapsed().as_secs_f64() * 1e3
+        )
+    });
     let size = usize::try_from(size).map_err(|_| {
         Error::InvalidArgument("the file is larger than this platform's address space".into())
     })?;
@@ -920,6 +927,13 @@ pub fn read_to_gpu<T: AnyBitPattern>(
     let mut buf =
         unsafe { stream.alloc::<T>(size / esz) }.map_err(|e| Error::cuda("cuMemAlloc", e))?;
     let mut r = f.read_to_device(&mut buf, 0)?;
+    engine::trace::mark(|| {
+        format!(
+            "read_to_gpu done: {} B in {:.3} ms",
+            r.bytes,
+            t0.elapsed().as_secs_f64() * 1e3
+        )
+    });
     if r.bytes < size {
         return Err(f.eof(0, size, r.bytes));
     }

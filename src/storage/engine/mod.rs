@@ -26,6 +26,9 @@
 //!   and frees every pinned byte; engines idle for `GPUDIRECT_ENGINE_IDLE_MS` (default 5000)
 //!   do the same by themselves.
 //! - Every stream is synchronized before a job returns: no copy outlives the call.
+//! - **Timing trace** ([`trace`], `GPUDIRECT_TRACE=timing`): each job prints where its time
+//!   went (workers, IO, waits, page-locking, copies with GPU times); off, every probe is one
+//!   relaxed atomic load.
 //! - **Control** ([`Control`], from the caller): events every copy stream waits for before its
 //!   first copy (the buffers' pending work, instead of synchronizing the caller's stream), a
 //!   cancel flag (no new piece is taken; the pieces taken finish and are drained), and a
@@ -38,6 +41,7 @@ pub(crate) mod plan;
 pub(crate) mod pool;
 pub(crate) mod segment;
 pub(crate) mod small;
+pub(crate) mod trace;
 pub(crate) mod worker;
 
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -112,6 +116,7 @@ pub(crate) struct Job<'a> {
     ctl: Control<'a>,
     /// The cancel flag stopped the job with tasks left.
     cut: AtomicBool,
+    trace: Option<Box<trace::JobTrace>>,
 }
 
 /// What a caller adds to a job (see [`Job::with_control`]).
@@ -229,6 +234,7 @@ impl<'a> Job<'a> {
             seg: None,
             ctl: Control::default(),
             cut: AtomicBool::new(false),
+            trace: None,
         }
     }
 
@@ -264,6 +270,48 @@ impl<'a> Job<'a> {
         self.done[i].store(n, Ordering::Release);
         if let Some(f) = self.ctl.on_piece {
             f(n);
+        }
+    }
+
+    /// The job's trace (`GPUDIRECT_TRACE=timing` only).
+    fn trace(&self) -> Option<&trace::JobTrace> {
+        self.trace.as_deref()
+    }
+
+    /// The trace clock when the job is traced, else 0 (no clock read).
+    fn t_now(&self) -> u64 {
+        if self.trace.is_some() {
+            trace::now_us()
+        } else {
+            0
+        }
+    }
+
+    /// Starts this job's trace, labelled `what`, for `threads` workers.
+    fn start_trace(&mut self, what: impl FnOnce() -> String, threads: usize) {
+        if trace::on() && self.trace.is_none() {
+            let (n, bytes) = (
+                self.tasks.len(),
+                self.tasks.iter().map(|t| t.len).sum::<usize>(),
+            );
+            self.trace = trace::JobTrace::new(
+                || {
+                    format!(
+                        "{} ({n} tasks, {bytes} B planned, {threads} workers)",
+                        what()
+                    )
+                },
+                n,
+                threads,
+            );
+        }
+    }
+
+    /// Prints the trace's block (bytes: what the tasks moved).
+    fn finish_trace(&self, gpu_done: &[Option<u64>]) {
+        if let Some(t) = &self.trace {
+            let bytes = self.done.iter().map(|d| d.load(Ordering::Relaxed)).sum();
+            t.finish(bytes, gpu_done);
         }
     }
 
@@ -499,6 +547,8 @@ pub(crate) fn engine(device: Option<usize>, numa_pin: bool) -> Result<Arc<Engine
         return Ok(e.clone());
     }
     let idle = idle_timeout()?;
+    trace::init()?;
+    let t0 = trace::now_us();
     let cpus = device_cpus(device, numa_pin);
     let name = match device {
         Some(d) => format!("gpudirect-io{d}"),
@@ -529,6 +579,13 @@ pub(crate) fn engine(device: Option<usize>, numa_pin: bool) -> Result<Arc<Engine
         }
     });
     reg.push((key, e.clone()));
+    trace::mark(|| {
+        format!(
+            "engine for {} created ({:.3} ms: NUMA placement, no thread yet)",
+            device.map_or("host memory".to_string(), |d| format!("GPU {d}")),
+            (trace::now_us() - t0) as f64 / 1e3
+        )
+    });
     Ok(e)
 }
 
@@ -566,7 +623,7 @@ pub(crate) fn release_all() -> Released {
 impl Engine {
     /// Runs `job` to completion on up to `threads` workers. A host job of one task runs on the
     /// calling thread.
-    pub fn run(&self, job: Job<'_>, threads: usize) -> Result<Outcome> {
+    pub fn run(&self, mut job: Job<'_>, threads: usize) -> Result<Outcome> {
         if job.tasks.is_empty() {
             return job.outcome(0);
         }
@@ -576,17 +633,42 @@ impl Engine {
                 return self.run_segments(job, p, threads);
             }
         }
+        let what = match (job.op, job.ctx.is_some()) {
+            (Op::Read, true) => "read to the GPU (lanes)",
+            (Op::Write, true) => "write from the GPU",
+            (Op::Read, false) => "read to host memory",
+            (Op::Write, false) => "write from host memory",
+        };
+        job.start_trace(|| what.to_string(), threads);
         if job.tasks.len() == 1 && job.ctx.is_none() {
             // Host memory only: no copy can be in flight when this unwinds.
             let mut ws = WorkerState::new(usize::MAX);
             work(&mut ws, &job);
-        } else if !self
-            .pool
-            .run(threads, &|ws: &mut WorkerState| work(ws, &job))
-        {
-            job.fail(panicked());
+        } else {
+            let ok = self
+                .pool
+                .run(threads, &|ws: &mut WorkerState| work(ws, &job));
+            self.note_spawns(&job);
+            if !ok {
+                job.fail(panicked());
+            }
         }
+        job.finish_trace(&[]);
         job.outcome(0)
+    }
+
+    /// Trace: the threads the last pool run started.
+    fn note_spawns(&self, job: &Job<'_>) {
+        if let Some(t) = job.trace() {
+            let (n, a, b) = self.pool.last_spawn();
+            if n > 0 {
+                t.note(format!(
+                    "started {n} worker threads from {:.3} to {:.3} ms (after the job was published)",
+                    a.saturating_sub(t.start()) as f64 / 1e3,
+                    b.saturating_sub(t.start()) as f64 / 1e3
+                ));
+            }
+        }
     }
 
     /// Runs `f(i)` for every `i < n` on up to `threads` workers (opening or closing many files
@@ -596,16 +678,23 @@ impl Engine {
             return true;
         }
         let next = AtomicUsize::new(0);
-        self.pool.run(
-            threads.clamp(1, MAX_THREADS).min(n),
-            &|_ws: &mut WorkerState| loop {
-                let i = next.fetch_add(1, Ordering::Relaxed);
-                if i >= n {
-                    break;
-                }
-                f(i);
-            },
-        )
+        let t0 = trace::now_us();
+        let threads = threads.clamp(1, MAX_THREADS).min(n);
+        let ok = self.pool.run(threads, &|_ws: &mut WorkerState| loop {
+            let i = next.fetch_add(1, Ordering::Relaxed);
+            if i >= n {
+                break;
+            }
+            f(i);
+        });
+        trace::mark(|| {
+            let (spawned, _, _) = self.pool.last_spawn();
+            format!(
+                "for_each of {n} on {threads} workers ({spawned} threads started): {:.3} ms",
+                (trace::now_us() - t0) as f64 / 1e3
+            )
+        });
+        ok
     }
 
     /// Sets up (or reuses, or grows) this engine's segment ring for `ctx`, with no job running.
@@ -658,18 +747,44 @@ impl Engine {
     }
 
     /// Runs a device read through the segment ring.
-    fn run_segments(&self, job: Job<'_>, p: SegParams, threads: usize) -> Result<Outcome> {
+    fn run_segments(&self, mut job: Job<'_>, p: SegParams, threads: usize) -> Result<Outcome> {
         let ctx = job.ctx.clone().expect("device job");
+        let t_ring = trace::now_us();
         let seg_bytes = segment::tasks_per_segment(p.segment_size, job.piece) * job.piece;
         let mut g = self.seg.lock().unwrap_or_else(|p| p.into_inner());
         let res = self.seg_res(&mut g, &ctx, seg_bytes, p)?;
+        job.start_trace(
+            || format!("read to GPU {} (segments)", ctx.ordinal()),
+            threads,
+        );
+        if let Some(t) = job.trace() {
+            t.note(format!(
+                "ring ready: {} slots of {} MiB, {:.3} ms{}",
+                segment::Ring::slots(res),
+                segment::Ring::slot_bytes(res) >> 20,
+                (trace::now_us() - t_ring) as f64 / 1e3,
+                if self.pool.live_threads() == 0 {
+                    ", no worker thread running yet"
+                } else {
+                    ""
+                }
+            ));
+            let segs = segment::layout(&job.tasks, seg_bytes).segs.len();
+            if let Err(e) = res.start_timing(segs) {
+                t.note(format!("no GPU timing: {e}"));
+            }
+        }
         let (copies, drained) = segment::run(&self.pool, &job, res, p, threads);
+        self.note_spawns(&job);
         if let Err(e) = drained {
             // A failed synchronize is a sticky context error: the context runs no more work.
             // The ring may still be named by queued copies, so it is never unmapped.
             tracing::error!(%e, "could not drain the segment ring; leaking it");
             std::mem::forget(g.take());
             job.fail(e);
+        } else if job.trace.is_some() {
+            let done = res.finish_timing();
+            job.finish_trace(&done);
         }
         drop(g);
         job.outcome(copies)
@@ -689,6 +804,9 @@ impl Drop for FailOnUnwind<'_, '_> {
 }
 
 fn work(ws: &mut WorkerState, job: &Job<'_>) {
+    if let Some(t) = job.trace() {
+        t.entered(ws.id);
+    }
     let r = match (job.op, job.ctx.as_ref()) {
         (Op::Read, None) => host_read(ws, job),
         (Op::Write, None) => host_write(ws, job),
@@ -743,6 +861,7 @@ fn host_read(ws: &mut WorkerState, job: &Job<'_>) -> Result<()> {
         }
         let user = host_ptr(job, &t)?;
         let fds = job.fds(&t);
+        let t0 = job.t_now();
         let straight = !t.direct
             || fds.direct().is_none()
             || (plan::is_aligned(t.file_off)
@@ -767,6 +886,9 @@ fn host_read(ws: &mut WorkerState, job: &Job<'_>) -> Result<()> {
                 unsafe { std::ptr::copy_nonoverlapping(b.add(head), user, n) };
             })
         };
+        if let Some(tr) = job.trace() {
+            tr.io(ws.id, i, t0);
+        }
         match r {
             Ok(n) => job.finish(i, n),
             Err(e) => job.fail_item(t.item, e)?,
@@ -780,7 +902,11 @@ fn host_write(ws: &mut WorkerState, job: &Job<'_>) -> Result<()> {
         if job.item_failed(t.item) {
             continue;
         }
+        let t0 = job.t_now();
         let r = write_host_task(ws, job, &t);
+        if let Some(tr) = job.trace() {
+            tr.io(ws.id, i, t0);
+        }
         match r {
             Ok(()) => job.finish(i, t.len),
             Err(e) => job.fail_item(t.item, e)?,
@@ -809,6 +935,7 @@ fn write_host_task(ws: &mut WorkerState, job: &Job<'_>, t: &Task) -> Result<()> 
 pub(crate) static PANIC_AFTER_COPY: AtomicBool = AtomicBool::new(false);
 
 fn dev_read(ws: &mut WorkerState, job: &Job<'_>, ctx: &Arc<CudaContext>) -> Result<()> {
+    let w = ws.id;
     let li = ws.lane(ctx)?;
     job.order(&ws.lanes[li].stream)?;
     ws.ensure_slot(0, job.piece, true)?;
@@ -821,10 +948,19 @@ fn dev_read(ws: &mut WorkerState, job: &Job<'_>, ctx: &Arc<CudaContext>) -> Resu
             if job.item_failed(t.item) {
                 continue;
             }
+            let t0 = job.t_now();
             lane.wait_slot(s)?;
+            if let Some(tr) = job.trace() {
+                tr.waited(w, t0);
+            }
+            let t0 = job.t_now();
             // SAFETY: the bounce buffer holds piece >= the task's span bytes and is free of
             // copies (wait_slot); only this worker uses it.
-            let n = match unsafe { job.read_span(&t, bufs[s]) } {
+            let got = unsafe { job.read_span(&t, bufs[s]) };
+            if let Some(tr) = job.trace() {
+                tr.io(w, i, t0);
+            }
+            let n = match got {
                 Ok(n) => n,
                 Err(e) => {
                     job.fail_item(t.item, e)?;
@@ -862,6 +998,7 @@ fn dev_read(ws: &mut WorkerState, job: &Job<'_>, ctx: &Arc<CudaContext>) -> Resu
 }
 
 fn dev_write(ws: &mut WorkerState, job: &Job<'_>, ctx: &Arc<CudaContext>) -> Result<()> {
+    let w = ws.id;
     let li = ws.lane(ctx)?;
     job.order(&ws.lanes[li].stream)?;
     ws.ensure_slot(0, job.piece, true)?;
@@ -896,8 +1033,17 @@ fn dev_write(ws: &mut WorkerState, job: &Job<'_>, ctx: &Arc<CudaContext>) -> Res
                 }
             }
             if let Some((ps, pi, pt)) = pending.take() {
+                let t0 = job.t_now();
                 ws.lanes[li].wait_slot(ps)?;
-                match write_task(job, &pt, bufs[ps]) {
+                if let Some(tr) = job.trace() {
+                    tr.waited(w, t0);
+                }
+                let t0 = job.t_now();
+                let r = write_task(job, &pt, bufs[ps]);
+                if let Some(tr) = job.trace() {
+                    tr.io(w, pi, t0);
+                }
+                match r {
                     Ok(()) => job.finish(pi, pt.len),
                     Err(e) => job.fail_item(pt.item, e)?,
                 }

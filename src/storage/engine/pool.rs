@@ -116,6 +116,9 @@ pub(crate) struct Pool {
     submit: Mutex<Vec<Option<JoinHandle<()>>>>,
     /// The caller's state when no worker thread could be started at all.
     fallback: Mutex<WorkerState>,
+    /// Trace (`GPUDIRECT_TRACE=timing`): threads the last job started, and when (µs since
+    /// the trace epoch).
+    spawned: Mutex<(usize, u64, u64)>,
 }
 
 /// What a worker does with its state after a job panicked inside it: drain its streams so no
@@ -258,7 +261,14 @@ impl Pool {
             fail_spawn_from: cfg.fail_spawn_from,
             submit: Mutex::new((0..cfg.max).map(|_| None).collect()),
             fallback: Mutex::new(WorkerState::new(usize::MAX)),
+            spawned: Mutex::new((0, 0, 0)),
         }
+    }
+
+    /// Trace: `(threads started, from, to)` of the last job (µs since the trace epoch; zeros
+    /// when tracing is off).
+    pub fn last_spawn(&self) -> (usize, u64, u64) {
+        *self.spawned.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     /// Worker threads running now.
@@ -306,6 +316,8 @@ impl Pool {
             (st.generation, missing)
         };
         let mut failed = 0usize;
+        let t_spawn = super::trace::now_us();
+        let spawning = missing.len();
         for id in missing {
             if let Some(old) = handles[id].take() {
                 // That thread left its loop (idle); it is exiting or gone.
@@ -324,6 +336,10 @@ impl Pool {
                     }
                 }
             }
+        }
+        if super::trace::on() {
+            *self.spawned.lock().unwrap_or_else(|p| p.into_inner()) =
+                (spawning - failed, t_spawn, super::trace::now_us());
         }
         let mut st = lock(&self.shared.state);
         while st.remaining > 0 {

@@ -40,13 +40,14 @@
 //! [`Pipeline::Segments`]: crate::storage::config::Pipeline::Segments
 
 use std::ops::Range;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::Duration;
 
 use cudarc::driver::{sys, CudaContext, CudaEvent, CudaStream};
 
 use super::plan::{direct_read_span, Task};
+use super::trace::{self, CopyTrace};
 use super::{io, Job};
 use crate::cuda::result::mem;
 use crate::error::{Error, Result};
@@ -270,8 +271,21 @@ pub(crate) trait Ring: Sync {
     fn record(&self, r: usize, stream: usize) -> Result<()>;
     /// Blocks until slot `r`'s last recorded marker completed.
     fn sync_slot(&self, r: usize) -> Result<()>;
+    /// Trace hook: segment `g`'s copies are enqueued on `stream` (a timing event, when traced).
+    fn mark_done(&self, _g: usize, _stream: usize) -> Result<()> {
+        Ok(())
+    }
     /// Waits for every copy on every stream.
     fn drain(&self) -> Result<()>;
+}
+
+/// Timing events of one traced job: a base event recorded when the job started and one per
+/// segment recorded after its copies (`GPUDIRECT_TRACE=timing` only).
+struct GpuTimes {
+    base: CudaEvent,
+    base_host: u64,
+    done: Vec<Option<CudaEvent>>,
+    spare: Vec<CudaEvent>,
 }
 
 /// Pinned segments, copy streams and slot events of one engine, reused across jobs that fit.
@@ -287,6 +301,9 @@ pub(crate) struct SegRes {
     /// issuing the slot's copies (only that worker touches it: the slot's earlier copies have
     /// completed, because every task of the segment waited for them).
     registered: Vec<AtomicUsize>,
+    /// The running job's timing events, when it is traced.
+    timing: Mutex<Option<GpuTimes>>,
+    timing_on: AtomicBool,
 }
 
 // SAFETY: shared use only reads the mapping's address; the bytes behind it are written by one
@@ -333,6 +350,8 @@ impl SegRes {
             streams,
             events,
             registered: (0..nseg).map(|_| AtomicUsize::new(0)).collect(),
+            timing: Mutex::new(None),
+            timing_on: AtomicBool::new(false),
         })
     }
 
@@ -363,6 +382,46 @@ impl SegRes {
     /// Host bytes this ring maps.
     pub fn bytes(&self) -> usize {
         self.seg_bytes * self.nseg
+    }
+
+    /// Trace: records a timing base event on the first copy stream and creates one timing event
+    /// per segment of the next job (`segs`). The ring's streams are idle (no job runs).
+    pub fn start_timing(&self, segs: usize) -> Result<()> {
+        let ev = || {
+            self.ctx
+                .new_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT))
+                .map_err(|e| Error::cuda("cuEventCreate", e))
+        };
+        let base = ev()?;
+        let spare = (0..segs).map(|_| ev()).collect::<Result<Vec<_>>>()?;
+        base.record(&self.streams[0])
+            .map_err(|e| Error::cuda("cuEventRecord", e))?;
+        let base_host = super::trace::now_us();
+        *self.timing.lock().unwrap_or_else(|p| p.into_inner()) = Some(GpuTimes {
+            base,
+            base_host,
+            done: (0..segs).map(|_| None).collect(),
+            spare,
+        });
+        self.timing_on.store(true, Ordering::Release);
+        Ok(())
+    }
+
+    /// Trace: when the GPU finished each segment's copies (µs since the trace epoch), after the
+    /// job was drained.
+    pub fn finish_timing(&self) -> Vec<Option<u64>> {
+        self.timing_on.store(false, Ordering::Release);
+        let Some(t) = self.timing.lock().unwrap_or_else(|p| p.into_inner()).take() else {
+            return Vec::new();
+        };
+        t.done
+            .iter()
+            .map(|e| {
+                let e = e.as_ref()?;
+                let ms = t.base.elapsed_ms(e).ok()?;
+                Some(t.base_host + (f64::from(ms.max(0.0)) * 1e3) as u64)
+            })
+            .collect()
     }
 
     /// Faults in and page-locks every slot now, on `threads` workers of `pool` (for
@@ -496,6 +555,21 @@ impl Ring for SegRes {
             .map_err(|e| Error::cuda("cuEventSynchronize", e))
     }
 
+    fn mark_done(&self, g: usize, stream: usize) -> Result<()> {
+        if !self.timing_on.load(Ordering::Acquire) {
+            return Ok(());
+        }
+        let mut t = self.timing.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(t) = t.as_mut() {
+            if let (Some(slot), Some(ev)) = (t.done.get_mut(g), t.spare.pop()) {
+                ev.record(&self.streams[stream])
+                    .map_err(|e| Error::cuda("cuEventRecord", e))?;
+                *slot = Some(ev);
+            }
+        }
+        Ok(())
+    }
+
     fn drain(&self) -> Result<()> {
         self.bind()?;
         for s in &self.streams {
@@ -603,6 +677,7 @@ impl<'r, R: Ring + ?Sized> SegJob<'r, R> {
     /// Issues segment `g`'s copies (all its tasks are read): the slot is page-locked first,
     /// then the copies are enqueued and the slot's marker recorded.
     fn issue(&self, job: &Job<'_>, g: usize) -> Result<()> {
+        let ready = job.t_now();
         let r = g % self.nseg;
         let runs = copy_runs(
             &job.tasks,
@@ -612,7 +687,11 @@ impl<'r, R: Ring + ?Sized> SegJob<'r, R> {
         );
         let stream = g % self.nstreams;
         if let Some(need) = runs.iter().map(|x| x.slot_off + x.len).max() {
-            self.res.ensure_registered(r, need)?;
+            let t0 = job.t_now();
+            let locked = self.res.ensure_registered(r, need)?;
+            if let (Some(t), true) = (job.trace(), locked > 0) {
+                t.pinned(r, t0, locked);
+            }
         }
         let slot = self.res.slot_ptr(r);
         for run in &runs {
@@ -627,6 +706,18 @@ impl<'r, R: Ring + ?Sized> SegJob<'r, R> {
         }
         self.copies.fetch_add(runs.len(), Ordering::Relaxed);
         self.res.record(r, stream)?;
+        self.res.mark_done(g, stream)?;
+        if let Some(t) = job.trace() {
+            t.copied(CopyTrace {
+                seg: g,
+                slot: r,
+                stream,
+                ready,
+                issued: trace::now_us(),
+                bytes: runs.iter().map(|x| x.len).sum(),
+                runs: runs.len(),
+            });
+        }
         let (m, cv) = &self.slots[r];
         m.lock().unwrap_or_else(|p| p.into_inner()).issued = Some(g);
         cv.notify_all();
@@ -655,23 +746,37 @@ impl<'r, R: Ring + ?Sized> SegJob<'r, R> {
         }
     }
 
-    /// A worker's loop: read tasks into their spans, issue full segments.
-    pub fn work(&self, job: &Job<'_>) -> Result<()> {
+    /// Worker `w`'s loop: read tasks into their spans, issue full segments.
+    pub fn work(&self, job: &Job<'_>, w: usize) -> Result<()> {
         self.res.bind()?;
+        if let Some(t) = job.trace() {
+            t.entered(w);
+        }
         while let Some((i, t)) = job.next() {
             let p = self.layout.place[i];
             let g = p.seg as usize;
             let r = g % self.nseg;
-            if g >= self.nseg && !self.wait(job, r, g - self.nseg)? {
-                return Ok(());
+            if g >= self.nseg {
+                let t0 = job.t_now();
+                if !self.wait(job, r, g - self.nseg)? {
+                    return Ok(());
+                }
+                if let Some(tr) = job.trace() {
+                    tr.waited(w, t0);
+                }
             }
             let n = if job.item_failed(t.item) {
                 0
             } else {
+                let t0 = job.t_now();
                 // SAFETY: the task's span [io_off, io_off + io_len) lies inside the slot
                 // (layout; checked by the planning tests) and no other task of this segment
                 // overlaps it; the slot is free of earlier copies (wait above).
-                match unsafe { job.read_span(&t, self.res.slot_ptr(r).add(p.io_off)) } {
+                let got = unsafe { job.read_span(&t, self.res.slot_ptr(r).add(p.io_off)) };
+                if let Some(tr) = job.trace() {
+                    tr.io(w, i, t0);
+                }
+                match got {
                     Ok(n) => n,
                     Err(e) => {
                         job.fail_item(t.item, e)?;
@@ -704,15 +809,27 @@ pub(crate) fn run<R: Ring + ?Sized>(
     let seg_bytes = per * job.piece;
     debug_assert!(seg_bytes <= res.slot_bytes());
     let layout = layout(&job.tasks, seg_bytes);
+    if let Some(t) = job.trace() {
+        let nseg = p.segments.clamp(1, res.slots());
+        let first_pass = layout.segs.get(nseg).map_or(job.tasks.len(), |r| r.start);
+        t.set_first_pass(first_pass);
+        t.note(format!(
+            "layout: {} segments of {} MiB in a ring of {} slots, {} copy streams; first pass = tasks 0..{first_pass}",
+            layout.segs.len(),
+            seg_bytes >> 20,
+            nseg,
+            p.streams.clamp(1, res.streams())
+        ));
+    }
     let sj = SegJob::new(res, layout, p.segments, p.streams);
     // No copy is issued yet: an error here leaves nothing in flight (the ring stays usable).
     if let Err(e) = sj.order_streams(job) {
         job.fail(e);
         return (0, Ok(()));
     }
-    let ok = pool.run(threads, &|_ws: &mut super::worker::WorkerState| {
+    let ok = pool.run(threads, &|ws: &mut super::worker::WorkerState| {
         let _f = super::FailOnUnwind(job);
-        if let Err(e) = sj.work(job) {
+        if let Err(e) = sj.work(job, ws.id) {
             job.fail(e);
         }
     });
