@@ -209,6 +209,47 @@ fn gpu_storage_read_to_gpu_reads_a_whole_file() {
     std::fs::remove_dir_all(&d).unwrap();
 }
 
+/// `read_to_gpu` allocates its buffer while the engine already reads (the deferred destination):
+/// a file of many segments (the ring wraps), odd-sized and typed, lands byte for byte, again and
+/// again in one process (the ring grown for the first call serves the others), and a second
+/// buffer allocated meanwhile on the same stream is untouched.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gpu_storage_read_to_gpu_allocates_while_reading() {
+    let (_ctx, stream) = gpu(0);
+    let d = scratch("deferred");
+    let p = d.join("big.bin");
+    // 10 segments of the default 32 MiB and a partial one; a multiple of 4 bytes for the u32 read.
+    let model = random((330 << 20) + 4 * 12_345, 23);
+    std::fs::write(&p, &model).unwrap();
+    let (guard, guard_host) = device_random(&stream, 1 << 20, 24);
+    for round in 0..3 {
+        let (buf, r) = read_to_gpu::<u8>(&p, &stream).unwrap();
+        assert_eq!(
+            (r.bytes, buf.len()),
+            (model.len(), model.len()),
+            "round {round}"
+        );
+        assert!(
+            to_host(&stream, &buf) == model,
+            "round {round}: data differs"
+        );
+        let (words, r) = read_to_gpu::<u32>(&p, &stream).unwrap();
+        assert_eq!((r.bytes, words.len()), (model.len(), model.len() / 4));
+        let back = stream.clone_dtoh(&words).unwrap();
+        let expect: Vec<u32> = model
+            .chunks_exact(4)
+            .map(|c| u32::from_ne_bytes(c.try_into().unwrap()))
+            .collect();
+        assert!(back == expect, "round {round}: u32 data differs");
+    }
+    assert!(
+        to_host(&stream, &guard) == guard_host,
+        "another buffer changed"
+    );
+    std::fs::remove_dir_all(&d).unwrap();
+}
+
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn gpu_storage_concurrent_readers() {

@@ -266,6 +266,8 @@ pub struct StorageConfig {
     /// [`Pipeline::Segments`]: bytes per segment (`GPUDIRECT_SEGMENT_SIZE`).
     pub segment_size: usize,
     /// [`Pipeline::Segments`]: segments in the ring (`GPUDIRECT_SEGMENTS`).
+    /// [`read_to_gpu`](super::read_to_gpu), which allocates its buffer while it already reads,
+    /// uses at least 8 (at most as many as the file has segments), to read ahead meanwhile.
     pub segments: usize,
     /// [`Pipeline::Segments`]: copy streams (`GPUDIRECT_COPY_STREAMS`).
     pub copy_streams: usize,

@@ -15,7 +15,7 @@ use super::backend::cufile_glue;
 use super::config::{ODirect, Pipeline, StorageConfig};
 use super::engine::io::{self, Fds};
 use super::engine::plan::{plan, Dir};
-use super::engine::{self, small, Job, SegParams, Target};
+use super::engine::{self, small, DstGate, Job, Mem, Op, SegParams, Target};
 use super::options::GpuFileOptions;
 use super::transfer::Ctl;
 use crate::cuda::AnyBitPattern;
@@ -763,6 +763,82 @@ impl GpuFile {
         Ok(())
     }
 
+    /// Reads the first `len` bytes (whole `T`s) into a new device buffer on `stream`. Through
+    /// the engine's segment ring the buffer is allocated on the calling thread while the
+    /// workers already read and page-lock the ring (each copy waits for the allocation), so
+    /// the allocation is not in front of the first byte; otherwise it is allocated, then read.
+    fn read_to_new<T: AnyBitPattern>(
+        &self,
+        stream: &Arc<CudaStream>,
+        len: usize,
+    ) -> Result<(CudaSlice<T>, IoReport)> {
+        let ctl = Ctl::now();
+        let n = len / elem_size::<T>()?;
+        let seg = self
+            .seg_params()
+            .filter(|_| self.cufile.is_none() && len > small::SMALL_MAX.min(self.cfg.piece_size()));
+        let Some(p) = seg else {
+            // SAFETY: every byte is written by the read below, or the buffer is dropped on
+            // error; T accepts any bit pattern.
+            let mut buf =
+                unsafe { stream.alloc::<T>(n) }.map_err(|e| Error::cuda("cuMemAlloc", e))?;
+            let r = self.read_to_device(&mut buf, 0)?;
+            return Ok((buf, r));
+        };
+        let ctx = stream.context().clone();
+        self.check_device(ctx.ordinal())?;
+        self.check_policy()?;
+        let direct = self.read_direct(0, len);
+        let engine = engine::engine(Some(ctx.ordinal()), self.cfg.numa_pin)?;
+        let threads = self.threads_for(Some(ctx.ordinal()), direct);
+        let piece = self.cfg.piece_size();
+        let tasks = plan(0, len, piece, Dir::Read, direct);
+        let gate = DstGate::new();
+        // SAFETY: the one buffer is deferred: its address comes from `gate`, opened below once
+        // the allocation of `len` bytes in `ctx` completed; every task lies within [0, len);
+        // the buffer is kept (in `out`) until Engine::run_deferred returned, after every copy
+        // completed.
+        let job = unsafe {
+            Job::batch(
+                vec![&*self.fds],
+                vec![Mem::Deferred],
+                1,
+                tasks,
+                piece,
+                Op::Read,
+                Some(ctx),
+            )
+        }
+        .with_segments(p)
+        .with_gate(&gate);
+        let mut out: Option<CudaSlice<T>> = None;
+        let outcome = engine.run_deferred(job, threads, || {
+            // SAFETY: every byte is written by the read, or the buffer is dropped on error; T
+            // accepts any bit pattern.
+            let mut b =
+                unsafe { stream.alloc::<T>(n) }.map_err(|e| Error::cuda("cuMemAlloc", e))?;
+            // The engine writes it on its own stream, and its copies complete before the buffer
+            // is handed out; the allocation (stream-ordered) is complete before any copy.
+            let (dptr, record) = b.device_ptr_mut(stream);
+            drop(record);
+            stream
+                .synchronize()
+                .map_err(|e| Error::cuda("cuStreamSynchronize", e))?;
+            out = Some(b);
+            Ok(dptr)
+        });
+        let (bytes, odirect) = outcome?.single()?;
+        let buf = out.ok_or_else(|| {
+            Error::InvalidArgument(
+                "the destination was not allocated (a bug in gpudirect: please report it)".into(),
+            )
+        })?;
+        Ok((
+            buf,
+            IoReport::new(bytes, self.engine_report(), odirect, ctl.elapsed()),
+        ))
+    }
+
     fn host_report() -> PathReport {
         PathReport::fallback(TransferPath::Posix, Cause::HostMemory)
     }
@@ -922,11 +998,7 @@ pub fn read_to_gpu<T: AnyBitPattern>(
             .map_err(|e| Error::cuda("cuMemAlloc", e))?;
         return Ok((buf, IoReport::new(0, f.report.clone(), false, t0.elapsed())));
     }
-    // SAFETY: every byte is written by the read below, or the buffer is dropped on error; T
-    // accepts any bit pattern.
-    let mut buf =
-        unsafe { stream.alloc::<T>(size / esz) }.map_err(|e| Error::cuda("cuMemAlloc", e))?;
-    let mut r = f.read_to_device(&mut buf, 0)?;
+    let (buf, mut r) = f.read_to_new::<T>(stream, size)?;
     engine::trace::mark(|| {
         format!(
             "read_to_gpu done: {} B in {:.3} ms",

@@ -9,7 +9,9 @@
 //!   bounce buffer; workers pull pieces from a shared counter, in order (load balancing).
 //! - **Segments** ([`segment`], the default for reads to the GPU): workers `pread` into
 //!   disjoint spans of a ring of large pinned segments; one copy per run of payload contiguous
-//!   in the segment and in one destination buffer is issued on a dedicated copy stream.
+//!   in the segment and in one destination buffer is issued on a dedicated copy stream. A
+//!   destination the job allocates itself (`read_to_gpu`) is allocated on the calling thread
+//!   while the workers already read ([`Engine::run_deferred`], [`DstGate`]).
 //! - **Lanes** (reads with [`Pipeline::Lanes`](crate::storage::Pipeline::Lanes), and writes
 //!   from the GPU): each worker double-buffers two pinned bounce buffers on its own stream;
 //!   writes enqueue `cuMemcpyDtoHAsync` of piece k+1 before `pwrite` of piece k.
@@ -45,7 +47,7 @@ pub(crate) mod trace;
 pub(crate) mod worker;
 
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, Weak};
+use std::sync::{Arc, Condvar, Mutex, Weak};
 use std::time::Duration;
 
 use cudarc::driver::{sys, CudaContext, CudaEvent, CudaStream};
@@ -56,6 +58,11 @@ use io::Fds;
 use plan::{direct_read_span, Task};
 use pool::{Pool, PoolConfig};
 use worker::WorkerState;
+
+/// Ring slots a read into a destination allocated while it starts ([`Engine::run_deferred`])
+/// gets at least: with the default 32 MiB segments, 256 MiB the workers read ahead while a
+/// multi-GiB `cuMemAlloc` (about 5 ms for 4 GiB on the H200) runs.
+pub(crate) const DEFERRED_SEGMENTS: usize = 8;
 
 /// The most workers one engine runs (the cap of `GPUDIRECT_NTHREADS` and
 /// `GpuFileOptions::threads`).
@@ -68,6 +75,61 @@ pub(crate) enum Mem {
     Host(*mut u8),
     /// Device memory of the job's context at this address.
     Dev(sys::CUdeviceptr),
+    /// Device memory of the job's context allocated while the job starts: the address its
+    /// [`DstGate`] is given (copies into it wait for it).
+    Deferred,
+}
+
+/// The address of a destination that is allocated while its job already reads
+/// ([`Mem::Deferred`]): the calling thread allocates and opens the gate; a worker that is about
+/// to copy into the destination waits here (its slot already page-locked), so the allocation
+/// overlaps the first reads instead of preceding them.
+pub(crate) struct DstGate {
+    /// `None`: not decided yet; `Some(None)`: the allocation failed; `Some(Some(p))`: ready.
+    st: Mutex<Option<Option<sys::CUdeviceptr>>>,
+    cv: Condvar,
+}
+
+impl DstGate {
+    pub fn new() -> Self {
+        DstGate {
+            st: Mutex::new(None),
+            cv: Condvar::new(),
+        }
+    }
+
+    /// Opens the gate with the destination's address, or with `None` when its allocation
+    /// failed (fail the job first, so waiters see the abort).
+    pub fn set(&self, p: Option<sys::CUdeviceptr>) {
+        let mut g = self.st.lock().unwrap_or_else(|p| p.into_inner());
+        if g.is_none() {
+            *g = Some(p);
+        }
+        self.cv.notify_all();
+    }
+
+    /// The address once set.
+    pub fn get(&self) -> Option<sys::CUdeviceptr> {
+        self.st.lock().unwrap_or_else(|p| p.into_inner()).flatten()
+    }
+
+    /// Waits until the gate opens or `aborted()`; the address, or `None` (failed, aborted).
+    pub fn wait(&self, aborted: impl Fn() -> bool) -> Option<sys::CUdeviceptr> {
+        let mut g = self.st.lock().unwrap_or_else(|p| p.into_inner());
+        loop {
+            if let Some(p) = *g {
+                return p;
+            }
+            if aborted() {
+                return None;
+            }
+            g = self
+                .cv
+                .wait_timeout(g, Duration::from_millis(1))
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
+        }
+    }
 }
 
 /// The direction of a job.
@@ -116,6 +178,7 @@ pub(crate) struct Job<'a> {
     ctl: Control<'a>,
     /// The cancel flag stopped the job with tasks left.
     cut: AtomicBool,
+    gate: Option<&'a DstGate>,
     trace: Option<Box<trace::JobTrace>>,
 }
 
@@ -234,6 +297,7 @@ impl<'a> Job<'a> {
             seg: None,
             ctl: Control::default(),
             cut: AtomicBool::new(false),
+            gate: None,
             trace: None,
         }
     }
@@ -271,6 +335,12 @@ impl<'a> Job<'a> {
         if let Some(f) = self.ctl.on_piece {
             f(n);
         }
+    }
+
+    /// Buffers that are [`Mem::Deferred`] get their address from `gate`.
+    pub fn with_gate(mut self, gate: &'a DstGate) -> Self {
+        self.gate = Some(gate);
+        self
     }
 
     /// The job's trace (`GPUDIRECT_TRACE=timing` only).
@@ -312,6 +382,15 @@ impl<'a> Job<'a> {
         if let Some(t) = &self.trace {
             let bytes = self.done.iter().map(|d| d.load(Ordering::Relaxed)).sum();
             t.finish(bytes, gpu_done);
+        }
+    }
+
+    /// Waits until the job's destinations exist: true at once without a deferred one; false
+    /// when its allocation failed or the job aborted.
+    fn wait_dst(&self) -> Result<bool> {
+        match self.gate {
+            None => Ok(true),
+            Some(g) => Ok(g.wait(|| self.aborted()).is_some()),
         }
     }
 
@@ -374,6 +453,10 @@ impl<'a> Job<'a> {
     fn dev_ptr(&self, buf: u32, off: usize) -> Result<sys::CUdeviceptr> {
         match self.bufs[buf as usize] {
             Mem::Dev(p) => Ok(p + off as u64),
+            Mem::Deferred => match self.gate.and_then(DstGate::get) {
+                Some(p) => Ok(p + off as u64),
+                None => Err(internal("a copy into a destination not allocated yet")),
+            },
             Mem::Host(_) => Err(internal("a host buffer in a device copy")),
         }
     }
@@ -624,13 +707,18 @@ impl Engine {
     /// Runs `job` to completion on up to `threads` workers. A host job of one task runs on the
     /// calling thread.
     pub fn run(&self, mut job: Job<'_>, threads: usize) -> Result<Outcome> {
+        if job.gate.is_some() || job.bufs.iter().any(|b| matches!(b, Mem::Deferred)) {
+            return Err(internal(
+                "a deferred destination outside Engine::run_deferred",
+            ));
+        }
         if job.tasks.is_empty() {
             return job.outcome(0);
         }
         let threads = threads.clamp(1, MAX_THREADS).min(job.tasks.len());
         if job.op == Op::Read && job.ctx.is_some() {
             if let Some(p) = job.seg {
-                return self.run_segments(job, p, threads);
+                return self.run_segments(job, p, threads, |_| {});
             }
         }
         let what = match (job.op, job.ctx.is_some()) {
@@ -746,8 +834,15 @@ impl Engine {
         });
     }
 
-    /// Runs a device read through the segment ring.
-    fn run_segments(&self, mut job: Job<'_>, p: SegParams, threads: usize) -> Result<Outcome> {
+    /// Runs a device read through the segment ring; `caller` runs on the calling thread while
+    /// the workers read (see [`run_deferred`](Self::run_deferred)).
+    fn run_segments(
+        &self,
+        mut job: Job<'_>,
+        p: SegParams,
+        threads: usize,
+        caller: impl FnOnce(&Job<'_>),
+    ) -> Result<Outcome> {
         let ctx = job.ctx.clone().expect("device job");
         let t_ring = trace::now_us();
         let seg_bytes = segment::tasks_per_segment(p.segment_size, job.piece) * job.piece;
@@ -774,9 +869,9 @@ impl Engine {
                 t.note(format!("no GPU timing: {e}"));
             }
         }
-        let (copies, drained) = segment::run(&self.pool, &job, res, p, threads);
+        let end = segment::run(&self.pool, &job, res, p, threads, || caller(&job));
         self.note_spawns(&job);
-        if let Err(e) = drained {
+        if let Err(e) = end.drained {
             // A failed synchronize is a sticky context error: the context runs no more work.
             // The ring may still be named by queued copies, so it is never unmapped.
             tracing::error!(%e, "could not drain the segment ring; leaking it");
@@ -787,12 +882,91 @@ impl Engine {
             job.finish_trace(&done);
         }
         drop(g);
-        job.outcome(copies)
+        if let Some(p) = end.panic {
+            // Every copy completed (or the ring was leaked): the destination may go now.
+            std::panic::resume_unwind(p);
+        }
+        job.outcome(end.copies)
+    }
+
+    /// Runs a device read (through the segment ring) whose destination buffers marked
+    /// [`Mem::Deferred`] do not exist yet (their address comes from the job's [`DstGate`]):
+    /// `alloc` runs on the calling thread once the workers were started, and returns the
+    /// destination's address (or fails the job). Workers read into the ring and page-lock its
+    /// slots meanwhile; a copy into the destination waits for the address. When `alloc` fails
+    /// or panics, no copy into the destination was issued.
+    ///
+    /// The ring gets at least [`DEFERRED_SEGMENTS`] slots (as many as the job has segments, if
+    /// fewer), so the workers read that far ahead while the allocation runs.
+    pub fn run_deferred(
+        &self,
+        job: Job<'_>,
+        threads: usize,
+        alloc: impl FnOnce() -> Result<sys::CUdeviceptr>,
+    ) -> Result<Outcome> {
+        let (Some(mut p), Some(gate)) = (job.seg, job.gate) else {
+            return Err(internal(
+                "a deferred destination without the segment pipeline or a gate",
+            ));
+        };
+        if job.ctx.is_none() || job.op != Op::Read {
+            return Err(internal("a deferred destination outside a device read"));
+        }
+        if job.tasks.is_empty() {
+            // Nothing to copy: the destination is still allocated (the caller hands it out).
+            open_gate(&job, gate, alloc);
+            return job.outcome(0);
+        }
+        let seg_bytes = segment::tasks_per_segment(p.segment_size, job.piece) * job.piece;
+        let planned: usize = job.tasks.iter().map(|t| t.len).sum();
+        p.segments = p
+            .segments
+            .max(DEFERRED_SEGMENTS.min(planned.div_ceil(seg_bytes.max(1))));
+        let threads = threads.clamp(1, MAX_THREADS).min(job.tasks.len());
+        self.run_segments(job, p, threads, |job| open_gate(job, gate, alloc))
     }
 }
 
-/// Fails the job when dropped during a panic (so that no worker waits for a slot the panicking
-/// thread would have provided, and no item counts as done).
+/// Calls `alloc` and opens `gate` with its address; on failure (or a panic in `alloc`) fails
+/// the job first and opens the gate empty, so no worker waits for it forever.
+fn open_gate(job: &Job<'_>, gate: &DstGate, alloc: impl FnOnce() -> Result<sys::CUdeviceptr>) {
+    struct Resolve<'g, 'j, 'a> {
+        gate: &'g DstGate,
+        job: &'j Job<'a>,
+    }
+    impl Drop for Resolve<'_, '_, '_> {
+        fn drop(&mut self) {
+            if self.gate.get().is_none() {
+                self.job.fail(panicked());
+                self.gate.set(None);
+            }
+        }
+    }
+    let guard = Resolve { gate, job };
+    let t0 = trace::now_us();
+    match alloc() {
+        Ok(p) => gate.set(Some(p)),
+        Err(e) => {
+            job.fail(e);
+            gate.set(None);
+        }
+    }
+    if let Some(t) = job.trace() {
+        t.note(format!(
+            "destination allocated on the calling thread from {:.3} ms{}",
+            t0.saturating_sub(t.start()) as f64 / 1e3,
+            if gate.get().is_some() {
+                ""
+            } else {
+                " (failed)"
+            }
+        ));
+    }
+    drop(guard);
+}
+
+/// Fails the job when dropped during a panic (so that no worker waits for a slot or a
+/// destination the panicking thread would have provided, and no item counts as done).
 pub(crate) struct FailOnUnwind<'j, 'a>(pub &'j Job<'a>);
 
 impl Drop for FailOnUnwind<'_, '_> {
@@ -850,7 +1024,7 @@ fn host_ptr(job: &Job<'_>, t: &Task) -> Result<*mut u8> {
     match job.bufs[t.buf as usize] {
         // SAFETY: buf_off + len lies inside the caller's buffer (Job::batch contract).
         Mem::Host(p) => Ok(unsafe { p.add(t.buf_off) }),
-        Mem::Dev(_) => Err(internal("a device buffer in a host job")),
+        Mem::Dev(_) | Mem::Deferred => Err(internal("a device buffer in a host job")),
     }
 }
 

@@ -293,6 +293,19 @@ impl Pool {
     /// when `f` panicked somewhere (the state involved was drained or leaked, never dropped
     /// with a copy in flight).
     pub fn run<F: Fn(&mut WorkerState) + Sync>(&self, n: usize, f: &F) -> bool {
+        self.run_with(n, f, || {})
+    }
+
+    /// [`run`](Self::run), and `caller` runs on the calling thread once the job is published
+    /// and its workers started, while they work (it may produce what they wait for: it must
+    /// not wait for them). A panic in `caller` is propagated after every worker returned from
+    /// `f` (so `f`'s borrows end first); `caller` must leave the workers able to finish.
+    pub fn run_with<F: Fn(&mut WorkerState) + Sync, C: FnOnce()>(
+        &self,
+        n: usize,
+        f: &F,
+        caller: C,
+    ) -> bool {
         let mut handles = self.submit.lock().unwrap_or_else(|p| p.into_inner());
         let n = n.clamp(1, self.max);
         // The pointer is withdrawn below, after every participant has finished calling it and
@@ -341,6 +354,7 @@ impl Pool {
             *self.spawned.lock().unwrap_or_else(|p| p.into_inner()) =
                 (spawning - failed, t_spawn, super::trace::now_us());
         }
+        let by_caller = catch_unwind(AssertUnwindSafe(caller));
         let mut st = lock(&self.shared.state);
         while st.remaining > 0 {
             st = self.shared.done.wait(st).unwrap_or_else(|p| p.into_inner());
@@ -354,6 +368,11 @@ impl Pool {
             st = lock(&self.shared.state);
         }
         st.job = None;
+        drop(st);
+        drop(handles);
+        if let Err(p) = by_caller {
+            std::panic::resume_unwind(p);
+        }
         ok
     }
 

@@ -32,14 +32,22 @@
 //! measured ~12× cheaper than `cuMemHostAlloc` on the H200 machine). Reading starts at once;
 //! pinning overlaps the reads of the other slots.
 //!
+//! **Deferred destination**: when the job allocates its destination itself
+//! ([`Engine::run_deferred`](super::Engine::run_deferred), `read_to_gpu`), the calling thread
+//! allocates it while the workers already read and lock the ring; a segment's copies wait for
+//! the address ([`DstGate`](super::DstGate)) after its slot is page-locked. A failed allocation
+//! fails the job before any copy.
+//!
 //! **Ordering rules** (checked on the host by `pipeline_tests`, on a ring whose copies run
-//! late): a copy is enqueued only after its slot is page-locked as far as it reads; a slot is
-//! read into again only after the copies out of it completed; a panic on any thread fails the
-//! job, so no worker waits for what the panicking one would have done.
+//! late): a copy is enqueued only after its slot is page-locked as far as it reads and after
+//! its destination exists; a slot is read into again only after the copies out of it completed;
+//! a panic on any thread fails the job, so no worker waits for what the panicking one would
+//! have done.
 //!
 //! [`Pipeline::Segments`]: crate::storage::config::Pipeline::Segments
 
 use std::ops::Range;
+use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::Duration;
@@ -231,7 +239,8 @@ impl Drop for RingMem {
 /// same pipeline ([`SegJob`], [`run`]) on a host-memory ring whose copies complete late, so the
 /// ordering rules below are checked without a GPU:
 /// - a slot's copies are enqueued only after the slot is page-locked as far as they read
-///   ([`ensure_registered`](Ring::ensure_registered) before [`copy`](Ring::copy));
+///   ([`ensure_registered`](Ring::ensure_registered) before [`copy`](Ring::copy)) and after the
+///   job's destination exists (a destination allocated while the job starts is waited for);
 /// - a slot is read into again only after the copies out of it completed (its marker).
 pub(crate) trait Ring: Sync {
     /// Slots in the ring.
@@ -674,9 +683,10 @@ impl<'r, R: Ring + ?Sized> SegJob<'r, R> {
         Ok(true)
     }
 
-    /// Issues segment `g`'s copies (all its tasks are read): the slot is page-locked first,
-    /// then the copies are enqueued and the slot's marker recorded.
-    fn issue(&self, job: &Job<'_>, g: usize) -> Result<()> {
+    /// Issues segment `g`'s copies (all its tasks are read), as worker `w`: the slot is
+    /// page-locked first, then the destination is waited for (when it is allocated while the
+    /// job runs), then the copies are enqueued and the slot's marker recorded.
+    fn issue(&self, job: &Job<'_>, g: usize, w: usize) -> Result<()> {
         let ready = job.t_now();
         let r = g % self.nseg;
         let runs = copy_runs(
@@ -692,6 +702,14 @@ impl<'r, R: Ring + ?Sized> SegJob<'r, R> {
             if let (Some(t), true) = (job.trace(), locked > 0) {
                 t.pinned(r, t0, locked);
             }
+            let t0 = job.t_now();
+            if !job.wait_dst()? {
+                // The allocation failed (the job is failed and aborting): no copy.
+                return Ok(());
+            }
+            if let Some(t) = job.trace() {
+                t.gate_waited(w, t0);
+            }
         }
         let slot = self.res.slot_ptr(r);
         for run in &runs {
@@ -700,8 +718,8 @@ impl<'r, R: Ring + ?Sized> SegJob<'r, R> {
             // SAFETY: the source is `run.len` payload bytes read into slot r (layout:
             // slot_off + len <= the segment's bytes <= the slot), page-locked above, not
             // rewritten until the marker recorded below completes (wait()); the destination is
-            // inside the task's own range of a caller's device buffer (Job::batch contract); the
-            // context is current on this worker.
+            // inside the task's own range of a caller's device buffer (Job::batch contract),
+            // allocated (wait_dst above); the context is current on this worker.
             unsafe { self.res.copy(dst, slot.add(run.slot_off), run.len, stream) }?;
         }
         self.copies.fetch_add(runs.len(), Ordering::Relaxed);
@@ -786,25 +804,39 @@ impl<'r, R: Ring + ?Sized> SegJob<'r, R> {
             };
             job.finish(i, n);
             if self.remaining[g].fetch_sub(1, Ordering::AcqRel) == 1 {
-                self.issue(job, g)?;
+                self.issue(job, g, w)?;
             }
         }
         Ok(())
     }
 }
 
+/// What [`run`] leaves its caller.
+pub(crate) struct RunEnd {
+    /// Copies issued.
+    pub copies: usize,
+    /// The drain's outcome: when draining failed, copies may still read the ring and the
+    /// caller must never unmap it.
+    pub drained: Result<()>,
+    /// A panic on the calling thread (in `caller`), caught so that every copy was drained
+    /// first: the caller re-raises it once it handled `drained`.
+    pub panic: Option<Box<dyn std::any::Any + Send>>,
+}
+
 /// Runs `job` (a read into device memory) through ring `res` on up to `threads` workers of
-/// `pool`. A panic on a worker fails the job, so no other worker waits for what the panicking
-/// one would have done. Every copy is drained before this returns. Returns the copies issued
-/// and the drain's outcome: when draining failed, copies may still read the ring and the
-/// caller must never unmap it.
+/// `pool`, while the calling thread runs `caller` (it may allocate the job's deferred
+/// destination and open its gate). A panic on a worker or in `caller` fails the job, so no
+/// other worker waits for what the panicking one would have done. Every copy is drained
+/// before this returns. Returns the copies issued and the drain's outcome: when draining
+/// failed, copies may still read the ring and the caller must never unmap it.
 pub(crate) fn run<R: Ring + ?Sized>(
     pool: &super::pool::Pool,
     job: &Job<'_>,
     res: &R,
     p: super::SegParams,
     threads: usize,
-) -> (usize, Result<()>) {
+    caller: impl FnOnce(),
+) -> RunEnd {
     let per = tasks_per_segment(p.segment_size, job.piece);
     let seg_bytes = per * job.piece;
     debug_assert!(seg_bytes <= res.slot_bytes());
@@ -825,14 +857,30 @@ pub(crate) fn run<R: Ring + ?Sized>(
     // No copy is issued yet: an error here leaves nothing in flight (the ring stays usable).
     if let Err(e) = sj.order_streams(job) {
         job.fail(e);
-        return (0, Ok(()));
+        return RunEnd {
+            copies: 0,
+            drained: Ok(()),
+            panic: None,
+        };
     }
-    let ok = pool.run(threads, &|ws: &mut super::worker::WorkerState| {
-        let _f = super::FailOnUnwind(job);
-        if let Err(e) = sj.work(job, ws.id) {
-            job.fail(e);
-        }
-    });
+    let mut panic = None;
+    let ok = pool.run_with(
+        threads,
+        &|ws: &mut super::worker::WorkerState| {
+            let _f = super::FailOnUnwind(job);
+            if let Err(e) = sj.work(job, ws.id) {
+                job.fail(e);
+            }
+        },
+        || {
+            // Caught here and re-raised by the caller of `run` after the drain: copies may be
+            // in flight into a destination the unwinding would free.
+            if let Err(p) = catch_unwind(AssertUnwindSafe(caller)) {
+                job.fail(super::panicked());
+                panic = Some(p);
+            }
+        },
+    );
     if !ok {
         job.fail(super::panicked());
     }
@@ -842,7 +890,11 @@ pub(crate) fn run<R: Ring + ?Sized>(
     // Every copy completes before the caller's buffers are released.
     let copies = sj.copies.load(Ordering::Relaxed);
     drop(sj);
-    (copies, res.drain())
+    RunEnd {
+        copies,
+        drained: res.drain(),
+        panic,
+    }
 }
 
 #[cfg(test)]
@@ -1055,19 +1107,20 @@ mod tests {
 
 /// The pipeline's ordering rules, run on the host: a ring of plain memory whose "copies" are
 /// executed late, in order per stream, by a thread each (random delays), into a host buffer
-/// that stands for device memory. A copy enqueued before its slot was page-locked fails the
-/// job; a slot read into again before its copies ran would corrupt the bytes they carry, which
-/// the byte-for-byte check finds.
+/// that stands for device memory. A copy enqueued before its slot was page-locked or before
+/// its destination existed fails the job; a slot read into again before its copies ran would
+/// corrupt the bytes they carry, which the byte-for-byte check finds.
 #[cfg(test)]
 mod pipeline_tests {
     use super::*;
     use crate::storage::engine::io::{Fds, OpenMode};
     use crate::storage::engine::plan::{plan_item, Dir};
     use crate::storage::engine::pool::{Pool, PoolConfig};
-    use crate::storage::engine::{Mem, Op, SegParams};
+    use crate::storage::engine::{DstGate, Mem, Op, SegParams};
     use rand::{Rng, SeedableRng};
     use std::alloc::Layout as AllocLayout;
     use std::collections::VecDeque;
+    use std::sync::atomic::AtomicBool;
 
     enum Cmd {
         Copy { dst: usize, src: usize, len: usize },
@@ -1098,6 +1151,8 @@ mod pipeline_tests {
         registered: Vec<AtomicUsize>,
         /// The "device" buffer: [base, base + len).
         dev: (usize, usize),
+        /// Set when the destination exists (a deferred one: after its allocation).
+        dev_exists: AtomicBool,
         copies_enqueued: AtomicUsize,
         /// The copy with this index (in enqueue order) panics instead (`usize::MAX`: none).
         panic_at_copy: usize,
@@ -1181,6 +1236,7 @@ mod pipeline_tests {
                 nslots,
                 registered: (0..nslots).map(|_| AtomicUsize::new(0)).collect(),
                 dev,
+                dev_exists: AtomicBool::new(true),
                 panic_at_copy: usize::MAX,
                 copies_enqueued: AtomicUsize::new(0),
                 shared,
@@ -1251,6 +1307,10 @@ mod pipeline_tests {
             assert!(
                 self.is_registered(r, in_slot + len),
                 "a copy out of slot {r} [{in_slot}, +{len}) before it was page-locked that far"
+            );
+            assert!(
+                self.dev_exists.load(Ordering::SeqCst),
+                "a copy enqueued before its destination existed"
             );
             let dst = dst as usize;
             assert!(
@@ -1387,20 +1447,35 @@ mod pipeline_tests {
         run: usize,
     }
 
-    /// Runs a case through the real SegJob on a real pool.
-    fn run_case(c: &Case) -> Ran {
-        run_case_with(c, &Knobs::default())
+    /// Runs a case through the real SegJob on a real pool; `deferred`: the destination is
+    /// allocated by the caller hook after `alloc_delay`, failing when `alloc_fails`.
+    fn run_case(c: &Case, deferred: bool, alloc_delay: Duration, alloc_fails: bool) -> Ran {
+        run_case_with(
+            c,
+            &Knobs {
+                deferred,
+                alloc_delay,
+                alloc_fails,
+                ..Knobs::default()
+            },
+        )
     }
 
     /// How [`run_case_with`] runs a case.
     #[derive(Clone, Default)]
     struct Knobs {
+        /// The destination is allocated by the caller hook after `alloc_delay`, failing when
+        /// `alloc_fails`.
+        deferred: bool,
+        alloc_delay: Duration,
+        alloc_fails: bool,
         /// The copy with this index (0-based, in enqueue order) panics on its worker.
         panic_at_copy: Option<usize>,
     }
 
     /// [`run_case`] with every knob.
     fn run_case_with(c: &Case, k: &Knobs) -> Ran {
+        let (deferred, alloc_delay, alloc_fails) = (k.deferred, k.alloc_delay, k.alloc_fails);
         let paths: Vec<_> = c
             .files
             .iter()
@@ -1423,7 +1498,12 @@ mod pipeline_tests {
         let seg_bytes = tasks_per_segment(c.seg.segment_size, c.piece) * c.piece;
         let mut ring = FakeRing::new(seg_bytes, c.seg.segments, c.seg.streams, (base, c.dev_len));
         ring.panic_at_copy = k.panic_at_copy.unwrap_or(usize::MAX);
-        let mem = Mem::Dev(base as u64);
+        let gate = DstGate::new();
+        let mem = if deferred {
+            Mem::Deferred
+        } else {
+            Mem::Dev(base as u64)
+        };
         // SAFETY: (test) the buffer is `dev`, alive until the job ended; tasks lie inside the
         // items' ranges, which fit it and do not overlap.
         let job = unsafe {
@@ -1437,11 +1517,29 @@ mod pipeline_tests {
                 None,
             )
         }
-        .with_segments(c.seg);
+        .with_segments(c.seg)
+        .with_gate(&gate);
+        if deferred {
+            ring.dev_exists.store(false, Ordering::SeqCst);
+        } else {
+            gate.set(Some(base as u64));
+        }
         let pool = Pool::new(PoolConfig::new("test-seg", 8));
-        let (copies, drained) = run(&pool, &job, &ring, c.seg, c.threads);
-        drained.unwrap();
-        let result = job.outcome(copies);
+        let end = run(&pool, &job, &ring, c.seg, c.threads, || {
+            if deferred {
+                super::super::open_gate(&job, &gate, || {
+                    std::thread::sleep(alloc_delay);
+                    if alloc_fails {
+                        return Err(Error::InvalidArgument("test: allocation refused".into()));
+                    }
+                    ring.dev_exists.store(true, Ordering::SeqCst);
+                    Ok(base as u64)
+                })
+            }
+        });
+        end.drained.unwrap();
+        assert!(end.panic.is_none());
+        let result = job.outcome(end.copies);
         let enqueued = ring.copies_enqueued.load(Ordering::SeqCst);
         let run = ring.shared.copies_run.load(Ordering::SeqCst);
         drop(ring);
@@ -1475,7 +1573,7 @@ mod pipeline_tests {
         let mut rng = rand::rngs::StdRng::seed_from_u64(2024);
         for round in 0..24 {
             let c = random_case(&mut rng, round % 2 == 1);
-            let r = run_case(&c);
+            let r = run_case(&c, false, Duration::ZERO, false);
             let out = r.result.unwrap();
             assert!(out.items.iter().all(|i| i.complete && i.error.is_none()));
             assert_eq!(
@@ -1500,6 +1598,7 @@ mod pipeline_tests {
             c.threads = 4;
             let k = Knobs {
                 panic_at_copy: Some(round),
+                ..Knobs::default()
             };
             let (tx, rx) = std::sync::mpsc::channel();
             let c2 = c.clone();
@@ -1523,5 +1622,159 @@ mod pipeline_tests {
                 "a copy was still queued when the job returned"
             );
         }
+    }
+
+    #[test]
+    fn a_deferred_destination_is_copied_into_only_once_it_exists() {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(77);
+        for round in 0..12 {
+            let c = random_case(&mut rng, round % 2 == 0);
+            // The allocation takes longer than filling the ring: workers wait for it.
+            let r = run_case(
+                &c,
+                true,
+                Duration::from_millis(rng.random_range(1..30)),
+                false,
+            );
+            let out = r.result.unwrap();
+            assert!(out.items.iter().all(|i| i.complete && i.error.is_none()));
+            assert_eq!(r.enqueued, r.run);
+            check_bytes(&c, &r.dev);
+        }
+    }
+
+    #[test]
+    fn a_failed_deferred_allocation_fails_the_job_and_copies_nothing() {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(5);
+        for _ in 0..6 {
+            let c = random_case(&mut rng, false);
+            let r = run_case(&c, true, Duration::from_millis(5), true);
+            match r.result {
+                Err(Error::InvalidArgument(m)) => assert!(m.contains("allocation refused"), "{m}"),
+                other => panic!("expected the allocation's error, got {other:?}"),
+            }
+            assert_eq!(
+                r.enqueued, 0,
+                "a copy was enqueued into a destination that never existed"
+            );
+            assert!(
+                r.dev.iter().all(|&b| b == 0xA5),
+                "the destination was written"
+            );
+        }
+    }
+
+    /// A panic on the calling thread after the destination was handed out (copies into it are
+    /// being issued) comes back only once every copy enqueued has completed: unwinding frees
+    /// the destination, so the panic must not overtake the drain.
+    #[test]
+    fn a_panic_after_the_allocation_waits_for_the_copies_before_it_unwinds() {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(8);
+        for _ in 0..4 {
+            let mut c = random_case(&mut rng, false);
+            c.threads = 4;
+            let p = scratch("late-panic", &c.files[0]);
+            let fds = open(&p);
+            let (f, off, len, at) = c.items[0];
+            assert_eq!(f, 0);
+            let mut tasks = Vec::new();
+            let t = Task {
+                buf_off: at,
+                ..Task::default()
+            };
+            plan_item(&mut tasks, t, off, len, c.piece, Dir::Read, c.direct);
+            let mut dev = vec![0u8; c.dev_len];
+            let base = dev.as_mut_ptr() as usize;
+            let seg_bytes = tasks_per_segment(c.seg.segment_size, c.piece) * c.piece;
+            let ring = FakeRing::new(seg_bytes, c.seg.segments, c.seg.streams, (base, c.dev_len));
+            let gate = DstGate::new();
+            // SAFETY: (test) the destination is `dev`, alive until the run returned (drained).
+            let job = unsafe {
+                super::super::Job::batch(
+                    vec![&fds],
+                    vec![Mem::Deferred],
+                    1,
+                    tasks,
+                    c.piece,
+                    Op::Read,
+                    None,
+                )
+            }
+            .with_segments(c.seg)
+            .with_gate(&gate);
+            let pool = Pool::new(PoolConfig::new("test-seg-late-panic", 4));
+            let end = run(&pool, &job, &ring, c.seg, c.threads, || {
+                super::super::open_gate(&job, &gate, || Ok(base as u64));
+                // Let the workers issue copies into the destination, then panic.
+                std::thread::sleep(Duration::from_millis(3));
+                panic!("test: the calling thread panics after the allocation");
+            });
+            let (enqueued, ran) = (
+                ring.copies_enqueued.load(Ordering::SeqCst),
+                ring.shared.copies_run.load(Ordering::SeqCst),
+            );
+            assert!(end.panic.is_some(), "the panic was swallowed");
+            assert!(job.aborted(), "the job was not failed");
+            assert_eq!(
+                enqueued, ran,
+                "the panic came back with copies still queued"
+            );
+            drop(ring);
+            pool.shutdown();
+            drop(dev);
+            std::fs::remove_file(&p).unwrap();
+        }
+    }
+
+    /// A panic while allocating must not leave workers waiting for the destination: the job
+    /// fails, the workers finish, and the panic is handed back to be re-raised (after every
+    /// borrow of the job ended).
+    #[test]
+    fn a_panicking_deferred_allocation_releases_the_workers_then_unwinds() {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(6);
+        let c = random_case(&mut rng, false);
+        let d = vec![0u8; c.files[0].len()];
+        let p = scratch("panic", &c.files[0]);
+        let fds = open(&p);
+        let mut tasks = Vec::new();
+        plan_item(
+            &mut tasks,
+            Task::default(),
+            0,
+            d.len(),
+            c.piece,
+            Dir::Read,
+            false,
+        );
+        let seg_bytes = tasks_per_segment(c.seg.segment_size, c.piece) * c.piece;
+        let ring = FakeRing::new(seg_bytes, c.seg.segments, c.seg.streams, (0, 0));
+        ring.dev_exists.store(false, Ordering::SeqCst);
+        let gate = DstGate::new();
+        // SAFETY: (test) no copy can be issued (the destination never exists).
+        let job = unsafe {
+            super::super::Job::batch(
+                vec![&fds],
+                vec![Mem::Deferred],
+                1,
+                tasks,
+                c.piece,
+                Op::Read,
+                None,
+            )
+        }
+        .with_segments(c.seg)
+        .with_gate(&gate);
+        let pool = Pool::new(PoolConfig::new("test-seg-panic", 4));
+        let end = run(&pool, &job, &ring, c.seg, 4, || {
+            super::super::open_gate(&job, &gate, || panic!("test: allocation panicked"))
+        });
+        assert!(end.panic.is_some(), "the allocation's panic was swallowed");
+        assert!(job.aborted(), "the job was not failed");
+        assert_eq!(ring.copies_enqueued.load(Ordering::SeqCst), 0);
+        // The pool still works.
+        assert!(pool.run(4, &|_| {}));
+        drop(ring);
+        pool.shutdown();
+        std::fs::remove_file(&p).unwrap();
     }
 }

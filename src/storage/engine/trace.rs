@@ -6,9 +6,10 @@
 //! (no clock is read, nothing is allocated). When on, each engine job collects, without printing
 //! while it runs: per worker the time it entered the job, its first IO and its waits; per task
 //! its IO start and end; per ring slot its page-locking; per segment the host time its copies
-//! were issued and, from timing events on the copy stream, when the GPU finished them. The job
-//! prints one block when it ends. Phase marks (`mark`) print at once. Times are milliseconds
-//! since the process's first trace reading.
+//! were issued and, from timing events on the copy stream, when the GPU finished them; and, for
+//! a destination allocated while the job starts, when the allocation was done. The job prints one
+//! block when it ends. Phase marks (`mark`) print at once. Times are milliseconds since the
+//! process's first trace reading.
 //!
 //! The variable is read once per process by [`init`] (through [`crate::env`]); a value other than
 //! `timing`, `off` or `0` is an [`Error::InvalidEnvironment`](crate::Error::InvalidEnvironment),
@@ -99,6 +100,7 @@ struct WorkerTrace {
     io_us: AtomicU64,
     wait_us: AtomicU64,
     waits: AtomicU64,
+    gate_us: AtomicU64,
 }
 
 /// One segment's copies.
@@ -197,6 +199,13 @@ impl JobTrace {
         }
     }
 
+    /// Worker `w` waited from `t0` to now for the destination to be allocated.
+    pub fn gate_waited(&self, w: usize, t0: u64) {
+        self.worker(w)
+            .gate_us
+            .fetch_add(now_us() - t0, Ordering::Relaxed);
+    }
+
     /// Slot `slot` was page-locked (`bytes`) from `t0` to now.
     pub fn pinned(&self, slot: usize, t0: u64, bytes: usize) {
         let t1 = now_us();
@@ -255,6 +264,7 @@ impl JobTrace {
         // Workers.
         let mut line = String::new();
         let mut wait_total = 0u64;
+        let mut gate_total = 0u64;
         for (w, wt) in self.workers.iter().enumerate() {
             let entered = wt.entered.load(Ordering::Relaxed);
             let tasks = wt.tasks.load(Ordering::Relaxed);
@@ -262,9 +272,10 @@ impl JobTrace {
                 continue;
             }
             wait_total += wt.wait_us.load(Ordering::Relaxed);
+            gate_total += wt.gate_us.load(Ordering::Relaxed);
             let _ = write!(
                 line,
-                " w{}:in {:.2} io@{:.2} n{} io {:.1} wait {:.1}/{}",
+                " w{}:in {:.2} io@{:.2} n{} io {:.1} wait {:.1}/{}{}",
                 if w + 1 == self.workers.len() {
                     "caller".to_string()
                 } else {
@@ -276,13 +287,22 @@ impl JobTrace {
                 ms(wt.io_us.load(Ordering::Relaxed)),
                 ms(wt.wait_us.load(Ordering::Relaxed)),
                 wt.waits.load(Ordering::Relaxed),
+                match wt.gate_us.load(Ordering::Relaxed) {
+                    0 => String::new(),
+                    g => format!(" alloc-wait {:.1}", ms(g)),
+                }
             );
         }
         let _ = writeln!(
             s,
             "{p}   workers (entered, first IO, tasks, IO ms, slot-wait ms/count):{line}"
         );
-        let _ = writeln!(s, "{p}   waits in all: slot {:.3} ms", ms(wait_total));
+        let _ = writeln!(
+            s,
+            "{p}   waits in all: slot {:.3} ms, destination allocation {:.3} ms",
+            ms(wait_total),
+            ms(gate_total)
+        );
         // IO durations: the ring's first pass against the rest.
         let fp = self.first_pass_tasks.load(Ordering::Relaxed) as usize;
         let durs: Vec<(usize, u64, u64)> = self
