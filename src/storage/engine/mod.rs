@@ -11,7 +11,8 @@
 //!   disjoint spans of a ring of large pinned segments; one copy per run of payload contiguous
 //!   in the segment and in one destination buffer is issued on a dedicated copy stream. A
 //!   destination the job allocates itself (`read_to_gpu`) is allocated on the calling thread
-//!   while the workers already read ([`Engine::run_deferred`], [`DstGate`]).
+//!   while the workers already read ([`Engine::run_deferred`], [`DstGate`]); the calling thread
+//!   also page-locks the ring's slots ahead of the workers.
 //! - **Lanes** (reads with [`Pipeline::Lanes`](crate::storage::Pipeline::Lanes), and writes
 //!   from the GPU): each worker double-buffers two pinned bounce buffers on its own stream;
 //!   writes enqueue `cuMemcpyDtoHAsync` of piece k+1 before `pwrite` of piece k.
@@ -52,6 +53,7 @@ use std::time::Duration;
 
 use cudarc::driver::{sys, CudaContext, CudaEvent, CudaStream};
 
+use crate::cuda::CurrentContext;
 use crate::error::{Error, Result};
 use crate::storage::config::DIRECT_ALIGN;
 use io::Fds;
@@ -844,6 +846,9 @@ impl Engine {
         caller: impl FnOnce(&Job<'_>),
     ) -> Result<Outcome> {
         let ctx = job.ctx.clone().expect("device job");
+        // The calling thread builds the ring, page-locks slots ahead of the workers and drains
+        // the copy streams in `ctx`; its own current context is put back when this returns.
+        let _current = CurrentContext::bind(&ctx)?;
         let t_ring = trace::now_us();
         let seg_bytes = segment::tasks_per_segment(p.segment_size, job.piece) * job.piece;
         let mut g = self.seg.lock().unwrap_or_else(|p| p.into_inner());
@@ -965,7 +970,7 @@ fn open_gate(job: &Job<'_>, gate: &DstGate, alloc: impl FnOnce() -> Result<sys::
     drop(guard);
 }
 
-/// Fails the job when dropped during a panic (so that no worker waits for a slot or a
+/// Fails the job when dropped during a panic (so that no worker waits for a slot, a pin or a
 /// destination the panicking thread would have provided, and no item counts as done).
 pub(crate) struct FailOnUnwind<'j, 'a>(pub &'j Job<'a>);
 

@@ -27,15 +27,17 @@
 //!
 //! **No warm-up tax**: the ring is one anonymous mapping (2 MiB aligned, transparent huge pages
 //! advised) that nobody touches up front: the first reads into a slot fault its pages in, in
-//! parallel, on the workers (which sit on the GPU's NUMA node), and the worker that issues a
-//! slot's first copy page-locks that slot (`cuMemHostRegister` of already-present pages,
-//! measured ~12× cheaper than `cuMemHostAlloc` on the H200 machine). Reading starts at once;
-//! pinning overlaps the reads of the other slots.
+//! parallel, on the workers (which sit on the GPU's NUMA node). Each slot is page-locked once
+//! per job, as far as any of the job's segments staged there reads (`cuMemHostRegister`,
+//! measured ~12× cheaper than `cuMemHostAlloc` on the H200 machine), by whoever comes first
+//! under the slot's pin lock: the calling thread, which page-locks the slots in ring order
+//! while the workers read (slot k + 1 while k fills, [`SegJob::pin_ahead`]), or the worker that
+//! finishes the slot's segment. Reading starts at once and no copy waits for the whole ring.
 //!
 //! **Deferred destination**: when the job allocates its destination itself
 //! ([`Engine::run_deferred`](super::Engine::run_deferred), `read_to_gpu`), the calling thread
 //! allocates it while the workers already read and lock the ring; a segment's copies wait for
-//! the address ([`DstGate`](super::DstGate)) after its slot is page-locked. A failed allocation
+//! the address ([`DstGate`](super::DstGate)) after its slot is locked. A failed allocation
 //! fails the job before any copy.
 //!
 //! **Ordering rules** (checked on the host by `pipeline_tests`, on a ring whose copies run
@@ -89,6 +91,21 @@ pub(crate) struct Layout {
     pub place: Vec<Place>,
     /// Per segment: its tasks (consecutive, in order).
     pub segs: Vec<Range<usize>>,
+    /// Per segment: the end of its furthest payload in its slot (what its copies read at most).
+    pub ends: Vec<usize>,
+}
+
+impl Layout {
+    /// Per slot of a ring of `slots`: the furthest payload end of every segment staged there
+    /// (what the slot must be page-locked for, once, for the whole job).
+    pub fn slot_needs(&self, slots: usize) -> Vec<usize> {
+        let mut need = vec![0usize; slots.max(1)];
+        for (g, &e) in self.ends.iter().enumerate() {
+            let r = g % need.len();
+            need[r] = need[r].max(e);
+        }
+        need
+    }
 }
 
 /// `(IO length, payload head, alignment)` of task `t` in a segment.
@@ -107,6 +124,8 @@ fn io_shape(t: &Task) -> (usize, usize, usize) {
 pub(crate) fn layout(tasks: &[Task], seg_bytes: usize) -> Layout {
     let mut place = Vec::with_capacity(tasks.len());
     let mut segs = Vec::new();
+    let mut ends = Vec::new();
+    let mut end = 0usize;
     let (mut start, mut g) = (0usize, 0u32);
     // Payload end of the last task placed, and the end of the furthest IO span so far.
     let (mut c, mut io_end) = (0usize, 0usize);
@@ -123,6 +142,8 @@ pub(crate) fn layout(tasks: &[Task], seg_bytes: usize) -> Layout {
         };
         if s + io_len > seg_bytes && i > start {
             segs.push(start..i);
+            ends.push(end);
+            end = 0;
             start = i;
             g += 1;
             (io_end, s) = (0, 0);
@@ -133,12 +154,14 @@ pub(crate) fn layout(tasks: &[Task], seg_bytes: usize) -> Layout {
             head,
         });
         c = s + head + t.len;
+        end = end.max(c);
         io_end = io_end.max(s + io_len);
     }
     if tasks.len() > start {
         segs.push(start..tasks.len());
+        ends.push(end);
     }
-    Layout { place, segs }
+    Layout { place, segs, ends }
 }
 
 /// One host→device copy out of a segment.
@@ -254,8 +277,10 @@ pub(crate) trait Ring: Sync {
     /// Makes the ring's context current on the calling thread.
     fn bind(&self) -> Result<()>;
     /// Page-locks at least the first `need` bytes of slot `r`; returns the bytes locked by this
-    /// call (0: they already were). The caller issues the slot's copies and every earlier copy
-    /// out of the slot has completed.
+    /// call (0: they already were). One caller per slot at a time (the job's pin lock), and no
+    /// copy out of the slot is in flight (the job issues none before the slot is locked as far
+    /// as all of them read; earlier jobs' copies were drained). Workers may be reading into
+    /// the slot meanwhile (the pages' contents are not touched).
     fn ensure_registered(&self, r: usize, need: usize) -> Result<usize>;
     /// Whether the first `end` bytes of slot `r` are page-locked.
     fn is_registered(&self, r: usize, end: usize) -> bool;
@@ -306,9 +331,9 @@ pub(crate) struct SegRes {
     nseg: usize,
     streams: Vec<Arc<CudaStream>>,
     events: Vec<CudaEvent>,
-    /// `registered[r]`: bytes of slot `r` page-locked from its start (0: none), by the worker
-    /// issuing the slot's copies (only that worker touches it: the slot's earlier copies have
-    /// completed, because every task of the segment waited for them).
+    /// `registered[r]`: bytes of slot `r` page-locked from its start (0: none), changed only
+    /// under the running job's pin lock for the slot, before any copy of the job out of it
+    /// ([`SegJob::pin_slot`]).
     registered: Vec<AtomicUsize>,
     /// The running job's timing events, when it is traced.
     timing: Mutex<Option<GpuTimes>>,
@@ -318,8 +343,9 @@ pub(crate) struct SegRes {
 // SAFETY: shared use only reads the mapping's address; the bytes behind it are written by one
 // worker per task span (spans of one segment are disjoint, tasks are taken once) and read by
 // the DMA only after the segment's last task is done; a slot is rewritten only after its event
-// completed (the ring protocol in the module docs); a slot is registered only by the worker
-// that issues its segment's copies (one per segment). Streams and events are Send + Sync.
+// completed (the ring protocol in the module docs); a slot is registered under the job's pin
+// lock for it, before any copy out of it (SegJob::pin_slot). Streams and events are Send +
+// Sync.
 unsafe impl Sync for SegRes {}
 // SAFETY: as above; the mapping is plain memory owned by this value.
 unsafe impl Send for SegRes {}
@@ -634,15 +660,25 @@ pub(crate) struct SegJob<'r, R: Ring + ?Sized> {
     /// Copy streams this job uses.
     nstreams: usize,
     layout: Layout,
+    /// Per slot: the bytes it is page-locked for, for every segment of the job at once (so a
+    /// slot is locked at most once per job and never unlocked under a copy of the job).
+    need: Vec<usize>,
+    /// Per slot: held while the slot is being page-locked (by the caller's pin-ahead or by the
+    /// worker issuing its copies, whoever comes first; the other finds it done).
+    pin_locks: Vec<Mutex<()>>,
     remaining: Vec<AtomicUsize>,
     slots: Vec<(Mutex<SlotState>, Condvar)>,
     /// Copies issued (for tests and reports).
     pub copies: AtomicUsize,
 }
 
+/// The worker index the trace gives the calling thread.
+const CALLER: usize = usize::MAX;
+
 impl<'r, R: Ring + ?Sized> SegJob<'r, R> {
     pub fn new(res: &'r R, layout: Layout, nseg: usize, nstreams: usize) -> Self {
         let nseg = nseg.clamp(1, res.slots());
+        let need = layout.slot_needs(nseg);
         SegJob {
             res,
             nseg,
@@ -653,6 +689,8 @@ impl<'r, R: Ring + ?Sized> SegJob<'r, R> {
                 .map(|r| AtomicUsize::new(r.len()))
                 .collect(),
             layout,
+            need,
+            pin_locks: (0..nseg).map(|_| Mutex::new(())).collect(),
             slots: (0..nseg)
                 .map(|_| (Mutex::new(SlotState::default()), Condvar::new()))
                 .collect(),
@@ -683,6 +721,43 @@ impl<'r, R: Ring + ?Sized> SegJob<'r, R> {
         Ok(true)
     }
 
+    /// Page-locks slot `r` as far as any segment of the job needs (a no-op when it already
+    /// is), as worker `w` (the trace's [`CALLER`]: the calling thread). Under the slot's pin
+    /// lock: the first to come locks it, anyone else waits for that and finds it done. No copy
+    /// of this job out of the slot exists before the slot is locked (copies are issued only
+    /// after this returned), and the earlier jobs' copies were drained: a smaller registration
+    /// left by an earlier job can be replaced.
+    fn pin_slot(&self, job: &Job<'_>, r: usize, w: usize) -> Result<()> {
+        let need = self.need[r];
+        if need == 0 || self.res.is_registered(r, need) {
+            return Ok(());
+        }
+        let _g = self.pin_locks[r].lock().unwrap_or_else(|p| p.into_inner());
+        let t0 = job.t_now();
+        let locked = self.res.ensure_registered(r, need)?;
+        if let (Some(t), true) = (job.trace(), locked > 0) {
+            t.pinned(r, w, t0, locked);
+        }
+        Ok(())
+    }
+
+    /// On the calling thread while the workers read: page-locks the job's slots in ring order,
+    /// each as far as the job needs, so that a segment's copies find their slot locked instead
+    /// of locking it themselves when its reads are done (slot `k + 1` is locked while `k` is
+    /// filled). Stops when the job aborted; an error fails the job. The caller bound the
+    /// ring's context.
+    pub fn pin_ahead(&self, job: &Job<'_>) {
+        for r in 0..self.nseg.min(self.layout.segs.len()) {
+            if job.aborted() {
+                return;
+            }
+            if let Err(e) = self.pin_slot(job, r, CALLER) {
+                job.fail(e);
+                return;
+            }
+        }
+    }
+
     /// Issues segment `g`'s copies (all its tasks are read), as worker `w`: the slot is
     /// page-locked first, then the destination is waited for (when it is allocated while the
     /// job runs), then the copies are enqueued and the slot's marker recorded.
@@ -696,12 +771,8 @@ impl<'r, R: Ring + ?Sized> SegJob<'r, R> {
             |i| job.done[i].load(Ordering::Acquire),
         );
         let stream = g % self.nstreams;
-        if let Some(need) = runs.iter().map(|x| x.slot_off + x.len).max() {
-            let t0 = job.t_now();
-            let locked = self.res.ensure_registered(r, need)?;
-            if let (Some(t), true) = (job.trace(), locked > 0) {
-                t.pinned(r, t0, locked);
-            }
+        if !runs.is_empty() {
+            self.pin_slot(job, r, w)?;
             let t0 = job.t_now();
             if !job.wait_dst()? {
                 // The allocation failed (the job is failed and aborting): no copy.
@@ -716,10 +787,11 @@ impl<'r, R: Ring + ?Sized> SegJob<'r, R> {
             let dst = job.dev_ptr(run.buf, run.buf_off)?;
             debug_assert!(self.res.is_registered(r, run.slot_off + run.len));
             // SAFETY: the source is `run.len` payload bytes read into slot r (layout:
-            // slot_off + len <= the segment's bytes <= the slot), page-locked above, not
-            // rewritten until the marker recorded below completes (wait()); the destination is
-            // inside the task's own range of a caller's device buffer (Job::batch contract),
-            // allocated (wait_dst above); the context is current on this worker.
+            // slot_off + len <= the segment's bytes <= the slot), page-locked that far
+            // (pin_slot: need[r] covers every payload of the slot's segments), not rewritten
+            // until the marker recorded below completes (wait()); the destination is inside the
+            // task's own range of a caller's device buffer (Job::batch contract), allocated
+            // (wait_dst above); the context is current on this worker.
             unsafe { self.res.copy(dst, slot.add(run.slot_off), run.len, stream) }?;
         }
         self.copies.fetch_add(runs.len(), Ordering::Relaxed);
@@ -825,10 +897,12 @@ pub(crate) struct RunEnd {
 
 /// Runs `job` (a read into device memory) through ring `res` on up to `threads` workers of
 /// `pool`, while the calling thread runs `caller` (it may allocate the job's deferred
-/// destination and open its gate). A panic on a worker or in `caller` fails the job, so no
-/// other worker waits for what the panicking one would have done. Every copy is drained
-/// before this returns. Returns the copies issued and the drain's outcome: when draining
-/// failed, copies may still read the ring and the caller must never unmap it.
+/// destination and open its gate) and then page-locks the job's slots ahead of the workers
+/// ([`SegJob::pin_ahead`]; the caller bound the ring's context). A panic on a worker or in
+/// `caller` fails the job, so no other worker waits for what the panicking one would have
+/// done. Every copy is drained before this returns. Returns the copies issued and the drain's
+/// outcome: when draining failed, copies may still read the ring and the caller must never
+/// unmap it.
 pub(crate) fn run<R: Ring + ?Sized>(
     pool: &super::pool::Pool,
     job: &Job<'_>,
@@ -875,7 +949,11 @@ pub(crate) fn run<R: Ring + ?Sized>(
         || {
             // Caught here and re-raised by the caller of `run` after the drain: copies may be
             // in flight into a destination the unwinding would free.
-            if let Err(p) = catch_unwind(AssertUnwindSafe(caller)) {
+            let r = catch_unwind(AssertUnwindSafe(|| {
+                caller();
+                sj.pin_ahead(job);
+            }));
+            if let Err(p) = r {
                 job.fail(super::panicked());
                 panic = Some(p);
             }
@@ -1154,8 +1232,12 @@ mod pipeline_tests {
         /// Set when the destination exists (a deferred one: after its allocation).
         dev_exists: AtomicBool,
         copies_enqueued: AtomicUsize,
+        /// Workers wait this long when they bind (start a job): holds them back.
+        worker_bind_delay: Duration,
         /// The copy with this index (in enqueue order) panics instead (`usize::MAX`: none).
         panic_at_copy: usize,
+        /// Every page-locking: (slot, done by a pool worker rather than the calling thread).
+        pins: Mutex<Vec<(usize, bool)>>,
         shared: Arc<Shared>,
         threads: Vec<std::thread::JoinHandle<()>>,
     }
@@ -1237,7 +1319,9 @@ mod pipeline_tests {
                 registered: (0..nslots).map(|_| AtomicUsize::new(0)).collect(),
                 dev,
                 dev_exists: AtomicBool::new(true),
+                worker_bind_delay: Duration::ZERO,
                 panic_at_copy: usize::MAX,
+                pins: Mutex::new(Vec::new()),
                 copies_enqueued: AtomicUsize::new(0),
                 shared,
                 threads,
@@ -1280,6 +1364,9 @@ mod pipeline_tests {
             unsafe { self.mem.add(r * self.slot_bytes) }
         }
         fn bind(&self) -> Result<()> {
+            if on_worker() {
+                std::thread::sleep(self.worker_bind_delay);
+            }
             Ok(())
         }
         fn ensure_registered(&self, r: usize, need: usize) -> Result<usize> {
@@ -1288,6 +1375,11 @@ mod pipeline_tests {
             if have >= need {
                 return Ok(0);
             }
+            assert_eq!(
+                have, 0,
+                "slot {r} locked twice in one job ({have} bytes, then {need})"
+            );
+            self.pins.lock().unwrap().push((r, on_worker()));
             self.registered[r].store(need, Ordering::SeqCst);
             Ok(need)
         }
@@ -1359,6 +1451,13 @@ mod pipeline_tests {
             }
             Ok(())
         }
+    }
+
+    /// Whether the calling thread is a worker of a test pool (named `test-seg*`).
+    fn on_worker() -> bool {
+        std::thread::current()
+            .name()
+            .is_some_and(|n| n.starts_with("test-seg"))
     }
 
     fn scratch(name: &str, bytes: &[u8]) -> std::path::PathBuf {
@@ -1439,12 +1538,15 @@ mod pipeline_tests {
         }
     }
 
-    /// What the run returned, the "device" bytes, copies enqueued and run.
+    /// What the run returned, the "device" bytes, copies enqueued and run, the page-lockings
+    /// (slot, by a worker) and the job's segments.
     struct Ran {
         result: Result<super::super::Outcome>,
         dev: Vec<u8>,
         enqueued: usize,
         run: usize,
+        pins: Vec<(usize, bool)>,
+        segs: usize,
     }
 
     /// Runs a case through the real SegJob on a real pool; `deferred`: the destination is
@@ -1469,6 +1571,8 @@ mod pipeline_tests {
         deferred: bool,
         alloc_delay: Duration,
         alloc_fails: bool,
+        /// Workers are held back this long when they start.
+        bind_delay: Duration,
         /// The copy with this index (0-based, in enqueue order) panics on its worker.
         panic_at_copy: Option<usize>,
     }
@@ -1497,7 +1601,9 @@ mod pipeline_tests {
         let base = dev.as_mut_ptr() as usize;
         let seg_bytes = tasks_per_segment(c.seg.segment_size, c.piece) * c.piece;
         let mut ring = FakeRing::new(seg_bytes, c.seg.segments, c.seg.streams, (base, c.dev_len));
+        ring.worker_bind_delay = k.bind_delay;
         ring.panic_at_copy = k.panic_at_copy.unwrap_or(usize::MAX);
+        let segs = layout(&tasks, seg_bytes).segs.len();
         let gate = DstGate::new();
         let mem = if deferred {
             Mem::Deferred
@@ -1542,6 +1648,7 @@ mod pipeline_tests {
         let result = job.outcome(end.copies);
         let enqueued = ring.copies_enqueued.load(Ordering::SeqCst);
         let run = ring.shared.copies_run.load(Ordering::SeqCst);
+        let pins = std::mem::take(&mut *ring.pins.lock().unwrap());
         drop(ring);
         pool.shutdown();
         for p in &paths {
@@ -1552,6 +1659,8 @@ mod pipeline_tests {
             dev,
             enqueued,
             run,
+            pins,
+            segs,
         }
     }
 
@@ -1581,6 +1690,38 @@ mod pipeline_tests {
                 "a copy was still queued when the job returned"
             );
             check_bytes(&c, &r.dev);
+        }
+    }
+
+    /// The calling thread page-locks the first pass's slots ahead of the workers (slot k + 1
+    /// while k fills): with the workers held back at their start, every slot the job uses is
+    /// locked once, by the caller, before a worker could; and each slot as far as the
+    /// furthest segment staged in it reads (the fake ring asserts a copy never reads past
+    /// what is locked).
+    #[test]
+    fn the_caller_pins_the_slots_ahead_of_the_workers() {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(31);
+        for round in 0..6 {
+            let mut c = random_case(&mut rng, round % 2 == 1);
+            c.seg.segments = 3;
+            let r = run_case_with(
+                &c,
+                &Knobs {
+                    bind_delay: Duration::from_millis(40),
+                    ..Knobs::default()
+                },
+            );
+            let out = r.result.unwrap();
+            assert!(out.items.iter().all(|i| i.complete && i.error.is_none()));
+            check_bytes(&c, &r.dev);
+            let mut pins = r.pins.clone();
+            pins.sort();
+            let want: Vec<(usize, bool)> = (0..3.min(r.segs)).map(|s| (s, false)).collect();
+            assert_eq!(
+                pins, want,
+                "page-lockings (slot, by a worker) for {} segments",
+                r.segs
+            );
         }
     }
 

@@ -103,6 +103,10 @@ struct WorkerTrace {
     gate_us: AtomicU64,
 }
 
+/// One page-locking of a ring slot: (slot, worker (`usize::MAX`: the calling thread), start,
+/// end, bytes).
+type Pin = (usize, usize, u64, u64, usize);
+
 /// One segment's copies.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct CopyTrace {
@@ -125,8 +129,8 @@ pub(crate) struct JobTrace {
     io: Vec<[AtomicU64; 2]>,
     who: Vec<AtomicU32>,
     workers: Vec<WorkerTrace>,
-    /// (slot, start, end, bytes) of each page-locking.
-    pins: Mutex<Vec<(usize, u64, u64, usize)>>,
+    /// Each page-locking.
+    pins: Mutex<Vec<Pin>>,
     copies: Mutex<Vec<CopyTrace>>,
     notes: Mutex<Vec<(u64, String)>>,
     /// Task index ranges of the ring's first pass (segments < ring slots), for the IO summary.
@@ -206,13 +210,14 @@ impl JobTrace {
             .fetch_add(now_us() - t0, Ordering::Relaxed);
     }
 
-    /// Slot `slot` was page-locked (`bytes`) from `t0` to now.
-    pub fn pinned(&self, slot: usize, t0: u64, bytes: usize) {
+    /// Slot `slot` was page-locked (`bytes`) from `t0` to now by worker `w` (`usize::MAX`:
+    /// the calling thread).
+    pub fn pinned(&self, slot: usize, w: usize, t0: u64, bytes: usize) {
         let t1 = now_us();
         self.pins
             .lock()
             .unwrap_or_else(|p| p.into_inner())
-            .push((slot, t0, t1, bytes));
+            .push((slot, w, t0, t1, bytes));
     }
 
     /// A segment's copies were issued.
@@ -358,12 +363,17 @@ impl JobTrace {
             let _ = writeln!(s, "{p}   first tasks:{l}");
         }
         let mut pins = self.pins.lock().unwrap_or_else(|p| p.into_inner()).clone();
-        pins.sort_by_key(|x| x.1);
-        for (slot, a, b, n) in &pins {
+        pins.sort_by_key(|x| x.2);
+        for (slot, w, a, b, n) in &pins {
             let _ = writeln!(
                 s,
-                "{p}   slot {slot} page-locked {} MiB: {:.3}-{:.3} ({:.3} ms)",
+                "{p}   slot {slot} page-locked {} MiB by {}: {:.3}-{:.3} ({:.3} ms)",
                 n >> 20,
+                if *w == usize::MAX {
+                    "the caller".to_string()
+                } else {
+                    format!("w{w}")
+                },
                 rel(*a),
                 rel(*b),
                 ms(b - a)
@@ -459,7 +469,7 @@ mod tests {
                 .collect(),
             who: (0..3).map(|_| AtomicU32::new(0)).collect(),
             workers: (0..3).map(|_| WorkerTrace::default()).collect(),
-            pins: Mutex::new(vec![(0, 1_500, 2_300, 32 << 20)]),
+            pins: Mutex::new(vec![(0, usize::MAX, 1_500, 2_300, 32 << 20)]),
             copies: Mutex::new(vec![
                 CopyTrace {
                     seg: 1,
@@ -496,7 +506,7 @@ mod tests {
         assert!(s.contains("job test: 67108864 B in 3.000 ms"), "{s}");
         assert!(s.contains("     0.200  alloc done"), "{s}");
         assert!(
-            s.contains("slot 0 page-locked 32 MiB: 0.500-1.300 (0.800 ms)"),
+            s.contains("slot 0 page-locked 32 MiB by the caller: 0.500-1.300 (0.800 ms)"),
             "{s}"
         );
         // Segment 0 ran on the GPU from its issue (1.300) to 1.900: 33554432 B in 0.6 ms.
