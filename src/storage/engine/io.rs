@@ -167,6 +167,67 @@ fn open_direct(f: &File, path: &FsPath, write: bool) -> io::Result<File> {
     Ok(d)
 }
 
+/// Makes room in this process's descriptor table for `extra` more open files at once, in one
+/// step, before a batch opens them.
+///
+/// The kernel grows the table by doubling when an open needs a slot past its end, and in a
+/// process with more than one thread each growth waits for an RCU grace period
+/// (`expand_fdtable` calls `synchronize_rcu`). Opening 10,000 files from 16 threads grows it
+/// 8 times: measured 70-100 ms on the 2-core dev VM, where one growth straight to the final
+/// size cost 7-14 ms (and nothing in a single-threaded process). Best effort and cheap when the
+/// table is already large enough (one `fcntl`): capped below `RLIMIT_NOFILE`; errors ignored.
+pub(crate) fn reserve_fds(extra: usize) {
+    if extra < 64 {
+        return;
+    }
+    // A descriptor of our own to duplicate (0, 1, 2 may be closed).
+    // SAFETY: a NUL-terminated path; O_PATH opens nothing for IO.
+    let src = unsafe { libc::open(c"/".as_ptr(), libc::O_PATH | libc::O_CLOEXEC) };
+    if src < 0 {
+        return;
+    }
+    // SAFETY: fcntl on our descriptor, no pointers.
+    let low = unsafe { libc::fcntl(src, libc::F_DUPFD_CLOEXEC, 0) };
+    if low >= 0 {
+        // SAFETY: closing the descriptor just made.
+        unsafe { libc::close(low) };
+    }
+    let mut lim = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: a valid out-pointer.
+    let cap = if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) } == 0 {
+        usize::try_from(lim.rlim_cur).unwrap_or(usize::MAX)
+    } else {
+        usize::MAX
+    };
+    // Room for what is open now (about the lowest free descriptor), the batch, and a margin.
+    let target = (low.max(0) as usize)
+        .saturating_add(extra)
+        .saturating_add(64)
+        .min(cap.saturating_sub(1))
+        .min(i32::MAX as usize);
+    if target > low.max(0) as usize {
+        let t0 = super::trace::now_us();
+        // SAFETY: as above; the kernel allocates the lowest free descriptor >= target, growing
+        // the table to hold it, and closes nothing.
+        let high = unsafe { libc::fcntl(src, libc::F_DUPFD_CLOEXEC, target as libc::c_int) };
+        if high >= 0 {
+            // SAFETY: closing the descriptor just made.
+            unsafe { libc::close(high) };
+        }
+        super::trace::mark(|| {
+            format!(
+                "descriptor table: room for {target} made in {:.3} ms ({extra} files to open)",
+                (super::trace::now_us() - t0) as f64 / 1e3
+            )
+        });
+    }
+    // SAFETY: closing our own descriptor.
+    unsafe { libc::close(src) };
+}
+
 /// One positional read (`pread(2)`), the seam the read loops are tested through.
 pub(crate) trait PositionalRead {
     /// Reads at most `len` bytes at `off` into `buf`.
