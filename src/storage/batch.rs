@@ -1227,7 +1227,11 @@ impl<'a> WriteBatch<'a> {
             ctl.wait_for(&after, total)?;
             let dev = ctx.as_ref().map(|c| c.ordinal());
             let eng = engine::engine(dev, file.cfg.numa_pin)?;
-            let threads = file.threads_for(dev, direct);
+            let threads = if ctx.is_some() {
+                file.write_threads(dev, direct)
+            } else {
+                file.threads_for(dev, direct)
+            };
             // SAFETY: device buffers are the sources borrowed for 'a by this batch, in `ctx`;
             // host buffers are slices borrowed for 'a (only read: a write job); each task lies
             // inside its item's source range (checked above); no copy starts before the

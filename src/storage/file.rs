@@ -382,6 +382,19 @@ impl GpuFile {
         }
     }
 
+    /// Workers for a write from device memory (a gather write): the configured count, else
+    /// [`gather::DIRECT_WRITERS`](engine::gather::DIRECT_WRITERS) with O_DIRECT (one
+    /// sequential stream of large requests, what the disks we measured write fastest), the
+    /// default count for buffered writes (page-cache copies).
+    pub(super) fn write_threads(&self, device: Option<usize>, direct: bool) -> usize {
+        let pin = self.cfg.numa_pin && device.is_some();
+        match (self.cfg.threads, direct) {
+            (Some(n), _) => n.clamp(1, engine::MAX_THREADS),
+            (None, true) => engine::gather::DIRECT_WRITERS,
+            (None, false) => engine::default_threads(device, pin),
+        }
+    }
+
     pub(super) fn write_direct(&self) -> bool {
         self.fds.direct().is_some() && self.cfg.odirect_write != ODirect::Off
     }
@@ -734,7 +747,7 @@ impl GpuFile {
             let direct = self.write_direct();
             let dev = Some(ctx.ordinal());
             let engine = engine::engine(dev, self.cfg.numa_pin)?;
-            let threads = self.threads_for(dev, direct);
+            let threads = self.write_threads(dev, direct);
             let piece = self.cfg.piece_size();
             self.prepare_write(direct, file_offset, len)?;
             let tasks = plan(file_offset, len, piece, Dir::Write, direct);

@@ -13,9 +13,12 @@
 //!   destination the job allocates itself (`read_to_gpu`) is allocated on the calling thread
 //!   while the workers already read ([`Engine::run_deferred`], [`DstGate`]); the calling thread
 //!   also page-locks the ring's slots ahead of the workers.
-//! - **Lanes** (reads with [`Pipeline::Lanes`](crate::storage::Pipeline::Lanes), and writes
-//!   from the GPU): each worker double-buffers two pinned bounce buffers on its own stream;
-//!   writes enqueue `cuMemcpyDtoHAsync` of piece k+1 before `pwrite` of piece k.
+//! - **Lanes** (reads with [`Pipeline::Lanes`](crate::storage::Pipeline::Lanes)): each worker
+//!   double-buffers two pinned bounce buffers on its own stream.
+//! - **Gather writes** ([`gather`], every write from the GPU): the items are cut into large
+//!   sequential segments whatever their sizes and alignment, each staged whole by device→host
+//!   copies and written with one `pwrite` (O_DIRECT for the aligned part); the copies of
+//!   segment k+1 overlap the write of segment k.
 //! - **O_DIRECT**: reads over-read the aligned span into aligned memory; writes send unaligned
 //!   heads and tails through the page cache. EINVAL from an O_DIRECT call switches the file to
 //!   buffered IO for good. A short O_DIRECT read finishes through the page cache (it is not
@@ -38,6 +41,7 @@
 //!   callback per finished piece (progress).
 
 pub(crate) mod bounce;
+pub(crate) mod gather;
 pub(crate) mod io;
 pub(crate) mod numa;
 pub(crate) mod plan;
@@ -324,6 +328,16 @@ impl<'a> Job<'a> {
     /// The events the job is ordered after (see [`Control::after`]).
     fn after(&self) -> &[CudaEvent] {
         self.ctl.after
+    }
+
+    /// True when the control asks the job to stop (no new piece is taken).
+    fn cancel_requested(&self) -> bool {
+        self.ctl.cancel.is_some_and(|c| c.load(Ordering::Relaxed))
+    }
+
+    /// Records that the cancel flag stopped the job with work left.
+    fn cut_short(&self) {
+        self.cut.store(true, Ordering::Relaxed);
     }
 
     /// Whether the cancel flag stopped the job with tasks left.
@@ -723,6 +737,9 @@ impl Engine {
                 return self.run_segments(job, p, threads, |_| {});
             }
         }
+        if job.op == Op::Write && job.ctx.is_some() {
+            return self.run_gather(job, threads);
+        }
         let what = match (job.op, job.ctx.is_some()) {
             (Op::Read, true) => "read to the GPU (lanes)",
             (Op::Write, true) => "write from the GPU",
@@ -745,6 +762,56 @@ impl Engine {
         }
         job.finish_trace(&[]);
         job.outcome(0)
+    }
+
+    /// Runs a write from device memory as a gather write ([`gather`]): big sequential
+    /// segments, each staged whole through a worker's two pinned buffers, on up to `threads`
+    /// workers (segments of [`gather::segment_bytes`]).
+    fn run_gather(&self, mut job: Job<'_>, threads: usize) -> Result<Outcome> {
+        let ctx = job.ctx.clone().expect("device job");
+        let seg = gather::segment_bytes(threads);
+        let direct = job.tasks.iter().any(|t| t.direct);
+        let gather::WLayout { tasks, segs } = gather::plan(&job.tasks, seg, direct);
+        let threads = threads.min(segs.len()).max(1);
+        job.done = tasks.iter().map(|_| AtomicUsize::new(0)).collect();
+        job.tasks = tasks;
+        job.start_trace(
+            || {
+                format!(
+                    "write from GPU {} (gather: {} writes of up to {} MiB{})",
+                    ctx.ordinal(),
+                    segs.len(),
+                    seg >> 20,
+                    if direct { ", O_DIRECT" } else { "" }
+                )
+            },
+            threads,
+        );
+        let gj = gather::GatherJob::new(segs);
+        let ok = self.pool.run(threads, &|ws: &mut WorkerState| {
+            let _f = FailOnUnwind(&job);
+            if let Some(t) = job.trace() {
+                t.entered(ws.id);
+            }
+            let r = (|| -> Result<()> {
+                let li = ws.lane(&ctx)?;
+                // The copies out of the sources wait for the work pending on them.
+                job.order(&ws.lanes[li].stream)?;
+                ws.ensure_slot(0, seg, true)?;
+                ws.ensure_slot(1, seg, true)?;
+                let bufs = [ws.slot_ptr(0), ws.slot_ptr(1)];
+                gj.work(&job, &mut ws.lanes[li], bufs, ws.id)
+            })();
+            if let Err(e) = r {
+                job.fail(e);
+            }
+        });
+        self.note_spawns(&job);
+        if !ok {
+            job.fail(panicked());
+        }
+        job.finish_trace(&[]);
+        job.outcome(gj.copies.load(Ordering::Relaxed))
     }
 
     /// Trace: the threads the last pool run started.
@@ -990,7 +1057,7 @@ fn work(ws: &mut WorkerState, job: &Job<'_>) {
         (Op::Read, None) => host_read(ws, job),
         (Op::Write, None) => host_write(ws, job),
         (Op::Read, Some(ctx)) => dev_read(ws, job, ctx),
-        (Op::Write, Some(ctx)) => dev_write(ws, job, ctx),
+        (Op::Write, Some(_)) => Err(internal("a device write outside Engine::run_gather")),
     };
     if let Err(e) = r {
         job.fail(e);
@@ -1173,79 +1240,6 @@ fn dev_read(ws: &mut WorkerState, job: &Job<'_>, ctx: &Arc<CudaContext>) -> Resu
         Ok(())
     })();
     let d = lane.drain();
-    r.and(d)
-}
-
-fn dev_write(ws: &mut WorkerState, job: &Job<'_>, ctx: &Arc<CudaContext>) -> Result<()> {
-    let w = ws.id;
-    let li = ws.lane(ctx)?;
-    job.order(&ws.lanes[li].stream)?;
-    ws.ensure_slot(0, job.piece, true)?;
-    ws.ensure_slot(1, job.piece, true)?;
-    let bufs = [ws.slot_ptr(0), ws.slot_ptr(1)];
-    // A device task whose copy into bounce buffer `s` is enqueued: written next round.
-    let mut pending: Option<(usize, usize, Task)> = None;
-    let mut s = 0usize;
-    let r = (|| -> Result<()> {
-        loop {
-            let next = job.next();
-            let mut dev_next = false;
-            if let Some((_, t)) = &next {
-                if !job.item_failed(t.item) {
-                    if let Mem::Dev(base) = job.bufs[t.buf as usize] {
-                        dev_next = true;
-                        let lane = &mut ws.lanes[li];
-                        // SAFETY: the destination is our registered bounce buffer (piece >=
-                        // t.len bytes), not read until the event below completes; the source
-                        // lies inside the caller's device buffer (Job::batch contract); ctx is
-                        // current.
-                        unsafe {
-                            crate::cuda::result::mem::memcpy_dtoh_async(
-                                bufs[s],
-                                base + t.buf_off as u64,
-                                t.len,
-                                lane.stream.cu_stream(),
-                            )
-                        }?;
-                        lane.record_slot(s)?;
-                    }
-                }
-            }
-            if let Some((ps, pi, pt)) = pending.take() {
-                let t0 = job.t_now();
-                ws.lanes[li].wait_slot(ps)?;
-                if let Some(tr) = job.trace() {
-                    tr.waited(w, t0);
-                }
-                let t0 = job.t_now();
-                let r = write_task(job, &pt, bufs[ps]);
-                if let Some(tr) = job.trace() {
-                    tr.io(w, pi, t0);
-                }
-                match r {
-                    Ok(()) => job.finish(pi, pt.len),
-                    Err(e) => job.fail_item(pt.item, e)?,
-                }
-            }
-            match next {
-                Some((i, t)) if dev_next => {
-                    pending = Some((s, i, t));
-                    s ^= 1;
-                }
-                Some((i, t)) => {
-                    if !job.item_failed(t.item) {
-                        // A host source (e.g. a header) in a device write job.
-                        match write_host_task(ws, job, &t) {
-                            Ok(()) => job.finish(i, t.len),
-                            Err(e) => job.fail_item(t.item, e)?,
-                        }
-                    }
-                }
-                None => return Ok(()),
-            }
-        }
-    })();
-    let d = ws.lanes[li].drain();
     r.and(d)
 }
 
