@@ -23,6 +23,10 @@
 //! - `4 KiB random read latency`: `GpuFile::read_to_device` of 4 KiB at random aligned offsets
 //!   of the cached file, vs `pread` into pinned memory + `cuMemcpyHtoD`; medians and p99.
 //! - `warm` rows beside each: the same call again in the same process (steady state).
+//! - One more fresh sample of the page-cached 4 GiB row and of the 10k-files row runs with
+//!   `GPUDIRECT_TRACE=timing` (out of the medians, as `... (traced)`); its trace lines (both
+//!   calls of the child) are printed after the table: where a fresh process's first call spends
+//!   its time against the warm second.
 //!
 //! Environment: `GPUDIRECT_BENCH_DIR` (default `GPUDIRECT_TEST_DIR`, else /var/tmp/gpudirect-test),
 //! `GPUDIRECT_BENCH_SIZE` (4G), `GPUDIRECT_BENCH_RUNS` (5), `GPUDIRECT_BENCH_FILES` (10000),
@@ -385,6 +389,8 @@ struct Runner {
     python: String,
     t0: Instant,
     samples: Vec<Value>,
+    /// Traced samples: (row, the child's `gpudirect-trace` lines).
+    traces: Vec<(String, Vec<String>)>,
 }
 
 impl Runner {
@@ -431,6 +437,41 @@ impl Runner {
                 .push(json!({"bench": "storage_oneshot", "row": row, "sample": v}));
         }
         v
+    }
+
+    /// Runs one more child with `GPUDIRECT_TRACE=timing` and keeps its trace lines (stderr,
+    /// `gpudirect-trace ...`) for the report; its sample is recorded under `row (traced)`, out of
+    /// the medians.
+    fn traced(&mut self, row: &str, mut cmd: Command) {
+        cmd.env("GPUDIRECT_TRACE", "timing");
+        let name = format!("{row} (traced)");
+        let out = match cmd.output() {
+            Ok(o) => o,
+            Err(e) => {
+                self.note(&name, &format!("could not start: {e}"));
+                return;
+            }
+        };
+        let text = String::from_utf8_lossy(&out.stdout);
+        match text
+            .lines()
+            .rev()
+            .find(|l| l.starts_with('{'))
+            .and_then(|l| serde_json::from_str::<Value>(l).ok())
+        {
+            Some(v) if out.status.success() && v.get("error").is_none() => {
+                self.log(&format!("{name}: {v}"));
+                self.samples
+                    .push(json!({"bench": "storage_oneshot", "row": name, "sample": v}));
+            }
+            _ => self.note(&name, &format!("the traced child failed ({})", out.status)),
+        }
+        let lines: Vec<String> = String::from_utf8_lossy(&out.stderr)
+            .lines()
+            .filter(|l| l.starts_with("gpudirect-trace"))
+            .map(str::to_string)
+            .collect();
+        self.traces.push((name, lines));
     }
 
     fn note(&mut self, row: &str, msg: &str) {
@@ -583,6 +624,7 @@ fn parent() -> Res<()> {
         python: env("GPUDIRECT_BENCH_PYTHON", "python3"),
         t0: Instant::now(),
         samples: Vec::new(),
+        traces: Vec::new(),
     };
     std::fs::create_dir_all(&dir)?;
     let big = dir.join("one-tensor.safetensors");
@@ -621,6 +663,7 @@ fn parent() -> Res<()> {
             rows.entry(name).or_default().extend(v);
         }
     }
+    r.traced("gd fresh cached", r.me(&["gd", &big_s]));
     // tmpfs.
     let shm_file = shm.join("one-tensor.safetensors");
     let tmpfs_ok = std::fs::create_dir_all(&shm).is_ok() && std::fs::copy(&big, &shm_file).is_ok();
@@ -702,6 +745,7 @@ fn parent() -> Res<()> {
             rows.entry(name).or_default().extend(v);
         }
     }
+    r.traced("gd fresh 10k files", r.me(&["batch", &small_s, &n_s, &f_s]));
     // Latency.
     warm_cache(&big)?;
     let lat = r.run("4 KiB random reads", r.me(&["rand4k", &big_s, "4000"]));
@@ -860,6 +904,17 @@ fn parent() -> Res<()> {
         "(GB/s = 1e9 bytes/s; elapsed {:.0} s)\n",
         r.t0.elapsed().as_secs_f64()
     );
+    for (row, lines) in &r.traces {
+        println!("## timing trace: {row} (GPUDIRECT_TRACE=timing; the first call, then the same process's second)\n");
+        println!("```");
+        for l in lines {
+            println!("{l}");
+        }
+        if lines.is_empty() {
+            println!("(no trace lines)");
+        }
+        println!("```\n");
+    }
     for s in &r.samples {
         println!("{s}");
     }
