@@ -9,6 +9,8 @@ use std::path::PathBuf;
 
 use crate::path::{Cause, TransferPath};
 
+#[cfg(feature = "safetensors")]
+pub(crate) mod checkpoint;
 pub(crate) mod cufile;
 mod verbs;
 
@@ -173,7 +175,7 @@ pub enum Error {
         /// The tensor to blame, when there is one.
         tensor: Option<String>,
         /// What is wrong.
-        problem: crate::safetensors::Problem,
+        problem: checkpoint::Problem,
     },
 
     /// A batch (`storage::ReadBatch`, `WriteBatch`) was refused before any byte moved, because

@@ -1,155 +1,14 @@
-//! The format's element types ([`Dtype`]) and the Rust types a tensor can be viewed as
-//! ([`Element`]).
-
-use std::fmt;
+//! The Rust types a tensor can be viewed as ([`Element`]), and how a [`Dtype`] (which lives in
+//! the core, beside the [`Problem`](super::Problem) that names it) maps to the `safetensors`
+//! crate's.
 
 use cudarc::driver::{DeviceRepr, ValidAsZeroBits};
-use serde::Serialize;
 
-/// An element type of the safetensors format (the header's `"dtype"` string).
-///
-/// Every dtype the format defines (safetensors 0.8) is here, including the sub-byte and
-/// micro-scaling ones; those without a Rust [`Element`] type are still loaded and saved as
-/// bytes ([`TensorRef::bytes`](super::TensorRef::bytes)).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
-#[non_exhaustive]
-#[allow(non_camel_case_types)] // the format's own names
-pub enum Dtype {
-    /// `BOOL`: one byte per element, 0 or 1 (read as [`u8`]: a file byte that is neither would
-    /// make a Rust `bool` unsound).
-    BOOL,
-    /// `F4`: 4-bit MX float (two per byte).
-    F4,
-    /// `F6_E2M3`: 6-bit MX float.
-    F6_E2M3,
-    /// `F6_E3M2`: 6-bit MX float.
-    F6_E3M2,
-    /// `U8`.
-    U8,
-    /// `I8`.
-    I8,
-    /// `F8_E5M2` ([`F8E5M2`]).
-    F8_E5M2,
-    /// `F8_E4M3` ([`F8E4M3`]).
-    F8_E4M3,
-    /// `F8_E8M0`: MX scale (bytes only).
-    F8_E8M0,
-    /// `F8_E4M3FNUZ` (bytes only).
-    F8_E4M3FNUZ,
-    /// `F8_E5M2FNUZ` (bytes only).
-    F8_E5M2FNUZ,
-    /// `I16`.
-    I16,
-    /// `U16`.
-    U16,
-    /// `F16` ([`half::f16`]).
-    F16,
-    /// `BF16` ([`half::bf16`]).
-    BF16,
-    /// `I32`.
-    I32,
-    /// `U32`.
-    U32,
-    /// `F32`.
-    F32,
-    /// `C64`: complex of two f32 (bytes only).
-    C64,
-    /// `F64`.
-    F64,
-    /// `I64`.
-    I64,
-    /// `U64`.
-    U64,
-}
-
-/// Every dtype, in the format's order of increasing alignment.
-pub(crate) const ALL: [Dtype; 22] = [
-    Dtype::BOOL,
-    Dtype::F4,
-    Dtype::F6_E2M3,
-    Dtype::F6_E3M2,
-    Dtype::U8,
-    Dtype::I8,
-    Dtype::F8_E5M2,
-    Dtype::F8_E4M3,
-    Dtype::F8_E8M0,
-    Dtype::F8_E4M3FNUZ,
-    Dtype::F8_E5M2FNUZ,
-    Dtype::I16,
-    Dtype::U16,
-    Dtype::F16,
-    Dtype::BF16,
-    Dtype::I32,
-    Dtype::U32,
-    Dtype::F32,
-    Dtype::C64,
-    Dtype::F64,
-    Dtype::I64,
-    Dtype::U64,
-];
+pub use crate::error::checkpoint::Dtype;
+#[cfg(test)]
+use crate::error::checkpoint::ALL;
 
 impl Dtype {
-    /// The header's name for it, e.g. `"BF16"`.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Dtype::BOOL => "BOOL",
-            Dtype::F4 => "F4",
-            Dtype::F6_E2M3 => "F6_E2M3",
-            Dtype::F6_E3M2 => "F6_E3M2",
-            Dtype::U8 => "U8",
-            Dtype::I8 => "I8",
-            Dtype::F8_E5M2 => "F8_E5M2",
-            Dtype::F8_E4M3 => "F8_E4M3",
-            Dtype::F8_E8M0 => "F8_E8M0",
-            Dtype::F8_E4M3FNUZ => "F8_E4M3FNUZ",
-            Dtype::F8_E5M2FNUZ => "F8_E5M2FNUZ",
-            Dtype::I16 => "I16",
-            Dtype::U16 => "U16",
-            Dtype::F16 => "F16",
-            Dtype::BF16 => "BF16",
-            Dtype::I32 => "I32",
-            Dtype::U32 => "U32",
-            Dtype::F32 => "F32",
-            Dtype::C64 => "C64",
-            Dtype::F64 => "F64",
-            Dtype::I64 => "I64",
-            Dtype::U64 => "U64",
-        }
-    }
-
-    /// Parses the header's name (exact, case-sensitive, as the format requires).
-    pub fn parse(s: &str) -> Option<Dtype> {
-        ALL.into_iter().find(|d| d.as_str() == s)
-    }
-
-    /// Bits per element (4 and 6 for the sub-byte MX types).
-    pub fn bits(self) -> usize {
-        match self {
-            Dtype::F4 => 4,
-            Dtype::F6_E2M3 | Dtype::F6_E3M2 => 6,
-            Dtype::BOOL
-            | Dtype::U8
-            | Dtype::I8
-            | Dtype::F8_E5M2
-            | Dtype::F8_E4M3
-            | Dtype::F8_E8M0
-            | Dtype::F8_E4M3FNUZ
-            | Dtype::F8_E5M2FNUZ => 8,
-            Dtype::I16 | Dtype::U16 | Dtype::F16 | Dtype::BF16 => 16,
-            Dtype::I32 | Dtype::U32 | Dtype::F32 => 32,
-            Dtype::C64 | Dtype::F64 | Dtype::I64 | Dtype::U64 => 64,
-        }
-    }
-
-    /// The alignment a typed view of this dtype needs in device memory, in bytes (1 for
-    /// sub-byte types; C64's is its f32 parts').
-    pub fn align(self) -> usize {
-        match self {
-            Dtype::C64 => 4,
-            d => (d.bits() / 8).max(1),
-        }
-    }
-
     /// The `safetensors` crate's name for it (its validation is the reference).
     pub(crate) fn to_crate(self) -> ::safetensors::Dtype {
         use ::safetensors::Dtype as D;
@@ -177,12 +36,6 @@ impl Dtype {
             Dtype::I64 => D::I64,
             Dtype::U64 => D::U64,
         }
-    }
-}
-
-impl fmt::Display for Dtype {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.as_str())
     }
 }
 

@@ -19,7 +19,7 @@ use serde::ser::SerializeMap;
 use serde::{Deserialize, Serialize, Serializer};
 
 use super::dtype::Dtype;
-use super::problem::Problem;
+use super::Problem;
 use crate::error::{Error, Result};
 
 /// The format's limit on the header length (the `safetensors` crate's `MAX_HEADER_SIZE`).

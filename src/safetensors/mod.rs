@@ -65,10 +65,10 @@ mod header;
 mod load;
 mod placement;
 mod plan;
-mod problem;
 mod save;
 mod source;
 
+pub use crate::error::checkpoint::Problem;
 pub use dtype::{Dtype, Element, F8E4M3, F8E5M2};
 pub use fanout::{load_placed, load_replicated, DevicePlan, FanOutPlan, MultiCheckpoint};
 pub use filter::Filter;
@@ -79,7 +79,6 @@ pub use load::{
     OwnedCheckpoint, OwnedTensor, Progress, TensorData, TensorRef,
 };
 pub use placement::Placement;
-pub use problem::Problem;
 pub use save::{save, SaveOptions, SaveReport, SaveTensor};
 pub use source::{Index, Source, INDEX_FILE, SINGLE_FILE};
 

@@ -6,7 +6,7 @@ use std::ops::Range;
 use super::dtype::Dtype;
 use super::filter::glob;
 use super::plan::Selected;
-use super::problem::Problem;
+use super::Problem;
 
 /// Which tensors (or byte ranges of tensors) each GPU of a multi-GPU load gets.
 ///

@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 use serde::Deserialize;
 
 use super::header::{self, Header};
-use super::problem::Problem;
+use super::Problem;
 use crate::error::{Error, Result};
 
 /// The index file's name in a model directory.
