@@ -100,7 +100,7 @@ pub struct CompletionQueue {
     ctx: Arc<Context>,
     /// Test seam: the next this-many polls fail as `ibv_poll_cq` errors (EIO).
     #[cfg(test)]
-    pub(crate) fail_polls: std::sync::atomic::AtomicU32,
+    pub(in crate::rdma) fail_polls: std::sync::atomic::AtomicU32,
 }
 
 /// Completions read by one party but meant for another.
@@ -186,11 +186,11 @@ impl CompletionQueue {
         self.channel.as_ref()
     }
 
-    pub(crate) fn as_ptr(&self) -> NonNull<sys::ibv_cq> {
+    pub(in crate::rdma) fn as_ptr(&self) -> NonNull<sys::ibv_cq> {
         self.raw
     }
 
-    pub(crate) fn context(&self) -> &Arc<Context> {
+    pub(in crate::rdma) fn context(&self) -> &Arc<Context> {
         &self.ctx
     }
 
@@ -277,7 +277,7 @@ impl CompletionQueue {
     /// Waits (busy-polling, then yielding, then sleeping) until `deadline` for the completion
     /// of the helper work request `wr_id`, parking every other completion for its owner.
     /// `Ok(None)` at the deadline.
-    pub(crate) fn wait_helper(
+    pub(in crate::rdma) fn wait_helper(
         &self,
         wr_id: u64,
         deadline: Instant,

@@ -73,7 +73,7 @@ unsafe impl Send for Scoped<'_> {}
 unsafe impl Sync for Scoped<'_> {}
 
 impl Scoped<'_> {
-    pub(crate) fn new(buf: &mut [u8]) -> Scoped<'_> {
+    pub(in crate::rdma) fn new(buf: &mut [u8]) -> Scoped<'_> {
         Scoped {
             len: buf.len(),
             ptr: NonNull::from(buf).cast(),
@@ -90,7 +90,7 @@ impl fmt::Debug for Scoped<'_> {
 
 /// The registration itself (no `Drop`: [`MemoryRegion`] deregisters, and decides what happens
 /// to the memory when that fails). Holds its PD.
-pub(crate) struct MrHandle {
+pub(in crate::rdma) struct MrHandle {
     raw: NonNull<sys::ibv_mr>,
     pd: Arc<ProtectionDomain>,
 }
@@ -103,7 +103,7 @@ unsafe impl Send for MrHandle {}
 unsafe impl Sync for MrHandle {}
 
 impl MrHandle {
-    pub(crate) fn new(raw: NonNull<sys::ibv_mr>, pd: Arc<ProtectionDomain>) -> Self {
+    pub(in crate::rdma) fn new(raw: NonNull<sys::ibv_mr>, pd: Arc<ProtectionDomain>) -> Self {
         MrHandle { raw, pd }
     }
 
@@ -219,7 +219,7 @@ impl<B> Drop for MemoryRegion<B> {
 }
 
 impl MemoryRegion<()> {
-    pub(crate) fn from_handle(handle: MrHandle) -> Self {
+    pub(in crate::rdma) fn from_handle(handle: MrHandle) -> Self {
         MemoryRegion {
             handle,
             owner: ManuallyDrop::new(()),
@@ -242,24 +242,24 @@ impl MemoryRegion<()> {
 impl<B> MemoryRegion<B> {
     /// Makes the post-and-wait helpers call `f` on the owner before every work request that
     /// lets the NIC read the region.
-    pub(crate) fn with_before_nic_read(mut self, f: fn(&B) -> Result<()>) -> Self {
+    pub(in crate::rdma) fn with_before_nic_read(mut self, f: fn(&B) -> Result<()>) -> Self {
         self.before_nic_read = Some(f);
         self
     }
 
     /// Runs the owner's preparation for a NIC read (see `with_before_nic_read`).
-    pub(crate) fn prepare_nic_read(&self) -> Result<()> {
+    pub(in crate::rdma) fn prepare_nic_read(&self) -> Result<()> {
         match self.before_nic_read {
             Some(f) => f(&self.owner),
             None => Ok(()),
         }
     }
 
-    pub(crate) fn owner_ref(&self) -> &B {
+    pub(in crate::rdma) fn owner_ref(&self) -> &B {
         &self.owner
     }
 
-    pub(crate) fn owner_mut(&mut self) -> &mut B {
+    pub(in crate::rdma) fn owner_mut(&mut self) -> &mut B {
         &mut self.owner
     }
 
@@ -522,7 +522,10 @@ impl MemoryRegion<Scoped<'_>> {
     }
 
     /// Turns a raw registration of `buf` into the scope's region.
-    pub(crate) fn scoped(raw: MemoryRegion<()>, buf: Scoped<'_>) -> MemoryRegion<Scoped<'_>> {
+    pub(in crate::rdma) fn scoped(
+        raw: MemoryRegion<()>,
+        buf: Scoped<'_>,
+    ) -> MemoryRegion<Scoped<'_>> {
         raw.attach(buf)
     }
 }
@@ -540,7 +543,7 @@ pub struct Sge {
 }
 
 impl Sge {
-    pub(crate) fn to_raw(self) -> sys::ibv_sge {
+    pub(in crate::rdma) fn to_raw(self) -> sys::ibv_sge {
         sys::ibv_sge {
             addr: self.addr,
             length: self.len,

@@ -51,7 +51,7 @@ impl ProtectionDomain {
         &self.ctx
     }
 
-    pub(crate) fn as_ptr(&self) -> NonNull<sys::ibv_pd> {
+    pub(in crate::rdma) fn as_ptr(&self) -> NonNull<sys::ibv_pd> {
         self.raw
     }
 

@@ -101,7 +101,7 @@ impl ConnectionRecord {
         }
     }
 
-    pub(crate) fn validate(&self) -> Result<()> {
+    pub(in crate::rdma) fn validate(&self) -> Result<()> {
         if self.qpn > 0xff_ffff || self.psn > 0xff_ffff {
             return Err(Error::InvalidArgument(format!(
                 "connection record has qpn {:#x} / psn {:#x}: both are 24-bit values",
@@ -396,7 +396,7 @@ impl QueuePair {
         Ok(qp)
     }
 
-    pub(crate) fn modify(
+    pub(in crate::rdma) fn modify(
         &self,
         op: &'static str,
         a: &mut sys::ibv_qp_attr,
@@ -1009,7 +1009,7 @@ impl QueuePair {
 
 /// How long a helper waits for the flush of a work request after moving its QP to ERR. Flush
 /// completions come within microseconds on a live device.
-pub(crate) const FLUSH_WAIT: Duration = Duration::from_secs(10);
+pub(in crate::rdma) const FLUSH_WAIT: Duration = Duration::from_secs(10);
 
 /// `now + wait`, or (for a wait too long to represent, e.g. `Duration::MAX`) a century from now.
 fn deadline(wait: Duration) -> Instant {

@@ -12,11 +12,11 @@ use sys::Ibverbs;
 use crate::error::{Error, Result};
 
 /// The hint attached to a missing libibverbs.
-pub(crate) const IBVERBS_HINT: &str =
+pub(in crate::rdma) const IBVERBS_HINT: &str =
     "install rdma-core's user-space verbs library (apt-get install libibverbs1 ibverbs-providers) or set GPUDIRECT_IBVERBS_LIB to its path";
 
 /// Converts a loader error into the crate's error.
-pub(crate) fn unavailable(e: sys::LoadError, hint: &str) -> Error {
+pub(in crate::rdma) fn unavailable(e: sys::LoadError, hint: &str) -> Error {
     Error::LibraryUnavailable {
         name: e.library,
         tried: e.tried,
@@ -25,7 +25,7 @@ pub(crate) fn unavailable(e: sys::LoadError, hint: &str) -> Error {
 }
 
 /// The process-wide libibverbs.
-pub(crate) fn ibverbs() -> Result<&'static Ibverbs> {
+pub(in crate::rdma) fn ibverbs() -> Result<&'static Ibverbs> {
     Ibverbs::get().map_err(|e| unavailable(e, IBVERBS_HINT))
 }
 
@@ -63,7 +63,7 @@ fn null_err(op: &'static str) -> Error {
 }
 
 /// An error from a call that returns an errno (0 = success).
-pub(crate) fn rc(op: &'static str, code: i32) -> Result<()> {
+pub(in crate::rdma) fn rc(op: &'static str, code: i32) -> Result<()> {
     match code {
         0 => Ok(()),
         // Some providers return -errno or -1 with errno set; normalise.
@@ -84,7 +84,7 @@ fn nonnull<T>(op: &'static str, p: *mut T) -> Result<NonNull<T>> {
 
 /// `ibv_get_device_list`: the list and its length. The list must be freed with
 /// [`free_device_list`].
-pub(crate) unsafe fn get_device_list(
+pub(in crate::rdma) unsafe fn get_device_list(
     lib: &Ibverbs,
 ) -> Result<(NonNull<*mut sys::ibv_device>, usize)> {
     let f = sym!(lib, ibv_get_device_list);
@@ -97,7 +97,7 @@ pub(crate) unsafe fn get_device_list(
 }
 
 /// `ibv_free_device_list`.
-pub(crate) unsafe fn free_device_list(lib: &Ibverbs, list: NonNull<*mut sys::ibv_device>) {
+pub(in crate::rdma) unsafe fn free_device_list(lib: &Ibverbs, list: NonNull<*mut sys::ibv_device>) {
     if let Some(f) = lib.ibv_free_device_list {
         // SAFETY: `list` came from ibv_get_device_list (caller).
         unsafe { f(list.as_ptr()) }
@@ -105,7 +105,7 @@ pub(crate) unsafe fn free_device_list(lib: &Ibverbs, list: NonNull<*mut sys::ibv
 }
 
 /// `ibv_get_device_guid` (network byte order in C; returned in host order).
-pub(crate) unsafe fn get_device_guid(lib: &Ibverbs, dev: *mut sys::ibv_device) -> u64 {
+pub(in crate::rdma) unsafe fn get_device_guid(lib: &Ibverbs, dev: *mut sys::ibv_device) -> u64 {
     match lib.ibv_get_device_guid {
         // SAFETY: `dev` is an entry of a live device list (caller).
         Some(f) => u64::from_be(unsafe { f(dev) }),
@@ -114,7 +114,7 @@ pub(crate) unsafe fn get_device_guid(lib: &Ibverbs, dev: *mut sys::ibv_device) -
 }
 
 /// `ibv_open_device`.
-pub(crate) unsafe fn open_device(
+pub(in crate::rdma) unsafe fn open_device(
     lib: &Ibverbs,
     dev: *mut sys::ibv_device,
 ) -> Result<NonNull<sys::ibv_context>> {
@@ -125,14 +125,17 @@ pub(crate) unsafe fn open_device(
 }
 
 /// `ibv_close_device`.
-pub(crate) unsafe fn close_device(lib: &Ibverbs, ctx: NonNull<sys::ibv_context>) -> Result<()> {
+pub(in crate::rdma) unsafe fn close_device(
+    lib: &Ibverbs,
+    ctx: NonNull<sys::ibv_context>,
+) -> Result<()> {
     let f = sym!(lib, ibv_close_device);
     // SAFETY: `ctx` is a live context with no remaining children (caller).
     rc("ibv_close_device", unsafe { f(ctx.as_ptr()) })
 }
 
 /// `ibv_query_device`.
-pub(crate) unsafe fn query_device(
+pub(in crate::rdma) unsafe fn query_device(
     lib: &Ibverbs,
     ctx: NonNull<sys::ibv_context>,
 ) -> Result<sys::ibv_device_attr> {
@@ -145,7 +148,7 @@ pub(crate) unsafe fn query_device(
 }
 
 /// `ibv_query_port` (the header's macro, through the sys crate's equivalent).
-pub(crate) unsafe fn query_port(
+pub(in crate::rdma) unsafe fn query_port(
     lib: &Ibverbs,
     ctx: NonNull<sys::ibv_context>,
     port: u8,
@@ -160,7 +163,7 @@ pub(crate) unsafe fn query_port(
 }
 
 /// `ibv_query_gid_ex`.
-pub(crate) unsafe fn query_gid_ex(
+pub(in crate::rdma) unsafe fn query_gid_ex(
     lib: &Ibverbs,
     ctx: NonNull<sys::ibv_context>,
     port: u8,
@@ -176,7 +179,7 @@ pub(crate) unsafe fn query_gid_ex(
 }
 
 /// `ibv_query_gid_table`.
-pub(crate) unsafe fn query_gid_table(
+pub(in crate::rdma) unsafe fn query_gid_table(
     lib: &Ibverbs,
     ctx: NonNull<sys::ibv_context>,
     max: usize,
@@ -196,7 +199,7 @@ pub(crate) unsafe fn query_gid_table(
 }
 
 /// `ibv_query_gid` (the IB-era call, no GID type).
-pub(crate) unsafe fn query_gid(
+pub(in crate::rdma) unsafe fn query_gid(
     lib: &Ibverbs,
     ctx: NonNull<sys::ibv_context>,
     port: u8,
@@ -214,7 +217,7 @@ pub(crate) unsafe fn query_gid(
 }
 
 /// `ibv_alloc_pd`.
-pub(crate) unsafe fn alloc_pd(
+pub(in crate::rdma) unsafe fn alloc_pd(
     lib: &Ibverbs,
     ctx: NonNull<sys::ibv_context>,
 ) -> Result<NonNull<sys::ibv_pd>> {
@@ -225,14 +228,14 @@ pub(crate) unsafe fn alloc_pd(
 }
 
 /// `ibv_dealloc_pd`.
-pub(crate) unsafe fn dealloc_pd(lib: &Ibverbs, pd: NonNull<sys::ibv_pd>) -> Result<()> {
+pub(in crate::rdma) unsafe fn dealloc_pd(lib: &Ibverbs, pd: NonNull<sys::ibv_pd>) -> Result<()> {
     let f = sym!(lib, ibv_dealloc_pd);
     // SAFETY: `pd` is live and unused (caller).
     rc("ibv_dealloc_pd", unsafe { f(pd.as_ptr()) })
 }
 
 /// `ibv_reg_mr` (the header's macro, through the sys crate's equivalent).
-pub(crate) unsafe fn reg_mr(
+pub(in crate::rdma) unsafe fn reg_mr(
     lib: &Ibverbs,
     pd: NonNull<sys::ibv_pd>,
     addr: *mut c_void,
@@ -247,7 +250,7 @@ pub(crate) unsafe fn reg_mr(
 }
 
 /// `ibv_reg_dmabuf_mr` (rdma-core ≥ 34).
-pub(crate) unsafe fn reg_dmabuf_mr(
+pub(in crate::rdma) unsafe fn reg_dmabuf_mr(
     lib: &Ibverbs,
     pd: NonNull<sys::ibv_pd>,
     offset: u64,
@@ -271,14 +274,14 @@ pub(crate) unsafe fn reg_dmabuf_mr(
 }
 
 /// `ibv_dereg_mr`.
-pub(crate) unsafe fn dereg_mr(lib: &Ibverbs, mr: NonNull<sys::ibv_mr>) -> Result<()> {
+pub(in crate::rdma) unsafe fn dereg_mr(lib: &Ibverbs, mr: NonNull<sys::ibv_mr>) -> Result<()> {
     let f = sym!(lib, ibv_dereg_mr);
     // SAFETY: `mr` is live (caller).
     rc("ibv_dereg_mr", unsafe { f(mr.as_ptr()) })
 }
 
 /// `ibv_create_comp_channel`.
-pub(crate) unsafe fn create_comp_channel(
+pub(in crate::rdma) unsafe fn create_comp_channel(
     lib: &Ibverbs,
     ctx: NonNull<sys::ibv_context>,
 ) -> Result<NonNull<sys::ibv_comp_channel>> {
@@ -289,7 +292,7 @@ pub(crate) unsafe fn create_comp_channel(
 }
 
 /// `ibv_destroy_comp_channel`.
-pub(crate) unsafe fn destroy_comp_channel(
+pub(in crate::rdma) unsafe fn destroy_comp_channel(
     lib: &Ibverbs,
     ch: NonNull<sys::ibv_comp_channel>,
 ) -> Result<()> {
@@ -299,7 +302,7 @@ pub(crate) unsafe fn destroy_comp_channel(
 }
 
 /// `ibv_create_cq`.
-pub(crate) unsafe fn create_cq(
+pub(in crate::rdma) unsafe fn create_cq(
     lib: &Ibverbs,
     ctx: NonNull<sys::ibv_context>,
     cqe: i32,
@@ -321,14 +324,14 @@ pub(crate) unsafe fn create_cq(
 }
 
 /// `ibv_destroy_cq`.
-pub(crate) unsafe fn destroy_cq(lib: &Ibverbs, cq: NonNull<sys::ibv_cq>) -> Result<()> {
+pub(in crate::rdma) unsafe fn destroy_cq(lib: &Ibverbs, cq: NonNull<sys::ibv_cq>) -> Result<()> {
     let f = sym!(lib, ibv_destroy_cq);
     // SAFETY: `cq` is live, no QP uses it (caller).
     rc("ibv_destroy_cq", unsafe { f(cq.as_ptr()) })
 }
 
 /// `ibv_poll_cq`: the number of completions written to the first entries of `wc`.
-pub(crate) unsafe fn poll_cq(
+pub(in crate::rdma) unsafe fn poll_cq(
     cq: NonNull<sys::ibv_cq>,
     wc: &mut [std::mem::MaybeUninit<sys::ibv_wc>],
 ) -> Result<usize> {
@@ -346,7 +349,10 @@ pub(crate) unsafe fn poll_cq(
 }
 
 /// `ibv_req_notify_cq`.
-pub(crate) unsafe fn req_notify_cq(cq: NonNull<sys::ibv_cq>, solicited_only: bool) -> Result<()> {
+pub(in crate::rdma) unsafe fn req_notify_cq(
+    cq: NonNull<sys::ibv_cq>,
+    solicited_only: bool,
+) -> Result<()> {
     // SAFETY: `cq` is live (caller).
     rc("ibv_req_notify_cq", unsafe {
         sys::ibv_req_notify_cq(cq.as_ptr(), solicited_only as i32)
@@ -354,7 +360,7 @@ pub(crate) unsafe fn req_notify_cq(cq: NonNull<sys::ibv_cq>, solicited_only: boo
 }
 
 /// `ibv_get_cq_event`: blocks (unless the channel fd is non-blocking) for the next event.
-pub(crate) unsafe fn get_cq_event(
+pub(in crate::rdma) unsafe fn get_cq_event(
     lib: &Ibverbs,
     ch: NonNull<sys::ibv_comp_channel>,
 ) -> Result<*mut sys::ibv_cq> {
@@ -373,7 +379,7 @@ pub(crate) unsafe fn get_cq_event(
 }
 
 /// `ibv_ack_cq_events`.
-pub(crate) unsafe fn ack_cq_events(lib: &Ibverbs, cq: NonNull<sys::ibv_cq>, n: u32) {
+pub(in crate::rdma) unsafe fn ack_cq_events(lib: &Ibverbs, cq: NonNull<sys::ibv_cq>, n: u32) {
     if let Some(f) = lib.ibv_ack_cq_events {
         // SAFETY: `cq` is live (caller).
         unsafe { f(cq.as_ptr(), n) }
@@ -381,7 +387,7 @@ pub(crate) unsafe fn ack_cq_events(lib: &Ibverbs, cq: NonNull<sys::ibv_cq>, n: u
 }
 
 /// `ibv_create_qp`.
-pub(crate) unsafe fn create_qp(
+pub(in crate::rdma) unsafe fn create_qp(
     lib: &Ibverbs,
     pd: NonNull<sys::ibv_pd>,
     attr: &mut sys::ibv_qp_init_attr,
@@ -393,7 +399,7 @@ pub(crate) unsafe fn create_qp(
 }
 
 /// `ibv_modify_qp`.
-pub(crate) unsafe fn modify_qp(
+pub(in crate::rdma) unsafe fn modify_qp(
     lib: &Ibverbs,
     qp: NonNull<sys::ibv_qp>,
     attr: &mut sys::ibv_qp_attr,
@@ -407,7 +413,7 @@ pub(crate) unsafe fn modify_qp(
 }
 
 /// `ibv_query_qp`: the attributes and the init attributes.
-pub(crate) unsafe fn query_qp(
+pub(in crate::rdma) unsafe fn query_qp(
     lib: &Ibverbs,
     qp: NonNull<sys::ibv_qp>,
     mask: u32,
@@ -425,14 +431,17 @@ pub(crate) unsafe fn query_qp(
 }
 
 /// `ibv_destroy_qp`.
-pub(crate) unsafe fn destroy_qp(lib: &Ibverbs, qp: NonNull<sys::ibv_qp>) -> Result<()> {
+pub(in crate::rdma) unsafe fn destroy_qp(lib: &Ibverbs, qp: NonNull<sys::ibv_qp>) -> Result<()> {
     let f = sym!(lib, ibv_destroy_qp);
     // SAFETY: `qp` is live (caller).
     rc("ibv_destroy_qp", unsafe { f(qp.as_ptr()) })
 }
 
 /// `ibv_post_send`.
-pub(crate) unsafe fn post_send(qp: NonNull<sys::ibv_qp>, wr: &mut sys::ibv_send_wr) -> Result<()> {
+pub(in crate::rdma) unsafe fn post_send(
+    qp: NonNull<sys::ibv_qp>,
+    wr: &mut sys::ibv_send_wr,
+) -> Result<()> {
     let mut bad = std::ptr::null_mut();
     // SAFETY: forwarded from the caller (WR and its buffers valid until completion).
     rc("ibv_post_send", unsafe {
@@ -441,7 +450,10 @@ pub(crate) unsafe fn post_send(qp: NonNull<sys::ibv_qp>, wr: &mut sys::ibv_send_
 }
 
 /// `ibv_post_recv`.
-pub(crate) unsafe fn post_recv(qp: NonNull<sys::ibv_qp>, wr: &mut sys::ibv_recv_wr) -> Result<()> {
+pub(in crate::rdma) unsafe fn post_recv(
+    qp: NonNull<sys::ibv_qp>,
+    wr: &mut sys::ibv_recv_wr,
+) -> Result<()> {
     let mut bad = std::ptr::null_mut();
     // SAFETY: forwarded from the caller (WR and its buffers valid until completion).
     rc("ibv_post_recv", unsafe {
@@ -452,11 +464,11 @@ pub(crate) unsafe fn post_recv(qp: NonNull<sys::ibv_qp>, wr: &mut sys::ibv_recv_
 // ---- librdmacm ---------------------------------------------------------------------------
 
 /// The hint attached to a missing librdmacm.
-pub(crate) const RDMACM_HINT: &str =
+pub(in crate::rdma) const RDMACM_HINT: &str =
     "install rdma-core's connection manager library (apt-get install librdmacm1) or set GPUDIRECT_RDMACM_LIB to its path";
 
 /// The process-wide librdmacm.
-pub(crate) fn rdmacm() -> Result<&'static sys::Rdmacm> {
+pub(in crate::rdma) fn rdmacm() -> Result<&'static sys::Rdmacm> {
     sys::Rdmacm::get().map_err(|e| unavailable(e, RDMACM_HINT))
 }
 
@@ -487,7 +499,7 @@ fn cm_rc(op: &'static str, r: i32) -> Result<()> {
 }
 
 /// `rdma_create_event_channel`.
-pub(crate) unsafe fn cm_create_event_channel(
+pub(in crate::rdma) unsafe fn cm_create_event_channel(
     lib: &sys::Rdmacm,
 ) -> Result<NonNull<sys::rdma_event_channel>> {
     let f = cm_sym!(lib, rdma_create_event_channel);
@@ -497,7 +509,7 @@ pub(crate) unsafe fn cm_create_event_channel(
 }
 
 /// `rdma_destroy_event_channel`.
-pub(crate) unsafe fn cm_destroy_event_channel(
+pub(in crate::rdma) unsafe fn cm_destroy_event_channel(
     lib: &sys::Rdmacm,
     ch: NonNull<sys::rdma_event_channel>,
 ) {
@@ -508,7 +520,7 @@ pub(crate) unsafe fn cm_destroy_event_channel(
 }
 
 /// `rdma_create_id` (`RDMA_PS_TCP`: reliable connected).
-pub(crate) unsafe fn cm_create_id(
+pub(in crate::rdma) unsafe fn cm_create_id(
     lib: &sys::Rdmacm,
     ch: NonNull<sys::rdma_event_channel>,
 ) -> Result<NonNull<sys::rdma_cm_id>> {
@@ -523,14 +535,17 @@ pub(crate) unsafe fn cm_create_id(
 }
 
 /// `rdma_destroy_id`.
-pub(crate) unsafe fn cm_destroy_id(lib: &sys::Rdmacm, id: NonNull<sys::rdma_cm_id>) -> Result<()> {
+pub(in crate::rdma) unsafe fn cm_destroy_id(
+    lib: &sys::Rdmacm,
+    id: NonNull<sys::rdma_cm_id>,
+) -> Result<()> {
     let f = cm_sym!(lib, rdma_destroy_id);
     // SAFETY: `id` is live, all its events acknowledged (caller).
     cm_rc("rdma_destroy_id", unsafe { f(id.as_ptr()) })
 }
 
 /// `rdma_bind_addr`.
-pub(crate) unsafe fn cm_bind_addr(
+pub(in crate::rdma) unsafe fn cm_bind_addr(
     lib: &sys::Rdmacm,
     id: NonNull<sys::rdma_cm_id>,
     addr: *mut libc::sockaddr,
@@ -542,7 +557,7 @@ pub(crate) unsafe fn cm_bind_addr(
 }
 
 /// `rdma_resolve_addr`.
-pub(crate) unsafe fn cm_resolve_addr(
+pub(in crate::rdma) unsafe fn cm_resolve_addr(
     lib: &sys::Rdmacm,
     id: NonNull<sys::rdma_cm_id>,
     src: *mut libc::sockaddr,
@@ -558,7 +573,7 @@ pub(crate) unsafe fn cm_resolve_addr(
 }
 
 /// `rdma_resolve_route`.
-pub(crate) unsafe fn cm_resolve_route(
+pub(in crate::rdma) unsafe fn cm_resolve_route(
     lib: &sys::Rdmacm,
     id: NonNull<sys::rdma_cm_id>,
     timeout_ms: i32,
@@ -570,7 +585,7 @@ pub(crate) unsafe fn cm_resolve_route(
 }
 
 /// `rdma_listen`.
-pub(crate) unsafe fn cm_listen(
+pub(in crate::rdma) unsafe fn cm_listen(
     lib: &sys::Rdmacm,
     id: NonNull<sys::rdma_cm_id>,
     backlog: i32,
@@ -582,7 +597,7 @@ pub(crate) unsafe fn cm_listen(
 }
 
 /// `rdma_connect`.
-pub(crate) unsafe fn cm_connect(
+pub(in crate::rdma) unsafe fn cm_connect(
     lib: &sys::Rdmacm,
     id: NonNull<sys::rdma_cm_id>,
     p: &mut sys::rdma_conn_param,
@@ -594,7 +609,7 @@ pub(crate) unsafe fn cm_connect(
 }
 
 /// `rdma_accept`.
-pub(crate) unsafe fn cm_accept(
+pub(in crate::rdma) unsafe fn cm_accept(
     lib: &sys::Rdmacm,
     id: NonNull<sys::rdma_cm_id>,
     p: &mut sys::rdma_conn_param,
@@ -606,7 +621,7 @@ pub(crate) unsafe fn cm_accept(
 }
 
 /// `rdma_reject`.
-pub(crate) unsafe fn cm_reject(
+pub(in crate::rdma) unsafe fn cm_reject(
     lib: &sys::Rdmacm,
     id: NonNull<sys::rdma_cm_id>,
     data: &[u8],
@@ -620,7 +635,10 @@ pub(crate) unsafe fn cm_reject(
 }
 
 /// `rdma_establish`.
-pub(crate) unsafe fn cm_establish(lib: &sys::Rdmacm, id: NonNull<sys::rdma_cm_id>) -> Result<()> {
+pub(in crate::rdma) unsafe fn cm_establish(
+    lib: &sys::Rdmacm,
+    id: NonNull<sys::rdma_cm_id>,
+) -> Result<()> {
     let f = cm_sym!(lib, rdma_establish);
     clear_errno();
     // SAFETY: `id` got CONNECT_RESPONSE (caller).
@@ -628,7 +646,10 @@ pub(crate) unsafe fn cm_establish(lib: &sys::Rdmacm, id: NonNull<sys::rdma_cm_id
 }
 
 /// `rdma_disconnect`.
-pub(crate) unsafe fn cm_disconnect(lib: &sys::Rdmacm, id: NonNull<sys::rdma_cm_id>) -> Result<()> {
+pub(in crate::rdma) unsafe fn cm_disconnect(
+    lib: &sys::Rdmacm,
+    id: NonNull<sys::rdma_cm_id>,
+) -> Result<()> {
     let f = cm_sym!(lib, rdma_disconnect);
     clear_errno();
     // SAFETY: `id` live (caller).
@@ -636,7 +657,7 @@ pub(crate) unsafe fn cm_disconnect(lib: &sys::Rdmacm, id: NonNull<sys::rdma_cm_i
 }
 
 /// `rdma_get_cm_event`.
-pub(crate) unsafe fn cm_get_event(
+pub(in crate::rdma) unsafe fn cm_get_event(
     lib: &sys::Rdmacm,
     ch: NonNull<sys::rdma_event_channel>,
 ) -> Result<NonNull<sys::rdma_cm_event>> {
@@ -649,7 +670,7 @@ pub(crate) unsafe fn cm_get_event(
 }
 
 /// `rdma_ack_cm_event`.
-pub(crate) unsafe fn cm_ack_event(
+pub(in crate::rdma) unsafe fn cm_ack_event(
     lib: &sys::Rdmacm,
     ev: NonNull<sys::rdma_cm_event>,
 ) -> Result<()> {
@@ -659,7 +680,7 @@ pub(crate) unsafe fn cm_ack_event(
 }
 
 /// `rdma_init_qp_attr`: the attributes and mask for moving a QP to `attr.qp_state`.
-pub(crate) unsafe fn cm_init_qp_attr(
+pub(in crate::rdma) unsafe fn cm_init_qp_attr(
     lib: &sys::Rdmacm,
     id: NonNull<sys::rdma_cm_id>,
     attr: &mut sys::ibv_qp_attr,
@@ -675,7 +696,7 @@ pub(crate) unsafe fn cm_init_qp_attr(
 }
 
 /// `rdma_event_str`.
-pub(crate) fn cm_event_str(lib: &sys::Rdmacm, ev: u32) -> Option<String> {
+pub(in crate::rdma) fn cm_event_str(lib: &sys::Rdmacm, ev: u32) -> Option<String> {
     let f = lib.rdma_event_str?;
     // SAFETY: rdma_event_str returns a static string for any value.
     let p = unsafe { f(ev) };

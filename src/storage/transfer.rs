@@ -104,7 +104,7 @@ impl TransferControl {
 
     /// Test hook: cancel once `bytes` moved.
     #[cfg(test)]
-    pub(crate) fn cancel_at(&self, bytes: usize) {
+    pub(in crate::storage) fn cancel_at(&self, bytes: usize) {
         self.0.cancel_at.store(bytes, Ordering::Relaxed);
     }
 }

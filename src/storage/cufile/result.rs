@@ -14,10 +14,10 @@ use super::status::{self, CuFileStatus, IoReturn};
 use crate::error::{Error, Result};
 
 /// The soname reported in errors.
-pub(crate) const LIB: &str = "libcufile.so.0";
+pub(in crate::storage) const LIB: &str = "libcufile.so.0";
 
 /// The process-wide libcufile, or `LibraryUnavailable` naming every path tried.
-pub(crate) fn lib() -> Result<&'static sys::Library> {
+pub(in crate::storage) fn lib() -> Result<&'static sys::Library> {
     sys::library().map_err(|e| Error::LibraryUnavailable {
         name: LIB,
         tried: e
@@ -55,7 +55,7 @@ fn introduced_in(symbol: &str) -> &'static str {
 }
 
 /// Unwraps an optional symbol, or `SymbolUnavailable` saying which release has it.
-pub(crate) fn sym<T>(f: Option<T>, symbol: &'static str) -> Result<T> {
+pub(in crate::storage) fn sym<T>(f: Option<T>, symbol: &'static str) -> Result<T> {
     f.ok_or_else(|| Error::SymbolUnavailable {
         library: LIB,
         symbol,
@@ -71,7 +71,7 @@ pub(crate) fn sym<T>(f: Option<T>, symbol: &'static str) -> Result<T> {
 }
 
 /// `CUfileError_t` to `Result`, naming the call.
-pub(crate) fn check(op: &'static str, e: sys::CUfileError_t) -> Result<()> {
+pub(in crate::storage) fn check(op: &'static str, e: sys::CUfileError_t) -> Result<()> {
     if e.err == sys::CU_FILE_SUCCESS {
         Ok(())
     } else {
@@ -80,7 +80,7 @@ pub(crate) fn check(op: &'static str, e: sys::CUfileError_t) -> Result<()> {
 }
 
 /// An `Error::CuFile` for `op` with the given code.
-pub(crate) fn cufile_error(op: &'static str, code: i32, cu_err: u32) -> Error {
+pub(in crate::storage) fn cufile_error(op: &'static str, code: i32, cu_err: u32) -> Error {
     Error::CuFile {
         op,
         source: CuFileStatus::from_parts(code, cu_err, None),
@@ -88,7 +88,7 @@ pub(crate) fn cufile_error(op: &'static str, code: i32, cu_err: u32) -> Error {
 }
 
 /// Decodes an `ssize_t` data-path return (`errno` read immediately for `-1`).
-pub(crate) fn decode_ssize(op: &'static str, ret: isize) -> Result<usize> {
+pub(in crate::storage) fn decode_ssize(op: &'static str, ret: isize) -> Result<usize> {
     match IoReturn::decode(ret, || {
         std::io::Error::last_os_error()
             .raw_os_error()
@@ -112,7 +112,7 @@ fn keep_context() -> crate::cuda::CurrentContext {
 // ---- Library and driver -----------------------------------------------------------------------
 
 /// `cuFileGetVersion`; a library without the symbol is treated as 1.7 (1070), as KvikIO does.
-pub(crate) fn get_version(lib: &sys::Library) -> Result<i32> {
+pub(in crate::storage) fn get_version(lib: &sys::Library) -> Result<i32> {
     let Some(f) = lib.cuFileGetVersion else {
         return Ok(1070);
     };
@@ -129,7 +129,7 @@ pub(crate) fn get_version(lib: &sys::Library) -> Result<i32> {
 /// libcuda must be loadable and a CUDA device must exist (checked through `crate::cuda`): without
 /// them cuFile 1.15 fails after writing `cufile.log` into the working directory and 1.20 spins
 /// at 100% CPU. `fork()` after this call is undefined behaviour in the child.
-pub(crate) unsafe fn driver_open(lib: &sys::Library) -> Result<()> {
+pub(in crate::storage) unsafe fn driver_open(lib: &sys::Library) -> Result<()> {
     let _context = keep_context();
     let f = sym(lib.cuFileDriverOpen, "cuFileDriverOpen")?;
     // SAFETY: no arguments; the caller guarantees libcuda and a device exist.
@@ -137,7 +137,7 @@ pub(crate) unsafe fn driver_open(lib: &sys::Library) -> Result<()> {
 }
 
 /// `cuFileUseCount`: the driver's open count in this process (0: not open).
-pub(crate) fn use_count(lib: &sys::Library) -> Result<i64> {
+pub(in crate::storage) fn use_count(lib: &sys::Library) -> Result<i64> {
     let f = sym(lib.cuFileUseCount, "cuFileUseCount")?;
     // SAFETY: no arguments, reads an internal counter.
     Ok(unsafe { f() } as i64)
@@ -148,7 +148,9 @@ pub(crate) fn use_count(lib: &sys::Library) -> Result<i64> {
 /// # Safety
 /// As [`driver_open`]: libcuda must be loadable (without it the call prints a dlopen error
 /// and returns `CU_FILE_CUDA_DRIVER_ERROR`).
-pub(crate) unsafe fn driver_get_properties(lib: &sys::Library) -> Result<sys::CUfileDrvProps_t> {
+pub(in crate::storage) unsafe fn driver_get_properties(
+    lib: &sys::Library,
+) -> Result<sys::CUfileDrvProps_t> {
     let _context = keep_context();
     let f = sym(lib.cuFileDriverGetProperties, "cuFileDriverGetProperties")?;
     // SAFETY: all-zero is a valid CUfileDrvProps_t (plain integers).
@@ -159,7 +161,7 @@ pub(crate) unsafe fn driver_get_properties(lib: &sys::Library) -> Result<sys::CU
 }
 
 /// `cuFileDriverSetPollMode(poll, threshold_kb)`.
-pub(crate) fn driver_set_poll_mode(
+pub(in crate::storage) fn driver_set_poll_mode(
     lib: &sys::Library,
     poll: bool,
     threshold_kb: usize,
@@ -170,7 +172,10 @@ pub(crate) fn driver_set_poll_mode(
 }
 
 /// `cuFileDriverSetMaxDirectIOSize(kb)`.
-pub(crate) fn driver_set_max_direct_io_size(lib: &sys::Library, kb: usize) -> Result<()> {
+pub(in crate::storage) fn driver_set_max_direct_io_size(
+    lib: &sys::Library,
+    kb: usize,
+) -> Result<()> {
     let f = sym(
         lib.cuFileDriverSetMaxDirectIOSize,
         "cuFileDriverSetMaxDirectIOSize",
@@ -180,7 +185,7 @@ pub(crate) fn driver_set_max_direct_io_size(lib: &sys::Library, kb: usize) -> Re
 }
 
 /// `cuFileDriverSetMaxCacheSize(kb)`.
-pub(crate) fn driver_set_max_cache_size(lib: &sys::Library, kb: usize) -> Result<()> {
+pub(in crate::storage) fn driver_set_max_cache_size(lib: &sys::Library, kb: usize) -> Result<()> {
     let f = sym(
         lib.cuFileDriverSetMaxCacheSize,
         "cuFileDriverSetMaxCacheSize",
@@ -190,7 +195,10 @@ pub(crate) fn driver_set_max_cache_size(lib: &sys::Library, kb: usize) -> Result
 }
 
 /// `cuFileDriverSetMaxPinnedMemSize(kb)`.
-pub(crate) fn driver_set_max_pinned_mem_size(lib: &sys::Library, kb: usize) -> Result<()> {
+pub(in crate::storage) fn driver_set_max_pinned_mem_size(
+    lib: &sys::Library,
+    kb: usize,
+) -> Result<()> {
     let f = sym(
         lib.cuFileDriverSetMaxPinnedMemSize,
         "cuFileDriverSetMaxPinnedMemSize",
@@ -200,21 +208,33 @@ pub(crate) fn driver_set_max_pinned_mem_size(lib: &sys::Library, kb: usize) -> R
 }
 
 /// `cuFileSetParameterSizeT(param, value)`.
-pub(crate) fn set_parameter_size_t(lib: &sys::Library, param: u32, value: usize) -> Result<()> {
+pub(in crate::storage) fn set_parameter_size_t(
+    lib: &sys::Library,
+    param: u32,
+    value: usize,
+) -> Result<()> {
     let f = sym(lib.cuFileSetParameterSizeT, "cuFileSetParameterSizeT")?;
     // SAFETY: plain values; an unknown `param` is answered with INVALID_VALUE.
     check("cuFileSetParameterSizeT", unsafe { f(param, value) })
 }
 
 /// `cuFileSetParameterBool(param, value)`.
-pub(crate) fn set_parameter_bool(lib: &sys::Library, param: u32, value: bool) -> Result<()> {
+pub(in crate::storage) fn set_parameter_bool(
+    lib: &sys::Library,
+    param: u32,
+    value: bool,
+) -> Result<()> {
     let f = sym(lib.cuFileSetParameterBool, "cuFileSetParameterBool")?;
     // SAFETY: plain values.
     check("cuFileSetParameterBool", unsafe { f(param, value) })
 }
 
 /// `cuFileSetParameterString(param, value)`.
-pub(crate) fn set_parameter_string(lib: &sys::Library, param: u32, value: &CStr) -> Result<()> {
+pub(in crate::storage) fn set_parameter_string(
+    lib: &sys::Library,
+    param: u32,
+    value: &CStr,
+) -> Result<()> {
     let f = sym(lib.cuFileSetParameterString, "cuFileSetParameterString")?;
     // SAFETY: `value` is NUL-terminated and outlives the call; cuFile copies it.
     check("cuFileSetParameterString", unsafe {
@@ -223,7 +243,7 @@ pub(crate) fn set_parameter_string(lib: &sys::Library, param: u32, value: &CStr)
 }
 
 /// `cuFileGetParameterSizeT(param, &value)`.
-pub(crate) fn get_parameter_size_t(lib: &sys::Library, param: u32) -> Result<usize> {
+pub(in crate::storage) fn get_parameter_size_t(lib: &sys::Library, param: u32) -> Result<usize> {
     let f = sym(lib.cuFileGetParameterSizeT, "cuFileGetParameterSizeT")?;
     let mut v = 0usize;
     // SAFETY: `v` is a valid out-pointer.
@@ -232,7 +252,7 @@ pub(crate) fn get_parameter_size_t(lib: &sys::Library, param: u32) -> Result<usi
 }
 
 /// `cuFileGetParameterBool(param, &value)`.
-pub(crate) fn get_parameter_bool(lib: &sys::Library, param: u32) -> Result<bool> {
+pub(in crate::storage) fn get_parameter_bool(lib: &sys::Library, param: u32) -> Result<bool> {
     let f = sym(lib.cuFileGetParameterBool, "cuFileGetParameterBool")?;
     let mut v = false;
     // SAFETY: `v` is a valid out-pointer to a C `bool` (one byte, 0 or 1).
@@ -241,7 +261,7 @@ pub(crate) fn get_parameter_bool(lib: &sys::Library, param: u32) -> Result<bool>
 }
 
 /// `cuFileGetParameterString(param, buf, len)`.
-pub(crate) fn get_parameter_string(lib: &sys::Library, param: u32) -> Result<String> {
+pub(in crate::storage) fn get_parameter_string(lib: &sys::Library, param: u32) -> Result<String> {
     let f = sym(lib.cuFileGetParameterString, "cuFileGetParameterString")?;
     let mut buf = vec![0 as std::os::raw::c_char; 4096];
     // SAFETY: `buf` has `len` writable bytes; cuFile writes at most `len` including the NUL.
@@ -257,7 +277,10 @@ pub(crate) fn get_parameter_string(lib: &sys::Library, param: u32) -> Result<Str
 }
 
 /// `cuFileGetParameterMinMaxValue(param, &min, &max)` (1.15+).
-pub(crate) fn get_parameter_min_max(lib: &sys::Library, param: u32) -> Result<(usize, usize)> {
+pub(in crate::storage) fn get_parameter_min_max(
+    lib: &sys::Library,
+    param: u32,
+) -> Result<(usize, usize)> {
     let f = sym(
         lib.cuFileGetParameterMinMaxValue,
         "cuFileGetParameterMinMaxValue",
@@ -271,7 +294,7 @@ pub(crate) fn get_parameter_min_max(lib: &sys::Library, param: u32) -> Result<(u
 }
 
 /// `cuFileGetBARSizeInKB(gpu, &kb)` (1.15+).
-pub(crate) fn get_bar_size_kb(lib: &sys::Library, gpu: i32) -> Result<usize> {
+pub(in crate::storage) fn get_bar_size_kb(lib: &sys::Library, gpu: i32) -> Result<usize> {
     let f = sym(lib.cuFileGetBARSizeInKB, "cuFileGetBARSizeInKB")?;
     let mut kb = 0usize;
     // SAFETY: valid out-pointer; an invalid index is answered with an error code.
@@ -286,7 +309,10 @@ pub(crate) fn get_bar_size_kb(lib: &sys::Library, gpu: i32) -> Result<usize> {
 /// # Safety
 /// The driver must be open (see [`driver_open`]). `fd` must stay open until the handle is
 /// given to [`handle_deregister`].
-pub(crate) unsafe fn handle_register(lib: &sys::Library, fd: i32) -> Result<sys::CUfileHandle_t> {
+pub(in crate::storage) unsafe fn handle_register(
+    lib: &sys::Library,
+    fd: i32,
+) -> Result<sys::CUfileHandle_t> {
     let _context = keep_context();
     let f = sym(lib.cuFileHandleRegister, "cuFileHandleRegister")?;
     // SAFETY: all-zero is valid for the descriptor (null fs_ops, as DALI and PyTorch do).
@@ -303,7 +329,7 @@ pub(crate) unsafe fn handle_register(lib: &sys::Library, fd: i32) -> Result<sys:
 ///
 /// # Safety
 /// `fh` came from [`handle_register`], is deregistered once, and no IO on it is in flight.
-pub(crate) unsafe fn handle_deregister(lib: &sys::Library, fh: sys::CUfileHandle_t) {
+pub(in crate::storage) unsafe fn handle_deregister(lib: &sys::Library, fh: sys::CUfileHandle_t) {
     let _context = keep_context();
     if let Some(f) = lib.cuFileHandleDeregister {
         // SAFETY: per the caller's contract.
@@ -316,7 +342,7 @@ pub(crate) unsafe fn handle_deregister(lib: &sys::Library, fh: sys::CUfileHandle
 /// # Safety
 /// `base..base+len` is device (or host) memory that stays allocated until
 /// [`buf_deregister`] is called with the same `base`.
-pub(crate) unsafe fn buf_register(
+pub(in crate::storage) unsafe fn buf_register(
     lib: &sys::Library,
     base: *const c_void,
     len: usize,
@@ -332,7 +358,10 @@ pub(crate) unsafe fn buf_register(
 ///
 /// # Safety
 /// `base` was registered with [`buf_register`] and no IO on it is in flight.
-pub(crate) unsafe fn buf_deregister(lib: &sys::Library, base: *const c_void) -> Result<()> {
+pub(in crate::storage) unsafe fn buf_deregister(
+    lib: &sys::Library,
+    base: *const c_void,
+) -> Result<()> {
     let _context = keep_context();
     let f = sym(lib.cuFileBufDeregister, "cuFileBufDeregister")?;
     // SAFETY: per the caller's contract.
@@ -346,7 +375,7 @@ pub(crate) unsafe fn buf_deregister(lib: &sys::Library, base: *const c_void) -> 
 /// # Safety
 /// `fh` is registered; `base + buf_offset .. + size` is writable device or host memory with no
 /// other access in flight, and the memory's CUDA context is current on this thread.
-pub(crate) unsafe fn read(
+pub(in crate::storage) unsafe fn read(
     lib: &sys::Library,
     fh: sys::CUfileHandle_t,
     base: *mut c_void,
@@ -365,7 +394,7 @@ pub(crate) unsafe fn read(
 ///
 /// # Safety
 /// As [`read`], with the memory readable instead of writable.
-pub(crate) unsafe fn write(
+pub(in crate::storage) unsafe fn write(
     lib: &sys::Library,
     fh: sys::CUfileHandle_t,
     base: *const c_void,
@@ -384,7 +413,7 @@ pub(crate) unsafe fn write(
 ///
 /// # Safety
 /// As [`read`] for every element of `iov`.
-pub(crate) unsafe fn readv(
+pub(in crate::storage) unsafe fn readv(
     lib: &sys::Library,
     fh: sys::CUfileHandle_t,
     iov: &[sys::CUfileIOVec_t],
@@ -401,7 +430,7 @@ pub(crate) unsafe fn readv(
 ///
 /// # Safety
 /// As [`write`] for every element of `iov`.
-pub(crate) unsafe fn writev(
+pub(in crate::storage) unsafe fn writev(
     lib: &sys::Library,
     fh: sys::CUfileHandle_t,
     iov: &[sys::CUfileIOVec_t],
@@ -424,7 +453,7 @@ pub(crate) unsafe fn writev(
 /// `file_offset_p`, `buf_offset_p` and writes `bytes_p` at execution time); `bytes_p` points to
 /// host memory that starts at 0; the stream's context is current.
 #[allow(clippy::too_many_arguments)]
-pub(crate) unsafe fn io_async(
+pub(in crate::storage) unsafe fn io_async(
     lib: &sys::Library,
     write: bool,
     fh: sys::CUfileHandle_t,
@@ -471,7 +500,7 @@ pub(crate) unsafe fn io_async(
 ///
 /// # Safety
 /// `stream` is a live stream; [`stream_deregister`] must run before it is destroyed.
-pub(crate) unsafe fn stream_register(
+pub(in crate::storage) unsafe fn stream_register(
     lib: &sys::Library,
     stream: sys::CUstream,
     flags: u32,
@@ -486,7 +515,10 @@ pub(crate) unsafe fn stream_register(
 ///
 /// # Safety
 /// `stream` was registered and is still alive.
-pub(crate) unsafe fn stream_deregister(lib: &sys::Library, stream: sys::CUstream) -> Result<()> {
+pub(in crate::storage) unsafe fn stream_deregister(
+    lib: &sys::Library,
+    stream: sys::CUstream,
+) -> Result<()> {
     let _context = keep_context();
     let f = sym(lib.cuFileStreamDeregister, "cuFileStreamDeregister")?;
     // SAFETY: per the caller's contract.
@@ -496,7 +528,10 @@ pub(crate) unsafe fn stream_deregister(lib: &sys::Library, stream: sys::CUstream
 // ---- Batch IO ---------------------------------------------------------------------------------
 
 /// `cuFileBatchIOSetUp(&h, nr)`.
-pub(crate) fn batch_setup(lib: &sys::Library, nr: u32) -> Result<sys::CUfileBatchHandle_t> {
+pub(in crate::storage) fn batch_setup(
+    lib: &sys::Library,
+    nr: u32,
+) -> Result<sys::CUfileBatchHandle_t> {
     let _context = keep_context();
     let f = sym(lib.cuFileBatchIOSetUp, "cuFileBatchIOSetUp")?;
     let mut h: sys::CUfileBatchHandle_t = std::ptr::null_mut();
@@ -510,7 +545,7 @@ pub(crate) fn batch_setup(lib: &sys::Library, nr: u32) -> Result<sys::CUfileBatc
 /// # Safety
 /// `h` is a live batch; every buffer and file handle named in `params` stays valid until its
 /// completion has been reaped or a cancel of the batch has succeeded.
-pub(crate) unsafe fn batch_submit(
+pub(in crate::storage) unsafe fn batch_submit(
     lib: &sys::Library,
     h: sys::CUfileBatchHandle_t,
     params: &mut [sys::CUfileIOParams_t],
@@ -527,7 +562,7 @@ pub(crate) unsafe fn batch_submit(
 ///
 /// # Safety
 /// `h` is a live batch.
-pub(crate) unsafe fn batch_get_status(
+pub(in crate::storage) unsafe fn batch_get_status(
     lib: &sys::Library,
     h: sys::CUfileBatchHandle_t,
     min_nr: u32,
@@ -557,7 +592,10 @@ pub(crate) unsafe fn batch_get_status(
 ///
 /// # Safety
 /// `h` is a live batch.
-pub(crate) unsafe fn batch_cancel(lib: &sys::Library, h: sys::CUfileBatchHandle_t) -> Result<()> {
+pub(in crate::storage) unsafe fn batch_cancel(
+    lib: &sys::Library,
+    h: sys::CUfileBatchHandle_t,
+) -> Result<()> {
     let _context = keep_context();
     let f = sym(lib.cuFileBatchIOCancel, "cuFileBatchIOCancel")?;
     // SAFETY: per the caller's contract.
@@ -568,7 +606,7 @@ pub(crate) unsafe fn batch_cancel(lib: &sys::Library, h: sys::CUfileBatchHandle_
 ///
 /// # Safety
 /// `h` is a live batch with nothing in flight; it is not used again.
-pub(crate) unsafe fn batch_destroy(lib: &sys::Library, h: sys::CUfileBatchHandle_t) {
+pub(in crate::storage) unsafe fn batch_destroy(lib: &sys::Library, h: sys::CUfileBatchHandle_t) {
     let _context = keep_context();
     if let Some(f) = lib.cuFileBatchIODestroy {
         // SAFETY: per the caller's contract.
@@ -579,14 +617,14 @@ pub(crate) unsafe fn batch_destroy(lib: &sys::Library, h: sys::CUfileBatchHandle
 // ---- Statistics (1.15+) -----------------------------------------------------------------------
 
 /// `cuFileSetStatsLevel(level)`.
-pub(crate) fn set_stats_level(lib: &sys::Library, level: i32) -> Result<()> {
+pub(in crate::storage) fn set_stats_level(lib: &sys::Library, level: i32) -> Result<()> {
     let f = sym(lib.cuFileSetStatsLevel, "cuFileSetStatsLevel")?;
     // SAFETY: plain value.
     check("cuFileSetStatsLevel", unsafe { f(level) })
 }
 
 /// `cuFileGetStatsLevel(&level)`.
-pub(crate) fn get_stats_level(lib: &sys::Library) -> Result<i32> {
+pub(in crate::storage) fn get_stats_level(lib: &sys::Library) -> Result<i32> {
     let f = sym(lib.cuFileGetStatsLevel, "cuFileGetStatsLevel")?;
     let mut level = 0;
     // SAFETY: valid out-pointer.
@@ -595,7 +633,7 @@ pub(crate) fn get_stats_level(lib: &sys::Library) -> Result<i32> {
 }
 
 /// `cuFileStatsStart` / `cuFileStatsStop` / `cuFileStatsReset`.
-pub(crate) fn stats_control(lib: &sys::Library, which: StatsControl) -> Result<()> {
+pub(in crate::storage) fn stats_control(lib: &sys::Library, which: StatsControl) -> Result<()> {
     let (f, op) = match which {
         StatsControl::Start => (lib.cuFileStatsStart, "cuFileStatsStart"),
         StatsControl::Stop => (lib.cuFileStatsStop, "cuFileStatsStop"),
@@ -608,14 +646,17 @@ pub(crate) fn stats_control(lib: &sys::Library, which: StatsControl) -> Result<(
 
 /// Which statistics control call to make.
 #[derive(Debug, Clone, Copy)]
-pub(crate) enum StatsControl {
+pub(in crate::storage) enum StatsControl {
     Start,
     Stop,
     Reset,
 }
 
 /// `cuFileGetStatsL1` / `L3` into an over-sized buffer (the structs grew in 1.19).
-pub(crate) fn get_stats(lib: &sys::Library, level: u8) -> Result<Box<sys::StatsBuffer>> {
+pub(in crate::storage) fn get_stats(
+    lib: &sys::Library,
+    level: u8,
+) -> Result<Box<sys::StatsBuffer>> {
     let mut buf = Box::new(sys::StatsBuffer::zeroed());
     let p = buf.0.as_mut_ptr();
     let rc = match level {
@@ -648,6 +689,6 @@ pub(crate) fn get_stats(lib: &sys::Library, level: u8) -> Result<Box<sys::StatsB
 }
 
 /// A `CString` for a cuFile string parameter, or `InvalidArgument`.
-pub(crate) fn c_string(what: &str, s: &str) -> Result<CString> {
+pub(in crate::storage) fn c_string(what: &str, s: &str) -> Result<CString> {
     CString::new(s).map_err(|_| Error::InvalidArgument(format!("{what} contains a NUL byte")))
 }
