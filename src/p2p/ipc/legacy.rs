@@ -1,0 +1,214 @@
+//! Legacy (`cuMemAlloc`) IPC: [`IpcMemHandle`] (`cuIpcGetMemHandle`) and [`IpcMapping`], the
+//! mapping that legacy handles and pool pointers are opened as.
+
+use std::mem::ManuallyDrop;
+use std::sync::Arc;
+
+use cudarc::driver::{sys, CudaSlice, CudaStream, CudaView, CudaViewMut};
+
+use super::pool::PoolHandle;
+use super::{add_mapping, check_mapped_len, elements, owner_device, remove_mapping};
+use crate::cuda::result as r;
+use crate::cuda::{AnyBitPattern, DeviceBuffer};
+use crate::error::{Error, Result};
+use crate::path::{PathReport, TransferPath};
+
+/// A `cuIpcGetMemHandle` handle plus the allocation's size: 72 bytes to send to another process.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct IpcMemHandle {
+    /// The opaque `CUipcMemHandle`.
+    pub handle: [u8; 64],
+    /// Size of the shared range in bytes.
+    pub len_bytes: u64,
+}
+
+impl IpcMemHandle {
+    /// Exports `buf` (`cuIpcGetMemHandle`). Only `cuMemAlloc` memory can be exported this way;
+    /// for pool memory use a [`SharedPool`](super::SharedPool).
+    pub fn export<T>(buf: &DeviceBuffer<T>) -> Result<Self> {
+        let _restore = crate::cuda::CurrentContext::save();
+        buf.stream()
+            .context()
+            .bind_to_thread()
+            .map_err(|e| Error::cuda("cuCtxSetCurrent", e))?;
+        // SAFETY: `buf` owns a live cuMemAlloc allocation starting at `device_ptr()`.
+        let handle = unsafe { r::ipc::get_mem_handle(buf.device_ptr()) }?;
+        Ok(IpcMemHandle {
+            handle,
+            len_bytes: (buf.len() * std::mem::size_of::<T>()) as u64,
+        })
+    }
+
+    /// The 72 bytes to send.
+    pub fn to_bytes(&self) -> [u8; 72] {
+        let mut b = [0u8; 72];
+        b[..64].copy_from_slice(&self.handle);
+        b[64..].copy_from_slice(&self.len_bytes.to_le_bytes());
+        b
+    }
+
+    /// Parses [`IpcMemHandle::to_bytes`]'s output.
+    pub fn from_bytes(b: &[u8]) -> Result<Self> {
+        if b.len() != 72 {
+            return Err(Error::InvalidArgument(format!(
+                "an IPC handle is 72 bytes, got {}: send IpcMemHandle::to_bytes unchanged",
+                b.len()
+            )));
+        }
+        let mut handle = [0u8; 64];
+        handle.copy_from_slice(&b[..64]);
+        let mut len = [0u8; 8];
+        len.copy_from_slice(&b[64..]);
+        Ok(IpcMemHandle {
+            handle,
+            len_bytes: u64::from_le_bytes(len),
+        })
+    }
+}
+
+#[derive(Debug)]
+pub(super) enum Release {
+    /// `cuIpcCloseMemHandle`.
+    Legacy,
+    /// `cuMemFreeAsync` of an imported pool pointer; keeps the pool alive.
+    Pool(#[allow(dead_code)] Arc<PoolHandle>),
+}
+
+/// Another process's device memory mapped into this one, as a cudarc slice. Unmapped on drop
+/// (`cuIpcCloseMemHandle`, or `cuMemFreeAsync` for pool memory) after its stream finished.
+///
+/// The bytes come from another process, so the element type must accept any bit pattern
+/// ([`AnyBitPattern`]): integers and floats, not `bool` (a byte 2
+/// read as `bool` is undefined behaviour):
+///
+/// ```no_run
+/// # use gpudirect::p2p::ipc::{IpcMapping, IpcMemHandle};
+/// # fn f(s: &std::sync::Arc<gpudirect::cudarc::driver::CudaStream>, h: &IpcMemHandle) -> gpudirect::Result<()> {
+/// let m = IpcMapping::<f32>::open(s, h)?;
+/// # Ok(()) }
+/// ```
+///
+/// ```compile_fail
+/// # use gpudirect::p2p::ipc::{IpcMapping, IpcMemHandle};
+/// # fn f(s: &std::sync::Arc<gpudirect::cudarc::driver::CudaStream>, h: &IpcMemHandle) -> gpudirect::Result<()> {
+/// let m = IpcMapping::<bool>::open(s, h)?; // not every byte is a bool
+/// # Ok(()) }
+/// ```
+#[derive(Debug)]
+pub struct IpcMapping<T> {
+    slice: ManuallyDrop<CudaSlice<T>>,
+    ptr: sys::CUdeviceptr,
+    stream: Arc<CudaStream>,
+    owner_device: usize,
+    path: PathReport,
+    release: Release,
+}
+
+impl<T> IpcMapping<T> {
+    /// Opens a legacy handle in `stream`'s context (`cuIpcOpenMemHandle` with
+    /// `CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS`).
+    ///
+    /// The handle's `len_bytes` came from another process and is checked against the mapping
+    /// the driver made (`cuMemGetAddressRange`): a length past it is [`Error::InvalidArgument`]
+    /// (the mapping is closed again); a shorter one maps a prefix.
+    pub fn open(stream: &Arc<CudaStream>, handle: &IpcMemHandle) -> Result<Self>
+    where
+        T: AnyBitPattern,
+    {
+        let _restore = crate::cuda::CurrentContext::save();
+        let len = elements::<T>(handle.len_bytes)?;
+        let ctx = stream.context();
+        ctx.bind_to_thread()
+            .map_err(|e| Error::cuda("cuCtxSetCurrent", e))?;
+        // SAFETY: the stream's context is current.
+        let ptr = unsafe { r::ipc::open_mem_handle(&handle.handle) }?;
+        if let Err(e) = check_mapped_len(ptr, handle.len_bytes, "IpcMemHandle") {
+            // SAFETY: opened above, closed once on this error path; nothing used it.
+            if let Err(c) = unsafe { r::ipc::close_mem_handle(ptr) } {
+                tracing::warn!(%c, "gpudirect IpcMapping: closing a refused mapping failed");
+            }
+            return Err(e);
+        }
+        let owner = owner_device(ptr, ctx);
+        // With LAZY_ENABLE_PEER_ACCESS the driver enables peer access from this context to the
+        // owner's: reads and writes go straight over the link.
+        let path = if owner == ctx.ordinal() {
+            PathReport::direct(TransferPath::PeerDirect {
+                link: crate::path::Link::Unknown,
+            })
+        } else {
+            PathReport::direct(TransferPath::PeerDirect {
+                link: crate::p2p::topology::link_between(ctx.ordinal(), owner),
+            })
+        };
+        Ok(Self::new(stream, ptr, len, owner, path, Release::Legacy))
+    }
+
+    pub(super) fn new(
+        stream: &Arc<CudaStream>,
+        ptr: sys::CUdeviceptr,
+        len: usize,
+        owner_device: usize,
+        path: PathReport,
+        release: Release,
+    ) -> Self {
+        add_mapping(ptr, len * std::mem::size_of::<T>(), path.is_direct());
+        // SAFETY: `ptr` maps `len` elements' bytes in the stream's context; the slice is never
+        // dropped by cudarc (ManuallyDrop, leaked in our Drop before the unmap).
+        let slice = ManuallyDrop::new(unsafe { stream.upgrade_device_ptr::<T>(ptr, len) });
+        IpcMapping {
+            slice,
+            ptr,
+            stream: stream.clone(),
+            owner_device,
+            path,
+            release,
+        }
+    }
+
+    slice_accessors!();
+
+    /// The device the memory lives on, in this process's numbering.
+    pub fn owner_device(&self) -> usize {
+        self.owner_device
+    }
+
+    /// How this process's device reaches the memory.
+    pub fn path(&self) -> &PathReport {
+        &self.path
+    }
+}
+
+impl<T> Drop for IpcMapping<T> {
+    fn drop(&mut self) {
+        let _restore = crate::cuda::CurrentContext::save();
+        // SAFETY: taken exactly once, here.
+        let slice = unsafe { ManuallyDrop::take(&mut self.slice) };
+        let _ = slice.leak();
+        if let Err(e) = self.stream.synchronize() {
+            tracing::warn!(%e, "gpudirect IpcMapping: stream synchronize failed before unmap");
+        }
+        remove_mapping(self.ptr);
+        if let Err(e) = self.stream.context().bind_to_thread() {
+            tracing::warn!(%e, "gpudirect IpcMapping: cannot bind context; mapping leaked");
+            return;
+        }
+        let res = match &self.release {
+            // SAFETY: `ptr` came from cuIpcOpenMemHandle and no queued work uses it any more.
+            Release::Legacy => unsafe { r::ipc::close_mem_handle(self.ptr) },
+            Release::Pool(_) => {
+                // SAFETY: `ptr` came from cuMemPoolImportPointer; the stream finished using it.
+                unsafe { r::mem_pool::free_async(self.ptr, self.stream.cu_stream()) }.and_then(
+                    |()| {
+                        self.stream
+                            .synchronize()
+                            .map_err(|e| Error::cuda("cuStreamSynchronize", e))
+                    },
+                )
+            }
+        };
+        if let Err(e) = res {
+            tracing::warn!(%e, "gpudirect IpcMapping: unmapping failed");
+        }
+    }
+}

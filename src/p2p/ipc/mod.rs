@@ -1,0 +1,104 @@
+//! Device memory shared across processes (communication layers run one process per GPU).
+//!
+//! - `cuMemAlloc` memory ([`DeviceBuffer`](crate::cuda::DeviceBuffer)): [`IpcMemHandle`] from
+//!   `cuIpcGetMemHandle`, opened in the other process with `cuIpcOpenMemHandle` (with
+//!   `CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS`, so a peer importer maps it directly) as an
+//!   [`IpcMapping`].
+//! - Pool memory: a [`SharedPool`] created exportable as a POSIX file descripter
+//!   (`cuMemPoolExportToShareableHandle`); the fd travels over a Unix socket with
+//!   [`send_fd`]/[`recv_fd`] (`SCM_RIGHTS`), is imported as an [`ImportedPool`], and each
+//!   allocation travels as a [`PoolPointer`] (`cuMemPoolExportPointer` /
+//!   `cuMemPoolImportPointer`). The importer grants its own device access to the imported pool.
+//! - VMM memory ([`VmmBuffer`](super::VmmBuffer), `cuMemCreate`): the allocation itself
+//!   travels as a POSIX fd (`cuMemExportToShareableHandle`, sent with [`send_fd`]) and is
+//!   mapped as a [`VmmImport`] (`cuMemImportFromShareableHandle`, `cuMemMap`, `cuMemSetAccess`
+//!   for the importer's device); its path is observed with `cuMemGetAccess` like any VMM memory.
+//!
+//! Every mapping records the path its importer reaches the memory by, so
+//! [`copy_peer`](super::copy_peer) reports it like any peer copy, and [`IpcMapping::path`]
+//! tells it directly.
+
+// One file per mechanism: legacy.rs (cuIpc* handles and IpcMapping, which pool imports return
+// too), pool.rs (exportable pools), vmm.rs (VMM imports), fd.rs (SCM_RIGHTS). Here: the
+// process-wide record of live mappings and the checks every import makes.
+
+use std::sync::Mutex;
+
+use cudarc::driver::{sys, CudaContext};
+
+use crate::cuda::result as r;
+use crate::error::{Error, Result};
+
+mod fd;
+mod legacy;
+mod pool;
+mod vmm;
+
+pub use fd::{recv_fd, send_fd};
+pub use legacy::{IpcMapping, IpcMemHandle};
+pub use pool::{ImportedPool, PoolPointer, SharedPool};
+pub use vmm::VmmImport;
+
+// ---- process-wide record of mapped ranges ------------------------------------------------
+
+/// (start, end, direct) of every live mapping in this process.
+static MAPPINGS: Mutex<Vec<(u64, u64, bool)>> = Mutex::new(Vec::new());
+
+/// `Some(direct)` when `ptr` lies in a live IPC mapping of this process.
+pub(in crate::p2p) fn lookup_mapping(ptr: sys::CUdeviceptr) -> Option<bool> {
+    let m = MAPPINGS.lock().unwrap_or_else(|p| p.into_inner());
+    m.iter()
+        .find(|(s, e, _)| ptr >= *s && ptr < (*e).max(*s + 1))
+        .map(|(_, _, d)| *d)
+}
+
+fn add_mapping(start: u64, bytes: usize, direct: bool) {
+    let mut m = MAPPINGS.lock().unwrap_or_else(|p| p.into_inner());
+    m.push((start, start + bytes as u64, direct));
+}
+
+fn remove_mapping(start: u64) {
+    let mut m = MAPPINGS.lock().unwrap_or_else(|p| p.into_inner());
+    m.retain(|(s, _, _)| *s != start);
+}
+
+// ---- checks every import makes -----------------------------------------------------------
+
+/// Checks that `len_bytes` (from a handle: another process's word) fits the memory the driver
+/// mapped at `ptr` (`cuMemGetAddressRange`), so a slice of that length stays inside it.
+fn check_mapped_len(ptr: sys::CUdeviceptr, len_bytes: u64, what: &str) -> Result<()> {
+    // SAFETY: a context is current (the caller just mapped `ptr` in it).
+    let (base, size) = unsafe { r::mem::get_address_range(ptr) }?;
+    let avail = (base + size as u64).saturating_sub(ptr);
+    if len_bytes > avail {
+        return Err(Error::InvalidArgument(format!(
+            "the {what} claims {len_bytes} bytes, but the driver mapped {avail} bytes at this \
+             address: send the exporter's {what} unchanged (a wrong length would let the slice \
+             run past the shared memory)"
+        )));
+    }
+    Ok(())
+}
+
+fn elements<T>(bytes: u64) -> Result<usize> {
+    let size = std::mem::size_of::<T>().max(1) as u64;
+    if !bytes.is_multiple_of(size) {
+        return Err(Error::InvalidArgument(format!(
+            "the shared range has {bytes} bytes, not a multiple of the element size {size}: import with the exporter's element type"
+        )));
+    }
+    Ok((bytes / size) as usize)
+}
+
+fn owner_device(ptr: sys::CUdeviceptr, ctx: &CudaContext) -> usize {
+    // SAFETY: DEVICE_ORDINAL writes an int; read from a zeroed u64 (see copy::inspect).
+    unsafe {
+        r::pointer::get_attribute(
+            ptr,
+            sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
+            0u64,
+        )
+    }
+    .map(|v| (v & 0xffff_ffff) as usize)
+    .unwrap_or(ctx.ordinal())
+}

@@ -1,0 +1,268 @@
+//! Pool IPC: a [`SharedPool`] exported as a POSIX fd, imported as an [`ImportedPool`]; each
+//! allocation travels as a [`PoolPointer`] and is mapped as an [`IpcMapping`].
+
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::sync::Arc;
+
+use cudarc::driver::{sys, CudaContext, CudaSlice, CudaStream};
+
+use super::legacy::{IpcMapping, IpcMemHandle, Release};
+use super::{check_mapped_len, elements, owner_device};
+use crate::cuda::result as r;
+use crate::cuda::AnyBitPattern;
+use crate::error::{Error, Result};
+use crate::path::{Cause, PathReport, TransferPath};
+
+/// A pool handle destroyed on drop (allocations still outstanding keep the driver's pool alive
+/// until they are freed: `cuMemPoolDestroy`'s documented behaviour).
+#[derive(Debug)]
+pub(super) struct PoolHandle {
+    pool: sys::CUmemoryPool,
+    ctx: Arc<CudaContext>,
+}
+
+// SAFETY: a CUmemoryPool is an opaque driver handle usable from any thread (CUDA Programming
+// Guide: multiple host threads may use the driver API concurrently); the context is Send +
+// Sync. The pool is destroyed once, in Drop, when the last `Arc` goes (mappings of its memory
+// hold one); allocations still outstanding then keep the driver's pool alive
+// (`cuMemPoolDestroy`'s documented behaviour). `mem::forget` leaks the pool.
+unsafe impl Send for PoolHandle {}
+// SAFETY: as above; no interior mutability.
+unsafe impl Sync for PoolHandle {}
+
+impl Drop for PoolHandle {
+    fn drop(&mut self) {
+        let _restore = crate::cuda::CurrentContext::save();
+        if let Err(e) = self.ctx.bind_to_thread() {
+            tracing::warn!(%e, "gpudirect pool: cannot bind context; pool leaked");
+            return;
+        }
+        // SAFETY: we created or imported this pool and destroy it once.
+        if let Err(e) = unsafe { r::mem_pool::destroy(self.pool) } {
+            tracing::warn!(%e, "gpudirect pool: cuMemPoolDestroy failed");
+        }
+    }
+}
+
+/// A device memory pool exportable to other processes (`cuMemPoolCreate` with
+/// `CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR`). cudarc's default pool is not exportable.
+#[derive(Debug)]
+pub struct SharedPool {
+    inner: Arc<PoolHandle>,
+}
+
+impl SharedPool {
+    /// Creates an exportable pool on `ctx`'s device.
+    pub fn new(ctx: &Arc<CudaContext>) -> Result<Self> {
+        let _restore = crate::cuda::CurrentContext::save();
+        ctx.bind_to_thread()
+            .map_err(|e| Error::cuda("cuCtxSetCurrent", e))?;
+        let pool = r::mem_pool::create_exportable(ctx.ordinal() as i32)?;
+        Ok(SharedPool {
+            inner: Arc::new(PoolHandle {
+                pool,
+                ctx: ctx.clone(),
+            }),
+        })
+    }
+
+    /// The raw pool, e.g. for [`PeerAccess::with_pool`](crate::p2p::PeerAccess::with_pool).
+    pub fn handle(&self) -> sys::CUmemoryPool {
+        self.inner.pool
+    }
+
+    /// Allocates `len` zeroed elements from the pool on `stream` (`cuMemAllocFromPoolAsync`).
+    /// The slice is freed by cudarc (`cuMemFreeAsync`) like any cudarc allocation; free it only
+    /// after importers have unmapped it.
+    pub fn alloc_zeros<T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits>(
+        &self,
+        stream: &Arc<CudaStream>,
+        len: usize,
+    ) -> Result<CudaSlice<T>> {
+        let _restore = crate::cuda::CurrentContext::save();
+        if stream.context() != &self.inner.ctx {
+            return Err(Error::InvalidArgument(format!(
+                "the stream is on GPU {} but the pool on GPU {}: allocate on a stream of the pool's device",
+                stream.context().ordinal(),
+                self.inner.ctx.ordinal()
+            )));
+        }
+        if !self.inner.ctx.has_async_alloc() {
+            return Err(Error::Unsupported {
+                what: "stream-ordered pools".into(),
+                cause: Cause::Other {
+                    message: "this device does not support memory pools".into(),
+                    fix: "use a DeviceBuffer and IpcMemHandle instead".into(),
+                },
+            });
+        }
+        let bytes = len
+            .checked_mul(std::mem::size_of::<T>())
+            .ok_or_else(|| Error::InvalidArgument(format!("{len} elements overflow usize")))?;
+        self.inner
+            .ctx
+            .bind_to_thread()
+            .map_err(|e| Error::cuda("cuCtxSetCurrent", e))?;
+        // SAFETY: pool and stream are live; the stream's context is current.
+        let ptr = unsafe { r::mem_pool::alloc_async(bytes, self.inner.pool, stream.cu_stream()) }?;
+        // SAFETY: `ptr` holds `bytes` bytes of pool memory on this stream; cudarc frees it with
+        // cuMemFreeAsync (the context has async alloc), which is how pool memory is freed.
+        let mut slice = unsafe { stream.upgrade_device_ptr::<T>(ptr, len) };
+        stream
+            .memset_zeros(&mut slice)
+            .map_err(|e| Error::cuda("cuMemsetD8Async", e))?;
+        Ok(slice)
+    }
+
+    /// Exports the pool as a POSIX file descriptor (`cuMemPoolExportToShareableHandle`).
+    pub fn export_fd(&self) -> Result<OwnedFd> {
+        // SAFETY: the pool is live and was created with the POSIX fd handle type.
+        let fd = unsafe { r::mem_pool::export_fd(self.inner.pool) }?;
+        // SAFETY: the driver returned a fresh fd that we now own.
+        Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+    }
+
+    /// Exports one allocation of this pool (`cuMemPoolExportPointer`).
+    pub fn export_pointer<T>(&self, slice: &CudaSlice<T>) -> Result<PoolPointer> {
+        let (ptr, _sync) = cudarc::driver::DevicePtr::device_ptr(slice, slice.stream());
+        // SAFETY: `ptr` is a live allocation (borrowed for the call); the driver checks that it
+        // belongs to an exportable pool.
+        let data = unsafe { r::mem_pool::export_pointer(ptr) }?;
+        Ok(PoolPointer {
+            data,
+            len_bytes: (slice.len() * std::mem::size_of::<T>()) as u64,
+        })
+    }
+}
+
+/// `cuMemPoolExportPointer` data plus the allocation's size: 72 bytes to send.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PoolPointer {
+    /// The opaque `CUmemPoolPtrExportData`.
+    pub data: [u8; 64],
+    /// Size of the allocation in bytes.
+    pub len_bytes: u64,
+}
+
+impl PoolPointer {
+    /// The 72 bytes to send.
+    pub fn to_bytes(&self) -> [u8; 72] {
+        let mut b = [0u8; 72];
+        b[..64].copy_from_slice(&self.data);
+        b[64..].copy_from_slice(&self.len_bytes.to_le_bytes());
+        b
+    }
+
+    /// Parses [`PoolPointer::to_bytes`]'s output.
+    pub fn from_bytes(b: &[u8]) -> Result<Self> {
+        let h = IpcMemHandle::from_bytes(b)?;
+        Ok(PoolPointer {
+            data: h.handle,
+            len_bytes: h.len_bytes,
+        })
+    }
+}
+
+/// Another process's [`SharedPool`], imported from its file descriptor.
+#[derive(Debug)]
+pub struct ImportedPool {
+    inner: Arc<PoolHandle>,
+}
+
+impl ImportedPool {
+    /// Imports a pool fd received from the exporter (`cuMemPoolImportFromShareableHandle`).
+    /// The fd is closed afterwards (the driver keeps its own reference).
+    pub fn from_fd(ctx: &Arc<CudaContext>, fd: OwnedFd) -> Result<Self> {
+        let _restore = crate::cuda::CurrentContext::save();
+        ctx.bind_to_thread()
+            .map_err(|e| Error::cuda("cuCtxSetCurrent", e))?;
+        // SAFETY: `fd` is an open descriptor we own for the call's duration.
+        let pool = unsafe { r::mem_pool::import_fd(fd.as_raw_fd()) }?;
+        drop(fd);
+        Ok(ImportedPool {
+            inner: Arc::new(PoolHandle {
+                pool,
+                ctx: ctx.clone(),
+            }),
+        })
+    }
+
+    /// Maps one exported allocation (`cuMemPoolImportPointer`) in `stream`'s context and, when
+    /// the memory lives on another device, grants this device access to the imported pool
+    /// (`cuMemPoolSetAccess`). The mapping's [`IpcMapping::path`] says what `cuMemPoolGetAccess`
+    /// then reports.
+    ///
+    /// The pointer's `len_bytes` came from another process and is checked against the imported
+    /// allocation (`cuMemGetAddressRange`): a length past it is [`Error::InvalidArgument`] (the
+    /// import is freed again); a shorter one maps a prefix.
+    pub fn import<T: AnyBitPattern>(
+        &self,
+        stream: &Arc<CudaStream>,
+        ptr: &PoolPointer,
+    ) -> Result<IpcMapping<T>> {
+        let _restore = crate::cuda::CurrentContext::save();
+        let len = elements::<T>(ptr.len_bytes)?;
+        let ctx = stream.context();
+        ctx.bind_to_thread()
+            .map_err(|e| Error::cuda("cuCtxSetCurrent", e))?;
+        // SAFETY: the imported pool is live (we hold it).
+        let p = unsafe { r::mem_pool::import_pointer(self.inner.pool, &ptr.data) }?;
+        if let Err(e) = check_mapped_len(p, ptr.len_bytes, "PoolPointer") {
+            // SAFETY: imported above and used by nothing; freed once on this error path, and the
+            // stream is synchronised before returning.
+            let freed = unsafe { r::mem_pool::free_async(p, stream.cu_stream()) }.and_then(|()| {
+                stream
+                    .synchronize()
+                    .map_err(|e| Error::cuda("cuStreamSynchronize", e))
+            });
+            if let Err(f) = freed {
+                tracing::warn!(%f, "gpudirect ImportedPool: freeing a refused import failed");
+            }
+            return Err(e);
+        }
+        let owner = owner_device(p, ctx);
+        let me = ctx.ordinal();
+        // Grant this device access even when the driver names it as the owner (it then refuses
+        // harmlessly): access settings of the exporter's pool do not travel with the fd.
+        // SAFETY: the imported pool is live (we hold it).
+        let granted = unsafe {
+            r::mem_pool::set_access(
+                self.inner.pool,
+                me as i32,
+                sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
+            )
+        };
+        let path = if owner == me {
+            PathReport::direct(TransferPath::PeerDirect {
+                link: crate::path::Link::Unknown,
+            })
+        } else {
+            if let Err(e) = &granted {
+                tracing::warn!(%e, "gpudirect ImportedPool: granting access to the imported pool failed");
+            }
+            // SAFETY: the imported pool is live (we hold it).
+            match unsafe { r::mem_pool::get_access(self.inner.pool, me as i32) } {
+                Ok(sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE) => {
+                    PathReport::direct(TransferPath::PeerDirect {
+                        link: crate::p2p::topology::link_between(me, owner),
+                    })
+                }
+                _ => PathReport::fallback(
+                    TransferPath::StagedThroughHost,
+                    Cause::PoolAccessNotGranted {
+                        accessor: me,
+                        owner,
+                    },
+                ),
+            }
+        };
+        Ok(IpcMapping::new(
+            stream,
+            p,
+            len,
+            owner,
+            path,
+            Release::Pool(self.inner.clone()),
+        ))
+    }
+}
