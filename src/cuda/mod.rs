@@ -8,12 +8,47 @@
 //! - What a pointer is: [`PointerInfo`] ([`MemoryKind`], GPUDirect-RDMA capability, pool,
 //!   owning context, enclosing allocation).
 //! - Device memory of our own: [`DeviceBuffer`] (`cuMemAlloc`; [`GdrBuffer`] is its
-//!   GPUDirect-RDMA layout) and the [`DeviceMemory`] trait.
+//!   GPUDirect-RDMA layout) and the [`DeviceMemory`] trait; the allocation half of
+//!   [`VmmBuffer`](crate::p2p::VmmBuffer) (`cuMemCreate`, `cuMemMap`, `cuMemSetAccess`).
 //! - dma-buf export of device memory ([`export_dmabuf`]; needs no NIC).
 //! - A GPU's PCI bus id, NUMA node and nearby CPUs ([`device`]).
 //!
 //! The wings ([`p2p`](crate::p2p), [`rdma`](crate::rdma), [`storage`](crate::storage)) build on
 //! this floor and never on each other.
+
+/// The accessors every raw-allocation wrapper shares (`VmmBuffer` here, the mappings of
+/// `p2p::ipc`): the memory as a cudarc slice, views, and length. The type needs a
+/// `slice: CudaSlice<T>` field and cudarc's slice and view types in scope.
+macro_rules! slice_accessors {
+    () => {
+        /// The memory as a cudarc slice (for `clone_dtoh`, `memcpy_dtod`, kernel arguments, ...).
+        pub fn slice(&self) -> &CudaSlice<T> {
+            &self.slice
+        }
+
+        /// An immutable view of the whole buffer.
+        pub fn as_view(&self) -> CudaView<'_, T> {
+            self.slice.as_view()
+        }
+
+        /// A mutable view of the whole buffer (`memcpy_htod`, `copy_peer` destinations, ...);
+        /// for memory mapped from another process, writes land in the exporter's memory.
+        pub fn as_view_mut(&mut self) -> CudaViewMut<'_, T> {
+            self.slice.as_view_mut()
+        }
+
+        /// Number of elements.
+        pub fn len(&self) -> usize {
+            self.slice.len()
+        }
+
+        /// True when empty.
+        pub fn is_empty(&self) -> bool {
+            self.slice.len() == 0
+        }
+    };
+}
+pub(crate) use slice_accessors;
 
 mod bits;
 mod current;
@@ -22,6 +57,7 @@ pub(crate) mod dmabuf;
 mod memory;
 mod pointer;
 pub(crate) mod result;
+pub(crate) mod vmm;
 
 pub(crate) use current::CurrentContext;
 

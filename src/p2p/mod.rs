@@ -23,47 +23,14 @@
 //! [`TransferPath::StagedThroughHost`](crate::TransferPath::StagedThroughHost) with its
 //! [`Cause`](crate::Cause), and [`timed_copy_peer`] checks the claim against the clock.
 
-/// The accessors every raw-allocation wrapper of this module shares ([`VmmBuffer`] and the IPC
-/// mappings): the memory as a cudarc slice, views, and length. The
-/// type needs a `slice: CudaSlice<T>` field and cudarc's slice and view types in scope.
-macro_rules! slice_accessors {
-    () => {
-        /// The memory as a cudarc slice (for `clone_dtoh`, `memcpy_dtod`, kernel arguments, ...).
-        pub fn slice(&self) -> &CudaSlice<T> {
-            &self.slice
-        }
-
-        /// An immutable view of the whole buffer.
-        pub fn as_view(&self) -> CudaView<'_, T> {
-            self.slice.as_view()
-        }
-
-        /// A mutable view of the whole buffer (`memcpy_htod`, `copy_peer` destinations, ...);
-        /// for memory mapped from another process, writes land in the exporter's memory.
-        pub fn as_view_mut(&mut self) -> CudaViewMut<'_, T> {
-            self.slice.as_view_mut()
-        }
-
-        /// Number of elements.
-        pub fn len(&self) -> usize {
-            self.slice.len()
-        }
-
-        /// True when empty.
-        pub fn is_empty(&self) -> bool {
-            self.slice.len() == 0
-        }
-    };
-}
-
 #[cfg(feature = "bench")]
 mod bandwidth;
 mod copy;
 pub mod ipc;
 mod peer_access;
 mod topology;
-mod vmm;
 
+pub use crate::cuda::vmm::VmmBuffer;
 /// `cuMemAlloc` memory (legacy IPC, the context-peer-access path): the ground floor's
 /// [`cuda::DeviceBuffer`](crate::cuda::DeviceBuffer).
 pub use crate::cuda::DeviceBuffer;
@@ -84,4 +51,3 @@ pub use topology::{
     nvml_status, parse_pci_bus_id, Connection, GpuInfo, NvmlP2p, NvmlStatus, P2pState, PairInfo,
     Topology,
 };
-pub use vmm::VmmBuffer;

@@ -9,7 +9,7 @@ use cudarc::driver::{sys, CudaSlice, CudaStream, CudaView, CudaViewMut};
 use super::pool::PoolHandle;
 use super::{add_mapping, check_mapped_len, elements, owner_device, remove_mapping};
 use crate::cuda::result as r;
-use crate::cuda::{AnyBitPattern, DeviceBuffer};
+use crate::cuda::{slice_accessors, AnyBitPattern, DeviceBuffer};
 use crate::error::{Error, Result};
 use crate::path::{PathReport, TransferPath};
 

@@ -1,15 +1,16 @@
-//! VMM (`cuMemCreate`) IPC: a [`VmmBuffer`](crate::p2p::VmmBuffer)'s fd mapped as a
-//! [`VmmImport`].
+//! VMM (`cuMemCreate`) IPC: a [`VmmBuffer`]'s allocation exported as a POSIX fd
+//! ([`VmmBuffer::export_fd`]) and mapped in another process as a [`VmmImport`].
 
 use std::mem::ManuallyDrop;
-use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::sync::Arc;
 
 use cudarc::driver::{sys, CudaSlice, CudaStream, CudaView, CudaViewMut};
 
 use super::elements;
 use crate::cuda::result as r;
-use crate::cuda::AnyBitPattern;
+use crate::cuda::vmm::VmmBuffer;
+use crate::cuda::{slice_accessors, AnyBitPattern};
 use crate::error::{Error, Result};
 use crate::path::{Cause, PathReport, TransferPath};
 
@@ -29,7 +30,7 @@ pub struct VmmImport<T> {
     stream: Arc<CudaStream>,
     owner_device: usize,
     path: PathReport,
-    range: crate::p2p::vmm::VmmRange,
+    range: crate::cuda::vmm::VmmRange,
 }
 
 impl<T> VmmImport<T> {
@@ -68,7 +69,7 @@ impl<T> VmmImport<T> {
         };
         let owner = usize::try_from(r::location_id(&props.location)).unwrap_or(me);
         let padded = r::vmm::granularity(&props)
-            .and_then(|g| crate::p2p::vmm::round_up(len_bytes as usize, g).map(|s| (s, g)));
+            .and_then(|g| crate::cuda::vmm::round_up(len_bytes as usize, g).map(|s| (s, g)));
         let (size, g) = match padded {
             Ok(v) => v,
             Err(e) => {
@@ -79,7 +80,7 @@ impl<T> VmmImport<T> {
         };
         // Maps exactly the exporter's padded size (the same granularity query on the same
         // properties); a larger `len_bytes` than the allocation makes cuMemMap fail.
-        let range = crate::p2p::vmm::VmmRange::map(ctx, handle, size, g)
+        let range = crate::cuda::vmm::VmmRange::map(ctx, handle, size, g)
             .map_err(|e| match e {
                 Error::Cuda { op: "cuMemMap", .. } => Error::InvalidArgument(format!(
                     "mapping {size} bytes of the imported VMM allocation failed ({e}): pass the exporter's VmmBuffer::len_bytes"
@@ -149,5 +150,17 @@ impl<T> Drop for VmmImport<T> {
             tracing::warn!(%e, "gpudirect VmmImport: stream synchronize failed before unmap");
         }
         // `range` is dropped right after this: unmap, address free, release.
+    }
+}
+
+impl<T> VmmBuffer<T> {
+    /// Exports the allocation as a POSIX file descriptor (`cuMemExportToShareableHandle`), to
+    /// send with [`send_fd`](super::send_fd) to a process that maps it with
+    /// [`VmmImport::open`], together with [`VmmBuffer::len_bytes`].
+    pub fn export_fd(&self) -> Result<OwnedFd> {
+        // SAFETY: the handle is live (the buffer owns it) and was created with the POSIX fd type.
+        let fd = unsafe { r::vmm::export_fd(self.allocation_handle()) }?;
+        // SAFETY: the driver returned a fresh fd that we now own.
+        Ok(unsafe { OwnedFd::from_raw_fd(fd) })
     }
 }

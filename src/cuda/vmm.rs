@@ -1,12 +1,14 @@
 //! [`VmmBuffer`]: device memory from the CUDA virtual memory management API (`cuMemCreate`,
 //! `cuMemAddressReserve`, `cuMemMap`, `cuMemSetAccess`), created exportable as a POSIX file
-//! descriptor (`cuMemExportToShareableHandle`) and seen as a cudarc [`CudaSlice`]. Another
-//! process maps it with [`VmmImport`](super::ipc::VmmImport). Peer access to VMM memory is per
-//! mapping ([`VmmBuffer::grant_access`]), not per context, and observable (`cuMemGetAccess`):
-//! [`copy_peer`](super::copy_peer) reports the path from it.
+//! descriptor and seen as a cudarc [`CudaSlice`]; re-exported as `p2p::VmmBuffer`. Peer access
+//! to VMM memory is per mapping ([`VmmBuffer::grant_access`]), not per context, and observable
+//! (`cuMemGetAccess`): [`copy_peer`](crate::p2p::copy_peer) reports the path from it.
+//!
+//! The allocation half lives here, on the ground floor: [`VmmRange`] (reserve, map, access,
+//! teardown) also maps what another process exported. The IPC half (`cuMemExportToShareableHandle`,
+//! [`VmmBuffer::export_fd`], and [`VmmImport`](crate::p2p::ipc::VmmImport)) is `p2p::ipc`'s.
 
 use std::mem::ManuallyDrop;
-use std::os::fd::{FromRawFd, OwnedFd};
 use std::sync::Arc;
 
 use cudarc::driver::{
@@ -20,12 +22,12 @@ use crate::path::Cause;
 /// A reserved virtual range with one allocation mapped at its start. Partial states (handle
 /// only, handle + reservation) are torn down as far as they got: unmap, address free, release.
 #[derive(Debug)]
-pub(in crate::p2p) struct VmmRange {
-    pub(in crate::p2p) handle: sys::CUmemGenericAllocationHandle,
+pub(crate) struct VmmRange {
+    pub(crate) handle: sys::CUmemGenericAllocationHandle,
     /// 0 until reserved.
-    pub(in crate::p2p) ptr: sys::CUdeviceptr,
+    pub(crate) ptr: sys::CUdeviceptr,
     /// The padded size (a multiple of the granularity).
-    pub(in crate::p2p) size: usize,
+    pub(crate) size: usize,
     mapped: bool,
     ctx: Arc<CudaContext>,
 }
@@ -33,7 +35,7 @@ pub(in crate::p2p) struct VmmRange {
 impl VmmRange {
     /// Takes ownership of `handle` (released on every error path), reserves `size` bytes
     /// aligned to `granularity`, maps the handle there and grants `ctx`'s device read/write.
-    pub(in crate::p2p) fn map(
+    pub(crate) fn map(
         ctx: &Arc<CudaContext>,
         handle: sys::CUmemGenericAllocationHandle,
         size: usize,
@@ -56,7 +58,7 @@ impl VmmRange {
     }
 
     /// `cuMemSetAccess` read/write for device `ordinal` on the whole range.
-    pub(in crate::p2p) fn set_access(&self, ordinal: usize) -> Result<()> {
+    pub(crate) fn set_access(&self, ordinal: usize) -> Result<()> {
         // SAFETY: the range is mapped (only called after a successful cuMemMap) and lives as
         // long as `self`.
         unsafe {
@@ -126,7 +128,7 @@ fn check_support(ordinal: usize) -> Result<()> {
 }
 
 /// `n` rounded up to a multiple of `g` (at least `g`).
-pub(in crate::p2p) fn round_up(n: usize, g: usize) -> Result<usize> {
+pub(crate) fn round_up(n: usize, g: usize) -> Result<usize> {
     n.max(1)
         .checked_next_multiple_of(g)
         .ok_or_else(|| Error::InvalidArgument(format!("{n} bytes overflow usize when padded")))
@@ -200,7 +202,7 @@ impl<T: DeviceRepr + ValidAsZeroBits> VmmBuffer<T> {
 
 impl<T> VmmBuffer<T> {
     /// Grants device `peer` read/write access to this memory (`cuMemSetAccess`), so peer copies
-    /// executed by that device read/write it directly ([`copy_peer`](super::copy_peer) then
+    /// executed by that device read/write it directly ([`copy_peer`](crate::p2p::copy_peer) then
     /// reports [`TransferPath::PeerDirect`](crate::TransferPath::PeerDirect)). Lasts as long as
     /// the buffer.
     ///
@@ -223,21 +225,15 @@ impl<T> VmmBuffer<T> {
         self.range.set_access(peer)
     }
 
-    /// Exports the allocation as a POSIX file descriptor (`cuMemExportToShareableHandle`), to
-    /// send with [`send_fd`](super::ipc::send_fd) to a process that maps it with
-    /// [`VmmImport::open`](super::ipc::VmmImport::open), together with
-    /// [`VmmBuffer::len_bytes`].
-    pub fn export_fd(&self) -> Result<OwnedFd> {
-        // SAFETY: the handle is live (we own it) and was created with the POSIX fd type.
-        let fd = unsafe { r::vmm::export_fd(self.range.handle) }?;
-        // SAFETY: the driver returned a fresh fd that we now own.
-        Ok(unsafe { OwnedFd::from_raw_fd(fd) })
-    }
-
     slice_accessors!();
 
+    /// The allocation's generic handle, for the IPC half's export (`p2p::ipc`).
+    pub(crate) fn allocation_handle(&self) -> sys::CUmemGenericAllocationHandle {
+        self.range.handle
+    }
+
     /// The size in bytes the elements occupy (what an importer passes to
-    /// [`VmmImport::open`](super::ipc::VmmImport::open)).
+    /// [`VmmImport::open`](crate::p2p::ipc::VmmImport::open)).
     pub fn len_bytes(&self) -> u64 {
         (self.slice.len() * std::mem::size_of::<T>()) as u64
     }
