@@ -352,7 +352,10 @@ impl GpuFile {
     /// segment ring, faulted in and page-locked in parallel on the workers. Optional: a first
     /// transfer without it starts the threads after it is published and pins each ring slot as
     /// its first copy needs it, overlapped with the reads (so it runs at nearly the steady
-    /// rate); `warm_up` only moves that few-millisecond cost before the clock. A no-op for files
+    /// rate); `warm_up` only moves that few-millisecond cost before the clock. It also moves
+    /// the page-locking (`cuMemHostRegister`) out of the transfers: CUDA lists page-locking
+    /// among the implicitly synchronizing operations, so a first transfer that locks the ring
+    /// may wait for work pending on other streams of the device. A no-op for files
     /// whose device reads go through cuFile. What it set up is released like any engine state
     /// ([`release_engines`](super::release_engines), or after the idle timeout).
     ///
