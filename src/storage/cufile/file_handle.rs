@@ -243,6 +243,9 @@ impl CuFileHandle {
         }
         check_range(file_offset, len)?;
         let stream: Arc<CudaStream> = Arc::clone(dst.stream());
+        // Taken before cudarc's pointer and dropped after its record (both bind the buffer's
+        // context): the caller's current context is put back as it was, also when none was.
+        let _restore = crate::cuda::CurrentContext::save();
         let (ptr, sync) = dst.device_ptr_mut(&stream);
         let done = self.sync_io(false, &stream, ptr, len, file_offset, false);
         drop(sync);
@@ -258,6 +261,9 @@ impl CuFileHandle {
         }
         check_range(file_offset, len)?;
         let stream: Arc<CudaStream> = Arc::clone(dst.stream());
+        // Taken before cudarc's pointer and dropped after its record (both bind the buffer's
+        // context): the caller's current context is put back as it was, also when none was.
+        let _restore = crate::cuda::CurrentContext::save();
         let (ptr, sync) = dst.device_ptr_mut(&stream);
         let done = self.sync_io(false, &stream, ptr, len, file_offset, true);
         drop(sync);
@@ -275,6 +281,9 @@ impl CuFileHandle {
         }
         check_range(file_offset, len)?;
         let stream: Arc<CudaStream> = Arc::clone(src.stream());
+        // Taken before cudarc's pointer and dropped after its record (both bind the buffer's
+        // context): the caller's current context is put back as it was, also when none was.
+        let _restore = crate::cuda::CurrentContext::save();
         let (ptr, sync) = src.device_ptr(&stream);
         let done = self.sync_io(true, &stream, ptr, len, file_offset, true);
         drop(sync);
@@ -302,7 +311,6 @@ impl CuFileHandle {
         exact: bool,
     ) -> Result<usize> {
         let op = if write { "cuFileWrite" } else { "cuFileRead" };
-        let _restore = crate::cuda::CurrentContext::save();
         self.inner.driver.enter(stream, true)?;
         let (base, _) = allocation_range(ptr)?;
         let buf_offset = ptr - base;
