@@ -781,8 +781,9 @@ impl GpuFile {
 
     /// Reads the first `len` bytes (whole `T`s) into a new device buffer on `stream`. Through
     /// the engine's segment ring the buffer is allocated on the calling thread while the
-    /// workers already read and page-lock the ring (each copy waits for the allocation), so
-    /// the allocation is not in front of the first byte; otherwise it is allocated, then read.
+    /// workers start and read into the ring (each copy, and the page-locking of its slot, waits
+    /// for the allocation), so the allocation is not in front of the first read; otherwise it
+    /// is allocated, then read.
     fn read_to_new<T: AnyBitPattern>(
         &self,
         stream: &Arc<CudaStream>,

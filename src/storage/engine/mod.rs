@@ -11,8 +11,8 @@
 //!   disjoint spans of a ring of large pinned segments; one copy per run of payload contiguous
 //!   in the segment and in one destination buffer is issued on a dedicated copy stream. A
 //!   destination the job allocates itself (`read_to_gpu`) is allocated on the calling thread
-//!   while the workers already read ([`Engine::run_deferred`], [`DstGate`]); the calling thread
-//!   also page-locks the ring's slots ahead of the workers.
+//!   while the workers start and read ([`Engine::run_deferred`], [`DstGate`]); no slot is
+//!   page-locked during the allocation (the driver serializes the two).
 //! - **Lanes** (reads with [`Pipeline::Lanes`](crate::storage::Pipeline::Lanes)): each worker
 //!   double-buffers two pinned bounce buffers on its own stream.
 //! - **Gather writes** ([`gather`], every write from the GPU): the items are cut into large
@@ -64,11 +64,6 @@ use io::Fds;
 use plan::{direct_read_span, Task};
 use pool::{Pool, PoolConfig};
 use worker::WorkerState;
-
-/// Ring slots a read into a destination allocated while it starts ([`Engine::run_deferred`])
-/// gets at least: with the default 32 MiB segments, 256 MiB the workers read ahead while a
-/// multi-GiB `cuMemAlloc` (about 5 ms for 4 GiB on the H200) runs.
-pub(crate) const DEFERRED_SEGMENTS: usize = 8;
 
 /// The most workers one engine runs (the cap of `GPUDIRECT_NTHREADS` and
 /// `GpuFileOptions::threads`).
@@ -820,7 +815,7 @@ impl Engine {
             let (n, a, b) = self.pool.last_spawn();
             if n > 0 {
                 t.note(format!(
-                    "started {n} worker threads from {:.3} to {:.3} ms (after the job was published)",
+                    "started {n} worker threads from {:.3} to {:.3} ms (after the job was published; the caller starts one, they start each other)",
                     a.saturating_sub(t.start()) as f64 / 1e3,
                     b.saturating_sub(t.start()) as f64 / 1e3
                 ));
@@ -913,7 +908,7 @@ impl Engine {
         caller: impl FnOnce(&Job<'_>),
     ) -> Result<Outcome> {
         let ctx = job.ctx.clone().expect("device job");
-        // The calling thread builds the ring, page-locks slots ahead of the workers and drains
+        // The calling thread builds the ring, allocates a deferred destination and drains
         // the copy streams in `ctx`; its own current context is put back when this returns.
         let _current = CurrentContext::bind(&ctx)?;
         let t_ring = trace::now_us();
@@ -963,20 +958,21 @@ impl Engine {
 
     /// Runs a device read (through the segment ring) whose destination buffers marked
     /// [`Mem::Deferred`] do not exist yet (their address comes from the job's [`DstGate`]):
-    /// `alloc` runs on the calling thread once the workers were started, and returns the
-    /// destination's address (or fails the job). Workers read into the ring and page-lock its
-    /// slots meanwhile; a copy into the destination waits for the address. When `alloc` fails
-    /// or panics, no copy into the destination was issued.
+    /// `alloc` runs on the calling thread at once (one worker thread is started first; the
+    /// others start each other), and returns the destination's address (or fails the job).
+    /// Workers read into the ring meanwhile; a segment's copies wait for the address, and only
+    /// then page-lock its slot. When `alloc` fails or panics, no copy into the destination was
+    /// issued.
     ///
-    /// The ring gets at least [`DEFERRED_SEGMENTS`] slots (as many as the job has segments, if
-    /// fewer), so the workers read that far ahead while the allocation runs.
+    /// The ring keeps its configured slots (a larger ring is slower in steady state; see
+    /// [`segment`]'s "Ring size"): the workers read that far ahead while the allocation runs.
     pub fn run_deferred(
         &self,
         job: Job<'_>,
         threads: usize,
         alloc: impl FnOnce() -> Result<sys::CUdeviceptr>,
     ) -> Result<Outcome> {
-        let (Some(mut p), Some(gate)) = (job.seg, job.gate) else {
+        let (Some(p), Some(gate)) = (job.seg, job.gate) else {
             return Err(internal(
                 "a deferred destination without the segment pipeline or a gate",
             ));
@@ -989,11 +985,6 @@ impl Engine {
             open_gate(&job, gate, alloc);
             return job.outcome(0);
         }
-        let seg_bytes = segment::tasks_per_segment(p.segment_size, job.piece) * job.piece;
-        let planned: usize = job.tasks.iter().map(|t| t.len).sum();
-        p.segments = p
-            .segments
-            .max(DEFERRED_SEGMENTS.min(planned.div_ceil(seg_bytes.max(1))));
         let threads = threads.clamp(1, MAX_THREADS).min(job.tasks.len());
         self.run_segments(job, p, threads, |job| open_gate(job, gate, alloc))
     }

@@ -29,20 +29,31 @@
 //! advised) that nobody touches up front: the first reads into a slot fault its pages in, in
 //! parallel, on the workers (which sit on the GPU's NUMA node). Each slot is page-locked once
 //! per job, as far as any of the job's segments staged there reads (`cuMemHostRegister`,
-//! measured ~12× cheaper than `cuMemHostAlloc` on the H200 machine), by whoever comes first
-//! under the slot's pin lock: the calling thread, which page-locks the slots in ring order
-//! while the workers read (slot k + 1 while k fills, [`SegJob::pin_ahead`]), or the worker that
-//! finishes the slot's segment. Reading starts at once and no copy waits for the whole ring.
+//! measured ~12× cheaper than `cuMemHostAlloc` on the H200 machine), by the worker that
+//! finishes the first segment staged there, right before that segment's copies: its pages are
+//! faulted in by then (page-locking faulted memory took 1.0–1.4 ms per 32 MiB slot on the H200
+//! machine; locking untouched memory on one thread, which faults it in on that thread, 2.6–4.8
+//! ms). Page-lockings of a job never run at once (one lock per job): the driver serializes them
+//! anyway, and concurrent ones only contend. Reading starts at once and no copy waits for the
+//! whole ring. A caller with nothing better to do may lock the ring beforehand
+//! ([`Engine::pin_ring`](super::Engine::pin_ring), while a batch opens its files).
+//!
+//! **Ring size**: a larger ring is slower in steady state on the H200 machine (8 × 32 MiB:
+//! copies at 43–46 GB/s, 16 × 32 MiB or 4 × 64 MiB alike, against 52–53 GB/s with 4 × 32 MiB),
+//! so a job never grows the ring beyond its configured slots, a deferred destination included.
 //!
 //! **Deferred destination**: when the job allocates its destination itself
 //! ([`Engine::run_deferred`](super::Engine::run_deferred), `read_to_gpu`), the calling thread
-//! allocates it while the workers already read and lock the ring; a segment's copies wait for
-//! the address ([`DstGate`](super::DstGate)) after its slot is locked. A failed allocation
-//! fails the job before any copy.
+//! allocates it at once while the workers start and read; a segment's copies wait for the
+//! address ([`DstGate`](super::DstGate)) *before* its slot is page-locked, so no
+//! `cuMemHostRegister` contends with the allocation for the driver (measured: a 4 GiB
+//! `cuMemAllocAsync` took 15 ms beside workers locking slots, 5.5 ms alone). A failed
+//! allocation fails the job before any copy.
 //!
 //! **Ordering rules** (checked on the host by `pipeline_tests`, on a ring whose copies run
 //! late): a copy is enqueued only after its slot is page-locked as far as it reads and after
-//! its destination exists; a slot is read into again only after the copies out of it completed;
+//! its destination exists; no slot is page-locked while a deferred destination is being
+//! allocated, nor two at once; a slot is read into again only after the copies out of it completed;
 //! a panic on any thread fails the job, so no worker waits for what the panicking one would
 //! have done.
 //!
@@ -663,17 +674,14 @@ pub(crate) struct SegJob<'r, R: Ring + ?Sized> {
     /// Per slot: the bytes it is page-locked for, for every segment of the job at once (so a
     /// slot is locked at most once per job and never unlocked under a copy of the job).
     need: Vec<usize>,
-    /// Per slot: held while the slot is being page-locked (by the caller's pin-ahead or by the
-    /// worker issuing its copies, whoever comes first; the other finds it done).
-    pin_locks: Vec<Mutex<()>>,
+    /// Held while a slot is being page-locked (by the worker issuing its first segment's
+    /// copies): one at a time, and whoever comes second for a slot finds it done.
+    pin_lock: Mutex<()>,
     remaining: Vec<AtomicUsize>,
     slots: Vec<(Mutex<SlotState>, Condvar)>,
     /// Copies issued (for tests and reports).
     pub copies: AtomicUsize,
 }
-
-/// The worker index the trace gives the calling thread.
-const CALLER: usize = usize::MAX;
 
 impl<'r, R: Ring + ?Sized> SegJob<'r, R> {
     pub fn new(res: &'r R, layout: Layout, nseg: usize, nstreams: usize) -> Self {
@@ -690,7 +698,7 @@ impl<'r, R: Ring + ?Sized> SegJob<'r, R> {
                 .collect(),
             layout,
             need,
-            pin_locks: (0..nseg).map(|_| Mutex::new(())).collect(),
+            pin_lock: Mutex::new(()),
             slots: (0..nseg)
                 .map(|_| (Mutex::new(SlotState::default()), Condvar::new()))
                 .collect(),
@@ -722,17 +730,17 @@ impl<'r, R: Ring + ?Sized> SegJob<'r, R> {
     }
 
     /// Page-locks slot `r` as far as any segment of the job needs (a no-op when it already
-    /// is), as worker `w` (the trace's [`CALLER`]: the calling thread). Under the slot's pin
-    /// lock: the first to come locks it, anyone else waits for that and finds it done. No copy
-    /// of this job out of the slot exists before the slot is locked (copies are issued only
-    /// after this returned), and the earlier jobs' copies were drained: a smaller registration
-    /// left by an earlier job can be replaced.
+    /// is), as worker `w`. Under the job's pin lock: one page-locking at a time; anyone else
+    /// for the same slot waits for it and finds it done. No copy of this job out of the slot
+    /// exists before the slot is locked (copies are issued only after this returned), and the
+    /// earlier jobs' copies were drained: a smaller registration left by an earlier job can be
+    /// replaced.
     fn pin_slot(&self, job: &Job<'_>, r: usize, w: usize) -> Result<()> {
         let need = self.need[r];
         if need == 0 || self.res.is_registered(r, need) {
             return Ok(());
         }
-        let _g = self.pin_locks[r].lock().unwrap_or_else(|p| p.into_inner());
+        let _g = self.pin_lock.lock().unwrap_or_else(|p| p.into_inner());
         let t0 = job.t_now();
         let locked = self.res.ensure_registered(r, need)?;
         if let (Some(t), true) = (job.trace(), locked > 0) {
@@ -741,26 +749,10 @@ impl<'r, R: Ring + ?Sized> SegJob<'r, R> {
         Ok(())
     }
 
-    /// On the calling thread while the workers read: page-locks the job's slots in ring order,
-    /// each as far as the job needs, so that a segment's copies find their slot locked instead
-    /// of locking it themselves when its reads are done (slot `k + 1` is locked while `k` is
-    /// filled). Stops when the job aborted; an error fails the job. The caller bound the
-    /// ring's context.
-    pub fn pin_ahead(&self, job: &Job<'_>) {
-        for r in 0..self.nseg.min(self.layout.segs.len()) {
-            if job.aborted() {
-                return;
-            }
-            if let Err(e) = self.pin_slot(job, r, CALLER) {
-                job.fail(e);
-                return;
-            }
-        }
-    }
-
-    /// Issues segment `g`'s copies (all its tasks are read), as worker `w`: the slot is
-    /// page-locked first, then the destination is waited for (when it is allocated while the
-    /// job runs), then the copies are enqueued and the slot's marker recorded.
+    /// Issues segment `g`'s copies (all its tasks are read), as worker `w`: the destination is
+    /// waited for first (when it is allocated while the job runs: no page-locking contends
+    /// with the allocation), then the slot is page-locked (its pages were faulted in by the
+    /// reads), then the copies are enqueued and the slot's marker recorded.
     fn issue(&self, job: &Job<'_>, g: usize, w: usize) -> Result<()> {
         let ready = job.t_now();
         let r = g % self.nseg;
@@ -772,7 +764,6 @@ impl<'r, R: Ring + ?Sized> SegJob<'r, R> {
         );
         let stream = g % self.nstreams;
         if !runs.is_empty() {
-            self.pin_slot(job, r, w)?;
             let t0 = job.t_now();
             if !job.wait_dst()? {
                 // The allocation failed (the job is failed and aborting): no copy.
@@ -781,6 +772,7 @@ impl<'r, R: Ring + ?Sized> SegJob<'r, R> {
             if let Some(t) = job.trace() {
                 t.gate_waited(w, t0);
             }
+            self.pin_slot(job, r, w)?;
         }
         let slot = self.res.slot_ptr(r);
         for run in &runs {
@@ -897,8 +889,7 @@ pub(crate) struct RunEnd {
 
 /// Runs `job` (a read into device memory) through ring `res` on up to `threads` workers of
 /// `pool`, while the calling thread runs `caller` (it may allocate the job's deferred
-/// destination and open its gate) and then page-locks the job's slots ahead of the workers
-/// ([`SegJob::pin_ahead`]; the caller bound the ring's context). A panic on a worker or in
+/// destination and open its gate; the caller bound the ring's context). A panic on a worker or in
 /// `caller` fails the job, so no other worker waits for what the panicking one would have
 /// done. Every copy is drained before this returns. Returns the copies issued and the drain's
 /// outcome: when draining failed, copies may still read the ring and the caller must never
@@ -949,10 +940,7 @@ pub(crate) fn run<R: Ring + ?Sized>(
         || {
             // Caught here and re-raised by the caller of `run` after the drain: copies may be
             // in flight into a destination the unwinding would free.
-            let r = catch_unwind(AssertUnwindSafe(|| {
-                caller();
-                sj.pin_ahead(job);
-            }));
+            let r = catch_unwind(AssertUnwindSafe(caller));
             if let Err(p) = r {
                 job.fail(super::panicked());
                 panic = Some(p);
@@ -1238,6 +1226,8 @@ mod pipeline_tests {
         panic_at_copy: usize,
         /// Every page-locking: (slot, done by a pool worker rather than the calling thread).
         pins: Mutex<Vec<(usize, bool)>>,
+        /// Page-lockings under way.
+        pinning: AtomicUsize,
         shared: Arc<Shared>,
         threads: Vec<std::thread::JoinHandle<()>>,
     }
@@ -1322,6 +1312,7 @@ mod pipeline_tests {
                 worker_bind_delay: Duration::ZERO,
                 panic_at_copy: usize::MAX,
                 pins: Mutex::new(Vec::new()),
+                pinning: AtomicUsize::new(0),
                 copies_enqueued: AtomicUsize::new(0),
                 shared,
                 threads,
@@ -1379,6 +1370,18 @@ mod pipeline_tests {
                 have, 0,
                 "slot {r} locked twice in one job ({have} bytes, then {need})"
             );
+            assert!(
+                self.dev_exists.load(Ordering::SeqCst),
+                "slot {r} page-locked while the destination was being allocated (they contend for the driver)"
+            );
+            assert_eq!(
+                self.pinning.fetch_add(1, Ordering::SeqCst),
+                0,
+                "two slots page-locked at once"
+            );
+            // Widen the window in which a second page-locking would overlap this one.
+            std::thread::sleep(Duration::from_millis(2));
+            self.pinning.fetch_sub(1, Ordering::SeqCst);
             self.pins.lock().unwrap().push((r, on_worker()));
             self.registered[r].store(need, Ordering::SeqCst);
             Ok(need)
@@ -1693,21 +1696,21 @@ mod pipeline_tests {
         }
     }
 
-    /// The calling thread page-locks the first pass's slots ahead of the workers (slot k + 1
-    /// while k fills): with the workers held back at their start, every slot the job uses is
-    /// locked once, by the caller, before a worker could; and each slot as far as the
-    /// furthest segment staged in it reads (the fake ring asserts a copy never reads past
-    /// what is locked).
+    /// Each slot the job uses is page-locked once, by the worker that finished the first
+    /// segment staged there (its pages faulted in by those reads), one slot at a time (the fake
+    /// ring asserts no two lockings overlap, and that a copy never reads past what is locked);
+    /// in slot order of the segments, as their copies are issued.
     #[test]
-    fn the_caller_pins_the_slots_ahead_of_the_workers() {
+    fn each_slot_is_page_locked_once_by_a_worker_after_its_reads_one_at_a_time() {
         let mut rng = rand::rngs::StdRng::seed_from_u64(31);
         for round in 0..6 {
             let mut c = random_case(&mut rng, round % 2 == 1);
             c.seg.segments = 3;
+            c.threads = 6;
             let r = run_case_with(
                 &c,
                 &Knobs {
-                    bind_delay: Duration::from_millis(40),
+                    bind_delay: Duration::from_millis(5),
                     ..Knobs::default()
                 },
             );
@@ -1716,12 +1719,28 @@ mod pipeline_tests {
             check_bytes(&c, &r.dev);
             let mut pins = r.pins.clone();
             pins.sort();
-            let want: Vec<(usize, bool)> = (0..3.min(r.segs)).map(|s| (s, false)).collect();
+            let want: Vec<(usize, bool)> = (0..3.min(r.segs)).map(|s| (s, true)).collect();
             assert_eq!(
                 pins, want,
                 "page-lockings (slot, by a worker) for {} segments",
                 r.segs
             );
+        }
+    }
+
+    /// A deferred destination: no slot is page-locked while it is being allocated (the fake
+    /// ring asserts it), however long the allocation takes and however far the workers read.
+    #[test]
+    fn no_slot_is_page_locked_while_the_destination_is_allocated() {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(37);
+        for round in 0..6 {
+            let mut c = random_case(&mut rng, round % 2 == 1);
+            c.threads = 4;
+            let r = run_case(&c, true, Duration::from_millis(30), false);
+            let out = r.result.unwrap();
+            assert!(out.items.iter().all(|i| i.complete && i.error.is_none()));
+            check_bytes(&c, &r.dev);
+            assert!(!r.pins.is_empty() || r.segs == 0);
         }
     }
 
