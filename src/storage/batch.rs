@@ -21,7 +21,9 @@ use super::backend::cufile_glue;
 use super::engine::io;
 use super::engine::plan::{plan_item, Dir, Task};
 use super::engine::{self, Mem, Op};
-use super::file::{dst_bytes, src_bytes, DeviceDst, DeviceSrc, GpuFile, AUTO_DIRECT_MIN};
+use super::file::{
+    dst_bytes, seg_params_of, src_bytes, DeviceDst, DeviceSrc, GpuFile, AUTO_DIRECT_MIN,
+};
 use super::options::GpuFileOptions;
 use super::transfer::{Ctl, TransferControl};
 use super::ODirect;
@@ -512,13 +514,26 @@ impl<'a> ReadBatch<'a> {
             .collect();
         if !to_open.is_empty() {
             let want_direct = |s: usize| odirect_on || longest[s] >= AUTO_DIRECT_MIN;
-            io::reserve_fds(
-                to_open
-                    .iter()
-                    .map(|&s| 1 + usize::from(want_direct(s)))
-                    .sum(),
-            );
+            let fds: usize = to_open
+                .iter()
+                .map(|&s| 1 + usize::from(want_direct(s)))
+                .sum();
             let threads = engine::default_threads(Some(ordinal), options.config_ref().numa_pin);
+            let cfg = options.config_ref();
+            let total: usize = items.iter().map(|it| it.len).sum();
+            match seg_params_of(cfg) {
+                // Many files read through the segment ring: while the calling thread makes
+                // room in the descriptor table (an RCU grace period), the workers start and
+                // fault in and page-lock the ring the job will use, so its first segment is
+                // copied as soon as it is read. (For files that turn out to go through cuFile
+                // the locked ring is unused until the engine's idle release.)
+                Some(p) if fds >= 64 => {
+                    eng.prepare_segments_beside(&ctx, cfg.piece_size(), p, total, threads, || {
+                        io::reserve_fds(fds)
+                    })?
+                }
+                _ => io::reserve_fds(fds),
+            }
             let ok = eng.for_each(to_open.len(), threads, &|k| {
                 let s = to_open[k];
                 if let Source::Path(p) = &srcs[s] {

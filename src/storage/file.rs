@@ -340,11 +340,7 @@ impl GpuFile {
 
     /// The segment pipeline's shape, when this file's reads to the GPU use it.
     pub(super) fn seg_params(&self) -> Option<SegParams> {
-        (self.cfg.pipeline == Pipeline::Segments).then_some(SegParams {
-            segment_size: self.cfg.segment_size,
-            segments: self.cfg.segments.max(2),
-            streams: self.cfg.copy_streams.max(1),
-        })
+        seg_params_of(&self.cfg)
     }
 
     /// Sets up, ahead of the first transfer, what reads of this file into `device`'s memory
@@ -946,6 +942,15 @@ impl GpuFile {
             ctl.elapsed(),
         ))
     }
+}
+
+/// The segment pipeline's shape under `cfg`, when reads to the GPU use it.
+pub(super) fn seg_params_of(cfg: &StorageConfig) -> Option<SegParams> {
+    (cfg.pipeline == Pipeline::Segments).then_some(SegParams {
+        segment_size: cfg.segment_size,
+        segments: cfg.segments.max(2),
+        streams: cfg.copy_streams.max(1),
+    })
 }
 
 /// Reads a whole file into a new device buffer of `T`s on `stream`: the three-line quick start.

@@ -823,8 +823,9 @@ impl Engine {
         }
     }
 
-    /// Runs `f(i)` for every `i < n` on up to `threads` workers (opening or closing many files
-    /// in parallel). False when `f` panicked.
+    /// Runs `f(i)` for every `i < n` on up to `threads` workers and the calling thread
+    /// (opening or closing many files in parallel). False when `f` panicked on a worker; a
+    /// panic on the calling thread is propagated once every worker returned.
     pub fn for_each(&self, n: usize, threads: usize, f: &(dyn Fn(usize) + Sync)) -> bool {
         if n == 0 {
             return true;
@@ -832,13 +833,18 @@ impl Engine {
         let next = AtomicUsize::new(0);
         let t0 = trace::now_us();
         let threads = threads.clamp(1, MAX_THREADS).min(n);
-        let ok = self.pool.run(threads, &|_ws: &mut WorkerState| loop {
+        let take = || loop {
             let i = next.fetch_add(1, Ordering::Relaxed);
             if i >= n {
                 break;
             }
             f(i);
-        });
+        };
+        // The calling thread takes items too (from the first moment: the workers start
+        // meanwhile); it waits for no worker, so the pool's contract holds.
+        let ok = self
+            .pool
+            .run_with(threads, &|_ws: &mut WorkerState| take(), take);
         trace::mark(|| {
             let (spawned, _, _) = self.pool.last_spawn();
             format!(
@@ -889,6 +895,39 @@ impl Engine {
         let mut g = self.seg.lock().unwrap_or_else(|p| p.into_inner());
         let res = self.seg_res(&mut g, ctx, seg_bytes, p)?;
         res.pin_all(&self.pool, threads)
+    }
+
+    /// Builds (or reuses) the segment ring for `ctx` and faults in and page-locks, whole, as
+    /// many of its first slots as `bytes` fill (at most the ring's), on up to `threads`
+    /// workers, while the calling thread runs `caller` (a batch makes room in its descriptor
+    /// table meanwhile: an RCU grace period the workers need not wait for). Starts the workers
+    /// too. The job that follows finds those slots locked and copies a segment as soon as it is
+    /// read.
+    pub fn prepare_segments_beside(
+        &self,
+        ctx: &Arc<CudaContext>,
+        piece: usize,
+        p: SegParams,
+        bytes: usize,
+        threads: usize,
+        caller: impl FnOnce(),
+    ) -> Result<()> {
+        let t0 = trace::now_us();
+        let seg_bytes = segment::tasks_per_segment(p.segment_size, piece) * piece;
+        let slots = (bytes / seg_bytes.max(1)).min(p.segments);
+        let mut g = self.seg.lock().unwrap_or_else(|p| p.into_inner());
+        let _current = CurrentContext::bind(ctx)?;
+        let res = self.seg_res(&mut g, ctx, seg_bytes, p)?;
+        let r = res.pin_first(&self.pool, threads, slots, caller);
+        trace::mark(|| {
+            format!(
+                "ring prepared beside the caller: {slots} slots of {} MiB faulted in on the workers and page-locked in {:.3} ms{}",
+                seg_bytes >> 20,
+                (trace::now_us() - t0) as f64 / 1e3,
+                if r.is_err() { " (failed)" } else { "" }
+            )
+        });
+        r
     }
 
     /// Starts `threads` workers and binds `ctx` on each (so their first job does not pay it).

@@ -473,12 +473,26 @@ impl SegRes {
     /// Faults in and page-locks every slot now, on `threads` workers of `pool` (for
     /// `GpuFile::warm_up`; jobs do it lazily otherwise).
     pub fn pin_all(&self, pool: &super::pool::Pool, threads: usize) -> Result<()> {
+        self.pin_first(pool, threads, self.nseg, || {})
+    }
+
+    /// Faults in (in parallel, on `threads` workers of `pool`) and page-locks the first
+    /// `slots` slots whole, while the calling thread runs `caller` (beside the faulting; it
+    /// must not wait for the workers). No job runs (the caller holds the engine's ring lock).
+    pub fn pin_first(
+        &self,
+        pool: &super::pool::Pool,
+        threads: usize,
+        slots: usize,
+        caller: impl FnOnce(),
+    ) -> Result<()> {
         const CHUNK: usize = 8 << 20;
-        let len = self.bytes();
+        let slots = slots.min(self.nseg);
+        let len = slots * self.seg_bytes;
         let chunks = len.div_ceil(CHUNK);
         let next = AtomicUsize::new(0);
         let page = io::page_size();
-        pool.run(threads, &|_ws| {
+        let fault = |_ws: &mut super::worker::WorkerState| {
             loop {
                 let c = next.fetch_add(1, Ordering::Relaxed);
                 if c >= chunks {
@@ -486,21 +500,25 @@ impl SegRes {
                 }
                 let end = ((c + 1) * CHUNK).min(len);
                 for off in (c * CHUNK..end).step_by(page) {
-                    // SAFETY: off < len, inside our mapping; no job runs (the caller holds the
-                    // engine's ring lock), so no one else touches these bytes.
+                    // SAFETY: off < len <= the mapping's length; no job runs (the caller holds
+                    // the engine's ring lock), so no one else touches these bytes.
                     unsafe { self.mem.base.add(off).write_volatile(0) };
                 }
             }
-        });
+        };
+        pool.run_with(threads, &fault, caller);
+        if slots == 0 {
+            return Ok(());
+        }
         let next = AtomicUsize::new(0);
         let err: Mutex<Option<Error>> = Mutex::new(None);
-        pool.run(threads.min(self.nseg), &|_ws| {
+        pool.run(threads.min(slots), &|_ws| {
             if self.ctx.bind_to_thread().is_err() {
                 return;
             }
             loop {
                 let r = next.fetch_add(1, Ordering::Relaxed);
-                if r >= self.nseg {
+                if r >= slots {
                     break;
                 }
                 if let Err(e) = self.ensure_registered(r, self.seg_bytes) {
