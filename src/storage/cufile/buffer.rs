@@ -172,8 +172,12 @@ impl RegisteredBuffer {
 
 impl Drop for RegisteredBuffer {
     fn drop(&mut self) {
+        // The slice is freed inside the guard too: cudarc's `CudaSlice` drop binds its context
+        // to the thread, and the caller's current context is put back only after it.
+        let _restore = crate::cuda::CurrentContext::save();
         if let Err(e) = self.deregister() {
             tracing::warn!(error = %e, "cuFileBufDeregister failed; the pinned mapping leaks");
         }
+        drop(self.slice.take());
     }
 }
