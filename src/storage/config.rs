@@ -240,7 +240,7 @@ impl Pipeline {
 /// Default segment size of [`Pipeline::Segments`] (32 MiB).
 pub const DEFAULT_SEGMENT_SIZE: usize = 32 << 20;
 /// Default number of segments in the ring of [`Pipeline::Segments`].
-pub const DEFAULT_SEGMENTS: usize = 4;
+pub const DEFAULT_SEGMENTS: usize = 3;
 /// Default number of copy streams of [`Pipeline::Segments`].
 pub const DEFAULT_COPY_STREAMS: usize = 1;
 
@@ -602,7 +602,7 @@ mod tests {
         assert_eq!((d.task_size, d.bounce_size), (4 << 20, 2 << 20));
         assert_eq!(
             (d.pipeline, d.segment_size, d.segments, d.copy_streams),
-            (Pipeline::Segments, 32 << 20, 4, 1)
+            (Pipeline::Segments, 32 << 20, 3, 1)
         );
         let c = from_pairs(&[
             ("GPUDIRECT_PIPELINE", "lanes"),
