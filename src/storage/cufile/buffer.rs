@@ -68,6 +68,9 @@ impl RegisteredBuffer {
     /// CUDA errors — all as [`Error::CuFile`].
     pub fn register(driver: Arc<Driver>, slice: CudaSlice<u8>) -> Result<Self> {
         let _restore = crate::cuda::CurrentContext::save();
+        // A local after the guard: a refused slice is freed (cudarc's drop binds its context)
+        // before the guard puts the caller's context back (parameters drop after locals).
+        let slice = slice;
         if slice.is_empty() {
             return Err(Error::InvalidArgument(
                 "cannot register an empty buffer with cuFile: allocate at least one byte".into(),

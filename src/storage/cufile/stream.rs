@@ -153,12 +153,16 @@ impl StreamIo {
     fn enqueue(
         h: &CuFileHandle,
         write: bool,
-        mut buf: CudaSlice<u8>,
+        buf: CudaSlice<u8>,
         buf_offset: usize,
         len: usize,
         file_offset: u64,
     ) -> Result<StreamIo> {
         let _restore = crate::cuda::CurrentContext::save();
+        // Moved into a local declared after the guard, so that on a refusal the buffer is freed
+        // (cudarc's drop binds its context) before the guard puts the caller's context back:
+        // parameters are dropped after every local.
+        let mut buf = buf;
         if buf_offset
             .checked_add(len)
             .is_none_or(|end| end > buf.len())
