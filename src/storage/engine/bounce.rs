@@ -11,7 +11,7 @@ use crate::error::{Error, Result};
 /// The pages are touched by the allocating thread, so under the kernel's default policy they
 /// live on that thread's NUMA node: workers pinned to the GPU's node allocate their own.
 #[derive(Debug)]
-pub(crate) struct BounceBuf {
+pub(in crate::storage) struct BounceBuf {
     ptr: NonNull<u8>,
     len: usize,
     registered: bool,

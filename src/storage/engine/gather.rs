@@ -33,24 +33,24 @@ use crate::storage::config::DIRECT_ALIGN;
 /// Writers of a gather write with O_DIRECT when the thread count is not set: one sequential
 /// stream of [`WRITE_SEGMENT`] requests (with the copies of the next segment overlapping each
 /// write, one writer keeps the disk busy).
-pub(crate) const DIRECT_WRITERS: usize = 1;
+pub(in crate::storage) const DIRECT_WRITERS: usize = 1;
 /// Bytes per segment of a gather write with one or two writers (the request size the H200
 /// machine's disk wrote fastest).
-pub(crate) const WRITE_SEGMENT: usize = 16 << 20;
+pub(in crate::storage) const WRITE_SEGMENT: usize = 16 << 20;
 /// Most staging memory (pinned) a gather write uses over all its workers: more writers get
 /// smaller segments.
-pub(crate) const WRITE_STAGING_MAX: usize = 256 << 20;
+pub(in crate::storage) const WRITE_STAGING_MAX: usize = 256 << 20;
 
 /// Segment size for a gather write on `threads` workers: [`WRITE_SEGMENT`], smaller when two
 /// buffers per worker would pass [`WRITE_STAGING_MAX`]; a multiple of [`DIRECT_ALIGN`].
-pub(crate) fn segment_bytes(threads: usize) -> usize {
+pub(in crate::storage) fn segment_bytes(threads: usize) -> usize {
     let per = WRITE_STAGING_MAX / (2 * threads.max(1));
     (per.min(WRITE_SEGMENT) / DIRECT_ALIGN).max(1) * DIRECT_ALIGN
 }
 
 /// One write of a gather job: `[off, off + len)` of job file `file`, from the tasks `tasks`.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) struct WSeg {
+pub(in crate::storage) struct WSeg {
     pub file: u32,
     pub off: u64,
     pub len: usize,
@@ -61,7 +61,7 @@ pub(crate) struct WSeg {
 
 /// A gather write's tasks (pieces of items, none crossing a segment) and segments.
 #[derive(Debug, Clone, Default)]
-pub(crate) struct WLayout {
+pub(in crate::storage) struct WLayout {
     pub tasks: Vec<Task>,
     pub segs: Vec<WSeg>,
 }
@@ -69,7 +69,7 @@ pub(crate) struct WLayout {
 /// Plans `tasks` (a write job's, file ranges that do not overlap) into gather segments of at
 /// most `seg_bytes` (a multiple of [`DIRECT_ALIGN`]); `direct`: the aligned middle of each run
 /// is written with O_DIRECT (see the module docs).
-pub(crate) fn plan(tasks: &[Task], seg_bytes: usize, direct: bool) -> WLayout {
+pub(in crate::storage) fn plan(tasks: &[Task], seg_bytes: usize, direct: bool) -> WLayout {
     debug_assert!(seg_bytes >= DIRECT_ALIGN && seg_bytes.is_multiple_of(DIRECT_ALIGN));
     let seg = seg_bytes as u64;
     let mut order: Vec<usize> = (0..tasks.len()).filter(|&i| tasks[i].len > 0).collect();
@@ -142,7 +142,7 @@ pub(crate) fn plan(tasks: &[Task], seg_bytes: usize, direct: bool) -> WLayout {
 /// staging buffers on one stream, and a completion marker per buffer. The CUDA one is a
 /// worker's [`Lane`](super::worker::Lane); the tests use a host stand-in whose copies
 /// complete late.
-pub(crate) trait Stage {
+pub(in crate::storage) trait Stage {
     /// Enqueues a copy of `len` bytes from device address `src` to `dst`.
     ///
     /// # Safety
@@ -179,7 +179,7 @@ impl Stage for super::worker::Lane {
 
 /// One gather write in flight: its segments (over the job's tasks, which are the layout's) and
 /// the next one to take.
-pub(crate) struct GatherJob {
+pub(in crate::storage) struct GatherJob {
     segs: Vec<WSeg>,
     next: AtomicUsize,
     /// Device→host copies enqueued.

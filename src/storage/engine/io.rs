@@ -12,7 +12,7 @@ use crate::storage::config::{DIRECT_ALIGN, MAX_IO_PER_CALL};
 
 /// How a file is opened.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) struct OpenMode {
+pub(in crate::storage) struct OpenMode {
     pub write: bool,
     pub create: bool,
     pub truncate: bool,
@@ -21,7 +21,7 @@ pub(crate) struct OpenMode {
 /// The two descriptors of one file: buffered (always) and O_DIRECT (when the filesystem
 /// accepts it), both on the same inode.
 #[derive(Debug)]
-pub(crate) struct Fds {
+pub(in crate::storage) struct Fds {
     pub buffered: File,
     pub direct: Option<File>,
     /// Why O_DIRECT is unavailable, when it is.
@@ -176,7 +176,7 @@ fn open_direct(f: &File, path: &FsPath, write: bool) -> io::Result<File> {
 /// 8 times: measured 70-100 ms on the 2-core dev VM, where one growth straight to the final
 /// size cost 7-14 ms (and nothing in a single-threaded process). Best effort and cheap when the
 /// table is already large enough (one `fcntl`): capped below `RLIMIT_NOFILE`; errors ignored.
-pub(crate) fn reserve_fds(extra: usize) {
+pub(in crate::storage) fn reserve_fds(extra: usize) {
     if extra < 64 {
         return;
     }
@@ -229,7 +229,7 @@ pub(crate) fn reserve_fds(extra: usize) {
 }
 
 /// One positional read (`pread(2)`), the seam the read loops are tested through.
-pub(crate) trait PositionalRead {
+pub(in crate::storage) trait PositionalRead {
     /// Reads at most `len` bytes at `off` into `buf`.
     ///
     /// # Safety
@@ -274,7 +274,7 @@ fn read_loop(fd: &impl PositionalRead, buf: *mut u8, len: usize, off: u64) -> io
 ///
 /// # Safety
 /// `buf` must be valid for writes of `len` bytes for the duration of the call.
-pub(crate) unsafe fn pread_full(
+pub(in crate::storage) unsafe fn pread_full(
     fd: &File,
     buf: *mut u8,
     len: usize,
@@ -291,7 +291,7 @@ pub(crate) unsafe fn pread_full(
 ///
 /// # Safety
 /// `buf` must be valid for writes of `len` bytes for the duration of the call.
-pub(crate) unsafe fn pread_direct_full(
+pub(in crate::storage) unsafe fn pread_direct_full(
     direct: &impl PositionalRead,
     buffered: &impl PositionalRead,
     buf: *mut u8,
@@ -328,7 +328,7 @@ pub(crate) unsafe fn pread_direct_full(
 ///
 /// # Safety
 /// `buf` must be valid for reads of `len` bytes for the duration of the call.
-pub(crate) unsafe fn pwrite_full(
+pub(in crate::storage) unsafe fn pwrite_full(
     fd: &File,
     buf: *const u8,
     len: usize,
@@ -361,7 +361,7 @@ pub(crate) unsafe fn pwrite_full(
 
 /// Preallocates `[off, off + len)` (`fallocate` mode 0) so parallel O_DIRECT writes are
 /// overwrites of allocated blocks, which filesystems run concurrently. Best effort.
-pub(crate) fn preallocate(fd: &File, off: u64, len: u64) {
+pub(in crate::storage) fn preallocate(fd: &File, off: u64, len: u64) {
     if len == 0 {
         return;
     }
@@ -375,7 +375,12 @@ pub(crate) fn preallocate(fd: &File, off: u64, len: u64) {
 /// The fraction of `[off, off + len)` found in the page cache, from up to `samples` pages
 /// spread over the range (`mmap` + `mincore`, no page is touched). `None` when the range
 /// cannot be mapped.
-pub(crate) fn cached_fraction(fd: &File, off: u64, len: u64, samples: usize) -> Option<f64> {
+pub(in crate::storage) fn cached_fraction(
+    fd: &File,
+    off: u64,
+    len: u64,
+    samples: usize,
+) -> Option<f64> {
     if len == 0 {
         return Some(1.0);
     }
@@ -422,7 +427,7 @@ pub(crate) fn cached_fraction(fd: &File, off: u64, len: u64, samples: usize) -> 
     (asked > 0).then(|| resident as f64 / asked as f64)
 }
 
-pub(crate) fn page_size() -> usize {
+pub(in crate::storage) fn page_size() -> usize {
     // SAFETY: sysconf takes no pointer.
     let p = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
     if p > 0 {

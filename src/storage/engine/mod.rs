@@ -40,16 +40,16 @@
 //!   cancel flag (no new piece is taken; the pieces taken finish and are drained), and a
 //!   callback per finished piece (progress).
 
-pub(crate) mod bounce;
-pub(crate) mod gather;
-pub(crate) mod io;
-pub(crate) mod numa;
-pub(crate) mod plan;
-pub(crate) mod pool;
-pub(crate) mod segment;
-pub(crate) mod small;
-pub(crate) mod trace;
-pub(crate) mod worker;
+pub(in crate::storage) mod bounce;
+pub(in crate::storage) mod gather;
+pub(in crate::storage) mod io;
+pub(in crate::storage) mod numa;
+pub(in crate::storage) mod plan;
+pub(in crate::storage) mod pool;
+pub(in crate::storage) mod segment;
+pub(in crate::storage) mod small;
+pub(in crate::storage) mod trace;
+pub(in crate::storage) mod worker;
 
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, Weak};
@@ -67,11 +67,11 @@ use worker::WorkerState;
 
 /// The most workers one engine runs (the cap of `GPUDIRECT_NTHREADS` and
 /// `GpuFileOptions::threads`).
-pub(crate) const MAX_THREADS: usize = 1024;
+pub(in crate::storage) const MAX_THREADS: usize = 1024;
 
 /// One buffer of a job.
 #[derive(Debug, Clone, Copy)]
-pub(crate) enum Mem {
+pub(in crate::storage) enum Mem {
     /// Host memory at this address.
     Host(*mut u8),
     /// Device memory of the job's context at this address.
@@ -85,7 +85,7 @@ pub(crate) enum Mem {
 /// ([`Mem::Deferred`]): the calling thread allocates and opens the gate; a worker that is about
 /// to copy into the destination waits here (its slot already page-locked), so the allocation
 /// overlaps the first reads instead of preceding them.
-pub(crate) struct DstGate {
+pub(in crate::storage) struct DstGate {
     /// `None`: not decided yet; `Some(None)`: the allocation failed; `Some(Some(p))`: ready.
     st: Mutex<Option<Option<sys::CUdeviceptr>>>,
     cv: Condvar,
@@ -135,7 +135,7 @@ impl DstGate {
 
 /// The direction of a job.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Op {
+pub(in crate::storage) enum Op {
     /// File → memory.
     Read,
     /// Memory → file.
@@ -143,7 +143,7 @@ pub(crate) enum Op {
 }
 
 /// Where the bytes of a one-buffer job go to or come from.
-pub(crate) enum Target {
+pub(in crate::storage) enum Target {
     /// Host memory, file → memory.
     HostRead(*mut u8),
     /// Host memory, memory → file.
@@ -161,7 +161,7 @@ pub(crate) enum Target {
 }
 
 /// One transfer in flight: the files, the buffers, the plan and the results per task and item.
-pub(crate) struct Job<'a> {
+pub(in crate::storage) struct Job<'a> {
     files: Vec<&'a Fds>,
     tasks: Vec<Task>,
     piece: usize,
@@ -185,7 +185,7 @@ pub(crate) struct Job<'a> {
 
 /// What a caller adds to a job (see [`Job::with_control`]).
 #[derive(Clone, Copy, Default)]
-pub(crate) struct Control<'a> {
+pub(in crate::storage) struct Control<'a> {
     /// Events (recorded on the buffers' streams) that every copy stream of a device job waits
     /// for before its first copy: the job's copies order after that work without the caller
     /// synchronizing anything.
@@ -199,7 +199,7 @@ pub(crate) struct Control<'a> {
 
 /// The shape of a segment pipeline (see [`segment`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) struct SegParams {
+pub(in crate::storage) struct SegParams {
     /// Bytes per segment (rounded down to a multiple of the piece, at least one piece).
     pub segment_size: usize,
     /// Segments in the ring (at least 2).
@@ -216,7 +216,7 @@ unsafe impl Sync for Job<'_> {}
 
 /// What a job did, per item.
 #[derive(Debug)]
-pub(crate) struct ItemOutcome {
+pub(in crate::storage) struct ItemOutcome {
     /// Bytes moved as a contiguous prefix of the item's range (a task that came up short ends
     /// it: end of file).
     pub prefix: usize,
@@ -230,7 +230,7 @@ pub(crate) struct ItemOutcome {
 
 /// What a job did.
 #[derive(Debug)]
-pub(crate) struct Outcome {
+pub(in crate::storage) struct Outcome {
     pub items: Vec<ItemOutcome>,
     /// Whether any byte went through O_DIRECT.
     pub odirect: bool,
@@ -575,7 +575,7 @@ fn panicked() -> Error {
 }
 
 /// A pool of workers for one device (or for host memory only) and its pinned ring.
-pub(crate) struct Engine {
+pub(in crate::storage) struct Engine {
     pool: Pool,
     seg: Mutex<Option<segment::SegRes>>,
     /// Test hook: rings this engine built.
@@ -606,7 +606,7 @@ fn device_cpus(device: Option<usize>, numa_pin: bool) -> Vec<usize> {
 /// usable CPUs for host memory or when unknown), at least 4 and at most 16. Page-cached reads
 /// are memory copies: a few busy workers saturate memory bandwidth and more only contend
 /// (BENCHMARKS.md, "Default worker count"). 4 keeps a small machine's disk queue fed.
-pub(crate) fn default_threads(device: Option<usize>, numa_pin: bool) -> usize {
+pub(in crate::storage) fn default_threads(device: Option<usize>, numa_pin: bool) -> usize {
     let mut n = device_cpus(device, numa_pin).len();
     if n == 0 {
         n = numa::allowed_cpus().len();
@@ -616,11 +616,11 @@ pub(crate) fn default_threads(device: Option<usize>, numa_pin: bool) -> usize {
 
 /// Workers for jobs that wait on the disk (O_DIRECT) when the thread count is not set: at
 /// least this many, because for them threads are queue depth, not CPU.
-pub(crate) const MIN_DIRECT_THREADS: usize = 32;
+pub(in crate::storage) const MIN_DIRECT_THREADS: usize = 32;
 
 /// How long an engine waits without a job before it frees its threads and pinned memory
 /// (`GPUDIRECT_ENGINE_IDLE_MS`, default 5000; `0`: never).
-pub(crate) fn idle_timeout() -> Result<Option<Duration>> {
+pub(in crate::storage) fn idle_timeout() -> Result<Option<Duration>> {
     let ms = crate::env::Env::process()
         .parse(
             "GPUDIRECT_ENGINE_IDLE_MS",
@@ -633,7 +633,7 @@ pub(crate) fn idle_timeout() -> Result<Option<Duration>> {
 
 /// The process-wide engine for `device` (`None`: host memory only), created on first use (no
 /// thread starts until its first job). At most one per device and pinning choice.
-pub(crate) fn engine(device: Option<usize>, numa_pin: bool) -> Result<Arc<Engine>> {
+pub(in crate::storage) fn engine(device: Option<usize>, numa_pin: bool) -> Result<Arc<Engine>> {
     let numa_pin = numa_pin && device.is_some();
     let key = Key { device, numa_pin };
     let mut reg = registry().lock().unwrap_or_else(|p| p.into_inner());
@@ -685,7 +685,7 @@ pub(crate) fn engine(device: Option<usize>, numa_pin: bool) -> Result<Arc<Engine
 
 /// What [`release_all`] gave back.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub(crate) struct Released {
+pub(in crate::storage) struct Released {
     /// Worker threads stopped.
     pub threads: usize,
     /// Bytes of host memory unmapped (page-locked or not).
@@ -694,7 +694,7 @@ pub(crate) struct Released {
 
 /// Stops every engine's workers (waiting for running jobs) and frees their pinned memory. The
 /// engines stay usable: the next job starts them again.
-pub(crate) fn release_all() -> Released {
+pub(in crate::storage) fn release_all() -> Released {
     let engines: Vec<Arc<Engine>> = registry()
         .lock()
         .unwrap_or_else(|p| p.into_inner())
@@ -1069,7 +1069,7 @@ fn open_gate(job: &Job<'_>, gate: &DstGate, alloc: impl FnOnce() -> Result<sys::
 
 /// Fails the job when dropped during a panic (so that no worker waits for a slot, a pin or a
 /// destination the panicking thread would have provided, and no item counts as done).
-pub(crate) struct FailOnUnwind<'j, 'a>(pub &'j Job<'a>);
+pub(in crate::storage) struct FailOnUnwind<'j, 'a>(pub &'j Job<'a>);
 
 impl Drop for FailOnUnwind<'_, '_> {
     fn drop(&mut self) {
@@ -1208,7 +1208,7 @@ fn write_host_task(ws: &mut WorkerState, job: &Job<'_>, t: &Task) -> Result<()> 
 
 /// Test hook: the next lanes read panics right after enqueuing its copy.
 #[cfg(test)]
-pub(crate) static PANIC_AFTER_COPY: AtomicBool = AtomicBool::new(false);
+pub(in crate::storage) static PANIC_AFTER_COPY: AtomicBool = AtomicBool::new(false);
 
 fn dev_read(ws: &mut WorkerState, job: &Job<'_>, ctx: &Arc<CudaContext>) -> Result<()> {
     let w = ws.id;

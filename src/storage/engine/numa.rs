@@ -1,10 +1,10 @@
 //! Thread pinning for the engine's workers. Where a GPU sits (its NUMA node and the CPUs this
 //! process may use there) is the ground floor's: [`crate::cuda::device`].
 
-pub(crate) use crate::cuda::device::{allowed_cpus, placement};
+pub(in crate::storage) use crate::cuda::device::{allowed_cpus, placement};
 
 /// Pins the calling thread to `cpus` (best effort; false when the kernel refused).
-pub(crate) fn pin_current_thread(cpus: &[usize]) -> bool {
+pub(in crate::storage) fn pin_current_thread(cpus: &[usize]) -> bool {
     if cpus.is_empty() {
         return false;
     }

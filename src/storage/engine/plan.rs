@@ -5,7 +5,7 @@ use crate::storage::config::DIRECT_ALIGN;
 /// One unit of work: a contiguous range of one file and where it lands in one of the job's
 /// buffers.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub(crate) struct Task {
+pub(in crate::storage) struct Task {
     /// Index of the file in the job.
     pub file: u32,
     /// Index of the buffer in the job.
@@ -24,28 +24,28 @@ pub(crate) struct Task {
 
 /// The direction of a transfer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Dir {
+pub(in crate::storage) enum Dir {
     /// File → memory.
     Read,
     /// Memory → file.
     Write,
 }
 
-pub(crate) fn align_down(x: u64) -> u64 {
+pub(in crate::storage) fn align_down(x: u64) -> u64 {
     x / DIRECT_ALIGN as u64 * DIRECT_ALIGN as u64
 }
 
-pub(crate) fn align_up(x: u64) -> u64 {
+pub(in crate::storage) fn align_up(x: u64) -> u64 {
     x.div_ceil(DIRECT_ALIGN as u64) * DIRECT_ALIGN as u64
 }
 
-pub(crate) fn is_aligned(x: u64) -> bool {
+pub(in crate::storage) fn is_aligned(x: u64) -> bool {
     x.is_multiple_of(DIRECT_ALIGN as u64)
 }
 
 /// The aligned range an O_DIRECT read of `t` covers: `(io_off, io_len, head)` where the
 /// payload starts `head` bytes into it. Always fits in `piece` bytes for tasks from [`plan`].
-pub(crate) fn direct_read_span(t: &Task) -> (u64, usize, usize) {
+pub(in crate::storage) fn direct_read_span(t: &Task) -> (u64, usize, usize) {
     let io_off = align_down(t.file_off);
     let io_end = align_up(t.file_off + t.len as u64);
     (
@@ -62,7 +62,13 @@ pub(crate) fn direct_read_span(t: &Task) -> (u64, usize, usize) {
 /// With `direct`, reads plan every task direct (over-reading the aligned span); writes split
 /// an unaligned head and tail off as buffered tasks (O_DIRECT cannot write part of a block).
 /// The caller guarantees `off + len` does not overflow.
-pub(crate) fn plan(off: u64, len: usize, piece: usize, dir: Dir, direct: bool) -> Vec<Task> {
+pub(in crate::storage) fn plan(
+    off: u64,
+    len: usize,
+    piece: usize,
+    dir: Dir,
+    direct: bool,
+) -> Vec<Task> {
     let mut tasks = Vec::with_capacity(len / piece.max(1) + 3);
     plan_item(&mut tasks, Task::default(), off, len, piece, dir, direct);
     tasks
@@ -70,7 +76,7 @@ pub(crate) fn plan(off: u64, len: usize, piece: usize, dir: Dir, direct: bool) -
 
 /// [`plan`] for one item of a job: appends the tasks of `[off, off + len)` of file `at.file`
 /// landing in buffer `at.buf` from offset `at.buf_off`, all marked as item `at.item`.
-pub(crate) fn plan_item(
+pub(in crate::storage) fn plan_item(
     tasks: &mut Vec<Task>,
     at: Task,
     off: u64,

@@ -98,7 +98,7 @@ fn lock(m: &Mutex<State>) -> MutexGuard<'_, State> {
 }
 
 /// How a pool starts its threads.
-pub(crate) struct PoolConfig {
+pub(in crate::storage) struct PoolConfig {
     /// Thread name prefix (`<name>-<id>`).
     pub name: String,
     /// Most workers a job may get.
@@ -129,7 +129,7 @@ impl PoolConfig {
 }
 
 /// The worker threads of one engine.
-pub(crate) struct Pool {
+pub(in crate::storage) struct Pool {
     shared: Arc<Shared>,
     max: usize,
     /// Held for the whole of a job (one job at a time) and by `shutdown`.
@@ -144,7 +144,7 @@ pub(crate) struct Pool {
 /// What a worker does with its state after a job panicked inside it: drain its streams so no
 /// copy still uses its buffers, and keep it; if draining fails, leak it (a copy may still read
 /// or write its pinned buffers, which must therefore stay mapped and registered).
-pub(crate) fn recover_after_panic(ws: &mut WorkerState) {
+pub(in crate::storage) fn recover_after_panic(ws: &mut WorkerState) {
     if !ws.quiesce() {
         tracing::error!(
             worker = ws.id,

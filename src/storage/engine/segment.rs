@@ -75,14 +75,14 @@ use crate::error::{Error, Result};
 use crate::storage::config::DIRECT_ALIGN;
 
 /// Tasks per segment for a segment of about `segment_size` bytes and pieces of `piece`.
-pub(crate) fn tasks_per_segment(segment_size: usize, piece: usize) -> usize {
+pub(in crate::storage) fn tasks_per_segment(segment_size: usize, piece: usize) -> usize {
     (segment_size / piece.max(1)).max(1)
 }
 
 /// Where one task's IO goes: its segment, the offset of its IO span in the segment, and where
 /// its payload starts inside that span.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) struct Place {
+pub(in crate::storage) struct Place {
     pub seg: u32,
     pub io_off: usize,
     pub head: usize,
@@ -97,7 +97,7 @@ impl Place {
 
 /// The placement of every task of a job ([`layout`]).
 #[derive(Debug, Clone, Default)]
-pub(crate) struct Layout {
+pub(in crate::storage) struct Layout {
     /// Per task.
     pub place: Vec<Place>,
     /// Per segment: its tasks (consecutive, in order).
@@ -132,7 +132,7 @@ fn io_shape(t: &Task) -> (usize, usize, usize) {
 /// Packs `tasks` (in order) into segments of `seg_bytes` (see the module docs). Every task's
 /// IO span must fit an empty segment (tasks come from [`plan_item`](super::plan::plan_item)
 /// with a piece of at most `seg_bytes`).
-pub(crate) fn layout(tasks: &[Task], seg_bytes: usize) -> Layout {
+pub(in crate::storage) fn layout(tasks: &[Task], seg_bytes: usize) -> Layout {
     let mut place = Vec::with_capacity(tasks.len());
     let mut segs = Vec::new();
     let mut ends = Vec::new();
@@ -177,7 +177,7 @@ pub(crate) fn layout(tasks: &[Task], seg_bytes: usize) -> Layout {
 
 /// One host→device copy out of a segment.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) struct Run {
+pub(in crate::storage) struct Run {
     pub slot_off: usize,
     pub buf: u32,
     pub buf_off: usize,
@@ -187,7 +187,7 @@ pub(crate) struct Run {
 /// The copies for the tasks `range` of a segment, given the bytes each task read (`done`):
 /// maximal runs contiguous in the segment and in one destination buffer; a task that came up
 /// short ends its run (its bytes are copied, nothing after them joins).
-pub(crate) fn copy_runs(
+pub(in crate::storage) fn copy_runs(
     tasks: &[Task],
     place: &[Place],
     range: Range<usize>,
@@ -276,7 +276,7 @@ impl Drop for RingMem {
 ///   ([`ensure_registered`](Ring::ensure_registered) before [`copy`](Ring::copy)) and after the
 ///   job's destination exists (a destination allocated while the job starts is waited for);
 /// - a slot is read into again only after the copies out of it completed (its marker).
-pub(crate) trait Ring: Sync {
+pub(in crate::storage) trait Ring: Sync {
     /// Slots in the ring.
     fn slots(&self) -> usize;
     /// Copy streams.
@@ -334,7 +334,7 @@ struct GpuTimes {
 }
 
 /// Pinned segments, copy streams and slot events of one engine, reused across jobs that fit.
-pub(crate) struct SegRes {
+pub(in crate::storage) struct SegRes {
     ctx: Arc<CudaContext>,
     mem: RingMem,
     /// Bytes per slot (the slot stride).
@@ -682,7 +682,7 @@ struct SlotState {
 }
 
 /// One job's progress through the ring.
-pub(crate) struct SegJob<'r, R: Ring + ?Sized> {
+pub(in crate::storage) struct SegJob<'r, R: Ring + ?Sized> {
     res: &'r R,
     /// Slots this job uses (at most the ring's).
     nseg: usize,
@@ -894,7 +894,7 @@ impl<'r, R: Ring + ?Sized> SegJob<'r, R> {
 }
 
 /// What [`run`] leaves its caller.
-pub(crate) struct RunEnd {
+pub(in crate::storage) struct RunEnd {
     /// Copies issued.
     pub copies: usize,
     /// The drain's outcome: when draining failed, copies may still read the ring and the
@@ -912,7 +912,7 @@ pub(crate) struct RunEnd {
 /// done. Every copy is drained before this returns. Returns the copies issued and the drain's
 /// outcome: when draining failed, copies may still read the ring and the caller must never
 /// unmap it.
-pub(crate) fn run<R: Ring + ?Sized>(
+pub(in crate::storage) fn run<R: Ring + ?Sized>(
     pool: &super::pool::Pool,
     job: &Job<'_>,
     res: &R,

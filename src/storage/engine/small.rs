@@ -16,7 +16,7 @@ use crate::storage::config::DIRECT_ALIGN;
 
 /// Transfers of at most this many bytes take the fast path (when the piece size is at least
 /// this large: smaller pieces ask for parallelism).
-pub(crate) const SMALL_MAX: usize = 1 << 20;
+pub(in crate::storage) const SMALL_MAX: usize = 1 << 20;
 
 /// Buffer size: a small transfer plus the O_DIRECT over-read at both ends.
 const BUF_LEN: usize = SMALL_MAX + 2 * DIRECT_ALIGN;
@@ -75,7 +75,7 @@ fn free_list() -> &'static Mutex<Vec<SmallBuf>> {
 }
 
 /// Frees the kept buffers (see `storage::release_engines`); returns the bytes freed.
-pub(crate) fn release() -> usize {
+pub(in crate::storage) fn release() -> usize {
     let bufs = std::mem::take(&mut *free_list().lock().unwrap_or_else(|p| p.into_inner()));
     let n = bufs.len();
     drop(bufs);
@@ -114,7 +114,7 @@ fn with_buf<R>(f: impl FnOnce(*mut u8) -> (Result<R>, bool)) -> Result<R> {
 /// `dst` must be device memory of `ctx` writable for `n` bytes, and `stream` ordered after
 /// every access to it the caller needs respected (cudarc's `device_ptr_mut` on that stream).
 #[allow(clippy::too_many_arguments)]
-pub(crate) unsafe fn read(
+pub(in crate::storage) unsafe fn read(
     fds: &Fds,
     direct: bool,
     off: u64,
@@ -188,7 +188,7 @@ fn read_host(
 /// # Safety
 /// `src` must be device memory of `ctx` readable for `n` bytes, `stream` ordered after every
 /// write to it (cudarc's `device_ptr` on that stream).
-pub(crate) unsafe fn write(
+pub(in crate::storage) unsafe fn write(
     fds: &Fds,
     direct: bool,
     off: u64,

@@ -23,13 +23,13 @@ use std::time::Instant;
 use crate::error::Result;
 
 /// The variable.
-pub(crate) const VAR: &str = "GPUDIRECT_TRACE";
+pub(in crate::storage) const VAR: &str = "GPUDIRECT_TRACE";
 
 static STATE: AtomicU8 = AtomicU8::new(0); // 0: not read yet, 1: off, 2: on, 3: unparsable
 static EPOCH: OnceLock<Instant> = OnceLock::new();
 
 /// Parses a value of [`VAR`]: `Some(true)` for `timing`, `Some(false)` for `off`/`0`.
-pub(crate) fn parse(v: &str) -> Option<bool> {
+pub(in crate::storage) fn parse(v: &str) -> Option<bool> {
     match v.trim().to_ascii_lowercase().as_str() {
         "timing" => Some(true),
         "off" | "0" | "none" => Some(false),
@@ -38,7 +38,7 @@ pub(crate) fn parse(v: &str) -> Option<bool> {
 }
 
 /// Reads [`VAR`] (once per process) and returns whether tracing is on.
-pub(crate) fn init() -> Result<bool> {
+pub(in crate::storage) fn init() -> Result<bool> {
     match STATE.load(Ordering::Relaxed) {
         1 => return Ok(false),
         2 => return Ok(true),
@@ -62,7 +62,7 @@ pub(crate) fn init() -> Result<bool> {
 /// Whether tracing is on (false until [`init`] ran; an unparsable value reads as off here and is
 /// reported by [`init`]).
 #[inline]
-pub(crate) fn on() -> bool {
+pub(in crate::storage) fn on() -> bool {
     match STATE.load(Ordering::Relaxed) {
         2 => true,
         0 => init().unwrap_or(false),
@@ -72,7 +72,7 @@ pub(crate) fn on() -> bool {
 
 /// Microseconds since the trace epoch (0 when tracing is off), never 0 when on.
 #[inline]
-pub(crate) fn now_us() -> u64 {
+pub(in crate::storage) fn now_us() -> u64 {
     if !on() {
         return 0;
     }
@@ -84,7 +84,7 @@ fn ms(us: u64) -> f64 {
 }
 
 /// Prints a phase mark at once (when tracing is on); `what` is only built then.
-pub(crate) fn mark(what: impl FnOnce() -> String) {
+pub(in crate::storage) fn mark(what: impl FnOnce() -> String) {
     if on() {
         let t = now_us();
         eprintln!("gpudirect-trace {:>10.3} ms  {}", ms(t), what());
@@ -109,7 +109,7 @@ type Pin = (usize, usize, u64, u64, usize);
 
 /// One segment's copies.
 #[derive(Debug, Clone, Copy)]
-pub(crate) struct CopyTrace {
+pub(in crate::storage) struct CopyTrace {
     pub seg: usize,
     pub slot: usize,
     pub stream: usize,
@@ -122,7 +122,7 @@ pub(crate) struct CopyTrace {
 }
 
 /// What one engine job did, collected while it runs and printed when it ends.
-pub(crate) struct JobTrace {
+pub(in crate::storage) struct JobTrace {
     label: String,
     start: u64,
     /// Per task: IO start, IO end (µs since the epoch; 0: not done), worker + 1.

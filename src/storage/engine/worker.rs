@@ -9,7 +9,7 @@ use super::bounce::BounceBuf;
 use crate::error::{Error, Result};
 
 /// A worker's stream and buffer events in one CUDA context.
-pub(crate) struct Lane {
+pub(in crate::storage) struct Lane {
     pub ctx: Arc<CudaContext>,
     pub stream: Arc<CudaStream>,
     /// `events[i]` is recorded after the last copy that used bounce buffer `i`.
@@ -73,7 +73,7 @@ static LANES_DROPPED_BUSY: std::sync::atomic::AtomicUsize = std::sync::atomic::A
 
 /// Test hook: lanes dropped while their stream still had work queued.
 #[cfg(test)]
-pub(crate) fn lanes_dropped_busy() -> usize {
+pub(in crate::storage) fn lanes_dropped_busy() -> usize {
     LANES_DROPPED_BUSY.load(std::sync::atomic::Ordering::SeqCst)
 }
 
@@ -89,7 +89,7 @@ impl Drop for Lane {
 }
 
 /// State a worker keeps between jobs.
-pub(crate) struct WorkerState {
+pub(in crate::storage) struct WorkerState {
     /// Index of the worker in its pool.
     pub id: usize,
     pub slots: [Option<BounceBuf>; 2],
@@ -107,7 +107,7 @@ static DROPPED_IN_FLIGHT: std::sync::atomic::AtomicUsize = std::sync::atomic::At
 
 /// Test hook: worker states dropped while a (simulated) copy was in flight.
 #[cfg(test)]
-pub(crate) fn dropped_in_flight() -> usize {
+pub(in crate::storage) fn dropped_in_flight() -> usize {
     DROPPED_IN_FLIGHT.load(std::sync::atomic::Ordering::SeqCst)
 }
 
