@@ -143,9 +143,9 @@ pub fn export_dmabuf<M: DeviceMemory + ?Sized>(
                         .into(),
             },
         }),
-        // Measured on H200 / driver 580: a 3 MiB sub-allocation of the default stream-ordered
-        // pool is refused with INVALID_VALUE even when page-aligned (a 1 GiB pool allocation
-        // exports). Pool memory is not GDR-capable anyway: name that cause.
+        // The driver refuses some sub-allocations of the default stream-ordered pool with
+        // INVALID_VALUE even when page-aligned (CONTRIBUTING.md, "CUDA pointer facts"). Pool
+        // memory is not GDR-capable anyway: name that cause.
         sys::CUresult::CUDA_ERROR_INVALID_VALUE
             if super::pointer_info(mem.device_ptr()).is_ok_and(|i| i.from_pool) =>
         {

@@ -51,8 +51,9 @@ impl Layout for GpuPageAligned {
 /// cudarc allocates from the stream-ordered pool (`cuMemAllocAsync`); some jobs need
 /// `cuMemAlloc` memory instead: legacy CUDA IPC (`cuIpcGetMemHandle` accepts only `cuMemAlloc`
 /// memory), the context-peer-access path, and GPUDirect RDMA (pool memory reports
-/// `CU_POINTER_ATTRIBUTE_IS_GPU_DIRECT_RDMA_CAPABLE = 0`, measured on H200). The layout is a
-/// constructor choice, carried in the type:
+/// `CU_POINTER_ATTRIBUTE_IS_GPU_DIRECT_RDMA_CAPABLE = 0`: [CONTRIBUTING.md, "CUDA pointer
+/// facts"](https://github.com/gpudirect-rs/gpudirect/blob/main/CONTRIBUTING.md#cuda-pointer-facts)).
+/// The layout is a constructor choice, carried in the type:
 /// - `DeviceBuffer<T>` ([`Plain`]): the allocation as `cuMemAlloc` returns it, zeroed
 ///   ([`DeviceBuffer::alloc_zeros`]); what legacy IPC needs.
 /// - [`GdrBuffer<T>`] ([`GpuPageAligned`]): starts on a 64 KiB GPU page, size rounded up to one,

@@ -49,7 +49,8 @@ pub struct PointerInfo {
     /// measures the host path).
     pub is_managed: bool,
     /// `CU_POINTER_ATTRIBUTE_IS_GPU_DIRECT_RDMA_CAPABLE` (1 for `cuMemAlloc`, 0 for default-pool
-    /// `cuMemAllocAsync` memory, measured on H200).
+    /// `cuMemAllocAsync` memory: [CONTRIBUTING.md, "CUDA pointer
+    /// facts"](https://github.com/gpudirect-rs/gpudirect/blob/main/CONTRIBUTING.md#cuda-pointer-facts)).
     pub gdr_capable: bool,
     /// `CU_POINTER_ATTRIBUTE_MEMPOOL_HANDLE` is non-null: stream-ordered pool memory.
     pub from_pool: bool,

@@ -414,7 +414,8 @@ pub struct TimedCopy {
 }
 
 /// Copies once with [`copy_peer`] between CUDA events and flags a rate far below what the
-/// topology leads to expect (a staged copy on H200 NV18 runs at ~38 GB/s instead of ~395).
+/// topology leads to expect (a staged copy runs at a fraction of the direct rate: BENCHMARKS.md,
+/// "P2P").
 /// Use a large copy (≥ 64 MiB) for a meaningful rate.
 pub fn timed_copy_peer<T, Src: DevicePtr<T>, Dst: DevicePtrMut<T>>(
     src: &Src,

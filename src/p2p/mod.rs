@@ -18,7 +18,8 @@
 //! # Which path did my bytes take
 //! cudarc allocates from each device's default stream-ordered pool. Context peer access
 //! (`cuCtxEnablePeerAccess`) alone does **not** open a pool to a peer: such copies are staged
-//! through host memory (38 GB/s instead of 395 GB/s on 2×H200 NV18). [`PeerAccess`] grants
+//! through host memory, at a fraction of the direct rate ([BENCHMARKS.md, "P2P"](https://github.com/gpudirect-rs/gpudirect/blob/main/BENCHMARKS.md)).
+//! [`PeerAccess`] grants
 //! both; [`copy_peer`] reports [`TransferPath::PeerDirect`](crate::TransferPath::PeerDirect) or
 //! [`TransferPath::StagedThroughHost`](crate::TransferPath::StagedThroughHost) with its
 //! [`Cause`](crate::Cause), and [`timed_copy_peer`] checks the claim against the clock.

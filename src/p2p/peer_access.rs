@@ -98,7 +98,7 @@ enum Grant {
 ///   memory and kernels dereferencing peer pointers);
 /// - `cuMemPoolSetAccess` on the owner's **default memory pool**, which cudarc allocates from
 ///   (`cuMemAllocAsync`). Without it, peer copies of cudarc buffers are staged through the host
-///   (measured on 2×H200 NV18: 38 GB/s instead of 395 GB/s).
+///   (the rates: [BENCHMARKS.md, "P2P"](https://github.com/gpudirect-rs/gpudirect/blob/main/BENCHMARKS.md)).
 ///
 /// Grants are reference-counted process-wide: two `PeerAccess` values for the same pair share
 /// the grant, and the last one dropped restores the state found before the first. Access that

@@ -32,7 +32,8 @@ fn forced(setting: String) -> PathReport {
 
 // ---- Deciding before paying ---------------------------------------------------------------------
 //
-// `cuFileDriverOpen` costs ~0.5 s (measured on the H200 machine, libcufile 1.15) and, without
+// `cuFileDriverOpen` is expensive (CONTRIBUTING.md, "Costs behind the storage engine's
+// design") and, without
 // nvidia-fs or P2PDMA, buys only cuFile's compatibility path, which [`CompatMode::Auto`] would not
 // take anyway. So Auto first asks cheap facts: the file's filesystem (`fstatfs`), the udev record
 // cuFile needs for its block device, and whether this host has a DMA path at all (nvidia-fs

@@ -266,8 +266,9 @@ pub struct StorageConfig {
     /// [`Pipeline::Segments`]: bytes per segment (`GPUDIRECT_SEGMENT_SIZE`).
     pub segment_size: usize,
     /// [`Pipeline::Segments`]: segments in the ring (`GPUDIRECT_SEGMENTS`), also for
-    /// [`read_to_gpu`](super::read_to_gpu) (a larger ring was slower in steady state on the
-    /// H200 machine: 8 × 32 MiB copied at 43–46 GB/s, 4 × 32 MiB at 52–53).
+    /// [`read_to_gpu`](super::read_to_gpu) (a larger ring is slower in steady state:
+    /// [CONTRIBUTING.md, "Costs behind the storage engine's
+    /// design"](https://github.com/gpudirect-rs/gpudirect/blob/main/CONTRIBUTING.md#costs-behind-the-storage-engines-design)).
     pub segments: usize,
     /// [`Pipeline::Segments`]: copy streams (`GPUDIRECT_COPY_STREAMS`).
     pub copy_streams: usize,

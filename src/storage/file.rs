@@ -383,7 +383,7 @@ impl GpuFile {
 
     /// Workers for a write from device memory (a gather write): the configured count, else
     /// [`gather::DIRECT_WRITERS`](engine::gather::DIRECT_WRITERS) with O_DIRECT (one
-    /// sequential stream of large requests, what the disks we measured write fastest), the
+    /// sequential stream of large requests; the gather module says why), the
     /// default count for buffered writes (page-cache copies).
     pub(super) fn write_threads(&self, device: Option<usize>, direct: bool) -> usize {
         let pin = self.cfg.numa_pin && device.is_some();

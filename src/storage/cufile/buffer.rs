@@ -33,7 +33,8 @@ pub(in crate::storage) fn allocation_range(
 /// The slice is reachable only through views ([`as_view`](Self::as_view),
 /// [`as_view_mut`](Self::as_view_mut)) and `&CudaSlice` ([`slice`](Self::slice)), never as
 /// `&mut CudaSlice`: with one, `mem::replace` could move the registered allocation out and free
-/// it while cuFile keeps it registered (seen on an H200: the freed address stayed registered).
+/// it while cuFile keeps it registered ([CONTRIBUTING.md, "cuFile
+/// quirks"](https://github.com/gpudirect-rs/gpudirect/blob/main/CONTRIBUTING.md#cufile-quirks)).
 /// Kernels and copies take the mutable view:
 ///
 /// ```no_run

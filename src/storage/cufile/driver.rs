@@ -204,8 +204,8 @@ impl DriverProperties {
 /// `cufile_<pid>_<date>.<time>.log` there), else `cufile.log` in the working directory. The
 /// log-directory parameter (`CUFILE_PARAM_LOG_DIR` through `cuFileSetParameterString`) is
 /// accepted before `cuFileDriverOpen` and then ignored: cuFile opens its log before it applies
-/// staged parameters (seen on the H200 with 1.15.1 and reproduced with 1.15.1.6 here), so
-/// gpudirect does not use it.
+/// staged parameters, so gpudirect does not use it ([CONTRIBUTING.md, "cuFile
+/// quirks"](https://github.com/gpudirect-rs/gpudirect/blob/main/CONTRIBUTING.md#cufile-quirks)).
 ///
 /// A program may change its environment only while no other thread runs (C code on other
 /// threads — libcuda, NVML, cuFile's own — calls `getenv` without Rust's lock). So gpudirect
@@ -252,8 +252,8 @@ pub enum ExitStrategy {
     ///
     /// Once cuFile's statistics are turned on ([`Stats::start`](super::Stats::start)) the
     /// driver is also closed from an `atexit` handler, as with [`CloseAtExit`](Self::CloseAtExit):
-    /// a process with statistics on crashes at exit when the driver stays open (measured on cuFile
-    /// 1.15; see the link above).
+    /// a process with statistics on crashes at exit when the driver stays open (the evidence is
+    /// in the section linked above).
     #[default]
     RetainContexts,
     /// [`RetainContexts`](Self::RetainContexts), plus an `atexit` handler, registered right after

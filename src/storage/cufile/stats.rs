@@ -146,7 +146,7 @@ impl Stats {
         result::stats_control(lib, StatsControl::Start)?;
         if driver.exit_strategy() == super::driver::ExitStrategy::RetainContexts {
             // A process with statistics on segfaults at exit unless the driver is closed
-            // first (measured on cuFile 1.15; see ExitStrategy::RetainContexts).
+            // first (see ExitStrategy::RetainContexts).
             super::driver::register_close_at_exit();
         }
         Ok(Stats { driver })

@@ -53,7 +53,8 @@ impl CuFileHandle {
     /// a capturing stream (cuFile's stream API does not work in CUDA graphs) →
     /// [`Error::Unsupported`]; a handle whose IO takes cuFile's compatibility path (no nvidia-fs
     /// or P2PDMA) → [`Error::Unsupported`] (cuFile 1.15 fails stream-ordered IO there with `EIO`,
-    /// aligned or not, measured; the synchronous calls work); cuFile's refusal (e.g. `CU_FILE_ASYNC_NOT_SUPPORTED`
+    /// aligned or not, while the synchronous calls work: see [`STREAM_COMPAT_ODIRECT_ALIGN`]);
+    /// cuFile's refusal (e.g. `CU_FILE_ASYNC_NOT_SUPPORTED`
     /// without a `cufile.json`) → [`Error::CuFile`]. In all these cases the buffer is dropped;
     /// use [`CuFileHandle::read`] for the synchronous path.
     ///

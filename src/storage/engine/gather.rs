@@ -15,10 +15,9 @@
 //!
 //! So a safetensors save (a header and tensors back to back, none of them block-aligned) is a
 //! stream of `seg_bytes` O_DIRECT writes in file order and one buffered tail, whatever the
-//! tensors' sizes: the request stream the disks we measured are fastest on (on the H200
-//! machine's virtio disk one writer of 16 MiB requests reached 2.43 GB/s with the `fsync`,
-//! 4 writers of 8 MiB 1.92, 16 of 4 MiB 1.78: BENCHMARKS.md), where per-item pieces made a
-//! few hundred sub-block page-cache writes and many concurrent smaller direct ones.
+//! tensors' sizes, instead of per-item pieces (sub-block page-cache writes and many concurrent
+//! small direct ones). Why this request stream: BENCHMARKS.md, the durable save's raw-write
+//! variants (section "Storage, one-shot").
 
 use std::ops::Range;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -34,8 +33,8 @@ use crate::storage::config::DIRECT_ALIGN;
 /// stream of [`WRITE_SEGMENT`] requests (with the copies of the next segment overlapping each
 /// write, one writer keeps the disk busy).
 pub(in crate::storage) const DIRECT_WRITERS: usize = 1;
-/// Bytes per segment of a gather write with one or two writers (the request size the H200
-/// machine's disk wrote fastest).
+/// Bytes per segment of a gather write with one or two writers (the request size BENCHMARKS.md's
+/// raw-write variants favour; see the module doc).
 pub(in crate::storage) const WRITE_SEGMENT: usize = 16 << 20;
 /// Most staging memory (pinned) a gather write uses over all its workers: more writers get
 /// smaller segments.

@@ -173,8 +173,8 @@ fn open_direct(f: &File, path: &FsPath, write: bool) -> io::Result<File> {
 /// The kernel grows the table by doubling when an open needs a slot past its end, and in a
 /// process with more than one thread each growth waits for an RCU grace period
 /// (`expand_fdtable` calls `synchronize_rcu`). Opening 10,000 files from 16 threads grows it
-/// 8 times: measured 70-100 ms on the 2-core dev VM, where one growth straight to the final
-/// size cost 7-14 ms (and nothing in a single-threaded process). Best effort and cheap when the
+/// 8 times; one growth straight to the final size waits once (CONTRIBUTING.md, "Costs behind
+/// the storage engine's design"). Best effort and cheap when the
 /// table is already large enough (one `fcntl`): capped below `RLIMIT_NOFILE`; errors ignored.
 pub(in crate::storage) fn reserve_fds(extra: usize) {
     if extra < 64 {

@@ -11,8 +11,8 @@
 //! - **Parallel start** ([`spawn_list`]): the calling thread starts one thread; each new
 //!   thread starts half of the threads still to start (a tree) before it joins the job, so 16
 //!   threads are up after about log2(16) thread creations instead of 16 in a row on the caller
-//!   (measured on the H200 machine: 0.5 ms per creation, 8.3 ms for 16 from the caller), and the
-//!   caller is free at once for what it does beside the workers (allocate, page-lock).
+//!   (what a creation costs: CONTRIBUTING.md, "Costs behind the storage engine's design"), and
+//!   the caller is free at once for what it does beside the workers (allocate, page-lock).
 //! - **Spawn failures** shrink the job (it runs on the workers that did start; on the calling
 //!   thread if none did); the threads a failed one was to start are started by its starter; no
 //!   thread is left waiting for a job that never comes.

@@ -29,26 +29,27 @@
 //! advised) that nobody touches up front: the first reads into a slot fault its pages in, in
 //! parallel, on the workers (which sit on the GPU's NUMA node). Each slot is page-locked once
 //! per job, as far as any of the job's segments staged there reads (`cuMemHostRegister`,
-//! measured ~12× cheaper than `cuMemHostAlloc` on the H200 machine), by the worker that
+//! far cheaper than allocating pinned memory with `cuMemHostAlloc`), by the worker that
 //! finishes the first segment staged there, right before that segment's copies: its pages are
-//! faulted in by then (page-locking faulted memory took 1.0–1.4 ms per 32 MiB slot on the H200
-//! machine; locking untouched memory on one thread, which faults it in on that thread, 2.6–4.8
-//! ms). Page-lockings of a job never run at once (one lock per job): the driver serializes them
-//! anyway, and concurrent ones only contend. Reading starts at once and no copy waits for the
-//! whole ring. A caller with nothing better to do may lock the ring beforehand
-//! ([`Engine::pin_ring`](super::Engine::pin_ring), while a batch opens its files).
+//! faulted in by then (locking untouched memory would fault it in on the locking thread, one
+//! thread instead of all workers). Page-lockings of a job never run at once (one lock per
+//! job): the driver serializes them anyway, and concurrent ones only contend. Reading starts
+//! at once and no copy waits for the whole ring. A caller with nothing better to do may lock
+//! the ring beforehand ([`Engine::pin_ring`](super::Engine::pin_ring), while a batch opens its
+//! files).
 //!
-//! **Ring size**: a larger ring is slower in steady state on the H200 machine (8 × 32 MiB:
-//! copies at 43–46 GB/s, 16 × 32 MiB or 4 × 64 MiB alike, against 52–53 GB/s with 4 × 32 MiB),
-//! so a job never grows the ring beyond its configured slots, a deferred destination included.
+//! **Ring size**: a larger ring is slower in steady state, so a job never grows the ring beyond
+//! its configured slots, a deferred destination included.
 //!
 //! **Deferred destination**: when the job allocates its destination itself
 //! ([`Engine::run_deferred`](super::Engine::run_deferred), `read_to_gpu`), the calling thread
 //! allocates it at once while the workers start and read; a segment's copies wait for the
 //! address ([`DstGate`](super::DstGate)) *before* its slot is page-locked, so no
-//! `cuMemHostRegister` contends with the allocation for the driver (measured: a 4 GiB
-//! `cuMemAllocAsync` took 15 ms beside workers locking slots, 5.5 ms alone). A failed
-//! allocation fails the job before any copy.
+//! `cuMemHostRegister` contends with the allocation for the driver (which slows the
+//! allocation down). A failed allocation fails the job before any copy.
+//!
+//! The measurements behind these choices: CONTRIBUTING.md, "Costs behind the storage engine's
+//! design".
 //!
 //! **Ordering rules** (checked on the host by `pipeline_tests`, on a ring whose copies run
 //! late): a copy is enqueued only after its slot is page-locked as far as it reads and after
