@@ -63,13 +63,11 @@ fn host_has_dma_path() -> bool {
     })
 }
 
-/// True when the cufile.json cuFile will read (`CUFILE_ENV_PATH_JSON`, else `/etc/cufile.json`)
+/// True when the cufile.json cuFile will read ([`config_file`](crate::storage::cufile::config_file))
 /// sets `use_pci_p2pdma` to true (outside `//` comments).
 fn cufile_json_enables_p2pdma() -> bool {
-    let path = std::env::var_os("CUFILE_ENV_PATH_JSON")
-        .map(std::path::PathBuf::from)
-        .unwrap_or_else(|| "/etc/cufile.json".into());
-    std::fs::read_to_string(path).is_ok_and(|s| json_enables_p2pdma(&s))
+    crate::storage::cufile::config_file()
+        .is_some_and(|c| std::fs::read_to_string(c.path).is_ok_and(|s| json_enables_p2pdma(&s)))
 }
 
 fn json_enables_p2pdma(s: &str) -> bool {

@@ -493,11 +493,15 @@ impl DriverBuilder {
             });
         }
         // Decided (and refused, if it must be) before any setting reaches cuFile.
-        let log_plan = plan_log(&self.log, process_is_single_threaded(), log_env())?;
+        let log_plan = plan_log(
+            &self.log,
+            process_is_single_threaded(),
+            super::env::logfile(),
+        )?;
         if let LogPlan::SetEnv(path) = &log_plan {
             // The process runs this one thread (checked just now), so nothing reads the
             // environment meanwhile, and no thread can start but through this one.
-            std::env::set_var(LOG_ENV, OsString::from(path.as_os_str()));
+            std::env::set_var(super::env::LOGFILE, OsString::from(path.as_os_str()));
         }
         for s in &self.settings {
             s.apply(lib).map_err(|e| match e {
@@ -531,10 +535,7 @@ impl DriverBuilder {
         // SAFETY: as above.
         let raw = unsafe { result::driver_get_properties(lib) }?;
 
-        let force_compat = self.force_compat
-            || std::env::var("CUFILE_FORCE_COMPAT_MODE")
-                .map(|v| v.eq_ignore_ascii_case("true") || v == "1")
-                .unwrap_or(false);
+        let force_compat = self.force_compat || super::env::force_compat();
         let p2pdma =
             result::get_parameter_bool(lib, sys::CUFILE_PARAM_USE_PCIP2PDMA).unwrap_or(false);
         let driver = Arc::new(Driver {
@@ -550,18 +551,6 @@ impl DriverBuilder {
         *slot = Some(Arc::clone(&driver));
         Ok(driver)
     }
-}
-
-/// The variable cuFile takes its log file from (read at `cuFileDriverOpen`; verified on
-/// 1.15.1.6).
-const LOG_ENV: &str = "CUFILE_LOGFILE_PATH";
-
-/// The user's `CUFILE_LOGFILE_PATH`, when set and not empty (reading the environment is safe
-/// with other threads running; only changing it is not).
-fn log_env() -> Option<PathBuf> {
-    std::env::var_os(LOG_ENV)
-        .filter(|v| !v.is_empty())
-        .map(PathBuf::from)
 }
 
 /// True when this process runs exactly one thread (the caller), counted in `/proc/self/task`;
@@ -630,7 +619,7 @@ fn plan_log(target: &LogTarget, single_threaded: bool, user: Option<PathBuf>) ->
 /// else the newest `cufile_<pid>_*.log` in the `logging.dir` of the `cufile.json` it read
 /// (`None` when there is none yet); else `cufile.log` in the working directory.
 fn cufile_default_log() -> Option<PathBuf> {
-    if let Some(p) = log_env() {
+    if let Some(p) = super::env::logfile() {
         return Some(p);
     }
     let json_dir = super::config_file()

@@ -25,6 +25,7 @@
 mod batch;
 mod buffer;
 mod driver;
+pub(in crate::storage) mod env;
 pub(in crate::storage) mod file_handle;
 pub(in crate::storage) mod result;
 mod stats;
@@ -59,9 +60,9 @@ pub struct ConfigFile {
 /// The `cufile.json` cuFile reads at driver open: `$CUFILE_ENV_PATH_JSON` when set, else
 /// `/etc/cufile.json` when it exists; `None` means cuFile's built-in defaults.
 pub fn config_file() -> Option<ConfigFile> {
-    match std::env::var_os("CUFILE_ENV_PATH_JSON") {
-        Some(p) => Some(ConfigFile {
-            path: p.into(),
+    match env::config_json() {
+        Some(path) => Some(ConfigFile {
+            path,
             from_env: true,
         }),
         None => {
