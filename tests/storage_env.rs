@@ -85,7 +85,9 @@ fn environment_is_read_once_and_the_builder_is_checked_like_it() {
         (GpuFile::options().threads(0), "threads"),
         (GpuFile::options().task_size(usize::MAX), "task_size"),
         (GpuFile::options().bounce_size(0), "bounce_size"),
+        (GpuFile::options().bounce_size(usize::MAX), "bounce_size"),
         (GpuFile::options().segment_size(2 << 30), "segment_size"),
+        (GpuFile::options().segment_size(usize::MAX), "segment_size"),
     ] {
         match opts.create(true).open(&fresh) {
             Err(Error::InvalidArgument(m)) => assert!(m.contains(setter), "{setter}: {m}"),
