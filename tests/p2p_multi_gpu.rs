@@ -627,6 +627,9 @@ fn gpu_p2p_calls_leave_the_current_context_alone() {
     check("SharedPool::new");
     let slice = pool.alloc_zeros::<u8>(&s, 4096).unwrap();
     check("SharedPool::alloc_zeros");
+    // cudarc frees a slice with cuMemFreeAsync without binding its context: on a thread with no
+    // current context that free fails and leaks (compute-sanitizer listed it). Bind first.
+    a.bind_to_thread().unwrap();
     drop(slice);
     unbind_context();
     drop(pool);

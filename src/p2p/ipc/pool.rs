@@ -73,7 +73,8 @@ impl SharedPool {
 
     /// Allocates `len` zeroed elements from the pool on `stream` (`cuMemAllocFromPoolAsync`).
     /// The slice is freed by cudarc (`cuMemFreeAsync`) like any cudarc allocation; free it only
-    /// after importers have unmapped it.
+    /// after importers have unmapped it, on a thread where its context is current (cudarc's drop
+    /// does not bind it; with no current context the free fails and the memory leaks).
     pub fn alloc_zeros<T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits>(
         &self,
         stream: &Arc<CudaStream>,

@@ -69,9 +69,11 @@ impl RegisteredBuffer {
     /// CUDA errors — all as [`Error::CuFile`].
     pub fn register(driver: Arc<Driver>, slice: CudaSlice<u8>) -> Result<Self> {
         let _restore = crate::cuda::CurrentContext::save();
-        // A local after the guard: a refused slice is freed (cudarc's drop binds its context)
-        // before the guard puts the caller's context back (parameters drop after locals).
+        // A local after the guard: a refused slice is freed before the guard puts the caller's
+        // context back (parameters drop after locals), with its context bound (cudarc's drop
+        // frees without binding, which fails and leaks on a thread with no current context).
         let slice = slice;
+        let _ = slice.context().bind_to_thread();
         if slice.is_empty() {
             return Err(Error::InvalidArgument(
                 "cannot register an empty buffer with cuFile: allocate at least one byte".into(),

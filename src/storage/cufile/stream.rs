@@ -161,9 +161,12 @@ impl StreamIo {
     ) -> Result<StreamIo> {
         let _restore = crate::cuda::CurrentContext::save();
         // Moved into a local declared after the guard, so that on a refusal the buffer is freed
-        // (cudarc's drop binds its context) before the guard puts the caller's context back:
-        // parameters are dropped after every local.
+        // before the guard puts the caller's context back (parameters are dropped after every
+        // local); and its context is bound first: cudarc's `CudaSlice` drop frees with
+        // `cuMemFreeAsync` without binding, which fails (and leaks) on a thread with no
+        // current context.
         let mut buf = buf;
+        let _ = buf.context().bind_to_thread();
         if buf_offset
             .checked_add(len)
             .is_none_or(|end| end > buf.len())
