@@ -182,7 +182,11 @@ impl Drop for RegisteredBuffer {
         // to the thread, and the caller's current context is put back only after it.
         let _restore = crate::cuda::CurrentContext::save();
         if let Err(e) = self.deregister() {
-            tracing::warn!(error = %e, "cuFileBufDeregister failed; the pinned mapping leaks");
+            // The memory stays registered with cuFile: freeing it would let a later allocation
+            // at the same address be served through the stale registration, so it leaks.
+            tracing::warn!(error = %e, "cuFileBufDeregister failed; the registered memory leaks");
+            std::mem::forget(self.slice.take());
+            return;
         }
         drop(self.slice.take());
     }
