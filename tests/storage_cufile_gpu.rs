@@ -1246,8 +1246,12 @@ fn gpu_cufile_calls_leave_the_current_context_alone() {
     match h.read_async(abuf, 0, 8192, 0) {
         Ok(io) => {
             check("CuFileHandle::read_async");
-            let _ = io.wait();
+            // The returned buffer is ours to drop: keep it until after the check, then drop it
+            // with its context bound (cudarc's free does not bind it).
+            let waited = io.wait();
             check("StreamIo::wait");
+            let _ = stream.context().bind_to_thread();
+            drop(waited);
         }
         Err(_) => check("a refused CuFileHandle::read_async"),
     }

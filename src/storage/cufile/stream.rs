@@ -302,7 +302,13 @@ impl Drop for StreamIo {
             std::mem::forget(self.params.take());
             std::mem::forget(self.buf.take());
             std::mem::forget(Arc::clone(&self.handle));
+            return;
         }
+        // The buffer is freed here, inside the guard and with its context bound: cudarc's
+        // `CudaSlice` drop frees without binding (and fails with no current context), and a
+        // field dropped after this body would run after the guard put the caller's context back.
+        let _ = self.stream.context().bind_to_thread();
+        drop(self.buf.take());
     }
 }
 
@@ -310,7 +316,10 @@ impl Drop for StreamIo {
 /// cost of stream-ordered IO; deregistered on drop (`cuFileStreamDeregister`), which cuFile
 /// requires before the stream is destroyed — holding the stream's `Arc` guarantees that order.
 pub struct StreamRegistration {
-    stream: Arc<CudaStream>,
+    // `ManuallyDrop`: released in Drop's body, inside the current-context guard (the last
+    // `Arc` destroys the stream, which binds its context), or leaked if the registration could
+    // not be ended (cuFile must not see a registered stream destroyed).
+    stream: std::mem::ManuallyDrop<Arc<CudaStream>>,
     driver: Arc<super::Driver>,
 }
 
@@ -327,7 +336,10 @@ impl StreamRegistration {
         driver.enter(&stream, false)?;
         // SAFETY: the stream is alive and stays so (its Arc is held) until deregistration in Drop.
         unsafe { result::stream_register(driver.lib(), stream.cu_stream().cast(), 0) }?;
-        Ok(StreamRegistration { stream, driver })
+        Ok(StreamRegistration {
+            stream: std::mem::ManuallyDrop::new(stream),
+            driver,
+        })
     }
 
     /// The registered stream.
@@ -342,15 +354,18 @@ impl Drop for StreamRegistration {
         let _ = self.stream.context().bind_to_thread();
         // Stream-ordered IO still queued on the stream uses the registration: let it finish.
         if let Err(e) = self.stream.synchronize() {
-            tracing::warn!(error = %e, "stream sync failed before cuFileStreamDeregister; the registration leaks");
-            return;
+            tracing::warn!(error = %e, "stream sync failed before cuFileStreamDeregister; the registration and the stream leak");
+            return; // `stream` stays undropped: a registered stream is never destroyed.
         }
         let raw = self.stream.cu_stream().cast();
         // SAFETY: registered in `register`, deregistered once here; the stream is alive and idle.
         let rc = unsafe { result::stream_deregister(self.driver.lib(), raw) };
         if let Err(e) = rc {
-            tracing::warn!(error = %e, "cuFileStreamDeregister failed");
+            tracing::warn!(error = %e, "cuFileStreamDeregister failed; the stream leaks");
+            return;
         }
+        // SAFETY: dropped once, here; the field is not used after this.
+        unsafe { std::mem::ManuallyDrop::drop(&mut self.stream) };
     }
 }
 
