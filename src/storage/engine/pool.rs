@@ -18,6 +18,10 @@
 //!   thread is left waiting for a job that never comes.
 //! - **Panics**: a worker that panicked inside a job first drains its streams (no copy may use
 //!   a buffer it is about to reuse or free); if that fails its state is leaked, never dropped.
+//!   A thread that unwinds outside the job's closure (its start-up, or a `tracing` layer that
+//!   panics) gives back its count and those of the threads it had yet to start, so no job waits
+//!   for it ([`Owed`], `Exit`); a caller that unwinds between publishing a job and waiting for
+//!   it first waits for every worker to leave the closure ([`Published`]), or aborts.
 //! - **Release**: [`Pool::shutdown`] stops and joins every worker (each frees its state);
 //!   with an idle timeout, workers that saw no job for that long free their state and exit, and
 //!   the last one to leave calls the pool's `on_idle` hook. The next job starts them again.
@@ -91,6 +95,23 @@ struct Shared {
     /// Test hook: (worker started, name of the thread that started it).
     #[cfg(test)]
     started_by: Mutex<Vec<(usize, String)>>,
+    /// Test hook: worker `id` panics in its prologue, at that point.
+    #[cfg(test)]
+    prologue_panic: Option<(usize, PrologueAt)>,
+    /// Test hook: the calling thread panics after publishing a job and starting its threads,
+    /// before it waits for them.
+    #[cfg(test)]
+    caller_panic: bool,
+}
+
+/// Test hook: where in its prologue a worker panics.
+#[cfg(test)]
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub(in crate::storage) enum PrologueAt {
+    /// Before it starts its children.
+    BeforeStarts,
+    /// After starting its children, before `init`.
+    BeforeInit,
 }
 
 fn lock(m: &Mutex<State>) -> MutexGuard<'_, State> {
@@ -112,6 +133,12 @@ pub(in crate::storage) struct PoolConfig {
     /// Test hook: spawning worker `id >= n` fails.
     #[cfg(test)]
     pub fail_spawn_from: Option<usize>,
+    /// Test hook: worker `id` panics in its prologue, at that point.
+    #[cfg(test)]
+    pub prologue_panic: Option<(usize, PrologueAt)>,
+    /// Test hook: the calling thread panics between publishing a job and waiting for it.
+    #[cfg(test)]
+    pub caller_panic: bool,
 }
 
 impl PoolConfig {
@@ -124,6 +151,10 @@ impl PoolConfig {
             on_idle: None,
             #[cfg(test)]
             fail_spawn_from: None,
+            #[cfg(test)]
+            prologue_panic: None,
+            #[cfg(test)]
+            caller_panic: false,
         }
     }
 }
@@ -146,11 +177,13 @@ pub(in crate::storage) struct Pool {
 /// or write its pinned buffers, which must therefore stay mapped and registered).
 pub(in crate::storage) fn recover_after_panic(ws: &mut WorkerState) {
     if !ws.quiesce() {
+        // Leaked before the log line, which may unwind (a `tracing` layer) and drop `ws`.
+        let id = ws.id;
+        std::mem::forget(std::mem::replace(ws, WorkerState::new(id)));
         tracing::error!(
-            worker = ws.id,
+            worker = id,
             "an IO worker panicked and its streams could not be drained: leaking its buffers"
         );
-        std::mem::forget(std::mem::replace(ws, WorkerState::new(ws.id)));
     }
 }
 
@@ -174,11 +207,12 @@ fn release_state(ws: WorkerState) {
     if ws.quiesce() {
         drop(ws);
     } else {
+        let id = ws.id;
+        std::mem::forget(ws);
         tracing::error!(
-            worker = ws.id,
+            worker = id,
             "an IO worker's streams could not be drained at exit: leaking its buffers"
         );
-        std::mem::forget(ws);
     }
 }
 
@@ -189,73 +223,111 @@ impl Drop for LiveGuard {
     }
 }
 
-/// Starts the worker threads `ids` (marked alive, counted in the current job's `remaining`),
-/// for a job of generation `seen + 1`: the first id is started with the first half of the rest
-/// to start in its turn, then the next, and so on (a tree: each thread starts about half of
-/// what is left). An id that cannot be started leaves the job (its count given back) and the
-/// ids it was to start are started here. Every start is attempted before this returns, so the
-/// job (and `Pool::run_with`, which waits for it) outlives every thread it counts on.
-fn spawn_list(shared: &Arc<Shared>, mut ids: &[usize], seen: u64) {
-    while let Some((&id, rest)) = ids.split_first() {
-        let (theirs, mine) = rest.split_at(rest.len() / 2);
-        if spawn_one(shared, id, theirs.to_vec(), seen) {
-            ids = mine;
-        } else {
-            ids = rest;
+/// Ids counted in the current job (marked alive, in `remaining`) that this thread has yet to
+/// start or give back. Whatever is left when it drops (an unwind: a panicking `tracing` layer,
+/// a test hook) leaves the job: marked dead, counted as failed, its count given back, so the
+/// job, `run_with` waiting for it, later jobs and `shutdown` never wait for a thread that will
+/// not come.
+struct Owed<'a> {
+    shared: &'a Shared,
+    ids: Vec<usize>,
+}
+
+impl Drop for Owed<'_> {
+    fn drop(&mut self) {
+        if !self.ids.is_empty() {
+            give_back(self.shared, &self.ids);
         }
     }
 }
 
-/// Starts worker `id` (which starts `children` first). False when it could not be started
-/// (then it has left the current job).
-fn spawn_one(shared: &Arc<Shared>, id: usize, children: Vec<usize>, seen: u64) -> bool {
+/// `ids` leave the current job without running it (see [`Owed`]).
+fn give_back(shared: &Shared, ids: &[usize]) {
+    let mut st = lock(&shared.state);
+    for &id in ids {
+        st.alive[id] = false;
+        st.failed += 1;
+        st.remaining -= 1;
+    }
+    if st.remaining == 0 {
+        shared.done.notify_all();
+    }
+}
+
+/// Starts the worker threads in `owed` for a job of generation `seen + 1`: the first id is
+/// started with the first half of the rest to start in its turn, then the next, and so on (a
+/// tree: each thread starts about half of what is left). An id that cannot be started leaves
+/// the job (its count given back) and the ids it was to start are started here. Every start is
+/// attempted before this returns, so the job (and `Pool::run_with`, which waits for it)
+/// outlives every thread it counts on. An id passes from `owed` to the new thread in the same
+/// step as the thread starts (nothing between can unwind), so each count has exactly one owner.
+fn spawn_list(shared: &Arc<Shared>, owed: &mut Owed<'_>, seen: u64) {
+    while !owed.ids.is_empty() {
+        let half = (owed.ids.len() - 1) / 2;
+        start_first(shared, owed, half, seen);
+    }
+}
+
+/// Starts the first id of `owed`, which in turn starts the `children` ids after it. True when
+/// it started (those ids are its now); false when it could not (its count given back; the
+/// children stay in `owed`). An id passes from `owed` to the new thread in the same step as the
+/// thread starts (nothing between can unwind), so each count has exactly one owner.
+fn start_first(shared: &Arc<Shared>, owed: &mut Owed<'_>, children: usize, seen: u64) -> bool {
+    let id = owed.ids[0];
+    let theirs = owed.ids[1..1 + children].to_vec();
     // A thread of this id that left its loop (idle) is exiting or gone.
     let old = lock_handles(shared)[id].take();
     if let Some(old) = old {
         let _ = old.join();
     }
-    let r = {
-        #[cfg(test)]
-        let refused = shared.fail_spawn_from.is_some_and(|n| id >= n);
-        #[cfg(not(test))]
-        let refused = false;
-        if refused {
-            Err(std::io::Error::other("test: spawn refused"))
-        } else {
-            let sh = shared.clone();
-            std::thread::Builder::new()
-                .name(format!("{}-{id}", shared.name))
-                .spawn(move || worker_loop(sh, id, seen, children))
-        }
-    };
-    match r {
+    match spawn_thread(shared, id, theirs, seen) {
         Ok(h) => {
-            lock_handles(shared)[id] = Some(h);
-            #[cfg(test)]
-            shared
-                .started_by
-                .lock()
-                .unwrap()
-                .push((id, std::thread::current().name().unwrap_or("").to_string()));
-            if super::trace::on() {
-                shared.started.fetch_add(1, Ordering::Relaxed);
-                shared
-                    .started_end
-                    .fetch_max(super::trace::now_us(), Ordering::Relaxed);
-            }
+            // Handed over: the new thread owes these now (its own `Exit` and `Owed`).
+            owed.ids.drain(..1 + children);
+            started(shared, id, h);
             true
         }
         Err(e) => {
+            // Given back before anything that may unwind.
+            owed.ids.remove(0);
+            give_back(shared, &[id]);
             tracing::warn!(%e, worker = id, "could not start an IO worker; the job runs on fewer");
-            let mut st = lock(&shared.state);
-            st.alive[id] = false;
-            st.failed += 1;
-            st.remaining -= 1;
-            if st.remaining == 0 {
-                shared.done.notify_all();
-            }
             false
         }
+    }
+}
+
+/// Starts the thread of worker `id`, which starts `children` first.
+fn spawn_thread(
+    shared: &Arc<Shared>,
+    id: usize,
+    children: Vec<usize>,
+    seen: u64,
+) -> std::io::Result<JoinHandle<()>> {
+    #[cfg(test)]
+    if shared.fail_spawn_from.is_some_and(|n| id >= n) {
+        return Err(std::io::Error::other("test: spawn refused"));
+    }
+    let sh = shared.clone();
+    std::thread::Builder::new()
+        .name(format!("{}-{id}", shared.name))
+        .spawn(move || worker_loop(sh, id, seen, children))
+}
+
+/// Records a started thread (its handle; the trace).
+fn started(shared: &Shared, id: usize, h: JoinHandle<()>) {
+    lock_handles(shared)[id] = Some(h);
+    #[cfg(test)]
+    shared
+        .started_by
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .push((id, std::thread::current().name().unwrap_or("").to_string()));
+    if super::trace::on() {
+        shared.started.fetch_add(1, Ordering::Relaxed);
+        shared
+            .started_end
+            .fetch_max(super::trace::now_us(), Ordering::Relaxed);
     }
 }
 
@@ -263,14 +335,70 @@ fn lock_handles(shared: &Shared) -> MutexGuard<'_, Vec<Option<JoinHandle<()>>>> 
     shared.handles.lock().unwrap_or_else(|p| p.into_inner())
 }
 
+/// A worker's own count, given back if its thread unwinds outside a job's closure (its
+/// prologue, or the bookkeeping around a job): before its loop it leaves the job as failed
+/// (it never ran it); inside, it counts as a panic of the job it was in. Either way it is
+/// marked dead, so the next job starts it again.
+struct Exit<'a> {
+    shared: &'a Shared,
+    id: usize,
+    /// Counted in the current job's `remaining` and not yet given back.
+    owes: bool,
+    /// Has entered its loop.
+    looping: bool,
+}
+
+impl Drop for Exit<'_> {
+    fn drop(&mut self) {
+        if !std::thread::panicking() {
+            return;
+        }
+        let mut st = lock(&self.shared.state);
+        st.alive[self.id] = false;
+        if self.owes {
+            if self.looping {
+                st.panicked = true;
+            } else {
+                st.failed += 1;
+            }
+            st.remaining -= 1;
+            if st.remaining == 0 {
+                self.shared.done.notify_all();
+            }
+        }
+    }
+}
+
 fn worker_loop(shared: Arc<Shared>, id: usize, mut seen: u64, children: Vec<usize>) {
+    // Nothing before these guards can unwind: the counts this thread was started with are
+    // owned from its first step.
+    let mut exit = Exit {
+        shared: &shared,
+        id,
+        owes: true,
+        looping: false,
+    };
+    let mut owed = Owed {
+        shared: &shared,
+        ids: children,
+    };
     shared.live.fetch_add(1, Ordering::Relaxed);
     let _live = LiveGuard(shared.clone());
+    #[cfg(test)]
+    if shared.prologue_panic == Some((id, PrologueAt::BeforeStarts)) {
+        panic!("test: worker {id} panics before starting its children");
+    }
     // Start the threads this one is responsible for before joining the job (they count on
     // the job this one counts in; see spawn_list).
-    spawn_list(&shared, &children, seen);
+    spawn_list(&shared, &mut owed, seen);
+    drop(owed);
+    #[cfg(test)]
+    if shared.prologue_panic == Some((id, PrologueAt::BeforeInit)) {
+        panic!("test: worker {id} panics before init");
+    }
     (shared.init)(id);
     let mut ws = WorkerState::new(id);
+    exit.looping = true;
     loop {
         let job = {
             let mut st = lock(&shared.state);
@@ -284,6 +412,7 @@ fn worker_loop(shared: Arc<Shared>, id: usize, mut seen: u64, children: Vec<usiz
                 if st.generation != seen {
                     seen = st.generation;
                     if id < st.want {
+                        exit.owes = true;
                         break st.job;
                     }
                     continue;
@@ -319,8 +448,37 @@ fn worker_loop(shared: Arc<Shared>, id: usize, mut seen: u64, children: Vec<usiz
         let mut st = lock(&shared.state);
         st.panicked |= !ok;
         st.remaining -= 1;
+        exit.owes = false;
         if st.remaining == 0 {
             shared.done.notify_all();
+        }
+    }
+}
+
+/// Held by `run_with` from publishing a job until it has waited for it: if the calling thread
+/// unwinds in between, its drop waits for every participant to leave the job's closure and
+/// withdraws the job before the closure (on the unwinding frame) goes away; if even that
+/// cannot be done it aborts the process. Never a use-after-free of the closure.
+struct Published<'a> {
+    shared: &'a Shared,
+    armed: bool,
+}
+
+impl Drop for Published<'_> {
+    fn drop(&mut self) {
+        if !self.armed {
+            return;
+        }
+        let waited = catch_unwind(AssertUnwindSafe(|| {
+            let mut st = lock(&self.shared.state);
+            while st.remaining > 0 {
+                st = self.shared.done.wait(st).unwrap_or_else(|p| p.into_inner());
+            }
+            st.job = None;
+        }));
+        if waited.is_err() {
+            // Workers may still call the closure this frame owns: stop the process.
+            std::process::abort();
         }
     }
 }
@@ -353,6 +511,10 @@ impl Pool {
             fail_spawn_from: cfg.fail_spawn_from,
             #[cfg(test)]
             started_by: Mutex::new(Vec::new()),
+            #[cfg(test)]
+            prologue_panic: cfg.prologue_panic,
+            #[cfg(test)]
+            caller_panic: cfg.caller_panic,
         });
         Pool {
             shared,
@@ -415,20 +577,36 @@ impl Pool {
             self.shared.start.notify_all();
             (st.generation, missing)
         };
+        // From here until the wait below, an unwind waits for the workers (or aborts).
+        let mut published = Published {
+            shared: &self.shared,
+            armed: true,
+        };
+        let mut owed = Owed {
+            shared: &self.shared,
+            ids: missing,
+        };
         let t_spawn = super::trace::now_us();
         self.shared.started.store(0, Ordering::Relaxed);
         self.shared.started_end.store(0, Ordering::Relaxed);
-        if let Some((&first, rest)) = missing.split_first() {
-            // One thread from here; it starts the rest (spawn_list), so the caller is free.
-            if !spawn_one(&self.shared, first, rest.to_vec(), gen - 1) {
-                spawn_list(&self.shared, rest, gen - 1);
-            }
+        // One thread from here (it starts half of the rest, and so on: spawn_list), so the
+        // caller is soon free; only when that start fails does the caller go on.
+        let to_start = owed.ids.len();
+        if to_start > 0 && !start_first(&self.shared, &mut owed, to_start - 1, gen - 1) {
+            spawn_list(&self.shared, &mut owed, gen - 1);
+        }
+        drop(owed);
+        #[cfg(test)]
+        if self.shared.caller_panic {
+            panic!("test: the caller panics before waiting for its job");
         }
         let by_caller = catch_unwind(AssertUnwindSafe(caller));
         let mut st = lock(&self.shared.state);
         while st.remaining > 0 {
             st = self.shared.done.wait(st).unwrap_or_else(|p| p.into_inner());
         }
+        // Every participant has left the closure; the fallback below runs it on this thread.
+        published.armed = false;
         let mut ok = !st.panicked;
         if super::trace::on() {
             *self.spawned.lock().unwrap_or_else(|p| p.into_inner()) = (
@@ -678,5 +856,92 @@ mod tests {
         }));
         assert_eq!(n.load(Ordering::Relaxed), 3);
         pool.shutdown();
+    }
+
+    /// Runs `pool.run(n, ..)` on another thread and waits (bounded) for it to return; the
+    /// number of workers that ran the job, or a timeout panic (the job hung).
+    fn run_bounded(pool: &Arc<Pool>, n: usize) -> (bool, usize) {
+        let (tx, rx) = std::sync::mpsc::channel();
+        let p = pool.clone();
+        std::thread::spawn(move || {
+            let hits = AtomicUsize::new(0);
+            let ok = p.run(n, &|_| {
+                hits.fetch_add(1, Ordering::Relaxed);
+            });
+            let _ = tx.send((ok, hits.load(Ordering::Relaxed)));
+        });
+        rx.recv_timeout(Duration::from_secs(10))
+            .expect("the job hung: a worker that died before its loop kept its count")
+    }
+
+    /// Review finding 3 (worker side): a worker that unwinds before its loop gives back its
+    /// own count and those of the children it had not started, so the job, later jobs and
+    /// shutdown complete; a later job starts it again.
+    #[test]
+    fn a_worker_that_panics_before_its_loop_neither_hangs_the_job_nor_the_pool() {
+        for at in [PrologueAt::BeforeStarts, PrologueAt::BeforeInit] {
+            // Worker 0 is started by the caller and starts all the others, so `BeforeStarts`
+            // leaves none started (the job runs on the caller) and `BeforeInit` all but 0.
+            let mut cfg = PoolConfig::new("test-pool", 8);
+            cfg.prologue_panic = Some((0, at));
+            let pool = Arc::new(Pool::new(cfg));
+            let (ok, hits) = run_bounded(&pool, 8);
+            assert!(ok, "{at:?}: no job panicked");
+            let expect = if at == PrologueAt::BeforeInit { 7 } else { 1 };
+            assert_eq!(hits, expect, "{at:?}: the job ran {hits} times");
+            // Later jobs (worker 0 is started again and dies again) and shutdown complete.
+            let (ok, again) = run_bounded(&pool, 8);
+            assert!(
+                ok && (1..8).contains(&again),
+                "{at:?}: second job ran on {again}"
+            );
+            let p = pool.clone();
+            let (tx, rx) = std::sync::mpsc::channel();
+            std::thread::spawn(move || {
+                p.shutdown();
+                let _ = tx.send(());
+            });
+            rx.recv_timeout(Duration::from_secs(10))
+                .expect("shutdown hung");
+            wait_until("no worker left", || pool.live_threads() == 0);
+        }
+    }
+
+    static IN_JOB: AtomicUsize = AtomicUsize::new(0);
+    static LEFT_JOB: AtomicUsize = AtomicUsize::new(0);
+
+    /// Review finding 3 (caller side): the caller that unwinds between publishing a job and
+    /// waiting for it must not leave while a worker may still call the job's closure (it would
+    /// call through a dangling pointer). The closure captures only statics, so the old code's
+    /// use-after-free reads nothing here; the counters show it.
+    #[test]
+    fn a_caller_that_panics_before_waiting_outlives_the_workers_in_its_job() {
+        let mut cfg = PoolConfig::new("test-pool-caller", 4);
+        cfg.caller_panic = true;
+        let pool = Pool::new(cfg);
+        let r = catch_unwind(AssertUnwindSafe(|| {
+            pool.run(4, &|_| {
+                IN_JOB.fetch_add(1, Ordering::SeqCst);
+                std::thread::sleep(Duration::from_millis(200));
+                LEFT_JOB.fetch_add(1, Ordering::SeqCst);
+            })
+        }));
+        assert!(r.is_err(), "the caller's panic propagates");
+        let (inn, left) = (
+            IN_JOB.load(Ordering::SeqCst),
+            LEFT_JOB.load(Ordering::SeqCst),
+        );
+        assert_eq!(
+            inn,
+            left,
+            "run unwound while {} workers were still inside the job's closure",
+            inn - left
+        );
+        assert!(inn >= 1, "no worker ran the job");
+        // Nobody enters the withdrawn job later.
+        std::thread::sleep(Duration::from_millis(50));
+        assert_eq!(IN_JOB.load(Ordering::SeqCst), inn);
+        pool.shutdown();
+        assert_eq!(pool.live_threads(), 0);
     }
 }
