@@ -124,6 +124,30 @@ impl std::fmt::Display for BatchReport {
     }
 }
 
+/// Runs `prepare` (a preparation of the segment ring, which runs the `reserve` it is given
+/// beside its own work) as best effort: an error is traced and logged, never returned, since
+/// files that go through cuFile never use the ring and a job that does use it builds and locks
+/// it itself and reports its own error. `reserve` (making room in the descriptor table) runs
+/// exactly once either way, also when `prepare` failed before running it.
+fn prepare_best_effort(
+    prepare: impl FnOnce(&mut dyn FnMut()) -> Result<()>,
+    reserve: impl FnOnce(),
+) {
+    let mut reserve = Some(reserve);
+    let r = prepare(&mut || {
+        if let Some(f) = reserve.take() {
+            f()
+        }
+    });
+    if let Some(f) = reserve.take() {
+        f();
+    }
+    if let Err(e) = r {
+        engine::trace::mark(|| format!("ring preparation failed, left to the job: {e}"));
+        tracing::debug!(error = %e, "could not prepare the segment ring beside the batch's opens; the job prepares it if it needs it");
+    }
+}
+
 fn panicked() -> Error {
     Error::Io {
         op: "IO engine",
@@ -526,12 +550,22 @@ impl<'a> ReadBatch<'a> {
                 // room in the descriptor table (an RCU grace period), the workers start and
                 // fault in and page-lock the ring the job will use, so its first segment is
                 // copied as soon as it is read. (For files that turn out to go through cuFile
-                // the locked ring is unused until the engine's idle release.)
-                Some(p) if fds >= 64 => {
-                    eng.prepare_segments_beside(&ctx, cfg.piece_size(), p, total, threads, || {
-                        io::reserve_fds(fds)
-                    })?
-                }
+                // the locked ring is unused until the engine's idle release.) Best effort: a
+                // ring that cannot be built or locked now fails no batch (see
+                // `prepare_best_effort`).
+                Some(p) if fds >= 64 => prepare_best_effort(
+                    |reserve| {
+                        eng.prepare_segments_beside(
+                            &ctx,
+                            cfg.piece_size(),
+                            p,
+                            total,
+                            threads,
+                            reserve,
+                        )
+                    },
+                    || io::reserve_fds(fds),
+                ),
                 _ => io::reserve_fds(fds),
             }
             let ok = eng.for_each(to_open.len(), threads, &|k| {
@@ -1320,6 +1354,42 @@ impl<'a> WriteBatch<'a> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Review finding 4: a ring that cannot be built or locked fails no batch, and the
+    /// descriptor table is still made room in, exactly once, whether the preparation failed
+    /// before running `reserve` (a failed bind, `mmap`, `cuStreamCreate`), after it (a failed
+    /// `cuMemHostRegister`, a worker panic), or succeeded.
+    #[test]
+    fn ring_preparation_is_best_effort_and_always_reserves_descriptors() {
+        let fail = || Error::InvalidArgument("test: cuMemHostRegister refused".into());
+        type Prep = fn(&mut dyn FnMut(), Error) -> Result<()>;
+        let cases: [(&str, Prep); 4] = [
+            ("fails before reserving", |_, e| Err(e)),
+            ("fails after reserving", |r, e| {
+                r();
+                Err(e)
+            }),
+            ("succeeds", |r, _| {
+                r();
+                Ok(())
+            }),
+            ("reserve called twice", |r, _| {
+                r();
+                r();
+                Ok(())
+            }),
+        ];
+        for (what, prep) in cases {
+            let reserved = std::cell::Cell::new(0);
+            prepare_best_effort(|r| prep(r, fail()), || reserved.set(reserved.get() + 1));
+            assert_eq!(
+                reserved.get(),
+                1,
+                "{what}: reserve_fds ran {} times",
+                reserved.get()
+            );
+        }
+    }
 
     #[test]
     fn overlaps_are_found_per_buffer_and_name_both_items() {

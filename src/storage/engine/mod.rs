@@ -902,7 +902,11 @@ impl Engine {
     /// workers, while the calling thread runs `caller` (a batch makes room in its descriptor
     /// table meanwhile: an RCU grace period the workers need not wait for). Starts the workers
     /// too. The job that follows finds those slots locked and copies a segment as soon as it is
-    /// read.
+    /// read. `caller` runs exactly once whatever this returns (on an error before the workers
+    /// start, on the calling thread before returning). A caller panic propagates (after the
+    /// workers are done); a worker panic is an `Err`. An error leaves the ring unbuilt or
+    /// partly locked: the job that follows builds and locks what it needs and reports its own
+    /// error, so a caller may treat this as best effort.
     pub fn prepare_segments_beside(
         &self,
         ctx: &Arc<CudaContext>,
@@ -916,9 +920,17 @@ impl Engine {
         let seg_bytes = segment::tasks_per_segment(p.segment_size, piece) * piece;
         let slots = (bytes / seg_bytes.max(1)).min(p.segments);
         let mut g = self.seg.lock().unwrap_or_else(|p| p.into_inner());
-        let _current = CurrentContext::bind(ctx)?;
-        let res = self.seg_res(&mut g, ctx, seg_bytes, p)?;
-        let r = res.pin_first(&self.pool, threads, slots, caller);
+        let built = CurrentContext::bind(ctx).and_then(|current| {
+            let res = self.seg_res(&mut g, ctx, seg_bytes, p)?;
+            Ok((current, res))
+        });
+        let r = match built {
+            Ok((_current, res)) => res.pin_first(&self.pool, threads, slots, caller),
+            Err(e) => {
+                caller();
+                Err(e)
+            }
+        };
         trace::mark(|| {
             format!(
                 "ring prepared beside the caller: {slots} slots of {} MiB faulted in on the workers and page-locked in {:.3} ms{}",

@@ -33,10 +33,13 @@
 //! finishes the first segment staged there, right before that segment's copies: its pages are
 //! faulted in by then (locking untouched memory would fault it in on the locking thread, one
 //! thread instead of all workers). Page-lockings of a job never run at once (one lock per
-//! job): the driver serializes them anyway, and concurrent ones only contend. Reading starts
-//! at once and no copy waits for the whole ring. A caller with nothing better to do may lock
-//! the ring beforehand ([`Engine::pin_ring`](super::Engine::pin_ring), while a batch opens its
-//! files).
+//! job): the driver serializes them anyway, and concurrent ones only contend with the job's
+//! reads and copies. Reading starts at once and no copy waits for the whole ring. A caller
+//! with nothing better to do may lock the ring beforehand, with no job running
+//! ([`Engine::prepare_segments`](super::Engine::prepare_segments) for `GpuFile::warm_up`,
+//! [`Engine::prepare_segments_beside`](super::Engine::prepare_segments_beside) while a batch
+//! makes room in its descriptor table); those lockings run on several workers at once
+//! ([`SegRes::pin_first`]), as there is no job for them to slow down.
 //!
 //! **Ring size**: a larger ring is slower in steady state, so a job never grows the ring beyond
 //! its configured slots, a deferred destination included.
@@ -343,9 +346,11 @@ pub(in crate::storage) struct SegRes {
     nseg: usize,
     streams: Vec<Arc<CudaStream>>,
     events: Vec<CudaEvent>,
-    /// `registered[r]`: bytes of slot `r` page-locked from its start (0: none), changed only
-    /// under the running job's pin lock for the slot, before any copy of the job out of it
-    /// ([`SegJob::pin_slot`]).
+    /// `registered[r]`: bytes of slot `r` page-locked from its start (0: none). Changed only
+    /// before any copy out of slot `r` is in flight: during a job under the job's one pin
+    /// lock, before the job's first copy out of the slot ([`SegJob::pin_slot`]); with no job
+    /// running (the engine's ring lock held) by the one worker the slot counter handed `r` to
+    /// ([`SegRes::pin_first`]).
     registered: Vec<AtomicUsize>,
     /// The running job's timing events, when it is traced.
     timing: Mutex<Option<GpuTimes>>,
@@ -355,9 +360,11 @@ pub(in crate::storage) struct SegRes {
 // SAFETY: shared use only reads the mapping's address; the bytes behind it are written by one
 // worker per task span (spans of one segment are disjoint, tasks are taken once) and read by
 // the DMA only after the segment's last task is done; a slot is rewritten only after its event
-// completed (the ring protocol in the module docs); a slot is registered under the job's pin
-// lock for it, before any copy out of it (SegJob::pin_slot). Streams and events are Send +
-// Sync.
+// completed (the ring protocol in the module docs); a slot's registration changes only while
+// no copy out of it is in flight, by one thread at a time: in a job under the job's one pin
+// lock, before the job's first copy out of the slot (SegJob::pin_slot); with no job running
+// (the engine's ring lock held) by the one worker the slot counter handed it to
+// (SegRes::pin_first). Streams and events are Send + Sync.
 unsafe impl Sync for SegRes {}
 // SAFETY: as above; the mapping is plain memory owned by this value.
 unsafe impl Send for SegRes {}
@@ -479,7 +486,11 @@ impl SegRes {
 
     /// Faults in (in parallel, on `threads` workers of `pool`) and page-locks the first
     /// `slots` slots whole, while the calling thread runs `caller` (beside the faulting; it
-    /// must not wait for the workers). No job runs (the caller holds the engine's ring lock).
+    /// must not wait for the workers; it runs whatever this returns). No job runs (the caller
+    /// holds the engine's ring lock). Unlike a job's lockings (one at a time), these run on up
+    /// to `threads.min(slots)` workers at once: nothing waits for them but the caller, which
+    /// has its own work beside them. An error (a failed bind or `cuMemHostRegister`, a worker
+    /// that panicked) leaves the slots it did not lock for the next job to lock lazily.
     pub fn pin_first(
         &self,
         pool: &super::pool::Pool,
@@ -507,14 +518,19 @@ impl SegRes {
                 }
             }
         };
-        pool.run_with(threads, &fault, caller);
+        // A worker that panicked faulting or locking fails the preparation (the job that
+        // follows locks what is left itself); it never counts as done.
+        if !pool.run_with(threads, &fault, caller) {
+            return Err(super::panicked());
+        }
         if slots == 0 {
             return Ok(());
         }
         let next = AtomicUsize::new(0);
         let err: Mutex<Option<Error>> = Mutex::new(None);
-        pool.run(threads.min(slots), &|_ws| {
-            if self.ctx.bind_to_thread().is_err() {
+        let locked = pool.run(threads.min(slots), &|_ws| {
+            if let Err(e) = self.ctx.bind_to_thread() {
+                *err.lock().unwrap_or_else(|p| p.into_inner()) = Some(e.into());
                 return;
             }
             loop {
@@ -530,6 +546,7 @@ impl SegRes {
         });
         match err.into_inner().unwrap_or_else(|p| p.into_inner()) {
             Some(e) => Err(e),
+            None if !locked => Err(super::panicked()),
             None => Ok(()),
         }
     }
