@@ -51,6 +51,7 @@ pub(in crate::storage) mod small;
 pub(in crate::storage) mod trace;
 pub(in crate::storage) mod worker;
 
+use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, Weak};
 use std::time::Duration;
@@ -824,8 +825,10 @@ impl Engine {
     }
 
     /// Runs `f(i)` for every `i < n` on up to `threads` workers and the calling thread
-    /// (opening or closing many files in parallel). False when `f` panicked on a worker; a
-    /// panic on the calling thread is propagated once every worker returned.
+    /// (opening or closing many files in parallel). False when `f` panicked, on a worker or
+    /// on the calling thread alike (the calling thread then stops taking items and the workers
+    /// take the rest; this returns once every worker returned), so a caller has one way to
+    /// learn of a panic whichever thread took the item.
     pub fn for_each(&self, n: usize, threads: usize, f: &(dyn Fn(usize) + Sync)) -> bool {
         if n == 0 {
             return true;
@@ -842,9 +845,13 @@ impl Engine {
         };
         // The calling thread takes items too (from the first moment: the workers start
         // meanwhile); it waits for no worker, so the pool's contract holds.
+        let mut by_caller = true;
         let ok = self
             .pool
-            .run_with(threads, &|_ws: &mut WorkerState| take(), take);
+            .run_with(threads, &|_ws: &mut WorkerState| take(), || {
+                by_caller = catch_unwind(AssertUnwindSafe(take)).is_ok();
+            });
+        let ok = ok && by_caller;
         trace::mark(|| {
             let (spawned, _, _) = self.pool.last_spawn();
             format!(
@@ -1364,6 +1371,42 @@ mod tests {
             "the read after the panic differs from the file"
         );
         std::fs::remove_file(&p).unwrap();
+    }
+
+    /// Review (docs of finding 5): `for_each` reports a panic the same way whichever thread
+    /// took the item: `false`, never an unwind out of it; every other item is still done once.
+    #[test]
+    fn for_each_reports_a_panic_on_the_caller_like_one_on_a_worker() {
+        let eng = engine(None, false).unwrap();
+        let me = std::thread::current().id();
+        for on_caller in [true, false] {
+            let n = 400;
+            let done: Vec<AtomicUsize> = (0..n).map(|_| AtomicUsize::new(0)).collect();
+            let fired = AtomicBool::new(false);
+            let r = catch_unwind(AssertUnwindSafe(|| {
+                eng.for_each(n, 4, &|i| {
+                    std::thread::sleep(Duration::from_micros(200));
+                    let here = std::thread::current().id() == me;
+                    if here == on_caller && !fired.swap(true, Ordering::SeqCst) {
+                        panic!("test: item {i} panics");
+                    }
+                    done[i].fetch_add(1, Ordering::SeqCst);
+                })
+            }));
+            assert_eq!(
+                r.ok(),
+                Some(false),
+                "on_caller {on_caller}: not a plain `false`"
+            );
+            assert!(fired.load(Ordering::SeqCst));
+            let counts: Vec<usize> = done.iter().map(|d| d.load(Ordering::SeqCst)).collect();
+            assert_eq!(
+                counts.iter().filter(|&&c| c == 0).count(),
+                1,
+                "on_caller {on_caller}"
+            );
+            assert!(counts.iter().all(|&c| c <= 1), "an item ran twice");
+        }
     }
 
     /// Issue 9 (smaller findings): reads with two different segment shapes, in turn, must not
