@@ -444,12 +444,13 @@ impl<B> std::fmt::Debug for Transfer<B> {
 }
 
 impl<B: Send + 'static> Transfer<B> {
-    /// Starts `work` on a transfer thread; it gets `Some(error)` instead when no thread can
-    /// run it (then it must return at once, with the buffer).
+    /// Starts `work` on `buf` on a transfer thread. When no thread can run it, the transfer
+    /// ends with that error and `buf`, and `work` is never called.
     fn start(
         t0: Instant,
         control: TransferControl,
-        work: impl FnOnce(Option<Error>, &Ctl<'_>) -> (Result<IoReport>, B) + Send + 'static,
+        buf: B,
+        work: impl FnOnce(&mut B, &Ctl<'_>) -> Result<IoReport> + Send + 'static,
         gate: Option<Gate>,
     ) -> Self {
         let shared = Arc::new(Shared {
@@ -467,9 +468,18 @@ impl<B: Send + 'static> Transfer<B> {
                 control: Some(&c.0),
                 on_piece: Some(&on_piece),
             };
-            let end = match catch_unwind(AssertUnwindSafe(|| work(refused, &ctl))) {
-                Ok((r, b)) => State::Done(r, b),
-                Err(p) => State::Panicked(p),
+            let mut buf = buf;
+            let r = match refused {
+                Some(e) => Ok(Err(e)),
+                None => catch_unwind(AssertUnwindSafe(|| work(&mut buf, &ctl))),
+            };
+            let end = match r {
+                Ok(r) => State::Done(r, buf),
+                Err(p) => {
+                    // Dropped here, after every copy of the transfer drained (as `wait` says).
+                    drop(buf);
+                    State::Panicked(p)
+                }
             };
             // The gate is dropped after the IO that waited for it.
             drop(gate);
@@ -753,21 +763,16 @@ impl GpuFile {
         Transfer::start(
             t0,
             control,
-            move |refused, ctl| {
-                if let Some(e) = refused {
-                    return (Err(e), dst);
+            dst,
+            move |dst, ctl| {
+                let esz = elem_size::<D::Elem>()?;
+                let mut typed = dst.as_dst();
+                let mut view = dst_bytes(&mut typed);
+                if exact {
+                    file.read_exact_dev(&mut view, esz, off, ctl)
+                } else {
+                    file.read_dev(&mut view, esz, off, ctl)
                 }
-                let r = (|| {
-                    let esz = elem_size::<D::Elem>()?;
-                    let mut typed = dst.as_dst();
-                    let mut view = dst_bytes(&mut typed);
-                    if exact {
-                        file.read_exact_dev(&mut view, esz, off, ctl)
-                    } else {
-                        file.read_dev(&mut view, esz, off, ctl)
-                    }
-                })();
-                (r, dst)
             },
             Some(gate),
         )
@@ -803,16 +808,11 @@ impl GpuFile {
         Transfer::start(
             t0,
             control,
-            move |refused, ctl| {
-                if let Some(e) = refused {
-                    return (Err(e), src);
-                }
-                let r = {
-                    let typed = src.as_src();
-                    let view = src_bytes(&typed);
-                    file.write_dev(&view, file_offset, ctl)
-                };
-                (r, src)
+            src,
+            move |src, ctl| {
+                let typed = src.as_src();
+                let view = src_bytes(&typed);
+                file.write_dev(&view, file_offset, ctl)
             },
             Some(gate),
         )
@@ -841,14 +841,8 @@ impl GpuFile {
         Transfer::start(
             t0,
             control,
-            move |refused, ctl| {
-                let mut buf = buf;
-                if let Some(e) = refused {
-                    return (Err(e), buf);
-                }
-                let r = file.pread_host_ctl(buf.as_mut(), file_offset, ctl);
-                (r, buf)
-            },
+            buf,
+            move |buf, ctl| file.pread_host_ctl(buf.as_mut(), file_offset, ctl),
             None,
         )
     }
@@ -876,13 +870,8 @@ impl GpuFile {
         Transfer::start(
             t0,
             control,
-            move |refused, ctl| {
-                if let Some(e) = refused {
-                    return (Err(e), buf);
-                }
-                let r = file.pwrite_host_ctl(buf.as_ref(), file_offset, ctl);
-                (r, buf)
-            },
+            buf,
+            move |buf, ctl| file.pwrite_host_ctl(buf.as_ref(), file_offset, ctl),
             None,
         )
     }
