@@ -331,17 +331,23 @@ mod tests {
                 send_raw(&a, &[&fds], b"pool");
             }
             drop(w);
-            let mut buf = [0u8; 8];
-            let got = recv_fd(&b, &mut buf);
-            let desc = format!("{got:?}");
-            drop(got);
-            assert!(
-                write_ends_all_closed(&r),
-                "two_cmsgs={two_cmsgs}: a received descriptor stayed open after recv_fd returned {desc}"
-            );
-            assert!(desc.starts_with("Err(InvalidArgument("), "{desc}");
-            assert!(desc.contains("2 descriptors"), "{desc}");
+            assert_refused_and_closed(&r, &b, &format!("two_cmsgs={two_cmsgs}"), "2 descriptors");
         }
+    }
+
+    /// Receives on `b`, and asserts that every received copy of `r`'s write end was closed and
+    /// that the result is an `InvalidArgument` naming `expect`.
+    fn assert_refused_and_closed(r: &OwnedFd, b: &UnixStream, what: &str, expect: &str) {
+        let mut buf = [0u8; 8];
+        let got = recv_fd(b, &mut buf);
+        let desc = format!("{got:?}");
+        drop(got);
+        assert!(
+            write_ends_all_closed(r),
+            "{what}: a received descriptor stayed open after recv_fd returned {desc}"
+        );
+        assert!(desc.starts_with("Err(InvalidArgument("), "{desc}");
+        assert!(desc.contains(expect), "{desc}");
     }
 
     #[test]
@@ -354,16 +360,7 @@ mod tests {
         assert!(super::cmsg_len(fds.len() * super::INT) > super::RECV_CONTROL);
         send_raw(&a, &[&fds], b"pool");
         drop(w);
-        let mut buf = [0u8; 8];
-        let got = recv_fd(&b, &mut buf);
-        let desc = format!("{got:?}");
-        drop(got);
-        assert!(
-            write_ends_all_closed(&r),
-            "a received descriptor stayed open after recv_fd returned {desc}"
-        );
-        assert!(desc.starts_with("Err(InvalidArgument("), "{desc}");
-        assert!(desc.contains("MSG_CTRUNC"), "{desc}");
+        assert_refused_and_closed(&r, &b, "253 descriptors", "MSG_CTRUNC");
     }
 
     #[test]
