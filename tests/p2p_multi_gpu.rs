@@ -457,43 +457,6 @@ fn multi_gpu_report_detects_staged_copies() {
     }
 }
 
-/// Holds a stream at a host function until released (or 30 s pass), like a long kernel.
-struct Gate(Option<std::sync::mpsc::Sender<()>>);
-
-unsafe extern "C" fn wait_for_release(data: *mut std::ffi::c_void) {
-    // SAFETY: `data` is the Box<Receiver> leaked by `Gate::block`, handed over exactly once; the
-    // callback makes no CUDA call.
-    let rx = unsafe { Box::from_raw(data.cast::<std::sync::mpsc::Receiver<()>>()) };
-    let _ = rx.recv_timeout(std::time::Duration::from_secs(30));
-}
-
-impl Gate {
-    fn block(stream: &CudaStream) -> Gate {
-        let (tx, rx) = std::sync::mpsc::channel::<()>();
-        let rx = Box::into_raw(Box::new(rx));
-        // SAFETY: the stream is alive; on success the callback owns `rx`.
-        let rc =
-            unsafe { sys::cuLaunchHostFunc(stream.cu_stream(), Some(wait_for_release), rx.cast()) };
-        if rc != sys::CUresult::CUDA_SUCCESS {
-            // SAFETY: a failed launch did not hand `rx` over.
-            drop(unsafe { Box::from_raw(rx) });
-            panic!("cuLaunchHostFunc: {rc:?}");
-        }
-        Gate(Some(tx))
-    }
-    fn release(&mut self) {
-        if let Some(tx) = self.0.take() {
-            let _ = tx.send(());
-        }
-    }
-}
-
-impl Drop for Gate {
-    fn drop(&mut self) {
-        self.release();
-    }
-}
-
 /// Issue 9 item 14: the last `PeerAccess` dropped while a `copy_peer_async` that relies on it
 /// is still queued must not revoke the access under the copy: its drop waits for the
 /// accessor's context first (before the fix it revoked at once: a device fault or a copy of
@@ -517,7 +480,7 @@ fn multi_gpu_peer_access_drop_waits_for_an_in_flight_copy() {
         "no holder yet"
     );
     let access = PeerAccess::enable(&b, &a).unwrap();
-    let mut gate = Gate::block(&sb);
+    let mut gate = common::StreamGate::block(&sb);
     // SAFETY: `src` and `dst` outlive the synchronisation of `sb` below; no other stream touches
     // them meanwhile; the access is held until the drop, which (the point of this test) waits.
     let report = unsafe { p2p::copy_peer_async(&src, &mut dst, &sb) }.unwrap();

@@ -76,3 +76,44 @@ pub fn need_two_gpus() -> (Arc<CudaContext>, Arc<CudaContext>) {
     assert!(n >= 2, "{TWO_GPU_HINT}: this process sees {n} device(s)");
     (need_gpu(0), need_gpu(1))
 }
+
+/// Holds a stream at a host function until released (or 30 s pass), like a long kernel:
+/// work queued on the stream after [`StreamGate::block`] waits for [`StreamGate::release`] (or
+/// the drop).
+pub struct StreamGate(Option<std::sync::mpsc::Sender<()>>);
+
+unsafe extern "C" fn wait_for_release(data: *mut std::ffi::c_void) {
+    // SAFETY: `data` is the Box<Receiver> leaked by `StreamGate::block`, handed over exactly
+    // once; the callback makes no CUDA call.
+    let rx = unsafe { Box::from_raw(data.cast::<std::sync::mpsc::Receiver<()>>()) };
+    let _ = rx.recv_timeout(std::time::Duration::from_secs(30));
+}
+
+impl StreamGate {
+    pub fn block(stream: &gpudirect::cudarc::driver::CudaStream) -> StreamGate {
+        use gpudirect::cudarc::driver::sys;
+        let (tx, rx) = std::sync::mpsc::channel::<()>();
+        let rx = Box::into_raw(Box::new(rx));
+        // SAFETY: the stream is alive; on success the callback owns `rx`.
+        let rc =
+            unsafe { sys::cuLaunchHostFunc(stream.cu_stream(), Some(wait_for_release), rx.cast()) };
+        if rc != sys::CUresult::CUDA_SUCCESS {
+            // SAFETY: a failed launch did not hand `rx` over.
+            drop(unsafe { Box::from_raw(rx) });
+            panic!("cuLaunchHostFunc: {rc:?}");
+        }
+        StreamGate(Some(tx))
+    }
+
+    pub fn release(&mut self) {
+        if let Some(tx) = self.0.take() {
+            let _ = tx.send(());
+        }
+    }
+}
+
+impl Drop for StreamGate {
+    fn drop(&mut self) {
+        self.release();
+    }
+}

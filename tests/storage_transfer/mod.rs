@@ -12,52 +12,14 @@
 //! Run on a GPU machine from the project root: `bash scripts/gpu-suite async` (these tests
 //! one at a time, and the stall), or `bash .device/run --include-ignored gpu_transfer`.
 
-use std::ffi::c_void;
-use std::sync::mpsc::{channel, Receiver, Sender};
+use std::sync::mpsc::{channel, Receiver};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use cudarc::driver::{sys, CudaSlice, CudaStream};
+use cudarc::driver::{CudaSlice, CudaStream};
 use gpudirect::storage::GpuFile;
 
-use crate::common;
-
-/// Holds a stream at a host function until released (or 30 s pass).
-struct Gate(Option<Sender<()>>);
-
-unsafe extern "C" fn wait_for_release(data: *mut c_void) {
-    // SAFETY: `data` is the Box<Receiver> leaked by `Gate::block`, handed over exactly once;
-    // the callback makes no CUDA call.
-    let rx = unsafe { Box::from_raw(data.cast::<Receiver<()>>()) };
-    let _ = rx.recv_timeout(Duration::from_secs(30));
-}
-
-impl Gate {
-    fn block(stream: &CudaStream) -> Gate {
-        let (tx, rx) = channel::<()>();
-        let rx = Box::into_raw(Box::new(rx));
-        // SAFETY: the stream is alive; on success the callback owns `rx`.
-        let rc =
-            unsafe { sys::cuLaunchHostFunc(stream.cu_stream(), Some(wait_for_release), rx.cast()) };
-        if rc != sys::CUresult::CUDA_SUCCESS {
-            // SAFETY: a failed launch did not hand `rx` over.
-            drop(unsafe { Box::from_raw(rx) });
-            panic!("cuLaunchHostFunc: {rc:?}");
-        }
-        Gate(Some(tx))
-    }
-    fn release(&mut self) {
-        if let Some(tx) = self.0.take() {
-            let _ = tx.send(());
-        }
-    }
-}
-
-impl Drop for Gate {
-    fn drop(&mut self) {
-        self.release();
-    }
-}
+use crate::common::{self, StreamGate};
 
 fn gpu() -> (Arc<CudaStream>, Arc<CudaStream>) {
     let ctx = common::need_gpu(common::test_gpu());
@@ -85,7 +47,7 @@ fn gpu_transfer_read_orders_after_pending_work_on_its_stream() {
             .unwrap();
         let mut buf = s.alloc_zeros::<u8>(len).unwrap();
         s.synchronize().unwrap();
-        let mut gate = Gate::block(&s);
+        let mut gate = StreamGate::block(&s);
         s.memcpy_dtod(&other, &mut buf).unwrap();
         let t0 = Instant::now();
         let t = f.read_exact_async(buf, 0);
@@ -134,7 +96,7 @@ fn gpu_transfer_blocking_read_orders_after_pending_work_on_its_stream() {
             .unwrap();
         let mut buf = s.alloc_zeros::<u8>(len).unwrap();
         s.synchronize().unwrap();
-        let mut gate = Gate::block(&s);
+        let mut gate = StreamGate::block(&s);
         s.memcpy_dtod(&other, &mut buf).unwrap();
         let opener = std::thread::spawn(move || {
             std::thread::sleep(Duration::from_millis(200));
@@ -168,7 +130,7 @@ fn gpu_transfer_read_waits_for_readers_of_the_buffer_on_other_streams() {
         let mut snapshot = t.alloc_zeros::<u8>(len).unwrap();
         s.synchronize().unwrap();
         t.synchronize().unwrap();
-        let mut gate = Gate::block(&t);
+        let mut gate = StreamGate::block(&t);
         t.memcpy_dtod(&buf, &mut snapshot).unwrap();
         let tr = f.read_exact_async(buf, 0);
         std::thread::sleep(Duration::from_millis(200));
@@ -209,7 +171,7 @@ fn gpu_transfer_write_orders_after_pending_writers_of_its_source() {
             .clone_htod(&common::random_seeded(len, 800 + k as u64))
             .unwrap();
         s.synchronize().unwrap();
-        let mut gate = Gate::block(&s);
+        let mut gate = StreamGate::block(&s);
         s.memcpy_dtod(&filled, &mut src).unwrap();
         let t0 = Instant::now();
         let t = f.write_async(src, 0);
@@ -280,7 +242,7 @@ fn gpu_transfer_a_read_waiting_for_its_stream_holds_up_no_other_and_can_be_cance
     t.synchronize().unwrap();
 
     // Cold engine (diagnostic, printed): a read on `t` while `s` is held by a gate.
-    let mut cold_gate = Gate::block(&s);
+    let mut cold_gate = StreamGate::block(&s);
     let rx = read_on_a_thread(&f, other);
     other = match rx.recv_timeout(Duration::from_secs(3)) {
         Ok((r, buf, took)) => {
@@ -318,7 +280,7 @@ fn gpu_transfer_a_read_waiting_for_its_stream_holds_up_no_other_and_can_be_cance
     let other = t.alloc_zeros::<u8>(len).unwrap();
     s.synchronize().unwrap();
     t.synchronize().unwrap();
-    let mut gate = Gate::block(&s);
+    let mut gate = StreamGate::block(&s);
     let waiting = f.read_exact_async(held, 0);
     std::thread::sleep(Duration::from_millis(50));
     let rx = read_on_a_thread(&f, other);
