@@ -598,6 +598,28 @@ mod tests {
     /// place in the file, on several writers, with and without O_DIRECT; a write that read a
     /// buffer before its copies completed, or a buffer refilled before its write returned,
     /// would put other bytes there.
+    /// Runs `gj` on `writers` threads, each with a [`LateStage`] (seeded `seed + w`) and two
+    /// `seg`-byte aligned buffers, freed after its stage drained.
+    fn run_writers(job: &Job<'_>, gj: &GatherJob, writers: usize, seg: usize, seed: u64) {
+        std::thread::scope(|sc| {
+            for w in 0..writers {
+                sc.spawn(move || {
+                    let mut stage = LateStage::new(w as u64 + seed);
+                    let layout = std::alloc::Layout::from_size_align(seg, DIRECT_ALIGN).unwrap();
+                    // SAFETY: (test) non-zero sizes; freed below, after the stage drained.
+                    let bufs = unsafe { [std::alloc::alloc(layout), std::alloc::alloc(layout)] };
+                    gj.work(job, &mut stage, bufs, w).unwrap();
+                    drop(stage);
+                    // SAFETY: (test) allocated above with this layout; no copy is queued.
+                    unsafe {
+                        std::alloc::dealloc(bufs[0], layout);
+                        std::alloc::dealloc(bufs[1], layout);
+                    }
+                });
+            }
+        });
+    }
+
     #[test]
     fn late_copies_never_reach_the_file_early_and_every_byte_lands() {
         use crate::storage::engine::io::{Fds, OpenMode};
@@ -673,26 +695,7 @@ mod tests {
             };
             let gj = GatherJob::new(l.segs.clone());
             let writers = rng.random_range(1..4usize);
-            std::thread::scope(|sc| {
-                for w in 0..writers {
-                    let (job, gj) = (&job, &gj);
-                    sc.spawn(move || {
-                        let mut stage = LateStage::new(w as u64 + 100 * round as u64);
-                        let layout =
-                            std::alloc::Layout::from_size_align(seg, DIRECT_ALIGN).unwrap();
-                        // SAFETY: (test) non-zero sizes; freed below, after the stage drained.
-                        let bufs =
-                            unsafe { [std::alloc::alloc(layout), std::alloc::alloc(layout)] };
-                        gj.work(job, &mut stage, bufs, w).unwrap();
-                        drop(stage);
-                        // SAFETY: (test) allocated above with this layout; no copy is queued.
-                        unsafe {
-                            std::alloc::dealloc(bufs[0], layout);
-                            std::alloc::dealloc(bufs[1], layout);
-                        }
-                    });
-                }
-            });
+            run_writers(&job, &gj, writers, seg, 100 * round as u64);
             let out = job.outcome(gj.copies.load(Ordering::Relaxed)).unwrap();
             assert!(
                 out.items.iter().all(|i| i.complete && i.error.is_none()),
@@ -789,26 +792,7 @@ mod tests {
                 on_piece: Some(&on_piece),
             });
             let gj = GatherJob::new(l.segs.clone());
-            std::thread::scope(|sc| {
-                for w in 0..writers {
-                    let (job, gj) = (&job, &gj);
-                    sc.spawn(move || {
-                        let mut stage = LateStage::new(w as u64 + 7);
-                        let layout =
-                            std::alloc::Layout::from_size_align(seg, DIRECT_ALIGN).unwrap();
-                        // SAFETY: (test) non-zero sizes; freed below, after the stage drained.
-                        let bufs =
-                            unsafe { [std::alloc::alloc(layout), std::alloc::alloc(layout)] };
-                        gj.work(job, &mut stage, bufs, w).unwrap();
-                        drop(stage);
-                        // SAFETY: (test) allocated above with this layout; no copy is queued.
-                        unsafe {
-                            std::alloc::dealloc(bufs[0], layout);
-                            std::alloc::dealloc(bufs[1], layout);
-                        }
-                    });
-                }
-            });
+            run_writers(&job, &gj, writers, seg, 7);
             let out = job.outcome(gj.copies.load(Ordering::Relaxed)).unwrap();
             let case = format!("{writers} writers, {segs} segments, direct {direct}");
             let it = &out.items[0];
