@@ -21,6 +21,26 @@ fn gpu() -> Arc<CudaStream> {
     ctx.new_stream().unwrap()
 }
 
+/// A task on the current runtime that yields in a loop and records in `worst` the largest gap
+/// (ns) between two of its polls, until `stop` is set: how long the runtime thread was held.
+fn ticker() -> (Arc<AtomicU64>, Arc<AtomicBool>, tokio::task::JoinHandle<()>) {
+    let worst = Arc::new(AtomicU64::new(0));
+    let stop = Arc::new(AtomicBool::new(false));
+    let task = {
+        let (worst, stop) = (worst.clone(), stop.clone());
+        tokio::spawn(async move {
+            let mut last = Instant::now();
+            while !stop.load(Ordering::Relaxed) {
+                tokio::task::yield_now().await;
+                let now = Instant::now();
+                worst.fetch_max((now - last).as_nanos() as u64, Ordering::Relaxed);
+                last = now;
+            }
+        })
+    };
+    (worst, stop, task)
+}
+
 /// No GPU needed (runs everywhere): a host read awaited inside a current-thread tokio runtime
 /// completes through its waker, and the runtime thread keeps running other tasks while it is
 /// in flight: the largest gap between a ticker task's polls during an awaited read (the least
@@ -36,20 +56,7 @@ fn transfer_awaited_host_read_does_not_stall_a_tokio_runtime() {
         .build()
         .unwrap();
     let (blocking, waited) = rt.block_on(async {
-        let worst = Arc::new(AtomicU64::new(0));
-        let stop = Arc::new(AtomicBool::new(false));
-        let ticker = {
-            let (worst, stop) = (worst.clone(), stop.clone());
-            tokio::spawn(async move {
-                let mut last = Instant::now();
-                while !stop.load(Ordering::Relaxed) {
-                    tokio::task::yield_now().await;
-                    let now = Instant::now();
-                    worst.fetch_max((now - last).as_nanos() as u64, Ordering::Relaxed);
-                    last = now;
-                }
-            })
-        };
+        let (worst, stop, ticker) = ticker();
         let mut buf = vec![0u8; data.len()];
         tokio::task::yield_now().await;
         worst.store(0, Ordering::Relaxed);
@@ -132,20 +139,7 @@ fn stall_round(f: &Arc<GpuFile>, buf: CudaSlice<u8>) -> (Stall, CudaSlice<u8>) {
         .build()
         .unwrap();
     rt.block_on(async {
-        let worst = Arc::new(AtomicU64::new(0));
-        let stop = Arc::new(AtomicBool::new(false));
-        let ticker = {
-            let (worst, stop) = (worst.clone(), stop.clone());
-            tokio::spawn(async move {
-                let mut last = Instant::now();
-                while !stop.load(Ordering::Relaxed) {
-                    tokio::task::yield_now().await;
-                    let now = Instant::now();
-                    worst.fetch_max((now - last).as_nanos() as u64, Ordering::Relaxed);
-                    last = now;
-                }
-            })
-        };
+        let (worst, stop, ticker) = ticker();
         let mut buf = buf;
         tokio::task::yield_now().await;
         worst.store(0, Ordering::Relaxed);
