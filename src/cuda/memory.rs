@@ -424,6 +424,17 @@ impl<M: DeviceMemory + ?Sized> DeviceMemory for Arc<M> {
     }
 }
 
+/// Lets go of cudarc's view of memory gpudirect will unmap or free itself: orders `stream`
+/// after the view's recorded uses and releases cudarc's events (`CudaSlice::leak`), then waits
+/// for `stream`, so that no queued work touches the memory when the caller's unmap runs. A
+/// failed synchronisation is logged (naming `what`); the caller goes on.
+pub(crate) fn release_slice_view<T>(slice: CudaSlice<T>, stream: &CudaStream, what: &str) {
+    let _ = slice.leak();
+    if let Err(e) = stream.synchronize() {
+        tracing::warn!(%e, "gpudirect {what}: stream synchronize failed before unmap");
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -259,11 +259,7 @@ impl<T> Drop for VmmBuffer<T> {
         let _restore = crate::cuda::CurrentContext::save();
         // SAFETY: taken exactly once, here; the field is not used afterwards.
         let slice = unsafe { ManuallyDrop::take(&mut self.slice) };
-        // Orders the stream after the slice's recorded uses and releases cudarc's events.
-        let _ = slice.leak();
-        if let Err(e) = self.stream.synchronize() {
-            tracing::warn!(%e, "gpudirect VmmBuffer: stream synchronize failed before unmap");
-        }
+        crate::cuda::release_slice_view(slice, &self.stream, "VmmBuffer");
         // `range` is dropped right after this: unmap, address free, release.
     }
 }

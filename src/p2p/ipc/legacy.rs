@@ -184,10 +184,7 @@ impl<T> Drop for IpcMapping<T> {
         let _restore = crate::cuda::CurrentContext::save();
         // SAFETY: taken exactly once, here.
         let slice = unsafe { ManuallyDrop::take(&mut self.slice) };
-        let _ = slice.leak();
-        if let Err(e) = self.stream.synchronize() {
-            tracing::warn!(%e, "gpudirect IpcMapping: stream synchronize failed before unmap");
-        }
+        crate::cuda::release_slice_view(slice, &self.stream, "IpcMapping");
         remove_mapping(self.ptr);
         if let Err(e) = self.stream.context().bind_to_thread() {
             tracing::warn!(%e, "gpudirect IpcMapping: cannot bind context; mapping leaked");

@@ -145,10 +145,7 @@ impl<T> Drop for VmmImport<T> {
         let _restore = crate::cuda::CurrentContext::save();
         // SAFETY: taken exactly once, here.
         let slice = unsafe { ManuallyDrop::take(&mut self.slice) };
-        let _ = slice.leak();
-        if let Err(e) = self.stream.synchronize() {
-            tracing::warn!(%e, "gpudirect VmmImport: stream synchronize failed before unmap");
-        }
+        crate::cuda::release_slice_view(slice, &self.stream, "VmmImport");
         // `range` is dropped right after this: unmap, address free, release.
     }
 }
