@@ -401,6 +401,12 @@ impl Runner {
     /// Runs one child; its JSON (or an error) is recorded under `row`.
     fn run(&mut self, row: &str, mut cmd: Command) -> Option<Value> {
         let out = cmd.output();
+        self.record(row, &out)
+    }
+
+    /// Records a child's outcome under `row`: its last JSON line when it succeeded, else an
+    /// error (the JSON's `error`, or the tail of its stderr).
+    fn record(&mut self, row: &str, out: &std::io::Result<std::process::Output>) -> Option<Value> {
         let v = match out {
             Ok(o) => {
                 let text = String::from_utf8_lossy(&o.stdout);
@@ -445,27 +451,9 @@ impl Runner {
     fn traced(&mut self, row: &str, mut cmd: Command) {
         cmd.env("GPUDIRECT_TRACE", "timing");
         let name = format!("{row} (traced)");
-        let out = match cmd.output() {
-            Ok(o) => o,
-            Err(e) => {
-                self.note(&name, &format!("could not start: {e}"));
-                return;
-            }
-        };
-        let text = String::from_utf8_lossy(&out.stdout);
-        match text
-            .lines()
-            .rev()
-            .find(|l| l.starts_with('{'))
-            .and_then(|l| serde_json::from_str::<Value>(l).ok())
-        {
-            Some(v) if out.status.success() && v.get("error").is_none() => {
-                self.log(&format!("{name}: {v}"));
-                self.samples
-                    .push(json!({"bench": "storage_oneshot", "row": name, "sample": v}));
-            }
-            _ => self.note(&name, &format!("the traced child failed ({})", out.status)),
-        }
+        let out = cmd.output();
+        self.record(&name, &out);
+        let Ok(out) = out else { return };
         let lines: Vec<String> = String::from_utf8_lossy(&out.stderr)
             .lines()
             .filter(|l| l.starts_with("gpudirect-trace"))
