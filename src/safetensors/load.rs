@@ -622,7 +622,7 @@ fn alloc_n<T: Element>(stream: &Arc<CudaStream>, n: usize) -> Result<CudaSlice<T
     }
     // SAFETY: uninitialised device memory of a type valid for any bits; the load writes every
     // byte before the slice is handed out, or drops it on error.
-    unsafe { stream.alloc::<T>(n) }.map_err(|e| Error::cuda("cuMemAlloc", e))
+    unsafe { crate::cuda::alloc_uninit::<T>(stream, n) }
 }
 
 impl TensorData {
@@ -1234,7 +1234,7 @@ pub(super) fn load_one(
             // SAFETY: uninitialised bytes; every byte a view can reach is a tensor's, written by
             // the reads below before the Checkpoint exists (padding is never exposed), and the
             // buffer is dropped on error.
-            unsafe { stream.alloc::<u8>(len) }.map_err(|e| Error::cuda("cuMemAlloc", e))
+            unsafe { crate::cuda::alloc_uninit::<u8>(stream, len) }
         }
     })
     .map_err(|e| alloc_error(e, stream, &p.cat, size))?;
