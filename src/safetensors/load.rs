@@ -1225,18 +1225,20 @@ pub(super) fn load_one(
     check_memory(stream, &p.cat, size)?;
     let len = usize::try_from(size)
         .map_err(|_| Error::InvalidArgument("the checkpoint exceeds the address space".into()))?;
-    let mut buf = with_warm_up(&p.files, p.device, || {
-        if len == 0 {
-            stream
-                .null::<u8>()
-                .map_err(|e| Error::cuda("cuMemAlloc", e))
-        } else {
-            // SAFETY: uninitialised bytes; every byte a view can reach is a tensor's, written by
-            // the reads below before the Checkpoint exists (padding is never exposed), and the
-            // buffer is dropped on error.
-            unsafe { crate::cuda::alloc_uninit::<u8>(stream, len) }
-        }
-    })
+    // One allocation, which takes well under a millisecond (a large one is `cuMemAlloc`), so
+    // nothing is warmed up beside it: the batch's engine job starts its threads and pins its
+    // ring while it already reads, as `read_to_gpu` does (warming up first would put those
+    // milliseconds in front of the first byte).
+    let mut buf = if len == 0 {
+        stream
+            .null::<u8>()
+            .map_err(|e| Error::cuda("cuMemAlloc", e))
+    } else {
+        // SAFETY: uninitialised bytes; every byte a view can reach is a tensor's, written by
+        // the reads below before the Checkpoint exists (padding is never exposed), and the
+        // buffer is dropped on error.
+        unsafe { crate::cuda::alloc_uninit::<u8>(stream, len) }
+    }
     .map_err(|e| alloc_error(e, stream, &p.cat, size))?;
     let mut report = new_report(&p);
     let (mut progress, step) = progress_fn(opts, report.bytes);
