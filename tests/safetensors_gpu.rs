@@ -229,7 +229,8 @@ fn gpu_safetensors_round_trip_mixed_dtypes_both_modes() {
     let v: Vec<F8E4M3> = s.clone_dtoh(&ck.get::<F8E4M3>(&f8.name).unwrap()).unwrap();
     assert_eq!(v.iter().map(|x| x.0).collect::<Vec<_>>(), f8.bytes);
     // Owned mode: each tensor straight into its own allocation (no staging, no device copy),
-    // in one storage batch, and with a progress callback in batches of about 512 MiB.
+    // read as the allocations come (one round here: the checkpoint is under 64 MiB), and with
+    // a progress callback in batches of about 512 MiB.
     let with_bytes = ms.iter().filter(|m| !m.bytes.is_empty()).count();
     for progress in [false, true] {
         let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
@@ -269,6 +270,52 @@ fn gpu_safetensors_round_trip_mixed_dtypes_both_modes() {
     )
     .unwrap();
     check_checkpoint(&s, &st::load(&p2, &s).unwrap(), &ms);
+    std::fs::remove_dir_all(&d).unwrap();
+}
+
+/// An owned load of a checkpoint over 64 MiB reads while its tensors are still being allocated
+/// (several rounds of reads): every tensor, empty and 0-d ones included, is read exactly once
+/// into its own allocation, every byte right, with and without a progress callback, and again
+/// in the same process.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gpu_safetensors_owned_load_reads_while_allocating() {
+    let s = stream();
+    let d = scratch("owned-rounds");
+    let ms = models(9, 210, (4 << 20) + 3 * 16);
+    let total: usize = ms.iter().map(|m| m.bytes.len()).sum();
+    assert!(
+        total > 128 << 20,
+        "{total} bytes: the load must take more than one round"
+    );
+    let bufs = upload(&s, &ms);
+    let p = d.join("big.safetensors");
+    save_models(&p, &ms, &bufs, &SaveOptions::new().durable(false));
+    drop(bufs);
+    let with_bytes = ms.iter().filter(|m| !m.bytes.is_empty()).count();
+    for (round, progress) in [false, true, false].into_iter().enumerate() {
+        let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
+        let s2 = seen.clone();
+        let o = if progress {
+            LoadOptions::new().progress(move |p| s2.lock().unwrap().push(p))
+        } else {
+            LoadOptions::new()
+        };
+        let own = o.load_owned(&p, &s).unwrap();
+        println!("round {round} (progress {progress}): {}", own.report());
+        check_owned(&s, &own, &ms);
+        assert_eq!(
+            (own.report().reads, own.report().bytes as usize),
+            (with_bytes, total),
+            "round {round}: one read per tensor with bytes"
+        );
+        if progress {
+            let seen = seen.lock().unwrap();
+            assert_eq!(seen.first().map(|p| p.done), Some(0));
+            assert!(seen.windows(2).all(|w| w[0].done <= w[1].done), "{seen:?}");
+            assert_eq!(seen.last().map(|p| p.done), Some(total as u64));
+        }
+    }
     std::fs::remove_dir_all(&d).unwrap();
 }
 

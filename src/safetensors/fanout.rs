@@ -431,7 +431,7 @@ fn load_fanout(
             report,
         });
     }
-    let p = prepare(opts, src, devices[0])?;
+    let p = prepare(opts, src)?;
     let wants = resolve(placement, &p.sel, &p.cat.source, &p.shards, &devices)?;
     let sched = fanout_plan::schedule(&p.sel, &wants, opts.segment());
     for (k, s) in streams.iter().enumerate() {

@@ -760,9 +760,10 @@ impl OwnedTensor {
 /// A loaded checkpoint with one device allocation per tensor ([`OwnedTensor`], a typed
 /// `CudaSlice<T>` each) that can be taken apart and kept.
 ///
-/// Every tensor is read straight into its own allocation (one storage batch for the whole
-/// load, an item per tensor): no staging buffer and no device-to-device copy, so the device
-/// memory the load needs is the tensors' bytes.
+/// Every tensor is read straight into its own allocation (an item per tensor in storage
+/// batches that run while the later tensors are still being allocated: a few batches for the
+/// whole load): no staging buffer and no device-to-device copy, so the device memory the load
+/// needs is the tensors' bytes.
 pub struct OwnedCheckpoint {
     tensors: Vec<Option<OwnedTensor>>,
     by_name: HashMap<String, usize>,
@@ -854,8 +855,6 @@ pub(super) struct Prepared {
     pub files: Vec<Option<GpuFile>>,
     pub cat: Catalog,
     pub skipped: u64,
-    /// The GPU a single-GPU load reads into.
-    pub device: usize,
 }
 
 /// The host-side part: headers read and checked, tensors selected.
@@ -957,8 +956,8 @@ impl LoadOptions {
 }
 
 /// Headers, selection, and the shards with bytes to read opened (the policy checked on each
-/// when it is `Deny`); `device` is the GPU a single-GPU load reads into.
-pub(super) fn prepare(opts: &LoadOptions, src: Source, device: usize) -> Result<Prepared> {
+/// when it is `Deny`).
+pub(super) fn prepare(opts: &LoadOptions, src: Source) -> Result<Prepared> {
     let Selection {
         shards,
         sel,
@@ -985,7 +984,6 @@ pub(super) fn prepare(opts: &LoadOptions, src: Source, device: usize) -> Result<
         files,
         cat,
         skipped,
-        device,
     })
 }
 
@@ -1198,28 +1196,13 @@ fn progress_fn(opts: &LoadOptions, total: u64) -> (Box<dyn FnMut(u64)>, Option<u
     }
 }
 
-/// Warms the storage engine for `device` on the first shard while the caller allocates.
-fn with_warm_up<R>(files: &[Option<GpuFile>], device: usize, work: impl FnOnce() -> R) -> R {
-    let Some(first) = files.iter().flatten().next() else {
-        return work();
-    };
-    std::thread::scope(|s| {
-        let h = s.spawn(|| first.warm_up(device));
-        let r = work();
-        if let Ok(Err(e)) = h.join() {
-            tracing::debug!("storage warm-up failed (the first read pays its setup): {e}");
-        }
-        r
-    })
-}
-
 pub(super) fn load_one(
     opts: &LoadOptions,
     src: Source,
     stream: &Arc<CudaStream>,
 ) -> Result<Checkpoint> {
     let t0 = Instant::now();
-    let p = prepare(opts, src, stream.context().ordinal())?;
+    let p = prepare(opts, src)?;
     let chunk = plan::plan(&p.sel);
     let size = chunk.dev_len;
     check_memory(stream, &p.cat, size)?;
@@ -1289,49 +1272,86 @@ fn load_owned(
     stream: &Arc<CudaStream>,
 ) -> Result<OwnedCheckpoint> {
     let t0 = Instant::now();
-    let p = prepare(opts, src, stream.context().ordinal())?;
+    let p = prepare(opts, src)?;
     let total: u64 = p.sel.iter().map(|t| t.len).sum();
     check_memory(stream, &p.cat, total)?;
-    let mut data = with_warm_up(&p.files, p.device, || -> Result<_> {
-        let mut data = Vec::with_capacity(p.sel.len());
-        for t in &p.sel {
-            let numel = t.shape.iter().product::<usize>();
-            data.push(TensorData::alloc(stream, t.dtype, numel, t.len as usize)?);
-        }
-        Ok(data)
-    })
-    .map_err(|e| alloc_error(e, stream, &p.cat, total))?;
     let mut report = new_report(&p);
     let (mut progress, step) = progress_fn(opts, report.bytes);
-    // Each tensor straight into its own allocation: one batch item per tensor, no staging.
-    let reads: Vec<(usize, Read)> = p
-        .sel
-        .iter()
-        .enumerate()
-        .filter(|(_, t)| t.len > 0)
-        .map(|(i, t)| {
-            (
-                i,
-                Read {
-                    shard: t.shard,
-                    file_offset: t.file_offset,
-                    len: t.len,
-                    dev_offset: 0,
-                },
-            )
-        })
-        .collect();
-    {
-        let mut views: Vec<CudaViewMut<'_, u8>> = data.iter_mut().map(|d| d.bytes_mut()).collect();
-        read_into(
-            &p.files,
-            &mut views,
-            &reads,
-            &mut report,
-            &mut *progress,
-            step,
-        )?;
-    }
+    let n = p.sel.len();
+    let mut data: Vec<TensorData> = Vec::with_capacity(n);
+    // The tensors are allocated on a helper thread, in order, while the reads of those already
+    // allocated run: a checkpoint's hundreds of allocations (about 60 µs each) overlap the
+    // reads instead of preceding them. Each round reads what is allocated by then (at least
+    // FIRST_READ bytes the first time), so the first read starts after a few allocations and
+    // only a few rounds pay an engine job's start. Each tensor goes straight into its own
+    // allocation: one batch item per tensor, no staging.
+    const FIRST_READ: u64 = 64 << 20;
+    std::thread::scope(|s| -> Result<()> {
+        let (tx, rx) = std::sync::mpsc::channel::<Result<TensorData>>();
+        let sel = &p.sel;
+        s.spawn(move || {
+            for t in sel {
+                let numel = t.shape.iter().product::<usize>();
+                let r = TensorData::alloc(stream, t.dtype, numel, t.len as usize);
+                let failed = r.is_err();
+                // A closed channel: the load failed and stopped waiting.
+                if tx.send(r).is_err() || failed {
+                    return;
+                }
+            }
+        });
+        let take = |data: &mut Vec<TensorData>, r: Result<TensorData>| -> Result<()> {
+            data.push(r.map_err(|e| alloc_error(e, stream, &p.cat, total))?);
+            Ok(())
+        };
+        let mut read = 0;
+        while read < n {
+            // Wait for the first FIRST_READ bytes (or one tensor), then take what is ready.
+            let mut bytes = 0;
+            while data.len() < n && (data.len() == read || (read == 0 && bytes < FIRST_READ)) {
+                let r = rx.recv().map_err(|_| {
+                    Error::InvalidArgument(
+                        "internal: the allocating thread stopped early (a bug in gpudirect: please report it)".into(),
+                    )
+                })?;
+                bytes += p.sel[data.len()].len;
+                take(&mut data, r)?;
+            }
+            while data.len() < n {
+                match rx.try_recv() {
+                    Ok(r) => take(&mut data, r)?,
+                    Err(_) => break,
+                }
+            }
+            let reads: Vec<(usize, Read)> = (read..data.len())
+                .filter(|&i| p.sel[i].len > 0)
+                .map(|i| {
+                    let t = &p.sel[i];
+                    (
+                        i - read,
+                        Read {
+                            shard: t.shard,
+                            file_offset: t.file_offset,
+                            len: t.len,
+                            dev_offset: 0,
+                        },
+                    )
+                })
+                .collect();
+            let mut views: Vec<CudaViewMut<'_, u8>> =
+                data[read..].iter_mut().map(|d| d.bytes_mut()).collect();
+            read_into(
+                &p.files,
+                &mut views,
+                &reads,
+                &mut report,
+                &mut *progress,
+                step,
+            )?;
+            read = data.len();
+        }
+        Ok(())
+    })?;
     let mut tensors = Vec::with_capacity(p.sel.len());
     let mut by_name = HashMap::with_capacity(p.sel.len());
     for (i, (s, d)) in p.sel.iter().zip(data.drain(..)).enumerate() {
