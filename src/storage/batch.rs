@@ -743,9 +743,11 @@ impl<'a> ReadBatch<'a> {
                 bufs.push(Mem::Dev(p));
                 guards.push(g);
             }
+            engine::trace::mark(|| format!("ReadBatch: {} destinations ordered", bufs.len()));
             // Instead of synchronizing the streams: an event on each (see stream_events).
             let after = stream_events(&streams)?;
             ctl.wait_for(&after, total)?;
+            engine::trace::mark(|| "ReadBatch: the destinations' streams reached".into());
             // SAFETY: every buffer is a destination view borrowed (mutably, for 'a) by this
             // batch, in `ctx`; each task lies inside its item's destination range, which was
             // checked to fit its buffer and to overlap no other item's; no copy starts before
@@ -769,6 +771,7 @@ impl<'a> ReadBatch<'a> {
             }
             let out = eng.run(job, threads)?;
             drop(guards);
+            engine::trace::mark(|| "ReadBatch: the engine job returned".into());
             odirect = out.odirect;
             copies = out.copies;
             cut = out.cancelled;
