@@ -72,11 +72,7 @@
 //!   copies staged through host memory). Not for GPUDirect RDMA: the driver reports pool memory
 //!   as not GPUDirect-RDMA capable, and [`rdma::GpuMemoryRegion`] refuses it
 //!   ([`Cause::PoolMemoryNotGdrCapable`]) unless forced. cudarc's pool cannot be shared with
-//!   another process; a [`p2p::ipc::SharedPool`] can. The slices gpudirect allocates for you
-//!   ([`storage::read_to_gpu`], [`safetensors::load`]) are cudarc's too, but from 64 MiB on
-//!   their memory comes from `cuMemAlloc` (a large first pool allocation costs milliseconds in
-//!   front of a one-shot load): usable on any stream at once, GPUDirect-RDMA capable, freed by
-//!   cudarc like any other slice.
+//!   another process; a [`p2p::ipc::SharedPool`] can.
 //! - **[`cuda::DeviceBuffer`]** (also `p2p::DeviceBuffer`; plain `cuMemAlloc`, zeroed): legacy
 //!   CUDA IPC, since [`p2p::ipc::IpcMemHandle`] exports only `cuMemAlloc` memory; P2P needs only
 //!   context peer access ([`p2p::PeerAccess`] grants it and records it, which is how a copy

@@ -250,10 +250,9 @@ fn gpu_storage_read_to_gpu_allocates_while_reading() {
     std::fs::remove_dir_all(&d).unwrap();
 }
 
-/// The buffers `read_to_gpu` allocates are cudarc's to free: a large one (`cuMemAlloc`, freed by
-/// cudarc with `cuMemFreeAsync`) and a small one (the stream-ordered pool), read and dropped
-/// again and again, give their memory back with no error recorded in the context, and each
-/// round's bytes are the file's.
+/// The buffers `read_to_gpu` allocates are cudarc's to free: a large one (allocated while the
+/// engine already reads) and a small one, read and dropped again and again, give their memory
+/// back with no error recorded in the context, and each round's bytes are the file's.
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn gpu_storage_read_to_gpu_buffers_are_given_back_on_drop() {

@@ -622,7 +622,7 @@ fn alloc_n<T: Element>(stream: &Arc<CudaStream>, n: usize) -> Result<CudaSlice<T
     }
     // SAFETY: uninitialised device memory of a type valid for any bits; the load writes every
     // byte before the slice is handed out, or drops it on error.
-    unsafe { crate::cuda::alloc_uninit::<T>(stream, n) }
+    unsafe { stream.alloc::<T>(n) }.map_err(|e| Error::cuda("cuMemAlloc", e))
 }
 
 impl TensorData {
@@ -1208,10 +1208,9 @@ pub(super) fn load_one(
     check_memory(stream, &p.cat, size)?;
     let len = usize::try_from(size)
         .map_err(|_| Error::InvalidArgument("the checkpoint exceeds the address space".into()))?;
-    // One allocation, which takes well under a millisecond (a large one is `cuMemAlloc`), so
-    // nothing is warmed up beside it: the batch's engine job starts its threads and pins its
-    // ring while it already reads, as `read_to_gpu` does (warming up first would put those
-    // milliseconds in front of the first byte).
+    // One allocation first, with nothing warmed up beside it: the batch's engine job starts
+    // its threads and pins its ring while it already reads, as `read_to_gpu` does. (Warming up
+    // beside the allocation slowed both down: their driver calls contend.)
     let mut buf = if len == 0 {
         stream
             .null::<u8>()
@@ -1220,7 +1219,7 @@ pub(super) fn load_one(
         // SAFETY: uninitialised bytes; every byte a view can reach is a tensor's, written by
         // the reads below before the Checkpoint exists (padding is never exposed), and the
         // buffer is dropped on error.
-        unsafe { crate::cuda::alloc_uninit::<u8>(stream, len) }
+        unsafe { stream.alloc::<u8>(len) }.map_err(|e| Error::cuda("cuMemAlloc", e))
     }
     .map_err(|e| alloc_error(e, stream, &p.cat, size))?;
     let mut report = new_report(&p);

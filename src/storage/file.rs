@@ -793,7 +793,8 @@ impl GpuFile {
         let Some(p) = seg else {
             // SAFETY: every byte is written by the read below, or the buffer is dropped on
             // error; T accepts any bit pattern.
-            let mut buf = unsafe { crate::cuda::alloc_uninit::<T>(stream, n) }?;
+            let mut buf =
+                unsafe { stream.alloc::<T>(n) }.map_err(|e| Error::cuda("cuMemAlloc", e))?;
             let r = self.read_to_device(&mut buf, 0)?;
             return Ok((buf, r));
         };
@@ -827,10 +828,10 @@ impl GpuFile {
         let outcome = engine.run_deferred(job, threads, || {
             // SAFETY: every byte is written by the read, or the buffer is dropped on error; T
             // accepts any bit pattern.
-            let mut b = unsafe { crate::cuda::alloc_uninit::<T>(stream, n) }?;
+            let mut b =
+                unsafe { stream.alloc::<T>(n) }.map_err(|e| Error::cuda("cuMemAlloc", e))?;
             // The engine writes it on its own stream, and its copies complete before the buffer
-            // is handed out; the allocation (stream-ordered when it is small) is complete
-            // before any copy.
+            // is handed out; the allocation (stream-ordered) is complete before any copy.
             let (dptr, record) = b.device_ptr_mut(stream);
             drop(record);
             stream
