@@ -709,13 +709,31 @@ impl<'a> ReadBatch<'a> {
             let mut job_files = Vec::new();
             let mut tasks: Vec<Task> = Vec::with_capacity(engine_items.len());
             let mut any_direct = false;
+            // Whether each item reads with O_DIRECT, per source file in one page-cache sample.
+            let mut direct_of = vec![false; items.len()];
+            let mut by_src: Vec<Vec<usize>> = vec![Vec::new(); files.len()];
+            for &i in &engine_items {
+                by_src[items[i].src].push(i);
+            }
+            for (f, mine) in files.iter().zip(&by_src) {
+                if mine.is_empty() {
+                    continue;
+                }
+                let ranges: Vec<(u64, usize)> = mine
+                    .iter()
+                    .map(|&i| (items[i].file_offset, items[i].len))
+                    .collect();
+                for (&i, d) in mine.iter().zip(f.read_direct_many(&ranges)) {
+                    direct_of[i] = d;
+                }
+            }
             for &i in &engine_items {
                 let it = &items[i];
                 if job_file[it.src] == u32::MAX {
                     job_file[it.src] = job_files.len() as u32;
                     job_files.push(&*files[it.src].fds);
                 }
-                let direct = files[it.src].read_direct(it.file_offset, it.len);
+                let direct = direct_of[i];
                 any_direct |= direct;
                 let at = Task {
                     file: job_file[it.src],

@@ -324,16 +324,29 @@ impl GpuFile {
     }
 
     pub(super) fn read_direct(&self, off: u64, n: usize) -> bool {
+        self.read_direct_many(&[(off, n)])[0]
+    }
+
+    /// [`read_direct`](Self::read_direct) of each `(offset, len)` range, the page cache
+    /// sampled through one mapping for all of them.
+    pub(super) fn read_direct_many(&self, ranges: &[(u64, usize)]) -> Vec<bool> {
         let Some(d) = self.fds.direct() else {
-            return false;
+            return vec![false; ranges.len()];
         };
         match self.cfg.odirect_read {
-            ODirect::Off => false,
-            ODirect::On => true,
+            ODirect::Off => vec![false; ranges.len()],
+            ODirect::On => vec![true; ranges.len()],
             ODirect::Auto => {
-                n >= AUTO_DIRECT_MIN
-                    && io::cached_fraction(d, off, n as u64, RESIDENCY_SAMPLES)
-                        .is_some_and(|f| f < 0.5)
+                // Only ranges of AUTO_DIRECT_MIN or more are sampled (0: not asked).
+                let asked: Vec<(u64, u64)> = ranges
+                    .iter()
+                    .map(|&(off, n)| (off, if n >= AUTO_DIRECT_MIN { n as u64 } else { 0 }))
+                    .collect();
+                io::cached_fractions(d, &asked, RESIDENCY_SAMPLES)
+                    .into_iter()
+                    .zip(&asked)
+                    .map(|(f, &(_, n))| n > 0 && f.is_some_and(|f| f < 0.5))
+                    .collect()
             }
         }
     }
