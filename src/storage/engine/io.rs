@@ -375,9 +375,12 @@ pub(in crate::storage) fn preallocate(fd: &File, off: u64, len: u64) {
 /// The fraction of each `(off, len)` range of one file found in the page cache, from up to
 /// `samples` pages spread over each range (`mmap` + `mincore`, no page is touched; `None` for
 /// every range when the extent cannot be mapped; an empty range counts as cached), through one
-/// mapping of their extent: a batch of hundreds of ranges (a checkpoint's tensors) pays one `mmap`/`munmap`,
-/// not one per range (each `munmap` shoots down the TLBs of every thread of the process: about
-/// 40 µs a range on the H200 machine with the engine's 16 workers running).
+/// mapping of their extent: a batch of hundreds of ranges (a checkpoint's tensors) pays one
+/// `mmap`/`munmap`, not one per range (an `munmap` in a process whose engine workers run
+/// interrupts them all to flush their TLBs). On the H200 machine an owned checkpoint load spent
+/// about 40 µs an item between checking its items and starting its engine job, in a stretch
+/// that held the per-item sampling and the destinations' stream ordering; how much of it the
+/// sampling was is not measured.
 pub(in crate::storage) fn cached_fractions(
     fd: &File,
     ranges: &[(u64, u64)],
