@@ -660,10 +660,13 @@ pub(in crate::storage) fn engine(device: Option<usize>, numa_pin: bool) -> Resul
         let weak = weak.clone();
         cfg.on_idle = Some(Box::new(move || {
             if let Some(e) = weak.upgrade() {
-                // A job that holds the ring keeps it; the next idle period frees it.
-                if let Ok(mut g) = e.seg.try_lock() {
-                    drop(g.take());
-                }
+                // A job that holds the ring keeps it; the next idle period frees it. The ring
+                // is taken out under the lock and dropped after it: its `cuMemHostUnregister`
+                // waits for the device's other work (a stream held by a host function holds it
+                // up: CONTRIBUTING.md, "CUDA pointer facts"), and a job starting meanwhile must
+                // not wait for that behind the lock; it builds a ring of its own.
+                let ring = e.seg.try_lock().ok().and_then(|mut g| g.take());
+                drop(ring);
             }
         }));
         Engine {
@@ -706,8 +709,9 @@ pub(in crate::storage) fn release_all() -> Released {
     for e in engines {
         r.threads += e.pool.live_threads();
         e.pool.shutdown();
-        let mut g = e.seg.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(s) = g.take() {
+        // Taken out under the lock, unregistered after it (see the engine's idle release).
+        let ring = e.seg.lock().unwrap_or_else(|p| p.into_inner()).take();
+        if let Some(s) = ring {
             r.ring_bytes += s.bytes();
         }
     }
