@@ -89,8 +89,9 @@ impl LoadOptions {
         self
     }
 
-    /// Calls `f` (with 0 first) each time about 512 MiB more are in device memory: with a
-    /// callback the load runs as storage batches of about that size instead of one. A
+    /// Calls `f` (with 0 first) each time more bytes are in device memory: with a callback a
+    /// load runs as storage batches of about 512 MiB instead of one (an owned load, whose
+    /// batches follow its allocations, also calls it after each of those, often for less). A
     /// multi-GPU load also calls it as each GPU's segments are read, and once more when the peer
     /// copies are done.
     pub fn progress(mut self, f: impl Fn(Progress) + Send + Sync + 'static) -> Self {
@@ -761,8 +762,8 @@ impl OwnedTensor {
 /// `CudaSlice<T>` each) that can be taken apart and kept.
 ///
 /// Every tensor is read straight into its own allocation (an item per tensor in storage
-/// batches that run while the later tensors are still being allocated: a few batches for the
-/// whole load): no staging buffer and no device-to-device copy, so the device memory the load
+/// batches that run while the later tensors are still being allocated; each batch at least as
+/// large as all before it, so a few for the whole load): no staging buffer and no device-to-device copy, so the device memory the load
 /// needs is the tensors' bytes.
 pub struct OwnedCheckpoint {
     tensors: Vec<Option<OwnedTensor>>,
@@ -1208,9 +1209,10 @@ pub(super) fn load_one(
     check_memory(stream, &p.cat, size)?;
     let len = usize::try_from(size)
         .map_err(|_| Error::InvalidArgument("the checkpoint exceeds the address space".into()))?;
-    // One allocation first, with nothing warmed up beside it: the batch's engine job starts
-    // its threads and pins its ring while it already reads, as `read_to_gpu` does. (Warming up
-    // beside the allocation slowed both down: their driver calls contend.)
+    // One allocation (cudarc's pool), then the reads: the batch's engine job starts its threads
+    // and pins its ring while it already reads. The allocation is not overlapped with anything
+    // (warming up beside it was last measured with `cuMemAlloc` buffers: BENCHMARKS.md, run B8
+    // and the note after it).
     let mut buf = if len == 0 {
         stream
             .null::<u8>()
@@ -1265,6 +1267,107 @@ pub(super) fn load_one(
     })
 }
 
+/// Bytes an owned load's first round of reads waits to be allocated before it starts.
+const FIRST_READ: u64 = 64 << 20;
+
+/// An owned load's pipeline, apart from CUDA: item `i` (of `lens.len()`, `lens[i]` bytes) is
+/// allocated by `alloc(i)` on a helper thread, in order, while `read(first, items)` reads the
+/// items allocated by then (`items` = items `first..first + items.len()`) on the calling
+/// thread: a checkpoint's hundreds of allocations (about 60 µs each on the H200) overlap the
+/// reads instead of preceding them. The first round waits for [`FIRST_READ`] bytes, each later
+/// one for as many bytes as all rounds before it read (or for what is left), then takes what
+/// else is ready, so the rounds (each a storage batch with an engine job's start) at least
+/// double: a few for any checkpoint. Returns the items, in order, and the number of
+/// rounds. The first error (an allocation's or a read's) ends it: the helper stops at its next
+/// item and what was allocated is dropped. A panic on the helper is resumed here; one in
+/// `read` stops the helper too. When no thread can be started, everything is allocated first,
+/// then read in one round.
+fn alloc_while_reading<D: Send>(
+    lens: &[u64],
+    alloc: impl Fn(usize) -> Result<D> + Sync,
+    mut read: impl FnMut(usize, &mut [D]) -> Result<()>,
+) -> Result<(Vec<D>, usize)> {
+    let n = lens.len();
+    let mut data: Vec<D> = Vec::with_capacity(n);
+    if n == 0 {
+        return Ok((data, 0));
+    }
+    std::thread::scope(|s| -> Result<(Vec<D>, usize)> {
+        let (tx, rx) = std::sync::mpsc::channel::<Result<D>>();
+        let alloc = &alloc;
+        let helper = std::thread::Builder::new()
+            .name("gpudirect-alloc".into())
+            .spawn_scoped(s, move || {
+                for i in 0..n {
+                    let r = alloc(i);
+                    let failed = r.is_err();
+                    // A closed channel: the load failed and stopped waiting.
+                    if tx.send(r).is_err() || failed {
+                        return;
+                    }
+                }
+            });
+        let helper = match helper {
+            Ok(h) => h,
+            Err(e) => {
+                tracing::debug!("no allocating thread ({e}): allocating every tensor first");
+                for i in 0..n {
+                    data.push(alloc(i)?);
+                }
+                read(0, &mut data)?;
+                return Ok((data, 1));
+            }
+        };
+        let next = |data: &mut Vec<D>| -> Result<()> {
+            match rx.recv() {
+                Ok(r) => {
+                    data.push(r?);
+                    Ok(())
+                }
+                // The helper ended without sending: it panicked.
+                Err(_) => Err(Error::InvalidArgument(
+                    "internal: the allocating thread ended early".into(),
+                )),
+            }
+        };
+        let (mut done, mut rounds, mut last) = (0, 0, FIRST_READ);
+        let result = loop {
+            if done == n {
+                break Ok(());
+            }
+            let mut want = 0;
+            let mut step = || -> Result<()> {
+                while data.len() < n && (data.len() == done || want < last) {
+                    want += lens[data.len()];
+                    next(&mut data)?;
+                }
+                while data.len() < n {
+                    match rx.try_recv() {
+                        Ok(r) => data.push(r?),
+                        Err(_) => break,
+                    }
+                }
+                Ok(())
+            };
+            if let Err(e) = step() {
+                break Err(e);
+            }
+            let bytes: u64 = lens[done..data.len()].iter().sum();
+            if let Err(e) = read(done, &mut data[done..]) {
+                break Err(e);
+            }
+            rounds += 1;
+            done = data.len();
+            last = last.max(1).saturating_add(bytes);
+        };
+        drop(rx);
+        if let Err(p) = helper.join() {
+            std::panic::resume_unwind(p);
+        }
+        result.map(|()| (data, rounds))
+    })
+}
+
 fn load_owned(
     opts: &LoadOptions,
     src: Source,
@@ -1276,58 +1379,24 @@ fn load_owned(
     check_memory(stream, &p.cat, total)?;
     let mut report = new_report(&p);
     let (mut progress, step) = progress_fn(opts, report.bytes);
-    let n = p.sel.len();
-    let mut data: Vec<TensorData> = Vec::with_capacity(n);
-    // The tensors are allocated on a helper thread, in order, while the reads of those already
-    // allocated run: a checkpoint's hundreds of allocations (about 60 µs each) overlap the
-    // reads instead of preceding them. Each round reads what is allocated by then (at least
-    // FIRST_READ bytes the first time), so the first read starts after a few allocations and
-    // only a few rounds pay an engine job's start. Each tensor goes straight into its own
-    // allocation: one batch item per tensor, no staging.
-    const FIRST_READ: u64 = 64 << 20;
-    std::thread::scope(|s| -> Result<()> {
-        let (tx, rx) = std::sync::mpsc::channel::<Result<TensorData>>();
-        let sel = &p.sel;
-        s.spawn(move || {
-            for t in sel {
-                let numel = t.shape.iter().product::<usize>();
-                let r = TensorData::alloc(stream, t.dtype, numel, t.len as usize);
-                let failed = r.is_err();
-                // A closed channel: the load failed and stopped waiting.
-                if tx.send(r).is_err() || failed {
-                    return;
-                }
-            }
-        });
-        let take = |data: &mut Vec<TensorData>, r: Result<TensorData>| -> Result<()> {
-            data.push(r.map_err(|e| alloc_error(e, stream, &p.cat, total))?);
-            Ok(())
-        };
-        let mut read = 0;
-        while read < n {
-            // Wait for the first FIRST_READ bytes (or one tensor), then take what is ready.
-            let mut bytes = 0;
-            while data.len() < n && (data.len() == read || (read == 0 && bytes < FIRST_READ)) {
-                let r = rx.recv().map_err(|_| {
-                    Error::InvalidArgument(
-                        "internal: the allocating thread stopped early (a bug in gpudirect: please report it)".into(),
-                    )
-                })?;
-                bytes += p.sel[data.len()].len;
-                take(&mut data, r)?;
-            }
-            while data.len() < n {
-                match rx.try_recv() {
-                    Ok(r) => take(&mut data, r)?,
-                    Err(_) => break,
-                }
-            }
-            let reads: Vec<(usize, Read)> = (read..data.len())
+    let lens: Vec<u64> = p.sel.iter().map(|t| t.len).collect();
+    let (mut data, rounds) = alloc_while_reading(
+        &lens,
+        |i| {
+            let t = &p.sel[i];
+            let numel = t.shape.iter().product::<usize>();
+            TensorData::alloc(stream, t.dtype, numel, t.len as usize)
+                .map_err(|e| alloc_error(e, stream, &p.cat, total))
+        },
+        |first, ready| {
+            // Each tensor straight into its own allocation: one batch item per tensor, no
+            // staging.
+            let reads: Vec<(usize, Read)> = (first..first + ready.len())
                 .filter(|&i| p.sel[i].len > 0)
                 .map(|i| {
                     let t = &p.sel[i];
                     (
-                        i - read,
+                        i - first,
                         Read {
                             shard: t.shard,
                             file_offset: t.file_offset,
@@ -1338,7 +1407,7 @@ fn load_owned(
                 })
                 .collect();
             let mut views: Vec<CudaViewMut<'_, u8>> =
-                data[read..].iter_mut().map(|d| d.bytes_mut()).collect();
+                ready.iter_mut().map(|d| d.bytes_mut()).collect();
             read_into(
                 &p.files,
                 &mut views,
@@ -1346,13 +1415,12 @@ fn load_owned(
                 &mut report,
                 &mut *progress,
                 step,
-            )?;
-            read = data.len();
-        }
-        Ok(())
-    })?;
+            )
+        },
+    )?;
     let mut tensors = Vec::with_capacity(p.sel.len());
     let mut by_name = HashMap::with_capacity(p.sel.len());
+    tracing::debug!(rounds, tensors = data.len(), "owned load: storage batches");
     for (i, (s, d)) in p.sel.iter().zip(data.drain(..)).enumerate() {
         by_name.insert(s.name.clone(), i);
         tensors.push(Some(OwnedTensor {
@@ -1375,6 +1443,119 @@ fn load_owned(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The owned load's pipeline: every item is read exactly once, in order, by rounds that
+    /// grow (a few for hundreds of items even when reads are faster than allocations), with
+    /// empty items and no items at all; an allocation's or a read's error ends it with that
+    /// error and stops the helper; a panic on the helper reaches the caller with its message.
+    #[test]
+    fn owned_pipeline_reads_every_item_once_in_growing_rounds_and_stops_on_errors() {
+        use std::sync::atomic::{AtomicUsize, Ordering};
+        let mib = 1u64 << 20;
+        let lens: Vec<u64> = (0..300u64)
+            .map(|i| if i % 7 == 3 { 0 } else { 13 * mib + i })
+            .collect();
+        let check = |lens: &[u64], alloc_us: u64| {
+            let mut seen = Vec::new();
+            let (data, rounds) = alloc_while_reading(
+                lens,
+                |i| {
+                    std::thread::sleep(Duration::from_micros(alloc_us));
+                    Ok(i)
+                },
+                |first, items: &mut [usize]| {
+                    for (k, it) in items.iter().enumerate() {
+                        assert_eq!(*it, first + k, "item in the wrong place");
+                        seen.push(*it);
+                    }
+                    Ok(())
+                },
+            )
+            .unwrap();
+            assert_eq!(data, (0..lens.len()).collect::<Vec<_>>());
+            assert_eq!(
+                seen,
+                (0..lens.len()).collect::<Vec<_>>(),
+                "each item once, in order"
+            );
+            rounds
+        };
+        // Reads that cost nothing against 50 µs allocations: the rounds still grow.
+        let rounds = check(&lens, 50);
+        assert!((1..=12).contains(&rounds), "{rounds} rounds for 300 items");
+        assert_eq!(check(&[], 0), 0);
+        assert_eq!(check(&[0, 0, 0], 0), 1, "empty items are one round");
+        assert_eq!(check(&[5], 0), 1);
+
+        // An allocation fails at item k: that error, nothing past k allocated or read.
+        for k in [0usize, 1, 150, 299] {
+            let allocated = AtomicUsize::new(0);
+            let mut read_up_to = 0;
+            let r = alloc_while_reading(
+                &lens,
+                |i| {
+                    allocated.fetch_add(1, Ordering::SeqCst);
+                    if i == k {
+                        Err(Error::InvalidArgument(format!("no memory for {i}")))
+                    } else {
+                        Ok(i)
+                    }
+                },
+                |first, items: &mut [usize]| {
+                    read_up_to = first + items.len();
+                    Ok(())
+                },
+            );
+            match r {
+                Err(Error::InvalidArgument(m)) => assert_eq!(m, format!("no memory for {k}")),
+                other => panic!("allocation failure at {k}: {:?}", other.map(|x| x.1)),
+            }
+            assert_eq!(
+                allocated.load(Ordering::SeqCst),
+                k + 1,
+                "the helper went on after {k}"
+            );
+            assert!(read_up_to <= k, "item {k} or later was read");
+        }
+
+        // A read fails in its first round: that error, and the helper stops.
+        let allocated = AtomicUsize::new(0);
+        let r = alloc_while_reading(
+            &lens,
+            |i| {
+                allocated.fetch_add(1, Ordering::SeqCst);
+                std::thread::sleep(Duration::from_micros(200));
+                Ok(i)
+            },
+            |_, _: &mut [usize]| Err(Error::InvalidArgument("read failed".into())),
+        );
+        assert!(matches!(r, Err(Error::InvalidArgument(m)) if m == "read failed"));
+        assert!(
+            allocated.load(Ordering::SeqCst) < lens.len(),
+            "the helper allocated everything after the read failed"
+        );
+
+        // A panic on the helper reaches the caller with its own message.
+        let p = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            let _ = alloc_while_reading(
+                &lens,
+                |i| {
+                    if i == 10 {
+                        panic!("helper panics at 10");
+                    }
+                    Ok(i)
+                },
+                |_, _: &mut [usize]| Ok(()),
+            );
+        }))
+        .unwrap_err();
+        let msg = p
+            .downcast_ref::<&str>()
+            .map(|s| s.to_string())
+            .or_else(|| p.downcast_ref::<String>().cloned())
+            .unwrap_or_default();
+        assert_eq!(msg, "helper panics at 10");
+    }
 
     #[test]
     fn report_folds_paths_per_device() {
