@@ -373,8 +373,9 @@ pub(in crate::storage) fn preallocate(fd: &File, off: u64, len: u64) {
 }
 
 /// The fraction of each `(off, len)` range of one file found in the page cache, from up to
-/// `samples` pages spread over each range (`mmap` + `mincore`, no page is touched; `None` for
-/// every range when the extent cannot be mapped; an empty range counts as cached), through one
+/// `samples` pages spread over each range (`mmap` + `mincore`, no page is touched; an empty
+/// range counts as cached; `None` for a range whose end overflows, and for every range when
+/// the extent cannot be mapped), through one
 /// mapping of their extent: a batch of hundreds of ranges (a checkpoint's tensors) pays one
 /// `mmap`/`munmap`, not one per range (an `munmap` in a process whose engine workers run
 /// interrupts them all to flush their TLBs). On the H200 machine an owned checkpoint load spent
@@ -386,12 +387,14 @@ pub(in crate::storage) fn cached_fractions(
     ranges: &[(u64, u64)],
     samples: usize,
 ) -> Vec<Option<f64>> {
-    let mut out = vec![Some(1.0); ranges.len()];
-    let live = || ranges.iter().filter(|r| r.1 > 0);
-    let (Some(lo), Some(hi)) = (
-        live().map(|r| r.0).min(),
-        live().map(|r| r.0.saturating_add(r.1)).max(),
-    ) else {
+    // An empty range counts as cached; one whose end overflows is never mapped (None).
+    let mut out: Vec<Option<f64>> = ranges
+        .iter()
+        .map(|r| r.0.checked_add(r.1).map(|_| 1.0))
+        .collect();
+    let sampled = |r: &(u64, u64)| r.1 > 0 && r.0.checked_add(r.1).is_some();
+    let live = || ranges.iter().filter(|r| sampled(r));
+    let (Some(lo), Some(hi)) = (live().map(|r| r.0).min(), live().map(|r| r.0 + r.1).max()) else {
         return out;
     };
     let page = page_size() as u64;
@@ -414,7 +417,7 @@ pub(in crate::storage) fn cached_fractions(
         return vec![None; ranges.len()];
     }
     for (o, &(off, len)) in out.iter_mut().zip(ranges) {
-        if len == 0 {
+        if !sampled(&(off, len)) {
             continue;
         }
         let first = (off - map_off) / page;
@@ -524,6 +527,7 @@ mod tests {
             (7 * mib + 4095, 1),
             (0, 8 * mib),
             (8 * mib + 99, mib),
+            (u64::MAX - 10, 100),
         ];
         let many = cached_fractions(&f, &ranges, 64);
         for (k, &r) in ranges.iter().enumerate() {
@@ -531,6 +535,7 @@ mod tests {
             assert_eq!(many[k], alone, "range {k} {r:?}");
         }
         assert_eq!(many[4], Some(1.0), "an empty range counts as cached");
+        assert_eq!(many[8], None, "a range whose end overflows is not sampled");
         let (head, tail) = (many[0].unwrap(), many[1].unwrap());
         assert!(head > 0.9, "the file was just written: {head}");
         if tail < 0.5 {
