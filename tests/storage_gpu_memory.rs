@@ -3,8 +3,8 @@
 //!
 //! A binary of its own: it asks the driver for the free memory (`cuMemGetInfo`) between its
 //! reads, and next to the stream-ordering tests of `storage_gpu` (which hold streams with host
-//! functions) those tests failed in 3 of 4 passes of that binary on the H200 and passed without
-//! this test (which call of this test waited behind the held streams is not established).
+//! functions) those tests failed in 4 of 5 passes of that binary on the H200 and passed in the
+//! one pass without this test (which call of this test waited behind the held streams is not established).
 
 mod common;
 

@@ -867,7 +867,7 @@ fn parent() -> Res<()> {
     );
     if let Some(p) = rows.get("gd parts cached") {
         println!(
-            "\nfirst-call parts (fresh process, medians): open {} ms, {gib} cuMemAlloc {} ms, first read {} GB/s, second read {} GB/s",
+            "\nfirst-call parts (fresh process, medians): open {} ms, {gib} pool allocation (cudarc stream.alloc) {} ms, first read {} GB/s, second read {} GB/s",
             fmt(median(&field(p, "open_ms"))),
             fmt(median(&field(p, "alloc_ms"))),
             fmt(median(&field(p, "first_read_gbps"))),
