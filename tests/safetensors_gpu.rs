@@ -13,7 +13,7 @@ mod safetensors_fanout;
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use cudarc::driver::{CudaSlice, CudaStream};
 use gpudirect::safetensors::{
@@ -155,6 +155,18 @@ fn check_owned(stream: &Arc<CudaStream>, ck: &st::OwnedCheckpoint, ms: &[Model])
     }
 }
 
+/// Load options, with a progress callback that records every call when `progress`.
+fn options_recording_progress(progress: bool) -> (LoadOptions, Arc<Mutex<Vec<st::Progress>>>) {
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    let s2 = seen.clone();
+    let o = if progress {
+        LoadOptions::new().progress(move |p| s2.lock().unwrap().push(p))
+    } else {
+        LoadOptions::new()
+    };
+    (o, seen)
+}
+
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn gpu_safetensors_round_trip_mixed_dtypes_both_modes() {
@@ -233,13 +245,7 @@ fn gpu_safetensors_round_trip_mixed_dtypes_both_modes() {
     // a progress callback in batches of about 512 MiB.
     let with_bytes = ms.iter().filter(|m| !m.bytes.is_empty()).count();
     for progress in [false, true] {
-        let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
-        let s2 = seen.clone();
-        let o = if progress {
-            LoadOptions::new().progress(move |p| s2.lock().unwrap().push(p))
-        } else {
-            LoadOptions::new()
-        };
+        let (o, seen) = options_recording_progress(progress);
         let own = o.load_owned(&p, &s).unwrap();
         println!("owned (progress {progress}): {}", own.report());
         check_owned(&s, &own, &ms);
@@ -304,13 +310,7 @@ fn gpu_safetensors_owned_load_reads_while_allocating() {
             .collect();
         s.synchronize().unwrap();
         drop(poison);
-        let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
-        let s2 = seen.clone();
-        let o = if progress {
-            LoadOptions::new().progress(move |p| s2.lock().unwrap().push(p))
-        } else {
-            LoadOptions::new()
-        };
+        let (o, seen) = options_recording_progress(progress);
         let own = o.load_owned(&p, &s).unwrap();
         println!("pass {pass} (progress {progress}): {}", own.report());
         check_owned(&s, &own, &ms);
@@ -362,12 +362,8 @@ fn gpu_safetensors_shards_index_filter_and_progress() {
         serde_json::json!({"metadata": {}, "weight_map": weight_map}).to_string(),
     )
     .unwrap();
-    let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
-    let s2 = seen.clone();
-    let ck = LoadOptions::new()
-        .progress(move |p| s2.lock().unwrap().push(p))
-        .load(&d, &s)
-        .unwrap();
+    let (o, seen) = options_recording_progress(true);
+    let ck = o.load(&d, &s).unwrap();
     println!("sharded: {}", ck.report());
     check_checkpoint(&s, &ck, &ms);
     assert_eq!((ck.report().files, ck.report().reads), (3, 3));
