@@ -336,6 +336,10 @@ impl GpuFile {
         match self.cfg.odirect_read {
             ODirect::Off => vec![false; ranges.len()],
             ODirect::On => vec![true; ranges.len()],
+            // Small reads (every 4 KiB read) decide without building the sample.
+            ODirect::Auto if ranges.iter().all(|r| r.1 < AUTO_DIRECT_MIN) => {
+                vec![false; ranges.len()]
+            }
             ODirect::Auto => {
                 // Only ranges of AUTO_DIRECT_MIN or more are sampled (0: not asked).
                 let asked: Vec<(u64, u64)> = ranges
