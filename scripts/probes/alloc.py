@@ -2,14 +2,8 @@
 # first H2D pass into it. Usage: python3 alloc.py sync|async|freecheck
 # Run on the GPU machine: python3 scripts/probes/alloc.py sync|async|freecheck (one mode per process).
 import ctypes as C, sys, time
-cu = C.CDLL("libcuda.so.1")
-def ck(r, what):
-    if r != 0: raise SystemExit(f"{what} -> CUresult {r}")
-ck(cu.cuInit(0), "cuInit")
-dev = C.c_int(); ck(cu.cuDeviceGet(C.byref(dev), 0), "cuDeviceGet")
-ctx = C.c_void_p(); ck(cu.cuDevicePrimaryCtxRetain(C.byref(ctx), dev), "retain")
-ck(cu.cuCtxSetCurrent(ctx), "setcurrent")
-stream = C.c_void_p(); ck(cu.cuStreamCreate(C.byref(stream), 1), "stream")
+from cudactx import cu, ck, new_stream
+stream = new_stream()
 N = 4 << 30; CH = 32 << 20
 host = C.c_void_p(); ck(cu.cuMemHostAlloc(C.byref(host), C.c_size_t(CH), 0), "hostalloc")
 C.memset(host, 7, CH)

@@ -2,14 +2,8 @@
 # cuMemAlloc memory (does the host wait? is the memory back?). python3 alloc2.py MODE
 # Run on the GPU machine: python3 scripts/probes/alloc2.py size-sync|size-async|many-sync|many-async|free.
 import ctypes as C, sys, time
-cu = C.CDLL("libcuda.so.1")
-def ck(r, what):
-    if r != 0: raise SystemExit(f"{what} -> CUresult {r}")
-ck(cu.cuInit(0), "cuInit")
-dev = C.c_int(); ck(cu.cuDeviceGet(C.byref(dev), 0), "dev")
-ctx = C.c_void_p(); ck(cu.cuDevicePrimaryCtxRetain(C.byref(ctx), dev), "retain")
-ck(cu.cuCtxSetCurrent(ctx), "set")
-st = C.c_void_p(); ck(cu.cuStreamCreate(C.byref(st), 1), "stream")
+from cudactx import cu, ck, new_stream
+st = new_stream()
 def info():
     f = C.c_size_t(); t = C.c_size_t(); ck(cu.cuMemGetInfo_v2(C.byref(f), C.byref(t)), "info"); return f.value
 mode = sys.argv[1]

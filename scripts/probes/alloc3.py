@@ -2,15 +2,8 @@
 # the main thread, each call below is timed. A call that takes ~300 ms waited for stream A.
 # Run on the GPU machine: python3 scripts/probes/alloc3.py
 import ctypes as C, time, mmap
-cu = C.CDLL("libcuda.so.1")
-def ck(r, what):
-    if r != 0: raise SystemExit(f"{what} -> CUresult {r}")
-ck(cu.cuInit(0), "cuInit")
-dev = C.c_int(); ck(cu.cuDeviceGet(C.byref(dev), 0), "dev")
-ctx = C.c_void_p(); ck(cu.cuDevicePrimaryCtxRetain(C.byref(ctx), dev), "retain")
-ck(cu.cuCtxSetCurrent(ctx), "set")
-A = C.c_void_p(); B = C.c_void_p()
-ck(cu.cuStreamCreate(C.byref(A), 1), "A"); ck(cu.cuStreamCreate(C.byref(B), 1), "B")
+from cudactx import cu, ck, new_stream
+A = new_stream(); B = new_stream()
 HOSTFN = C.CFUNCTYPE(None, C.c_void_p)
 def hold(_): time.sleep(0.3)
 cb = HOSTFN(hold)
