@@ -352,6 +352,12 @@ pub(in crate::storage) struct SegRes {
     /// running (the engine's ring lock held) by the one worker the slot counter handed `r` to
     /// ([`SegRes::pin_first`]).
     registered: Vec<AtomicUsize>,
+    /// `regions[r]`: where each of slot `r`'s registrations starts (offsets in the slot,
+    /// ascending; the last one ends at `registered[r]`). A slot locked further is locked in one
+    /// more registration after the ones it has, never unregistered and locked again: an
+    /// unregister waits for all the context's work, including other streams' kernels, and
+    /// meanwhile other threads' `cuEventCreate` waits too (tests/storage_gpu_stall.rs).
+    regions: Vec<Mutex<Vec<usize>>>,
     /// The running job's timing events, when it is traced.
     timing: Mutex<Option<GpuTimes>>,
     timing_on: AtomicBool,
@@ -404,9 +410,14 @@ impl SegRes {
             streams,
             events,
             registered: (0..nseg).map(|_| AtomicUsize::new(0)).collect(),
+            regions: (0..nseg).map(|_| Mutex::new(Vec::new())).collect(),
             timing: Mutex::new(None),
             timing_on: AtomicBool::new(false),
         })
+    }
+
+    fn regions_of(&self, r: usize) -> std::sync::MutexGuard<'_, Vec<usize>> {
+        self.regions[r].lock().unwrap_or_else(|p| p.into_inner())
     }
 
     /// True when these resources can serve a job for `ctx` of this shape (the ring grows to
@@ -578,7 +589,7 @@ impl Ring for SegRes {
     }
 
     /// Page-locks in 2 MiB steps (at most the slot); a slot locked less far than asked is
-    /// unregistered and locked again, larger.
+    /// locked further by one more registration (see `regions`), never unlocked first.
     fn ensure_registered(&self, r: usize, need: usize) -> Result<usize> {
         let have = self.registered[r].load(Ordering::Acquire);
         if have >= need {
@@ -588,16 +599,13 @@ impl Ring for SegRes {
             .div_ceil(HUGE_PAGE)
             .saturating_mul(HUGE_PAGE)
             .min(self.seg_bytes);
-        if have > 0 {
-            // SAFETY: registered below earlier; no copy uses the slot now (contract).
-            unsafe { mem::host_unregister(self.slot_ptr(r)) }?;
-            self.registered[r].store(0, Ordering::Release);
-        }
-        // SAFETY: [slot, slot + want) lies inside our mapping, which stays mapped until Drop
-        // unregisters it.
-        unsafe { mem::host_register(self.slot_ptr(r), want) }?;
+        // SAFETY: [slot + have, slot + want) lies inside our mapping, which stays mapped until
+        // Drop unregisters it, and overlaps none of the slot's registrations (they end at
+        // `have`).
+        unsafe { mem::host_register(self.slot_ptr(r).add(have), want - have) }?;
+        self.regions_of(r).push(have);
         self.registered[r].store(want, Ordering::Release);
-        Ok(want)
+        Ok(want - have)
     }
 
     fn is_registered(&self, r: usize, end: usize) -> bool {
@@ -611,9 +619,36 @@ impl Ring for SegRes {
         len: usize,
         stream: usize,
     ) -> Result<()> {
-        // SAFETY: the caller's contract (page-locked source, device destination of our
-        // context, which the calling worker bound); the stream is ours and live.
-        unsafe { mem::memcpy_htod_async(dst, src, len, self.streams[stream].cu_stream()) }
+        // One copy per registration the source spans (a copy's host range lies in one
+        // page-locked registration, as CUDA takes it for pinned memory).
+        let at = (src as usize).wrapping_sub(self.mem.base as usize);
+        let (r, off) = (at / self.seg_bytes, at % self.seg_bytes);
+        let cuts: Vec<usize> = match self.regions.get(r) {
+            Some(m) => m
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .iter()
+                .copied()
+                .filter(|&b| b > off && b < off + len)
+                .collect(),
+            None => Vec::new(),
+        };
+        let mut from = off;
+        for end in cuts.into_iter().chain(std::iter::once(off + len)) {
+            // SAFETY: the caller's contract (page-locked source, device destination of our
+            // context, which the calling worker bound) for [src, src + len), of which this is
+            // a part; the stream is ours and live.
+            unsafe {
+                mem::memcpy_htod_async(
+                    dst + (from - off) as u64,
+                    src.add(from - off),
+                    end - from,
+                    self.streams[stream].cu_stream(),
+                )
+            }?;
+            from = end;
+        }
+        Ok(())
     }
 
     fn wait_events(&self, stream: usize, events: &[CudaEvent]) -> Result<()> {
@@ -669,9 +704,11 @@ impl Drop for SegRes {
         let _ = self.ctx.bind_to_thread();
         let mut ok = true;
         for r in 0..self.nseg {
-            if self.registered[r].load(Ordering::Acquire) > 0 {
-                // SAFETY: registered by ensure_registered; no copy uses it any more (above).
-                if let Err(e) = unsafe { mem::host_unregister(self.slot_ptr(r)) } {
+            let starts = std::mem::take(&mut *self.regions_of(r));
+            for at in starts {
+                // SAFETY: registered by ensure_registered at this offset; no copy uses it any
+                // more (above).
+                if let Err(e) = unsafe { mem::host_unregister(self.slot_ptr(r).add(at)) } {
                     tracing::warn!(%e, "leaking a pinned segment that CUDA would not unregister");
                     ok = false;
                 }
@@ -769,8 +806,8 @@ impl<'r, R: Ring + ?Sized> SegJob<'r, R> {
     /// is), as worker `w`. Under the job's pin lock: one page-locking at a time; anyone else
     /// for the same slot waits for it and finds it done. No copy of this job out of the slot
     /// exists before the slot is locked (copies are issued only after this returned), and the
-    /// earlier jobs' copies were drained: a smaller registration left by an earlier job can be
-    /// replaced.
+    /// earlier jobs' copies were drained. A smaller registration left by an earlier job is
+    /// extended by one more, never replaced (see `SegRes::regions`).
     fn pin_slot(&self, job: &Job<'_>, r: usize, w: usize) -> Result<()> {
         let need = self.need[r];
         if need == 0 || self.res.is_registered(r, need) {
