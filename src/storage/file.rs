@@ -370,7 +370,8 @@ impl GpuFile {
     /// among the implicitly synchronizing operations, so a first transfer that locks the ring
     /// may wait for work pending on other streams of the device. A no-op for files
     /// whose device reads go through cuFile. What it set up is released like any engine state
-    /// ([`release_engines`](super::release_engines), or after the idle timeout).
+    /// ([`release_engines`](super::release_engines), or after `GPUDIRECT_ENGINE_IDLE_MS` when
+    /// that is set).
     ///
     /// Errors: [`Error::Cuda`] (no such device, pinning refused).
     pub fn warm_up(&self, device: usize) -> Result<()> {

@@ -62,8 +62,8 @@
 //!   and [`WriteBatch`].
 //! - **Bounded**: a transfer asks for its number of workers and the pool grows to the largest
 //!   asked (at most 1024), whatever the `threads(n)` of each file; [`release_engines`] gives
-//!   the threads and pinned memory back at once, and the engine does so by itself after
-//!   `GPUDIRECT_ENGINE_IDLE_MS` (default 5000) without a transfer.
+//!   the threads and pinned memory back (and with `GPUDIRECT_ENGINE_IDLE_MS` set, the engine
+//!   does so by itself after that long without a transfer; off by default).
 
 mod backend;
 mod batch;
@@ -105,8 +105,16 @@ pub struct Released {
 /// pinned staging memory (waiting for transfers in progress first). Nothing else changes: the
 /// next transfer starts the workers again and pins as it reads, without a warm-up pause.
 ///
-/// The engine also does this by itself after `GPUDIRECT_ENGINE_IDLE_MS` milliseconds without a
-/// transfer (default 5000; `0` keeps threads and memory for the life of the process). There is
+/// It waits for all the GPU's work, not only gpudirect's: CUDA's `cuMemHostUnregister`, which
+/// frees the pinned memory, waits for every stream of the context, and other threads'
+/// `cuEventCreate` waits for it meanwhile. Call it when the GPU is quiet (between phases of a
+/// job, after loading a model), not from a thread whose kernels another stream is waiting for.
+///
+/// With `GPUDIRECT_ENGINE_IDLE_MS` set the engine also does this by itself after that many
+/// milliseconds without a transfer. It is off by default (unset or `0`: threads and memory are
+/// kept for the life of the process, at most 96 MiB of pinned ring per GPU with the default
+/// settings plus each worker's small buffers) because a release behind the caller's back waits
+/// for the caller's kernels and stalls the caller's CUDA calls meanwhile. There is
 /// at most one engine per GPU (and one for host memory), whatever the thread counts asked for:
 /// a transfer asks for its number of workers and the engine grows to the largest number asked
 /// (at most 1024).

@@ -28,9 +28,12 @@
 //! - **Bounded, lazy, releasable**: one engine per device (and one for host memory), created on
 //!   first use; a job asks for `n` workers and the pool grows to the largest `n` asked (at most
 //!   [`MAX_THREADS`]); threads start after the job is published; pinned memory is faulted in by
-//!   the reads and page-locked slot by slot as the job goes. [`release_all`] stops the workers
-//!   and frees every pinned byte; engines idle for `GPUDIRECT_ENGINE_IDLE_MS` (default 5000)
-//!   do the same by themselves.
+//!   the reads and page-locked slot by slot as the job goes (a slot locked further later gets
+//!   one more registration: nothing is unregistered while the engine lives). [`release_all`]
+//!   stops the workers and frees every pinned byte; with `GPUDIRECT_ENGINE_IDLE_MS` set,
+//!   engines idle that long do the same by themselves (off by default: freeing pinned memory
+//!   waits for all the GPU's work, and stalls other threads' `cuEventCreate` meanwhile, so it
+//!   happens only when the caller asks).
 //! - Every stream is synchronized before a job returns: no copy outlives the call.
 //! - **Timing trace** ([`trace`], `GPUDIRECT_TRACE=timing`): each job prints where its time
 //!   went (workers, IO, waits, page-locking, copies with GPU times); off, every probe is one
@@ -620,7 +623,11 @@ pub(in crate::storage) fn default_threads(device: Option<usize>, numa_pin: bool)
 pub(in crate::storage) const MIN_DIRECT_THREADS: usize = 32;
 
 /// How long an engine waits without a job before it frees its threads and pinned memory
-/// (`GPUDIRECT_ENGINE_IDLE_MS`, default 5000; `0`: never).
+/// (`GPUDIRECT_ENGINE_IDLE_MS`; unset or `0`: never). Off by default: the release unregisters
+/// pinned memory, and `cuMemHostUnregister` waits for all the context's work, other streams'
+/// kernels included, while other threads' `cuEventCreate` waits for it (the H200:
+/// `scripts/probes/pin2.py`; tests/storage_gpu_stall.rs). Done behind the caller's back, that
+/// stalls the caller's CUDA calls, or deadlocks when the caller's GPU work waits for the caller.
 pub(in crate::storage) fn idle_timeout() -> Result<Option<Duration>> {
     let ms = crate::env::Env::process()
         .parse(
@@ -628,7 +635,7 @@ pub(in crate::storage) fn idle_timeout() -> Result<Option<Duration>> {
             "a number of milliseconds (0: never)",
             |v| v.trim().parse::<u64>().ok(),
         )?
-        .unwrap_or(5000);
+        .unwrap_or(0);
     Ok((ms > 0).then(|| Duration::from_millis(ms)))
 }
 
