@@ -1095,9 +1095,59 @@ pub(super) fn read_into(
     progress: &mut dyn FnMut(u64),
     step: Option<u64>,
 ) -> Result<()> {
-    let Some(device) = dsts.first().map(|d| d.stream().context().ordinal()) else {
-        return Ok(());
+    read_batches(files, dsts, None, reads, report, progress, step).map(drop)
+}
+
+/// [`read_into`] one new destination of `len` bytes on `stream` (every read's destination 0),
+/// which the first batch allocates while its engine job already reads
+/// (`ReadBatch::new_destination`): the allocation is not in front of the first read. Bytes no
+/// read writes are uninitialised (the caller exposes only what the reads wrote).
+pub(super) fn read_into_new(
+    files: &[Option<GpuFile>],
+    stream: &Arc<CudaStream>,
+    len: usize,
+    reads: &[(usize, Read)],
+    report: &mut LoadReport,
+    progress: &mut dyn FnMut(u64),
+    step: Option<u64>,
+) -> Result<CudaSlice<u8>> {
+    match read_batches(
+        files,
+        &mut [],
+        Some((stream, len)),
+        reads,
+        report,
+        progress,
+        step,
+    )? {
+        Some(b) => Ok(b),
+        // No read had bytes: nothing to overlap.
+        None if len == 0 => stream
+            .null::<u8>()
+            .map_err(|e| Error::cuda("cuMemAlloc", e)),
+        // SAFETY: as read_into_new's contract: no byte of it is exposed unwritten.
+        None => unsafe { stream.alloc::<u8>(len) }.map_err(|e| Error::cuda("cuMemAlloc", e)),
+    }
+}
+
+fn read_batches(
+    files: &[Option<GpuFile>],
+    dsts: &mut [CudaViewMut<'_, u8>],
+    new: Option<(&Arc<CudaStream>, usize)>,
+    reads: &[(usize, Read)],
+    report: &mut LoadReport,
+    progress: &mut dyn FnMut(u64),
+    step: Option<u64>,
+) -> Result<Option<CudaSlice<u8>>> {
+    let device = match new {
+        Some((s, _)) => s.context().ordinal(),
+        None => match dsts.first() {
+            Some(d) => d.stream().context().ordinal(),
+            None => return Ok(None),
+        },
     };
+    let ndst = if new.is_some() { 1 } else { dsts.len() };
+    let mut made: Option<CudaSlice<u8>> = None;
     let pieces: Vec<(usize, Read)> = match step {
         Some(s) => reads
             .iter()
@@ -1121,17 +1171,23 @@ pub(super) fn read_into(
         }
     }
     for g in groups.into_iter().filter(|g| !g.is_empty()) {
-        let mut used = vec![false; dsts.len()];
+        let mut used = vec![false; ndst];
         for &(d, _) in g {
             *used.get_mut(d).ok_or_else(|| {
                 Error::InvalidArgument("internal: a read into an unknown destination".into())
             })? = true;
         }
         let mut batch = ReadBatch::new();
-        let mut ids = vec![None; dsts.len()];
-        for (k, d) in dsts.iter_mut().enumerate() {
-            if used[k] {
-                ids[k] = Some(batch.destination(d));
+        let mut ids = vec![None; ndst];
+        match (new, made.as_mut()) {
+            (Some((s, len)), None) => ids[0] = Some(batch.new_destination(s, len)),
+            (Some(_), Some(b)) => ids[0] = Some(batch.destination(b)),
+            (None, _) => {
+                for (k, d) in dsts.iter_mut().enumerate() {
+                    if used[k] {
+                        ids[k] = Some(batch.destination(d));
+                    }
+                }
             }
         }
         let mut bytes = 0;
@@ -1145,12 +1201,15 @@ pub(super) fn read_into(
             batch.read_file(f, r.file_offset, len, id, r.dev_offset as usize);
             bytes += r.len;
         }
-        let rep = batch.run().map_err(unbatch)?;
+        let (rep, buf) = batch.run_allocating().map_err(unbatch)?;
+        if made.is_none() {
+            made = buf;
+        }
         report.add_batch(device, &rep);
         report.reads += g.len();
         progress(bytes);
     }
-    Ok(())
+    Ok(made)
 }
 
 /// A batch's refusal or item failure as the error of the read behind it (the item's index is
@@ -1209,32 +1268,28 @@ pub(super) fn load_one(
     check_memory(stream, &p.cat, size)?;
     let len = usize::try_from(size)
         .map_err(|_| Error::InvalidArgument("the checkpoint exceeds the address space".into()))?;
-    // One allocation (cudarc's pool), then the reads: the batch's engine job starts its threads
-    // and pins its ring while it already reads. The allocation is not overlapped with anything
-    // (warming up beside it was last measured with `cuMemAlloc` buffers: BENCHMARKS.md, run B8
-    // and the note after it).
-    let mut buf = if len == 0 {
-        stream
-            .null::<u8>()
-            .map_err(|e| Error::cuda("cuMemAlloc", e))
-    } else {
-        // SAFETY: uninitialised bytes; every byte a view can reach is a tensor's, written by
-        // the reads below before the Checkpoint exists (padding is never exposed), and the
-        // buffer is dropped on error.
-        unsafe { stream.alloc::<u8>(len) }.map_err(|e| Error::cuda("cuMemAlloc", e))
-    }
-    .map_err(|e| alloc_error(e, stream, &p.cat, size))?;
+    // One allocation (cudarc's pool), made by the first batch while its engine job already
+    // reads into the ring (as read_to_gpu does): the allocation is not in front of the reads.
+    // Every byte a view can reach is a tensor's, written by the reads before the Checkpoint
+    // exists (padding is never exposed); the buffer is dropped on error.
     let mut report = new_report(&p);
     let (mut progress, step) = progress_fn(opts, report.bytes);
     let reads: Vec<(usize, Read)> = chunk.reads.iter().map(|&r| (0, r)).collect();
-    read_into(
+    let buf = read_into_new(
         &p.files,
-        &mut [buf.as_view_mut()],
+        stream,
+        len,
         &reads,
         &mut report,
         &mut *progress,
         step,
-    )?;
+    )
+    .map_err(|e| match e {
+        Error::Cuda {
+            op: "cuMemAlloc", ..
+        } => alloc_error(e, stream, &p.cat, size),
+        e => e,
+    })?;
     let tensors: Vec<Meta> = chunk
         .tensors
         .iter()

@@ -14,7 +14,9 @@ use std::path::{Path as FsPath, PathBuf};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
-use cudarc::driver::{CudaStream, CudaView, CudaViewMut, DevicePtr, DevicePtrMut, DeviceSlice};
+use cudarc::driver::{
+    CudaSlice, CudaStream, CudaView, CudaViewMut, DevicePtr, DevicePtrMut, DeviceSlice,
+};
 use serde::Serialize;
 
 use super::backend::cufile_glue;
@@ -263,6 +265,13 @@ enum Source<'a> {
     File(&'a GpuFile),
 }
 
+/// A destination of a [`ReadBatch`]: a caller's buffer, or one the batch allocates
+/// ([`ReadBatch::new_destination`]).
+enum Dst<'a> {
+    Borrowed(Box<dyn ErasedDst + 'a>),
+    New { stream: Arc<CudaStream>, len: usize },
+}
+
 struct ReadItem_ {
     src: usize,
     file_offset: u64,
@@ -328,7 +337,7 @@ pub struct ReadBatch<'a> {
     srcs: Vec<Source<'a>>,
     by_path: HashMap<PathBuf, usize>,
     by_file: HashMap<usize, usize>,
-    dsts: Vec<Box<dyn ErasedDst + 'a>>,
+    dsts: Vec<Dst<'a>>,
     items: Vec<ReadItem_>,
     control: Option<TransferControl>,
 }
@@ -388,7 +397,22 @@ impl<'a> ReadBatch<'a> {
         D: DeviceDst + ?Sized,
         D::Elem: 'a,
     {
-        self.dsts.push(Box::new(TypedDst(dst.as_dst())));
+        self.dsts
+            .push(Dst::Borrowed(Box::new(TypedDst(dst.as_dst()))));
+        BatchDst(self.dsts.len() - 1)
+    }
+
+    /// Registers a destination of `len` bytes that the batch allocates on `stream` (cudarc's
+    /// allocator) and [`run_allocating`](Self::run_allocating) hands back: through the engine's
+    /// segment ring it is allocated on the calling thread while the workers already read into
+    /// the ring (the copies wait for it), as `GpuFile::read_to_gpu` does, so the allocation is
+    /// not in front of the first read. At most one per batch. Bytes no item writes are left
+    /// uninitialised: the caller must not expose them.
+    pub(crate) fn new_destination(&mut self, stream: &Arc<CudaStream>, len: usize) -> BatchDst {
+        self.dsts.push(Dst::New {
+            stream: stream.clone(),
+            len,
+        });
         BatchDst(self.dsts.len() - 1)
     }
 
@@ -471,6 +495,12 @@ impl<'a> ReadBatch<'a> {
     /// file, never an unwind out of `run`. A panic while closing them at the end is logged
     /// and leaves the result alone (the items are in place by then).
     pub fn run(self) -> Result<BatchReport> {
+        self.run_allocating().map(|(r, _)| r)
+    }
+
+    /// [`run`](Self::run), handing back the buffer of [`new_destination`](Self::new_destination)
+    /// (`None` when there was none). On `Err` the buffer is dropped.
+    pub(crate) fn run_allocating(self) -> Result<(BatchReport, Option<CudaSlice<u8>>)> {
         let t0 = Instant::now();
         let ReadBatch {
             options,
@@ -480,8 +510,33 @@ impl<'a> ReadBatch<'a> {
             control,
             ..
         } = self;
+        let new_dst: Vec<usize> = (0..dsts.len())
+            .filter(|&k| matches!(dsts[k], Dst::New { .. }))
+            .collect();
+        if new_dst.len() > 1 {
+            return Err(Error::InvalidArgument(
+                "a batch allocates at most one destination (a bug in gpudirect: please report it)"
+                    .into(),
+            ));
+        }
+        let new_dst = new_dst.first().copied();
+        // A new destination that no engine job can allocate while it reads is allocated now.
+        let mut new_buf: Option<CudaSlice<u8>> = None;
+        let alloc_new = |stream: &Arc<CudaStream>, len: usize| -> Result<CudaSlice<u8>> {
+            if len == 0 {
+                return stream
+                    .null::<u8>()
+                    .map_err(|e| Error::cuda("cuMemAlloc", e));
+            }
+            // SAFETY: u8 accepts any bit pattern; the bytes no item writes stay unexposed
+            // (new_destination's contract).
+            unsafe { stream.alloc::<u8>(len) }.map_err(|e| Error::cuda("cuMemAlloc", e))
+        };
         if items.is_empty() {
-            return Ok(BatchReport::new(t0, Vec::new(), Vec::new(), 0));
+            if let Some(Dst::New { stream, len }) = new_dst.map(|k| &dsts[k]) {
+                new_buf = Some(alloc_new(stream, *len)?);
+            }
+            return Ok((BatchReport::new(t0, Vec::new(), Vec::new(), 0), new_buf));
         }
         let counter = control.as_ref().map(|c| move |n: usize| c.add(n));
         let ctl = Ctl::blocking(
@@ -497,10 +552,20 @@ impl<'a> ReadBatch<'a> {
                 srcs.len()
             )
         });
-        let mut views: Vec<CudaViewMut<'_, u8>> = dsts.iter_mut().map(|d| d.bytes()).collect();
+        // Each destination's length and stream (its view is taken again when the bytes move).
+        let (dst_len, dst_stream): (Vec<usize>, Vec<Arc<CudaStream>>) = dsts
+            .iter_mut()
+            .map(|d| match d {
+                Dst::Borrowed(b) => {
+                    let v = b.bytes();
+                    (v.len(), v.stream().clone())
+                }
+                Dst::New { stream, len } => (*len, stream.clone()),
+            })
+            .unzip();
         // One context for every destination an item uses.
         for (i, it) in items.iter().enumerate() {
-            if it.dst >= views.len() {
+            if it.dst >= dsts.len() {
                 return Err(refuse(
                     i,
                     Error::InvalidArgument(format!(
@@ -510,9 +575,9 @@ impl<'a> ReadBatch<'a> {
                 ));
             }
         }
-        let ctx = views[items[0].dst].stream().context().clone();
+        let ctx = dst_stream[items[0].dst].context().clone();
         for (i, it) in items.iter().enumerate() {
-            let c = views[it.dst].stream().context();
+            let c = dst_stream[it.dst].context();
             if c.cu_ctx() != ctx.cu_ctx() {
                 return Err(refuse(
                     i,
@@ -608,7 +673,7 @@ impl<'a> ReadBatch<'a> {
             open_sizes.iter().map(|s| s.get().copied()).collect();
         for (i, it) in items.iter().enumerate() {
             check_range(it.file_offset, it.len).map_err(|e| refuse(i, e))?;
-            let room = views[it.dst].len();
+            let room = dst_len[it.dst];
             if it
                 .dst_offset
                 .checked_add(it.len)
@@ -696,6 +761,31 @@ impl<'a> ReadBatch<'a> {
         let engine_items: Vec<usize> = (0..items.len())
             .filter(|&i| files[items[i].src].cufile.is_none())
             .collect();
+        // The new destination is allocated while the engine reads when the engine's segment
+        // ring moves every item into it; otherwise now.
+        let defer = new_dst.filter(|&k| {
+            first.seg_params().is_some()
+                && items
+                    .iter()
+                    .all(|it| it.dst != k || files[it.src].cufile.is_none())
+                && engine_items.iter().any(|&i| items[i].dst == k)
+        });
+        if let (None, Some(k)) = (defer, new_dst) {
+            new_buf = Some(alloc_new(&dst_stream[k], dst_len[k])?);
+        }
+        let mut deferred_out: Option<CudaSlice<u8>> = None;
+        let mut views: Vec<Option<CudaViewMut<'_, u8>>> = dsts
+            .iter_mut()
+            .map(|d| match d {
+                Dst::Borrowed(b) => Some(b.bytes()),
+                Dst::New { .. } => None,
+            })
+            .collect();
+        if defer.is_none() {
+            if let Some(k) = new_dst {
+                views[k] = new_buf.as_mut().map(|b| b.as_view_mut());
+            }
+        }
         let mut failed: Vec<(usize, Error)> = Vec::new();
         // Per item, for a cancelled batch: bytes moved, and whether it is complete.
         let mut moved = vec![0usize; items.len()];
@@ -753,17 +843,22 @@ impl<'a> ReadBatch<'a> {
                 );
             }
             let threads = first.threads_for(Some(ordinal), any_direct);
-            let streams: Vec<Arc<CudaStream>> = views.iter().map(|v| v.stream().clone()).collect();
+            let streams = &dst_stream;
             let mut bufs = Vec::with_capacity(views.len());
             let mut guards = Vec::with_capacity(views.len());
-            for (v, s) in views.iter_mut().zip(&streams) {
-                let (p, g) = v.device_ptr_mut(s);
-                bufs.push(Mem::Dev(p));
-                guards.push(g);
+            for (v, s) in views.iter_mut().zip(streams) {
+                match v {
+                    Some(v) => {
+                        let (p, g) = v.device_ptr_mut(s);
+                        bufs.push(Mem::Dev(p));
+                        guards.push(g);
+                    }
+                    None => bufs.push(Mem::Deferred),
+                }
             }
             engine::trace::mark(|| format!("ReadBatch: {} destinations ordered", bufs.len()));
             // Instead of synchronizing the streams: an event on each (see stream_events).
-            let after = stream_events(&streams)?;
+            let after = stream_events(streams)?;
             ctl.wait_for(&after, total)?;
             engine::trace::mark(|| "ReadBatch: the destinations' streams reached".into());
             // SAFETY: every buffer is a destination view borrowed (mutably, for 'a) by this
@@ -771,7 +866,9 @@ impl<'a> ReadBatch<'a> {
             // checked to fit its buffer and to overlap no other item's; no copy starts before
             // the work pending on the buffers (`after`: device_ptr_mut made each stream wait
             // for its buffer's other users first); Engine::run returns only after every copy
-            // completed.
+            // completed. The one deferred buffer (the new destination, when `defer`) gets its
+            // address from `gate`, opened by run_deferred's allocation of its `dst_len` bytes
+            // in `ctx`, and is kept (in `deferred_out`) until run_deferred returned.
             let mut job = unsafe {
                 engine::Job::batch(
                     job_files,
@@ -787,7 +884,27 @@ impl<'a> ReadBatch<'a> {
             if let Some(p) = first.seg_params() {
                 job = job.with_segments(p);
             }
-            let out = eng.run(job, threads)?;
+            let gate = engine::DstGate::new();
+            let out = match defer {
+                None => eng.run(job, threads)?,
+                Some(k) => {
+                    let (stream, len) = (&dst_stream[k], dst_len[k]);
+                    let out = &mut deferred_out;
+                    eng.run_deferred(job.with_gate(&gate), threads, || {
+                        let mut b = alloc_new(stream, len)?;
+                        // The engine writes it on its own stream, and its copies complete
+                        // before the buffer is handed out; the allocation (stream-ordered) is
+                        // complete before any copy.
+                        let (dptr, record) = b.device_ptr_mut(stream);
+                        drop(record);
+                        stream
+                            .synchronize()
+                            .map_err(|e| Error::cuda("cuStreamSynchronize", e))?;
+                        *out = Some(b);
+                        Ok(dptr)
+                    })?
+                }
+            };
             drop(guards);
             engine::trace::mark(|| "ReadBatch: the engine job returned".into());
             odirect = out.odirect;
@@ -822,7 +939,12 @@ impl<'a> ReadBatch<'a> {
                 cut = true;
                 continue;
             }
-            let mut v = views[it.dst].slice_mut(it.dst_offset..it.dst_offset + it.len);
+            let Some(view) = views[it.dst].as_mut() else {
+                return Err(Error::InvalidArgument(
+                    "a cuFile read into a destination not allocated yet (a bug in gpudirect: please report it)".into(),
+                ));
+            };
+            let mut v = view.slice_mut(it.dst_offset..it.dst_offset + it.len);
             let r = cufile_glue::read_clamped(cf, &mut v, it.file_offset, it.len);
             if let Ok(n) = r {
                 (moved[i], complete[i]) = (n, n == it.len);
@@ -880,7 +1002,7 @@ impl<'a> ReadBatch<'a> {
         });
         r.odirect = odirect;
         r.copies = copies;
-        Ok(r)
+        Ok((r, new_buf.or(deferred_out)))
     }
 }
 
@@ -1461,5 +1583,49 @@ mod tests {
             r.contains("batch item 4 refused, nothing was transferred"),
             "{r}"
         );
+    }
+
+    /// A destination the batch allocates (`new_destination`, what a one-allocation checkpoint
+    /// load uses): through the segment ring (allocated while the engine reads) and through
+    /// lanes (allocated first), two items with a gap between them land byte for byte, the
+    /// buffer has the asked length, and a second new destination is refused.
+    #[test]
+    #[ignore = "needs a CUDA GPU"]
+    fn gpu_batch_new_destination_holds_every_item() {
+        use crate::storage::Pipeline;
+        use rand::{RngCore, SeedableRng};
+        let ctx = crate::cuda::context(0).unwrap_or_else(|e| {
+            panic!("this test needs a CUDA GPU ({e}): run it on a GPU machine, see CONTRIBUTING.md")
+        });
+        let stream = ctx.new_stream().unwrap();
+        let dir = std::env::var_os("GPUDIRECT_TEST_DIR")
+            .map(std::path::PathBuf::from)
+            .unwrap_or_else(std::env::temp_dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let p = dir.join(format!("gpudirect-batch-new-{}", std::process::id()));
+        let len = (40 << 20) + 4096 + 17;
+        let mut data = vec![0u8; len];
+        rand::rngs::StdRng::seed_from_u64(91).fill_bytes(&mut data);
+        std::fs::write(&p, &data).unwrap();
+        let (a, gap) = ((9 << 20) + 3, 4096 + 5);
+        for pipe in [Pipeline::Segments, Pipeline::Lanes] {
+            let f = GpuFile::options().pipeline(pipe).open(&p).unwrap();
+            let mut b = ReadBatch::new();
+            let d = b.new_destination(&stream, len + gap);
+            b.read_file(&f, 0, a, d, 0);
+            b.read_file(&f, a as u64, len - a, d, a + gap);
+            let (r, buf) = b.run_allocating().unwrap();
+            let buf = buf.expect("the new destination is handed back");
+            assert_eq!((r.bytes, buf.len()), (len, len + gap), "{pipe:?}");
+            let back = stream.clone_dtoh(&buf).unwrap();
+            assert!(back[..a] == data[..a], "{pipe:?}: the first item");
+            assert!(back[a + gap..] == data[a..], "{pipe:?}: the second item");
+        }
+        let mut b = ReadBatch::new();
+        let d = b.new_destination(&stream, 16);
+        b.new_destination(&stream, 16);
+        b.read(&p, 0, 16, d, 0);
+        assert!(matches!(b.run_allocating(), Err(Error::InvalidArgument(_))));
+        std::fs::remove_file(&p).unwrap();
     }
 }
