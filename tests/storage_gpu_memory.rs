@@ -83,3 +83,60 @@ fn gpu_storage_memory_read_to_gpu_buffers_are_given_back_on_drop() {
     );
     std::fs::remove_dir_all(&d).unwrap();
 }
+
+/// A checkpoint's one allocation (`cuMemAlloc` from 64 MiB, freed by cudarc) is given back
+/// when the `Checkpoint` drops: a 200 MiB checkpoint loaded and dropped again and again leaves
+/// the free memory where it was, with no error recorded in the context, and each round's
+/// tensors are the file's bytes.
+#[cfg(feature = "safetensors")]
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gpu_storage_memory_checkpoint_allocation_is_given_back_on_drop() {
+    use gpudirect::safetensors::LoadOptions;
+    let (ctx, stream) = gpu(0);
+    let d = common::scratch_dir("gpu-ck-given-back");
+    let path = d.join("model.safetensors");
+    let a = random(150 << 20, 41);
+    let b = random((50 << 20) + 3, 42);
+    let views = vec![
+        (
+            "a".to_string(),
+            safetensors::tensor::TensorView::new(safetensors::Dtype::U8, vec![a.len()], &a)
+                .unwrap(),
+        ),
+        (
+            "b".to_string(),
+            safetensors::tensor::TensorView::new(safetensors::Dtype::U8, vec![b.len()], &b)
+                .unwrap(),
+        ),
+    ];
+    safetensors::serialize_to_file(views, None, &path).unwrap();
+    let free = || ctx.mem_get_info().expect("cuMemGetInfo").0;
+    let round = |round: usize| {
+        let ck = LoadOptions::new().load(&path, &stream).unwrap();
+        for (name, want) in [("a", &a), ("b", &b)] {
+            let v = ck.tensor(name).unwrap().bytes();
+            assert!(
+                stream.clone_dtoh(&v).unwrap() == *want,
+                "round {round}: tensor {name} differs"
+            );
+        }
+        drop(ck);
+        stream.synchronize().unwrap();
+        ctx.check_err()
+            .unwrap_or_else(|e| panic!("round {round}: freeing the checkpoint failed: {e}"));
+    };
+    round(0);
+    let before = free();
+    for k in 1..=6 {
+        round(k);
+    }
+    let after = free();
+    assert!(
+        after + (150 << 20) >= before,
+        "device memory was not given back: {} MiB free before six more loads of a 200 MiB checkpoint, {} MiB after",
+        before >> 20,
+        after >> 20
+    );
+    std::fs::remove_dir_all(&d).unwrap();
+}

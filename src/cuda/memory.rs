@@ -424,6 +424,53 @@ impl<M: DeviceMemory + ?Sized> DeviceMemory for Arc<M> {
     }
 }
 
+/// A checkpoint's one allocation of at least this many bytes comes from `cuMemAlloc`; smaller
+/// ones from cudarc's stream-ordered pool. A large pool allocation is slow the first time in a
+/// process (a 4 GiB `cuMemAllocAsync` took 8–20 ms beside a starting checkpoint load on the H200
+/// against 0.4 ms for `cuMemAlloc`: CONTRIBUTING.md, "CUDA pointer facts"), and a one-shot
+/// load's copies wait for it; `cuMemAlloc` memory is also GPUDirect RDMA capable and exports as
+/// a dma-buf, which pool memory is not. Freeing it costs more (cudarc's `cuMemFreeAsync` of
+/// it: 13.8 ms beside a held stream, 0.07 ms for pool memory), once per checkpoint. Buffers a
+/// loop allocates and frees (`read_to_gpu`) stay in the pool.
+pub(crate) const DIRECT_ALLOC_MIN: usize = 64 << 20;
+
+/// `len` uninitialised `T`s in `stream`'s context, as a cudarc slice: `cuMemAlloc` from
+/// [`DIRECT_ALLOC_MIN`] bytes on (usable by work on any stream at once), cudarc's stream-ordered
+/// pool below (ordered on `stream`, as `stream.alloc`). The calling thread's current context is
+/// left as it was.
+///
+/// The slice is cudarc's and cudarc frees it: with `cuMemFreeAsync` on its stream, which the
+/// CUDA programming guide allows for `cuMemAlloc` memory ("Stream Ordered Memory Allocator":
+/// the same guarantee that accesses completed before the free), or `cuMemFree` where the
+/// device has no pools.
+///
+/// # Safety
+/// As cudarc's `CudaStream::alloc`: the memory is uninitialised, so `T` must be valid for
+/// every bit pattern, or every element written before it is read.
+pub(crate) unsafe fn alloc_uninit<T: DeviceRepr>(
+    stream: &Arc<CudaStream>,
+    len: usize,
+) -> Result<CudaSlice<T>> {
+    let bytes = len
+        .checked_mul(std::mem::size_of::<T>())
+        .ok_or_else(|| Error::InvalidArgument(format!("{len} elements overflow usize")))?;
+    let _restore = super::CurrentContext::save();
+    if bytes < DIRECT_ALLOC_MIN {
+        // SAFETY: the caller's contract (uninitialised memory).
+        return unsafe { stream.alloc::<T>(len) }.map_err(|e| Error::cuda("cuMemAllocAsync", e));
+    }
+    stream
+        .context()
+        .bind_to_thread()
+        .map_err(|e| Error::cuda("cuCtxSetCurrent", e))?;
+    // SAFETY: the stream's context is current (bound above).
+    let ptr = unsafe { r::mem::alloc(bytes) }?;
+    // SAFETY: `ptr` is a fresh `cuMemAlloc` allocation of `bytes` = `len` elements in the
+    // stream's context, owned by the slice from here on (cudarc frees it on drop); the
+    // contents are the caller's contract.
+    Ok(unsafe { stream.upgrade_device_ptr::<T>(ptr, len) })
+}
+
 /// Lets go of cudarc's view of memory gpudirect will unmap or free itself: orders `stream`
 /// after the view's recorded uses and releases cudarc's events (`CudaSlice::leak`), then waits
 /// for `stream`, so that no queued work touches the memory when the caller's unmap runs. A

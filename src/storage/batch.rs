@@ -402,8 +402,8 @@ impl<'a> ReadBatch<'a> {
         BatchDst(self.dsts.len() - 1)
     }
 
-    /// Registers a destination of `len` bytes that the batch allocates on `stream` (cudarc's
-    /// allocator) and [`run_allocating`](Self::run_allocating) hands back: through the engine's
+    /// Registers a destination of `len` bytes that the batch allocates on `stream`
+    /// (`crate::cuda::alloc_uninit`: `cuMemAlloc` from 64 MiB) and [`run_allocating`](Self::run_allocating) hands back: through the engine's
     /// segment ring it is allocated on the calling thread while the workers already read into
     /// the ring (the copies wait for it), as `GpuFile::read_to_gpu` does, so the allocation is
     /// not in front of the first read. At most one per batch. Bytes no item writes are left
@@ -530,7 +530,7 @@ impl<'a> ReadBatch<'a> {
             }
             // SAFETY: u8 accepts any bit pattern; the bytes no item writes stay unexposed
             // (new_destination's contract).
-            unsafe { stream.alloc::<u8>(len) }.map_err(|e| Error::cuda("cuMemAlloc", e))
+            unsafe { crate::cuda::alloc_uninit::<u8>(stream, len) }
         };
         if items.is_empty() {
             if let Some(Dst::New { stream, len }) = new_dst.map(|k| &dsts[k]) {
