@@ -620,7 +620,7 @@ impl<'a> ReadBatch<'a> {
                 // room in the descriptor table (an RCU grace period), the workers start and
                 // fault in and page-lock the ring the job will use, so its first segment is
                 // copied as soon as it is read. (For files that turn out to go through cuFile
-                // the locked ring is unused until the engine's idle release.) Best effort: a
+                // the locked ring is unused until `release_engines`.) Best effort: a
                 // ring that cannot be built or locked now fails no batch (see
                 // `prepare_best_effort`).
                 Some(p) if fds >= 64 => prepare_best_effort(

@@ -112,9 +112,13 @@ pub struct Released {
 ///
 /// With `GPUDIRECT_ENGINE_IDLE_MS` set the engine also does this by itself after that many
 /// milliseconds without a transfer. It is off by default (unset or `0`: threads and memory are
-/// kept for the life of the process, at most 96 MiB of pinned ring per GPU with the default
-/// settings plus each worker's small buffers) because a release behind the caller's back waits
-/// for the caller's kernels and stalls the caller's CUDA calls meanwhile. There is
+/// kept for the life of the process) because a release behind the caller's back waits for the
+/// caller's kernels and stalls the caller's CUDA calls meanwhile. What is kept, pinned, with the
+/// default settings: the read ring, 96 MiB per GPU (a job with larger segments builds a larger
+/// one and the old one is kept too); the write staging, up to 256 MiB across the workers (writes
+/// with fewer threads stage more per worker, and the smaller buffers are kept too); small-transfer
+/// buffers of 1 MiB, as many as the most small transfers that ran at once. Nothing
+/// of it is freed during a transfer: freeing pinned memory is the wait this avoids. There is
 /// at most one engine per GPU (and one for host memory), whatever the thread counts asked for:
 /// a transfer asks for its number of workers and the engine grows to the largest number asked
 /// (at most 1024).

@@ -28,8 +28,11 @@
 //! - **Bounded, lazy, releasable**: one engine per device (and one for host memory), created on
 //!   first use; a job asks for `n` workers and the pool grows to the largest `n` asked (at most
 //!   [`MAX_THREADS`]); threads start after the job is published; pinned memory is faulted in by
-//!   the reads and page-locked slot by slot as the job goes (a slot locked further later gets
-//!   one more registration: nothing is unregistered while the engine lives). [`release_all`]
+//!   the reads and page-locked slot by slot as the job goes. Nothing page-locked is freed
+//!   during a job: a slot locked further gets one more registration, a ring replaced by a
+//!   larger one, a worker's staging buffer replaced by a larger one and every small-transfer
+//!   buffer are kept until the release (only a worker that panicked frees its state at once).
+//!   [`release_all`]
 //!   stops the workers and frees every pinned byte; with `GPUDIRECT_ENGINE_IDLE_MS` set,
 //!   engines idle that long do the same by themselves (off by default: freeing pinned memory
 //!   waits for all the GPU's work, and stalls other threads' `cuEventCreate` meanwhile, so it
@@ -582,6 +585,11 @@ fn panicked() -> Error {
 pub(in crate::storage) struct Engine {
     pool: Pool,
     seg: Mutex<Option<segment::SegRes>>,
+    /// Rings replaced by a larger (or another context's) one, freed only by [`release_all`] or
+    /// the idle release: dropping one unregisters it, which waits for all the context's work.
+    /// A later job that one of them fits takes it back, so this holds at most one ring per
+    /// context and shape the process grew through.
+    retired: Mutex<Vec<segment::SegRes>>,
     /// Test hook: rings this engine built.
     #[cfg(test)]
     rings_built: AtomicUsize,
@@ -673,12 +681,18 @@ pub(in crate::storage) fn engine(device: Option<usize>, numa_pin: bool) -> Resul
                 // up: CONTRIBUTING.md, "CUDA pointer facts"), and a job starting meanwhile must
                 // not wait for that behind the lock; it builds a ring of its own.
                 let ring = e.seg.try_lock().ok().and_then(|mut g| g.take());
-                drop(ring);
+                let retired = e
+                    .retired
+                    .try_lock()
+                    .ok()
+                    .map(|mut g| std::mem::take(&mut *g));
+                drop((ring, retired));
             }
         }));
         Engine {
             pool: Pool::new(cfg),
             seg: Mutex::new(None),
+            retired: Mutex::new(Vec::new()),
             #[cfg(test)]
             rings_built: AtomicUsize::new(0),
         }
@@ -718,7 +732,8 @@ pub(in crate::storage) fn release_all() -> Released {
         e.pool.shutdown();
         // Taken out under the lock, unregistered after it (see the engine's idle release).
         let ring = e.seg.lock().unwrap_or_else(|p| p.into_inner()).take();
-        if let Some(s) = ring {
+        let retired = std::mem::take(&mut *e.retired.lock().unwrap_or_else(|p| p.into_inner()));
+        for s in ring.into_iter().chain(retired) {
             r.ring_bytes += s.bytes();
         }
     }
@@ -889,13 +904,26 @@ impl Engine {
                 Some(r) if r.fits(ctx, 0, 0, 0) => r.grown(seg_bytes, p.segments, p.streams),
                 _ => (seg_bytes, p.segments, p.streams),
             };
-            // The old ring's copies were drained when its last job ended.
-            *g = None;
-            ctx.bind_to_thread()
-                .map_err(|e| Error::cuda("cuCtxSetCurrent", e))?;
-            *g = Some(segment::SegRes::new(ctx, shape.0, shape.1, shape.2)?);
-            #[cfg(test)]
-            self.rings_built.fetch_add(1, Ordering::SeqCst);
+            // The old ring's copies were drained when its last job ended; it is kept, not
+            // dropped (its unregister would wait for the context's other work), and taken back
+            // when a later job fits it.
+            let mut retired = self.retired.lock().unwrap_or_else(|p| p.into_inner());
+            let again = retired
+                .iter()
+                .position(|r| r.fits(ctx, seg_bytes, p.segments, p.streams));
+            let next = match again {
+                Some(i) => retired.swap_remove(i),
+                None => {
+                    ctx.bind_to_thread()
+                        .map_err(|e| Error::cuda("cuCtxSetCurrent", e))?;
+                    #[cfg(test)]
+                    self.rings_built.fetch_add(1, Ordering::SeqCst);
+                    segment::SegRes::new(ctx, shape.0, shape.1, shape.2)?
+                }
+            };
+            if let Some(old) = g.replace(next) {
+                retired.push(old);
+            }
         }
         Ok(g.as_ref().expect("set above"))
     }

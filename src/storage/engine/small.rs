@@ -21,9 +21,6 @@ pub(in crate::storage) const SMALL_MAX: usize = 1 << 20;
 /// Buffer size: a small transfer plus the O_DIRECT over-read at both ends.
 const BUF_LEN: usize = SMALL_MAX + 2 * DIRECT_ALIGN;
 
-/// Buffers kept for reuse (more concurrent small transfers allocate and free their own).
-const KEEP: usize = 16;
-
 /// A page-aligned mapping of [`BUF_LEN`] bytes, page-locked (portable).
 struct SmallBuf(*mut u8);
 
@@ -97,10 +94,14 @@ fn with_buf<R>(f: impl FnOnce(*mut u8) -> (Result<R>, bool)) -> Result<R> {
         );
         std::mem::forget(buf);
     } else {
-        let mut free = free_list().lock().unwrap_or_else(|p| p.into_inner());
-        if free.len() < KEEP {
-            free.push(buf);
-        }
+        // Every buffer is kept (as many as the most small transfers that ran at once, each
+        // BUF_LEN bytes) until `release`: dropping one here unregisters it, and
+        // `cuMemHostUnregister` waits for all the context's work, other streams' kernels
+        // included (tests/storage_gpu_stall_buffers.rs).
+        free_list()
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(buf);
     }
     r
 }

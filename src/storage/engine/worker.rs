@@ -93,6 +93,10 @@ pub(in crate::storage) struct WorkerState {
     /// Index of the worker in its pool.
     pub id: usize,
     pub slots: [Option<BounceBuf>; 2],
+    /// Page-locked bounce buffers replaced by larger ones, freed with the state (never during a
+    /// job: `cuMemHostUnregister` waits for all the context's work). Sizes only grow, so this
+    /// stays short.
+    pub retired: Vec<BounceBuf>,
     pub lanes: Vec<Lane>,
     /// Test hook: stands for a copy enqueued and not yet waited for.
     #[cfg(test)]
@@ -125,6 +129,7 @@ impl WorkerState {
         WorkerState {
             id,
             slots: [None, None],
+            retired: Vec::new(),
             lanes: Vec::new(),
             #[cfg(test)]
             test_in_flight: false,
@@ -157,8 +162,14 @@ impl WorkerState {
     pub fn ensure_slot(&mut self, i: usize, size: usize, register: bool) -> Result<()> {
         let fits = matches!(&self.slots[i], Some(b) if b.len() >= size && (b.is_registered() || !register));
         if !fits {
-            // Never replace a buffer a copy may still read: lanes are drained at job end.
-            self.slots[i] = None;
+            // Never replace a buffer a copy may still read: lanes are drained at job end. A
+            // page-locked one is kept until the state goes (unregistering it would wait for
+            // all the context's work, other streams' kernels included).
+            if let Some(old) = self.slots[i].take() {
+                if old.is_registered() {
+                    self.retired.push(old);
+                }
+            }
             let mut b = BounceBuf::new(size)?;
             if register {
                 b.register()?;
