@@ -381,7 +381,7 @@ impl<B> Shared<B> {
 /// its last copy): like dropping a future, it never blocks.
 ///
 /// The IO runs on a transfer thread (a small pool that grows with the transfers in flight and
-/// shrinks after `GPUDIRECT_ENGINE_IDLE_MS` when that is set), which runs the same code as the blocking calls;
+/// shrinks after `GPUDIRECT_ENGINE_IDLE_MS`, 5 s by default), which runs the same code as the blocking calls;
 /// the calling thread only records where the transfer sits in the buffer's stream (one
 /// `cuEventRecord`) and hands the work over, which takes microseconds.
 ///
@@ -595,7 +595,8 @@ impl<B> std::future::Future for Transfer<B> {
 
 /// The transfer threads: a queue of work and the threads that run it. A thread is started
 /// when work arrives and no thread is idle (at most [`MAX`]; more work waits in the queue);
-/// threads idle for `GPUDIRECT_ENGINE_IDLE_MS` (when set; by default they stay) exit.
+/// threads idle for `GPUDIRECT_ENGINE_IDLE_MS` (default 5 s here: they hold no pinned memory)
+/// exit.
 mod drivers {
     use super::*;
 
@@ -666,7 +667,7 @@ mod drivers {
     }
 
     fn run() {
-        let idle = engine::idle_timeout().ok().flatten();
+        let idle = engine::transfer_thread_idle().ok().flatten();
         let mut p = lock();
         loop {
             if let Some(w) = p.queue.pop_front() {

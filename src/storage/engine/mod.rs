@@ -637,14 +637,23 @@ pub(in crate::storage) const MIN_DIRECT_THREADS: usize = 32;
 /// `scripts/probes/pin2.py`; tests/storage_gpu_stall.rs). Done behind the caller's back, that
 /// stalls the caller's CUDA calls, or deadlocks when the caller's GPU work waits for the caller.
 pub(in crate::storage) fn idle_timeout() -> Result<Option<Duration>> {
-    let ms = crate::env::Env::process()
-        .parse(
-            "GPUDIRECT_ENGINE_IDLE_MS",
-            "a number of milliseconds (0: never)",
-            |v| v.trim().parse::<u64>().ok(),
-        )?
-        .unwrap_or(0);
+    Ok(idle_ms()?.filter(|&ms| ms > 0).map(Duration::from_millis))
+}
+
+/// How long a non-blocking transfer's thread (`storage::Transfer`) waits for work before it
+/// exits: `GPUDIRECT_ENGINE_IDLE_MS` when set (`0`: never), else 5 s. These threads hold no
+/// pinned memory, so their exit calls nothing that waits for the GPU.
+pub(in crate::storage) fn transfer_thread_idle() -> Result<Option<Duration>> {
+    let ms = idle_ms()?.unwrap_or(5000);
     Ok((ms > 0).then(|| Duration::from_millis(ms)))
+}
+
+fn idle_ms() -> Result<Option<u64>> {
+    crate::env::Env::process().parse(
+        "GPUDIRECT_ENGINE_IDLE_MS",
+        "a number of milliseconds (0: never)",
+        |v| v.trim().parse::<u64>().ok(),
+    )
 }
 
 /// The process-wide engine for `device` (`None`: host memory only), created on first use (no
