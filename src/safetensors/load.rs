@@ -1132,7 +1132,7 @@ pub(super) fn read_into_new(
             .null::<u8>()
             .map_err(|e| Error::cuda("cuMemAlloc", e)),
         // SAFETY: as read_into_new's contract: no byte of it is exposed unwritten.
-        None => unsafe { stream.alloc::<u8>(len) }.map_err(|e| Error::cuda("cuMemAlloc", e)),
+        None => unsafe { crate::cuda::alloc_uninit::<u8>(stream, len) },
     }
 }
 
@@ -1274,8 +1274,9 @@ pub(super) fn load_one(
     check_memory(stream, &p.cat, size)?;
     let len = usize::try_from(size)
         .map_err(|_| Error::InvalidArgument("the checkpoint exceeds the address space".into()))?;
-    // One allocation (`cuMemAlloc` from 64 MiB: crate::cuda::alloc_uninit), made by the first batch while its engine job already
-    // reads into the ring (as read_to_gpu does): the allocation is not in front of the reads.
+    // One allocation (`cuMemAlloc` from 64 MiB: crate::cuda::alloc_uninit), made by the first
+    // batch while its engine job already reads into the ring (as read_to_gpu does): the
+    // allocation is not in front of the reads.
     // Every byte a view can reach is a tensor's, written by the reads before the Checkpoint
     // exists (padding is never exposed); the buffer is dropped on error.
     let mut report = new_report(&p);

@@ -303,7 +303,7 @@ pub(in crate::storage) trait Ring: Sync {
     /// `stream`.
     ///
     /// # Safety
-    /// `src` lies in a page-locked part of a slot and is not rewritten until the slot's next
+    /// `[src, src + len)` lies in a page-locked part of one slot and is not rewritten until the slot's next
     /// marker completed; `dst` is device memory of the ring's context writable for `len` bytes
     /// until then, touched by nothing else.
     unsafe fn copy(
@@ -623,6 +623,10 @@ impl Ring for SegRes {
         // page-locked registration, as CUDA takes it for pinned memory).
         let at = (src as usize).wrapping_sub(self.mem.base as usize);
         let (r, off) = (at / self.seg_bytes, at % self.seg_bytes);
+        debug_assert!(
+            r < self.nseg && off + len <= self.seg_bytes,
+            "a copy spans two slots"
+        );
         let cuts: Vec<usize> = match self.regions.get(r) {
             Some(m) => m
                 .lock()
