@@ -627,30 +627,22 @@ impl Ring for SegRes {
             r < self.nseg && off + len <= self.seg_bytes,
             "a copy spans two slots"
         );
-        let cuts: Vec<usize> = match self.regions.get(r) {
-            Some(m) => m
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .iter()
-                .copied()
-                .filter(|&b| b > off && b < off + len)
-                .collect(),
-            None => Vec::new(),
+        let parts = match self.regions.get(r) {
+            Some(m) => split_at_regions(&m.lock().unwrap_or_else(|p| p.into_inner()), off, len),
+            None => vec![(0, len)],
         };
-        let mut from = off;
-        for end in cuts.into_iter().chain(std::iter::once(off + len)) {
+        for (at, n) in parts {
             // SAFETY: the caller's contract (page-locked source, device destination of our
-            // context, which the calling worker bound) for [src, src + len), of which this is
-            // a part; the stream is ours and live.
+            // context, which the calling worker bound) for [src, src + len), of which
+            // [src + at, src + at + n) is a part; the stream is ours and live.
             unsafe {
                 mem::memcpy_htod_async(
-                    dst + (from - off) as u64,
-                    src.add(from - off),
-                    end - from,
+                    dst + at as u64,
+                    src.add(at),
+                    n,
                     self.streams[stream].cu_stream(),
                 )
             }?;
-            from = end;
         }
         Ok(())
     }
@@ -699,6 +691,24 @@ impl Ring for SegRes {
         }
         Ok(())
     }
+}
+
+/// `[off, off + len)` of a slot cut where its registrations start (`starts`, ascending): the
+/// parts as (offset from `off`, length), in order, covering it exactly, none empty when `len`
+/// is not 0.
+fn split_at_regions(starts: &[usize], off: usize, len: usize) -> Vec<(usize, usize)> {
+    let mut parts = Vec::new();
+    let mut from = off;
+    for end in starts
+        .iter()
+        .copied()
+        .filter(|&b| b > off && b < off + len)
+        .chain(std::iter::once(off + len))
+    {
+        parts.push((from - off, end - from));
+        from = end;
+    }
+    parts
 }
 
 impl Drop for SegRes {
@@ -1043,8 +1053,6 @@ pub(in crate::storage) fn run<R: Ring + ?Sized>(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::storage::engine::plan::{plan, plan_item, Dir};
-    use rand::{Rng, SeedableRng};
 
     #[test]
     fn segments_group_tasks_in_order() {
