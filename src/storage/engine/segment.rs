@@ -1054,6 +1054,52 @@ pub(in crate::storage) fn run<R: Ring + ?Sized>(
 mod tests {
     use super::*;
 
+    /// A copy out of a slot locked in several registrations is cut exactly where they start:
+    /// random registrations (2 MiB steps from the slot's start) and random copies inside the
+    /// registered part give parts that are back to back, cover the copy, and each lie inside
+    /// one registration.
+    #[test]
+    fn copies_are_cut_at_every_registration_they_span_and_nowhere_else() {
+        use rand::{Rng, SeedableRng};
+        let mut rng = rand::rngs::StdRng::seed_from_u64(17);
+        const STEP: usize = 2 << 20;
+        for _ in 0..2000 {
+            let mut starts = vec![0usize];
+            let mut end = 0;
+            for _ in 0..rng.random_range(1..6) {
+                end += STEP * rng.random_range(1..5);
+                starts.push(end);
+            }
+            // The last start is the registered end; registrations are starts[..last].
+            let registered = starts.pop().unwrap();
+            let off = rng.random_range(0..registered);
+            let len = rng.random_range(0..=registered - off);
+            let parts = split_at_regions(&starts, off, len);
+            let mut at = 0;
+            for &(o, n) in &parts {
+                assert_eq!(o, at, "parts are back to back: {parts:?}");
+                assert!(n > 0 || len == 0, "no empty part: {parts:?}");
+                let (lo, hi) = (off + o, off + o + n);
+                let reg = starts.iter().rposition(|&s| s <= lo).unwrap();
+                let reg_end = starts.get(reg + 1).copied().unwrap_or(registered);
+                assert!(
+                    hi <= reg_end,
+                    "part {lo}..{hi} spans registrations {starts:?}"
+                );
+                at += n;
+            }
+            assert_eq!(at, len, "the parts cover the copy: {parts:?}");
+            let spans = starts.iter().filter(|&&s| s > off && s < off + len).count();
+            assert_eq!(
+                parts.len(),
+                spans + 1,
+                "cut only at registrations: {parts:?}"
+            );
+        }
+    }
+    use crate::storage::engine::plan::{plan, plan_item, Dir};
+    use rand::{Rng, SeedableRng};
+
     #[test]
     fn segments_group_tasks_in_order() {
         assert_eq!(tasks_per_segment(32 << 20, 2 << 20), 16);
