@@ -14,7 +14,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use common::StreamGate;
-use gpudirect::storage::GpuFile;
+use gpudirect::storage::{release_engines, Backend, GpuFile, ODirect, Pipeline};
 
 /// The tests of this binary one at a time (each holds a stream and times its calls).
 static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
@@ -43,7 +43,14 @@ fn gpu_storage_stall_a_larger_ring_frees_nothing_during_the_read() {
     std::fs::write(&p, &data).unwrap();
     let mut buf = stream.alloc_zeros::<u8>(len).unwrap();
     for (k, seg) in [32usize << 20, 64 << 20].into_iter().enumerate() {
-        let f = GpuFile::options().segment_size(seg).open(&p).unwrap();
+        let f = GpuFile::options()
+            .backend(Backend::Engine)
+            .pipeline(Pipeline::Segments)
+            .task_size(2 << 20)
+            .bounce_size(2 << 20)
+            .segment_size(seg)
+            .open(&p)
+            .unwrap();
         stream.synchronize().unwrap();
         let opener = (k == 1).then(|| hold(&other));
         let t0 = Instant::now();
@@ -82,6 +89,8 @@ fn gpu_storage_stall_larger_write_staging_frees_nothing_during_the_write() {
     for (k, threads) in [32usize, 8].into_iter().enumerate() {
         let p = common::scratch(&format!("stall-write-{threads}"));
         let f = GpuFile::options()
+            .backend(Backend::Engine)
+            .odirect(ODirect::Off)
             .write(true)
             .create(true)
             .truncate(true)
@@ -112,7 +121,9 @@ fn gpu_storage_stall_larger_write_staging_frees_nothing_during_the_write() {
 
 /// 40 small reads at once (more than the 16 small-transfer buffers kept before), twice: the
 /// second time another stream is held, and no read may wait for it (a buffer beyond the kept
-/// ones was unregistered when its transfer ended).
+/// ones was unregistered when its transfer ended). Each read is queued behind a 128 MiB
+/// device copy on its stream, so the reads hold their buffers at the same time; the test
+/// checks that at least 17 did (`release_engines` frees what the round kept).
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn gpu_storage_stall_many_small_reads_free_nothing_at_their_end() {
@@ -130,6 +141,8 @@ fn gpu_storage_stall_many_small_reads_free_nothing_at_their_end() {
         })
         .collect();
     for round in 0..2 {
+        // Nothing kept from before: what the round keeps is what it used at once.
+        release_engines();
         let opener = (round == 1).then(|| hold(&other));
         let barrier = Arc::new(std::sync::Barrier::new(n));
         let took: Vec<Duration> = std::thread::scope(|s| {
@@ -139,10 +152,15 @@ fn gpu_storage_stall_many_small_reads_free_nothing_at_their_end() {
                     let (ctx, barrier) = (ctx.clone(), barrier.clone());
                     s.spawn(move || {
                         let stream = ctx.new_stream().unwrap();
-                        let f = GpuFile::open(p).unwrap();
+                        let f = GpuFile::options().backend(Backend::Engine).open(p).unwrap();
                         let mut buf = stream.alloc_zeros::<u8>(len).unwrap();
+                        let big = stream.alloc_zeros::<u8>(128 << 20).unwrap();
+                        let mut big2 = stream.alloc_zeros::<u8>(128 << 20).unwrap();
                         stream.synchronize().unwrap();
                         barrier.wait();
+                        // Work queued before the read on its stream: the read waits for it
+                        // holding its buffer.
+                        stream.memcpy_dtod(&big, &mut big2).unwrap();
                         let t0 = Instant::now();
                         let r = f.read_exact_to_device(&mut buf, 0).unwrap();
                         let took = t0.elapsed();
@@ -161,10 +179,18 @@ fn gpu_storage_stall_many_small_reads_free_nothing_at_their_end() {
         if let Some(o) = opener {
             o.join().unwrap();
             other.synchronize().unwrap();
+        }
+        let kept = release_engines().ring_bytes;
+        if round == 1 {
             let worst = took.iter().max().unwrap();
             assert!(
                 *worst < LIMIT,
                 "of {n} small reads at once, one took {worst:?} while another stream was held"
+            );
+            // The code before kept 16 buffers and freed the rest at their transfer's end.
+            assert!(
+                kept >= 17 << 20,
+                "only {kept} bytes of small-transfer buffers were in use at once (fewer than 17 reads overlapped), so the test did not exercise what it tests"
             );
         }
     }
