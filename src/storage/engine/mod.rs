@@ -689,12 +689,19 @@ pub(in crate::storage) fn engine(device: Option<usize>, numa_pin: bool) -> Resul
                 // waits for the device's other work (a stream held by a host function holds it
                 // up: CONTRIBUTING.md, "CUDA pointer facts"), and a job starting meanwhile must
                 // not wait for that behind the lock; it builds a ring of its own.
-                let ring = e.seg.try_lock().ok().and_then(|mut g| g.take());
-                let retired = e
-                    .retired
-                    .try_lock()
-                    .ok()
-                    .map(|mut g| std::mem::take(&mut *g));
+                // The retired rings only while no job holds the ring lock either (a job takes
+                // `retired` under it): never beside a starting job.
+                let (ring, retired) = match e.seg.try_lock() {
+                    Ok(mut g) => {
+                        let retired = e
+                            .retired
+                            .try_lock()
+                            .ok()
+                            .map(|mut r| std::mem::take(&mut *r));
+                        (g.take(), retired)
+                    }
+                    Err(_) => (None, None),
+                };
                 drop((ring, retired));
             }
         }));
