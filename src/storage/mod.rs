@@ -97,7 +97,8 @@ pub fn default_threads(device: Option<usize>) -> usize {
 pub struct Released {
     /// Engine worker threads stopped.
     pub threads: usize,
-    /// Bytes of staging memory (page-locked or mapped) freed.
+    /// Bytes of the read rings and small-transfer buffers freed (page-locked or mapped). The
+    /// workers' staging buffers are freed too, and not counted.
     pub ring_bytes: usize,
 }
 
@@ -115,9 +116,10 @@ pub struct Released {
 /// kept for the life of the process) because a release behind the caller's back waits for the
 /// caller's kernels and stalls the caller's CUDA calls meanwhile. What is kept, pinned, with the
 /// default settings: the read ring, 96 MiB per GPU (a job with larger segments builds a larger
-/// one and the old one is kept too); the write staging, up to 256 MiB across the workers (writes
-/// with fewer threads stage more per worker, and the smaller buffers are kept too); small-transfer
-/// buffers of 1 MiB, as many as the most small transfers that ran at once. Nothing
+/// one and the old one is kept too); each worker's two staging buffers of the largest size it
+/// has used (a GPU write stages 128 MiB / threads per buffer, at most 32 MiB), plus the smaller
+/// ones they replaced (each replacement at least doubles); at most 64 small-transfer buffers
+/// of 1 MiB (more small transfers at once use unlocked memory). Nothing
 /// of it is freed during a transfer: freeing pinned memory is the wait this avoids. There is
 /// at most one engine per GPU (and one for host memory), whatever the thread counts asked for:
 /// a transfer asks for its number of workers and the engine grows to the largest number asked

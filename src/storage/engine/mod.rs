@@ -30,8 +30,10 @@
 //!   [`MAX_THREADS`]); threads start after the job is published; pinned memory is faulted in by
 //!   the reads and page-locked slot by slot as the job goes. Nothing page-locked is freed
 //!   during a job: a slot locked further gets one more registration, a ring replaced by a
-//!   larger one, a worker's staging buffer replaced by a larger one and every small-transfer
-//!   buffer are kept until the release (only a worker that panicked frees its state at once).
+//!   larger one, a worker's staging buffer replaced by a larger one and the small-transfer
+//!   buffers (at most 64 page-locked; more at once use unlocked ones) are kept until the
+//!   release (with `GPUDIRECT_ENGINE_IDLE_MS` set, workers that sit out a job may time out and
+//!   free their staging meanwhile; a thread that unwinds outside a job frees its state).
 //!   [`release_all`]
 //!   stops the workers and frees every pinned byte; with `GPUDIRECT_ENGINE_IDLE_MS` set,
 //!   engines idle that long do the same by themselves (off by default: freeing pinned memory

@@ -21,15 +21,23 @@ pub(in crate::storage) const SMALL_MAX: usize = 1 << 20;
 /// Buffer size: a small transfer plus the O_DIRECT over-read at both ends.
 const BUF_LEN: usize = SMALL_MAX + 2 * DIRECT_ALIGN;
 
-/// A page-aligned mapping of [`BUF_LEN`] bytes, page-locked (portable).
-struct SmallBuf(*mut u8);
+/// Page-locked small-transfer buffers at most (kept until `release`, never freed during a
+/// transfer); more small transfers at once use unlocked buffers (their copies are staged by
+/// the driver; freeing one is an `munmap`, which waits for no GPU work).
+const PINNED_MAX: usize = 64;
+
+/// Page-locked buffers in existence (kept or in use).
+static PINNED: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+/// A page-aligned mapping of [`BUF_LEN`] bytes, page-locked (portable) when `.1`.
+struct SmallBuf(*mut u8, bool);
 
 // SAFETY: plain memory owned by this value; used by one transfer at a time.
 unsafe impl Send for SmallBuf {}
 
 impl SmallBuf {
-    /// Needs a current context.
-    fn new() -> Result<SmallBuf> {
+    /// Needs a current context when `pinned`.
+    fn new(pinned: bool) -> Result<SmallBuf> {
         // SAFETY: a fresh private anonymous mapping.
         let p = unsafe {
             libc::mmap(
@@ -45,21 +53,27 @@ impl SmallBuf {
             return Err(Error::io("mmap", None, std::io::Error::last_os_error()));
         }
         let p = p.cast::<u8>();
+        if !pinned {
+            return Ok(SmallBuf(p, false));
+        }
         // SAFETY: our live mapping of BUF_LEN bytes, unregistered before it is unmapped.
         if let Err(e) = unsafe { mem::host_register(p, BUF_LEN) } {
             // SAFETY: unmapping exactly the mapping made above.
             unsafe { libc::munmap(p.cast(), BUF_LEN) };
             return Err(e);
         }
-        Ok(SmallBuf(p))
+        Ok(SmallBuf(p, true))
     }
 }
 
 impl Drop for SmallBuf {
     fn drop(&mut self) {
-        // SAFETY: registered in new; no copy uses it (every transfer synchronized, or leaked
-        // the buffer).
-        if unsafe { mem::host_unregister(self.0) }.is_ok() {
+        // SAFETY: registered in new when `.1`; no copy uses it (every transfer synchronized,
+        // or leaked the buffer).
+        if !self.1 || unsafe { mem::host_unregister(self.0) }.is_ok() {
+            if self.1 {
+                PINNED.fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
+            }
             // SAFETY: unmapping exactly our mapping.
             unsafe { libc::munmap(self.0.cast(), BUF_LEN) };
         }
@@ -85,7 +99,17 @@ fn with_buf<R>(f: impl FnOnce(*mut u8) -> (Result<R>, bool)) -> Result<R> {
     let buf = free_list().lock().unwrap_or_else(|p| p.into_inner()).pop();
     let buf = match buf {
         Some(b) => b,
-        None => SmallBuf::new()?,
+        None => {
+            use std::sync::atomic::Ordering::Relaxed;
+            let pinned = PINNED
+                .fetch_update(Relaxed, Relaxed, |n| (n < PINNED_MAX).then_some(n + 1))
+                .is_ok();
+            SmallBuf::new(pinned).inspect_err(|_| {
+                if pinned {
+                    PINNED.fetch_sub(1, Relaxed);
+                }
+            })?
+        }
     };
     let (r, reusable) = f(buf.0);
     if !reusable {
@@ -94,14 +118,16 @@ fn with_buf<R>(f: impl FnOnce(*mut u8) -> (Result<R>, bool)) -> Result<R> {
         );
         std::mem::forget(buf);
     } else {
-        // Every buffer is kept (as many as the most small transfers that ran at once, each
-        // BUF_LEN bytes) until `release`: dropping one here unregisters it, and
-        // `cuMemHostUnregister` waits for all the context's work, other streams' kernels
-        // included (tests/storage_gpu_stall_buffers.rs).
-        free_list()
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .push(buf);
+        // Every page-locked buffer is kept (at most PINNED_MAX) until `release`: dropping one
+        // here would unregister it, and `cuMemHostUnregister` waits for all the context's work,
+        // other streams' kernels included (tests/storage_gpu_stall_buffers.rs). An unlocked one
+        // is unmapped (no GPU wait).
+        if buf.1 {
+            free_list()
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .push(buf);
+        }
     }
     r
 }

@@ -94,8 +94,9 @@ pub(in crate::storage) struct WorkerState {
     pub id: usize,
     pub slots: [Option<BounceBuf>; 2],
     /// Page-locked bounce buffers replaced by larger ones, freed with the state (never during a
-    /// job: `cuMemHostUnregister` waits for all the context's work). Sizes only grow, so this
-    /// stays short.
+    /// job: `cuMemHostUnregister` waits for all the context's work). A replacement is at least
+    /// twice the size it replaces (see `ensure_slot`), so this holds a few buffers of less than
+    /// the current one's size in all.
     pub retired: Vec<BounceBuf>,
     pub lanes: Vec<Lane>,
     /// Test hook: stands for a copy enqueued and not yet waited for.
@@ -165,11 +166,17 @@ impl WorkerState {
             // Never replace a buffer a copy may still read: lanes are drained at job end. A
             // page-locked one is kept until the state goes (unregistering it would wait for
             // all the context's work, other streams' kernels included).
-            if let Some(old) = self.slots[i].take() {
-                if old.is_registered() {
-                    self.retired.push(old);
+            // A replacement rounds up to a power of two, so replacements at least double.
+            let size = match self.slots[i].take() {
+                Some(old) => {
+                    let want = size.max(old.len()).next_power_of_two();
+                    if old.is_registered() {
+                        self.retired.push(old);
+                    }
+                    want
                 }
-            }
+                None => size,
+            };
             let mut b = BounceBuf::new(size)?;
             if register {
                 b.register()?;
