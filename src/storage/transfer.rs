@@ -667,7 +667,8 @@ mod drivers {
     }
 
     fn run() {
-        let idle = engine::transfer_thread_idle().ok().flatten();
+        // An unparsable variable fails transfers elsewhere; here it must not keep threads forever.
+        let idle = engine::transfer_thread_idle().unwrap_or(Some(Duration::from_secs(5)));
         let mut p = lock();
         loop {
             if let Some(w) = p.queue.pop_front() {
