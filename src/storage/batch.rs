@@ -890,7 +890,7 @@ impl<'a> ReadBatch<'a> {
                 Some(k) => {
                     let (stream, len) = (&dst_stream[k], dst_len[k]);
                     let out = &mut deferred_out;
-                    eng.run_deferred(job.with_gate(&gate), threads, || {
+                    let r = eng.run_deferred(job.with_gate(&gate), threads, || {
                         let mut b = alloc_new(stream, len)?;
                         // The engine writes it on its own stream, and its copies complete
                         // before the buffer is handed out; the allocation (stream-ordered) is
@@ -902,7 +902,21 @@ impl<'a> ReadBatch<'a> {
                             .map_err(|e| Error::cuda("cuStreamSynchronize", e))?;
                         *out = Some(b);
                         Ok(dptr)
-                    })?
+                    });
+                    match r {
+                        Ok(o) => o,
+                        Err(e) => {
+                            // A CUDA error may mean the engine could not drain its copies
+                            // (it leaks its ring then): the buffer they write is leaked too,
+                            // never freed under them.
+                            if matches!(e, Error::Cuda { .. }) {
+                                if let Some(b) = deferred_out.take() {
+                                    let _ = b.leak();
+                                }
+                            }
+                            return Err(e);
+                        }
+                    }
                 }
             };
             drop(guards);
