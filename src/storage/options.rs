@@ -144,7 +144,7 @@ impl GpuFileOptions {
         self
     }
     /// [`Pipeline::Segments`]: segments in the ring, 2 to 64 (default `GPUDIRECT_SEGMENTS`,
-    /// else 4).
+    /// else 3).
     pub fn segments(mut self, n: usize) -> Self {
         self.config.segments = n;
         self
