@@ -436,8 +436,8 @@ pub(crate) const DIRECT_ALLOC_MIN: usize = 64 << 20;
 
 /// `len` uninitialised `T`s in `stream`'s context, as a cudarc slice: `cuMemAlloc` from
 /// [`DIRECT_ALLOC_MIN`] bytes on (usable by work on any stream at once), cudarc's stream-ordered
-/// pool below (ordered on `stream`, as `stream.alloc`). The calling thread's current context is
-/// left as it was.
+/// pool below (ordered on `stream`, as `stream.alloc`); no allocation for `len` 0 (cudarc's
+/// empty slice). The calling thread's current context is left as it was.
 ///
 /// The slice is cudarc's and cudarc frees it: with `cuMemFreeAsync` on its stream, which the
 /// CUDA programming guide allows for `cuMemAlloc` memory ("Stream Ordered Memory Allocator":
@@ -454,6 +454,9 @@ pub(crate) unsafe fn alloc_uninit<T: DeviceRepr>(
     let bytes = len
         .checked_mul(std::mem::size_of::<T>())
         .ok_or_else(|| Error::InvalidArgument(format!("{len} elements overflow usize")))?;
+    if bytes == 0 {
+        return stream.null::<T>().map_err(|e| Error::cuda("cuMemAlloc", e));
+    }
     let _restore = super::CurrentContext::save();
     if bytes < DIRECT_ALLOC_MIN {
         // SAFETY: the caller's contract (uninitialised memory).

@@ -1128,9 +1128,6 @@ pub(super) fn read_into_new(
     )? {
         Some(b) => Ok(b),
         // No read had bytes: nothing to overlap.
-        None if len == 0 => stream
-            .null::<u8>()
-            .map_err(|e| Error::cuda("cuMemAlloc", e)),
         // SAFETY: as read_into_new's contract: no byte of it is exposed unwritten.
         None => unsafe { crate::cuda::alloc_uninit::<u8>(stream, len) },
     }

@@ -403,9 +403,10 @@ impl<'a> ReadBatch<'a> {
     }
 
     /// Registers a destination of `len` bytes that the batch allocates on `stream`
-    /// (`crate::cuda::alloc_uninit`: `cuMemAlloc` from 64 MiB) and [`run_allocating`](Self::run_allocating) hands back: through the engine's
-    /// segment ring it is allocated on the calling thread while the workers already read into
-    /// the ring (the copies wait for it), as `GpuFile::read_to_gpu` does, so the allocation is
+    /// (`crate::cuda::alloc_uninit`: `cuMemAlloc` from 64 MiB) and
+    /// [`run_allocating`](Self::run_allocating) hands back: through the engine's segment ring
+    /// it is allocated on the calling thread while the workers already read into the ring (the
+    /// copies wait for it), as `GpuFile::read_to_gpu` does, so the allocation is
     /// not in front of the first read. At most one per batch. Bytes no item writes are left
     /// uninitialised: the caller must not expose them.
     pub(crate) fn new_destination(&mut self, stream: &Arc<CudaStream>, len: usize) -> BatchDst {
@@ -523,11 +524,6 @@ impl<'a> ReadBatch<'a> {
         // A new destination that no engine job can allocate while it reads is allocated now.
         let mut new_buf: Option<CudaSlice<u8>> = None;
         let alloc_new = |stream: &Arc<CudaStream>, len: usize| -> Result<CudaSlice<u8>> {
-            if len == 0 {
-                return stream
-                    .null::<u8>()
-                    .map_err(|e| Error::cuda("cuMemAlloc", e));
-            }
             // SAFETY: u8 accepts any bit pattern; the bytes no item writes stay unexposed
             // (new_destination's contract).
             unsafe { crate::cuda::alloc_uninit::<u8>(stream, len) }
