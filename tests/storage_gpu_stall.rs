@@ -17,15 +17,6 @@ use std::time::{Duration, Instant};
 use common::StreamGate;
 use gpudirect::storage::GpuFile;
 
-/// Opens the gate after `after` on another thread (so a test of old code fails in seconds, not
-/// at the gate's 30 s limit).
-fn release_later(mut gate: StreamGate, after: Duration) -> std::thread::JoinHandle<()> {
-    std::thread::spawn(move || {
-        std::thread::sleep(after);
-        gate.release();
-    })
-}
-
 /// While another stream is held (a host function waiting for this thread's say-so), a 4 MiB
 /// read, then a 64 MiB read (which needs whole slots of the ring the first one locked only in
 /// part), each return at once with the file's bytes; then, after longer than the old 5 s idle
@@ -45,7 +36,7 @@ fn gpu_storage_stall_reads_and_idle_engines_wait_for_no_other_stream() {
         let f = GpuFile::open(&p).unwrap();
         let mut buf = stream.alloc_zeros::<u8>(len).unwrap();
         stream.synchronize().unwrap();
-        let opener = release_later(StreamGate::block(&other), Duration::from_secs(3));
+        let opener = StreamGate::block(&other).release_after(Duration::from_secs(3));
         let t0 = Instant::now();
         let r = f.read_exact_to_device(&mut buf, 0).unwrap();
         let took = t0.elapsed();
@@ -65,7 +56,7 @@ fn gpu_storage_stall_reads_and_idle_engines_wait_for_no_other_stream() {
     }
     // The engine is idle now. Hold the other stream past the old idle release (5 s), then
     // create an event here.
-    let opener = release_later(StreamGate::block(&other), Duration::from_secs(9));
+    let opener = StreamGate::block(&other).release_after(Duration::from_secs(9));
     std::thread::sleep(Duration::from_millis(6000));
     let t0 = Instant::now();
     let ev = stream.record_event(None).unwrap();

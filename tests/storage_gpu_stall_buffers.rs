@@ -22,11 +22,7 @@ static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
 const LIMIT: Duration = Duration::from_millis(1000);
 
 fn hold(other: &Arc<gpudirect::cudarc::driver::CudaStream>) -> std::thread::JoinHandle<()> {
-    let mut gate = StreamGate::block(other);
-    std::thread::spawn(move || {
-        std::thread::sleep(Duration::from_secs(3));
-        gate.release();
-    })
+    StreamGate::block(other).release_after(Duration::from_secs(3))
 }
 
 /// A read with 64 MiB segments after one with the default 32 MiB ones: the ring is rebuilt

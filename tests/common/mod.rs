@@ -110,6 +110,15 @@ impl StreamGate {
             let _ = tx.send(());
         }
     }
+
+    /// Releases the gate from another thread after `after` (so a test that waits behind it
+    /// fails in seconds, not at the gate's 30 s limit); join the handle to wait for that.
+    pub fn release_after(mut self, after: std::time::Duration) -> std::thread::JoinHandle<()> {
+        std::thread::spawn(move || {
+            std::thread::sleep(after);
+            self.release();
+        })
+    }
 }
 
 impl Drop for StreamGate {

@@ -96,12 +96,9 @@ fn gpu_transfer_blocking_read_orders_after_pending_work_on_its_stream() {
             .unwrap();
         let mut buf = s.alloc_zeros::<u8>(len).unwrap();
         s.synchronize().unwrap();
-        let mut gate = StreamGate::block(&s);
+        let gate = StreamGate::block(&s);
         s.memcpy_dtod(&other, &mut buf).unwrap();
-        let opener = std::thread::spawn(move || {
-            std::thread::sleep(Duration::from_millis(200));
-            gate.release();
-        });
+        let opener = gate.release_after(Duration::from_millis(200));
         let r = f.read_exact_to_device(&mut buf, 0).unwrap();
         opener.join().unwrap();
         assert_eq!(r.bytes, len);
