@@ -31,6 +31,26 @@ fn to_host(stream: &Arc<CudaStream>, dev: &CudaSlice<u8>) -> Vec<u8> {
 
 use common::random_seeded as random;
 
+/// Runs `round(0)` (which creates what stays for the process: the engine, the driver's own
+/// allocations for the copies), then six more rounds, and asserts that the free device memory
+/// came back to within 150 MiB of what it was after round 0 (`what`: what a round does, for
+/// the message).
+fn assert_given_back(ctx: &CudaContext, what: &str, round: impl Fn(usize)) {
+    let free = || ctx.mem_get_info().expect("cuMemGetInfo").0;
+    round(0);
+    let before = free();
+    for k in 1..=6 {
+        round(k);
+    }
+    let after = free();
+    assert!(
+        after + (150 << 20) >= before,
+        "device memory was not given back: {} MiB free before six more {what}, {} MiB after",
+        before >> 20,
+        after >> 20
+    );
+}
+
 /// The buffers `read_to_gpu` allocates are cudarc's to free: a large one (allocated while the
 /// engine already reads) and a small one, read and dropped again and again, give their memory
 /// back with no error recorded in the context, and each round's bytes are the file's.
@@ -49,7 +69,6 @@ fn gpu_storage_memory_read_to_gpu_buffers_are_given_back_on_drop() {
         .chunks_exact(4)
         .map(|c| u32::from_ne_bytes(c.try_into().unwrap()))
         .collect();
-    let free = || ctx.mem_get_info().expect("cuMemGetInfo").0;
     let round = |round: usize| {
         let (b, r) = read_to_gpu::<u32>(&big, &stream).unwrap();
         assert_eq!(r.bytes, big_model.len(), "round {round}");
@@ -67,20 +86,7 @@ fn gpu_storage_memory_read_to_gpu_buffers_are_given_back_on_drop() {
         ctx.check_err()
             .unwrap_or_else(|e| panic!("round {round}: freeing the buffers failed: {e}"));
     };
-    // The first round creates what stays for the process (the engine, the driver's own
-    // allocations for the copies); the measured rounds are the same calls again.
-    round(0);
-    let before = free();
-    for k in 1..=6 {
-        round(k);
-    }
-    let after = free();
-    assert!(
-        after + (150 << 20) >= before,
-        "device memory was not given back: {} MiB free before six more rounds of 200 MiB reads, {} MiB after",
-        before >> 20,
-        after >> 20
-    );
+    assert_given_back(&ctx, "rounds of 200 MiB reads", round);
     std::fs::remove_dir_all(&d).unwrap();
 }
 
@@ -111,7 +117,6 @@ fn gpu_storage_memory_checkpoint_allocation_is_given_back_on_drop() {
         ),
     ];
     safetensors::serialize_to_file(views, None, &path).unwrap();
-    let free = || ctx.mem_get_info().expect("cuMemGetInfo").0;
     let round = |round: usize| {
         let ck = LoadOptions::new().load(&path, &stream).unwrap();
         for (name, want) in [("a", &a), ("b", &b)] {
@@ -126,17 +131,6 @@ fn gpu_storage_memory_checkpoint_allocation_is_given_back_on_drop() {
         ctx.check_err()
             .unwrap_or_else(|e| panic!("round {round}: freeing the checkpoint failed: {e}"));
     };
-    round(0);
-    let before = free();
-    for k in 1..=6 {
-        round(k);
-    }
-    let after = free();
-    assert!(
-        after + (150 << 20) >= before,
-        "device memory was not given back: {} MiB free before six more loads of a 200 MiB checkpoint, {} MiB after",
-        before >> 20,
-        after >> 20
-    );
+    assert_given_back(&ctx, "loads of a 200 MiB checkpoint", round);
     std::fs::remove_dir_all(&d).unwrap();
 }
