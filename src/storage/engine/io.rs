@@ -372,16 +372,38 @@ pub(in crate::storage) fn preallocate(fd: &File, off: u64, len: u64) {
     }
 }
 
+/// At most this many `mincore` calls sample one batch's ranges ([`cached_fractions`]): on the
+/// H200 machine (a VM) a call cost about 0.6 µs, and 64 per range made a 221-tensor batch
+/// spend 9 ms sampling before its engine job started (a `GPUDIRECT_TRACE=timing` owned
+/// checkpoint load, 2026-12-01).
+pub(in crate::storage) const SAMPLE_BUDGET: u64 = 512;
+
+/// How many pages to sample of each range of `pages[i]` pages: `min(per_range, pages)` each
+/// while their sum stays within `budget`; beyond, each range's share of `budget` by its pages,
+/// at least one page for every range that has one.
+pub(in crate::storage) fn sample_counts(pages: &[u64], per_range: u64, budget: u64) -> Vec<u64> {
+    let full: Vec<u64> = pages.iter().map(|&p| p.min(per_range)).collect();
+    if full.iter().sum::<u64>() <= budget {
+        return full;
+    }
+    let all: u128 = pages.iter().map(|&p| u128::from(p)).sum();
+    full.iter()
+        .zip(pages)
+        .map(|(&f, &p)| {
+            let share = (u128::from(budget) * u128::from(p) / all.max(1)) as u64;
+            share.clamp(1, f.max(1)).min(f)
+        })
+        .collect()
+}
+
 /// The fraction of each `(off, len)` range of one file found in the page cache, from up to
-/// `samples` pages spread over each range (`mmap` + `mincore`, no page is touched; an empty
-/// range counts as cached; `None` for a range whose end overflows, and for every range when
-/// the extent cannot be mapped), through one
-/// mapping of their extent: a batch of hundreds of ranges (a checkpoint's tensors) pays one
-/// `mmap`/`munmap`, not one per range (an `munmap` in a process whose engine workers run
-/// interrupts them all to flush their TLBs). On the H200 machine an owned checkpoint load spent
-/// about 40 µs an item between checking its items and starting its engine job, in a stretch
-/// that held the per-item sampling and the destinations' stream ordering; how much of it the
-/// sampling was is not measured.
+/// `samples` pages spread over each range, [`SAMPLE_BUDGET`] pages in all (shared by the
+/// ranges' sizes, at least one each: [`sample_counts`]) (`mmap` + `mincore`, no page is
+/// touched; an empty range counts as cached; `None` for a range whose end overflows, and for
+/// every range when the extent cannot be mapped), through one mapping of their extent: a
+/// batch of hundreds of ranges (a checkpoint's tensors) pays one `mmap`/`munmap`, not one per
+/// range (an `munmap` in a process whose engine workers run interrupts them all to flush their
+/// TLBs).
 pub(in crate::storage) fn cached_fractions(
     fd: &File,
     ranges: &[(u64, u64)],
@@ -416,13 +438,21 @@ pub(in crate::storage) fn cached_fractions(
     if p == libc::MAP_FAILED {
         return vec![None; ranges.len()];
     }
-    for (o, &(off, len)) in out.iter_mut().zip(ranges) {
+    let span = |&(off, len): &(u64, u64)| {
+        let first = (off - map_off) / page;
+        (first, (off + len - map_off).div_ceil(page) - first)
+    };
+    let pages: Vec<u64> = ranges
+        .iter()
+        .map(|r| if sampled(r) { span(r).1 } else { 0 })
+        .collect();
+    let counts = sample_counts(&pages, samples as u64, SAMPLE_BUDGET);
+    for ((o, &(off, len)), &n) in out.iter_mut().zip(ranges).zip(&counts) {
         if !sampled(&(off, len)) {
             continue;
         }
-        let first = (off - map_off) / page;
-        let pages = (off + len - map_off).div_ceil(page) - first;
-        let n = (samples as u64).clamp(1, pages);
+        let (first, pages) = span(&(off, len));
+        let n = n.clamp(1, pages);
         let mut resident = 0u64;
         let mut asked = 0u64;
         for i in 0..n {
@@ -547,6 +577,45 @@ mod tests {
             );
         }
         std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// The sampling budget: under it every range gets `min(per_range, pages)` samples; over it
+    /// the sum stays within the budget (plus one per range at most, as each range with pages
+    /// gets one), no range gets more than it would alone, and larger ranges get no fewer.
+    #[test]
+    fn sample_counts_stay_within_the_budget_and_give_every_range_one() {
+        use rand::{Rng, SeedableRng};
+        assert_eq!(sample_counts(&[1000, 3, 0], 64, 512), vec![64, 3, 0]);
+        let mut rng = rand::rngs::StdRng::seed_from_u64(3);
+        for _ in 0..500 {
+            let n = rng.random_range(0..2000);
+            let pages: Vec<u64> = (0..n)
+                .map(|_| match rng.random_range(0..4) {
+                    0 => 0,
+                    1 => rng.random_range(1..10),
+                    _ => rng.random_range(1..100_000),
+                })
+                .collect();
+            let c = sample_counts(&pages, 64, 512);
+            let sum: u64 = c.iter().sum();
+            let full: u64 = pages.iter().map(|&p| p.min(64)).sum();
+            let with_pages = pages.iter().filter(|&&p| p > 0).count() as u64;
+            if full <= 512 {
+                assert_eq!(sum, full);
+            } else {
+                assert!(sum <= 512 + with_pages, "{sum} samples for {n} ranges");
+            }
+            for (&k, &p) in c.iter().zip(&pages) {
+                assert!(k <= p.min(64));
+                assert_eq!(k == 0, p == 0);
+            }
+            let mut by: Vec<(u64, u64)> = pages.iter().copied().zip(c.iter().copied()).collect();
+            by.sort();
+            assert!(
+                by.windows(2).all(|w| w[0].1 <= w[1].1),
+                "a larger range got fewer"
+            );
+        }
     }
 
     /// Issue 9 (smaller findings): a short O_DIRECT read before end of file must not be taken
