@@ -280,8 +280,10 @@ fn gpu_safetensors_round_trip_mixed_dtypes_both_modes() {
 }
 
 /// An owned load of a checkpoint over 64 MiB reads while its tensors are still being allocated
-/// (rounds of reads; the host test `owned_pipeline_reads_every_item_once_in_growing_rounds_and_stops_on_errors`
-/// covers the rounds themselves): every tensor, empty and 0-d ones included, is read exactly
+/// (one engine job whose copies into each tensor wait for that tensor's allocation; the
+/// engine's host tests `deferred_destinations_each_are_copied_into_only_once_they_exist` and
+/// `a_failed_allocation_among_several_fails_the_job_and_writes_no_later_buffer` cover the
+/// ordering): every tensor, empty and 0-d ones included, is read exactly
 /// once into its own allocation, every byte right (over freed poisoned memory of the same
 /// sizes), with and without a progress callback, and again in the same process.
 #[test]

@@ -15,7 +15,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use cudarc::driver::{
-    CudaSlice, CudaStream, CudaView, CudaViewMut, DevicePtr, DevicePtrMut, DeviceSlice,
+    sys, CudaSlice, CudaStream, CudaView, CudaViewMut, DevicePtr, DevicePtrMut, DeviceSlice,
 };
 use serde::Serialize;
 
@@ -269,7 +269,23 @@ enum Source<'a> {
 /// ([`ReadBatch::new_destination`]).
 enum Dst<'a> {
     Borrowed(Box<dyn ErasedDst + 'a>),
+    New {
+        stream: Arc<CudaStream>,
+        len: usize,
+    },
+    /// Allocated by [`ReadBatch::run_with`]'s caller.
+    Later {
+        stream: Arc<CudaStream>,
+        len: usize,
+    },
+}
+
+/// Who allocates a destination the engine job waits for (a gate of the job).
+enum Deferred {
+    /// The batch's one new destination.
     New { stream: Arc<CudaStream>, len: usize },
+    /// The caller's later destination of this index.
+    Later(usize),
 }
 
 struct ReadItem_ {
@@ -417,6 +433,18 @@ impl<'a> ReadBatch<'a> {
         BatchDst(self.dsts.len() - 1)
     }
 
+    /// Registers a destination of `len` bytes on `stream`'s device that the caller allocates
+    /// while the batch reads: [`run_with`](Self::run_with)'s `alloc(k)` makes the `k`-th one
+    /// registered. Only for items read by the engine (a file that goes through cuFile refuses
+    /// the batch: allocate first and register the buffer with `destination`).
+    pub(crate) fn later_destination(&mut self, stream: &Arc<CudaStream>, len: usize) -> BatchDst {
+        self.dsts.push(Dst::Later {
+            stream: stream.clone(),
+            len,
+        });
+        BatchDst(self.dsts.len() - 1)
+    }
+
     /// Adds an item: `len` bytes at `file_offset` of the file at `path` (opened by the batch)
     /// into `dst` at byte `dst_offset`.
     pub fn read(
@@ -502,6 +530,33 @@ impl<'a> ReadBatch<'a> {
     /// [`run`](Self::run), handing back the buffer of [`new_destination`](Self::new_destination)
     /// (`None` when there was none). On `Err` the buffer is dropped.
     pub(crate) fn run_allocating(self) -> Result<(BatchReport, Option<CudaSlice<u8>>)> {
+        self.run_inner(None)
+    }
+
+    /// [`run`](Self::run) for a batch with [`later_destination`](Self::later_destination)s:
+    /// `alloc(k)` is called once for each, in the order the engine's tasks first write them
+    /// (the ones no item writes last), on the calling thread: through the segment ring while
+    /// the workers already read (a segment's copies wait only for the destinations they write),
+    /// otherwise before the job. It returns the destination's device address. When it fails
+    /// the batch fails with its error, and the later destinations after it are not allocated.
+    ///
+    /// # Safety
+    /// The address `alloc(k)` returns must be `len` (as registered) bytes of device memory in
+    /// the context of the destination's stream that nothing else reads or writes until this
+    /// returns, and that work on any stream may use at once (a stream-ordered allocation must
+    /// have completed). It must stay allocated until this returns; when this returns
+    /// [`Error::Cuda`], copies into it may still be queued: it must never be freed (leak it).
+    pub(crate) unsafe fn run_with(
+        self,
+        alloc: &mut dyn FnMut(usize) -> Result<sys::CUdeviceptr>,
+    ) -> Result<BatchReport> {
+        self.run_inner(Some(alloc)).map(|(r, _)| r)
+    }
+
+    fn run_inner(
+        self,
+        mut later_alloc: Option<&mut dyn FnMut(usize) -> Result<sys::CUdeviceptr>>,
+    ) -> Result<(BatchReport, Option<CudaSlice<u8>>)> {
         let t0 = Instant::now();
         let ReadBatch {
             options,
@@ -521,6 +576,29 @@ impl<'a> ReadBatch<'a> {
             ));
         }
         let new_dst = new_dst.first().copied();
+        // The later destinations, in registration order, and each destination's index there.
+        let later: Vec<usize> = (0..dsts.len())
+            .filter(|&k| matches!(dsts[k], Dst::Later { .. }))
+            .collect();
+        let mut later_of = vec![usize::MAX; dsts.len()];
+        for (k, &d) in later.iter().enumerate() {
+            later_of[d] = k;
+        }
+        if !later.is_empty() && later_alloc.is_none() {
+            return Err(Error::InvalidArgument(
+                "a batch with destinations the caller allocates run without its allocator (a bug in gpudirect: please report it)".into(),
+            ));
+        }
+        // Allocates every later destination now (no engine job to overlap): their addresses.
+        let alloc_later_now = |alloc: &mut Option<
+            &mut dyn FnMut(usize) -> Result<sys::CUdeviceptr>,
+        >|
+         -> Result<Vec<sys::CUdeviceptr>> {
+            match alloc {
+                Some(f) => (0..later.len()).map(f).collect(),
+                None => Ok(Vec::new()),
+            }
+        };
         // A new destination that no engine job can allocate while it reads is allocated now.
         let mut new_buf: Option<CudaSlice<u8>> = None;
         let alloc_new = |stream: &Arc<CudaStream>, len: usize| -> Result<CudaSlice<u8>> {
@@ -532,6 +610,7 @@ impl<'a> ReadBatch<'a> {
             if let Some(Dst::New { stream, len }) = new_dst.map(|k| &dsts[k]) {
                 new_buf = Some(alloc_new(stream, *len)?);
             }
+            alloc_later_now(&mut later_alloc)?;
             return Ok((BatchReport::new(t0, Vec::new(), Vec::new(), 0), new_buf));
         }
         let counter = control.as_ref().map(|c| move |n: usize| c.add(n));
@@ -556,7 +635,7 @@ impl<'a> ReadBatch<'a> {
                     let v = b.bytes();
                     (v.len(), v.stream().clone())
                 }
-                Dst::New { stream, len } => (*len, stream.clone()),
+                Dst::New { stream, len } | Dst::Later { stream, len } => (*len, stream.clone()),
             })
             .unzip();
         // One context for every destination an item uses.
@@ -769,12 +848,31 @@ impl<'a> ReadBatch<'a> {
         if let (None, Some(k)) = (defer, new_dst) {
             new_buf = Some(alloc_new(&dst_stream[k], dst_len[k])?);
         }
+        if let Some(i) = (0..items.len())
+            .find(|&i| later_of[items[i].dst] != usize::MAX && files[items[i].src].cufile.is_some())
+        {
+            return Err(refuse(
+                i,
+                Error::InvalidArgument(
+                    "a cuFile read into a destination the caller allocates while the batch reads (a bug in gpudirect: please report it)".into(),
+                ),
+            ));
+        }
+        // The later destinations are allocated while the engine's segment ring reads (every
+        // item into them is the engine's, checked above); otherwise now.
+        let defer_later =
+            !later.is_empty() && first.seg_params().is_some() && !engine_items.is_empty();
+        let later_now = if defer_later {
+            Vec::new()
+        } else {
+            alloc_later_now(&mut later_alloc)?
+        };
         let mut deferred_out: Option<CudaSlice<u8>> = None;
         let mut views: Vec<Option<CudaViewMut<'_, u8>>> = dsts
             .iter_mut()
             .map(|d| match d {
                 Dst::Borrowed(b) => Some(b.bytes()),
-                Dst::New { .. } => None,
+                Dst::New { .. } | Dst::Later { .. } => None,
             })
             .collect();
         if defer.is_none() {
@@ -840,16 +938,47 @@ impl<'a> ReadBatch<'a> {
             }
             let threads = first.threads_for(Some(ordinal), any_direct);
             let streams = &dst_stream;
+            // The job's gates: one per destination allocated while it reads, in the order the
+            // tasks first write them (the first copies wait least), unwritten ones last.
+            let mut gate_of = vec![u32::MAX; views.len()];
+            let mut deferred: Vec<Deferred> = Vec::new();
+            let is_deferred =
+                |d: usize| Some(d) == defer || (defer_later && later_of[d] != usize::MAX);
+            for d in engine_items
+                .iter()
+                .map(|&i| items[i].dst)
+                .chain(0..views.len())
+            {
+                if is_deferred(d) && gate_of[d] == u32::MAX {
+                    gate_of[d] = deferred.len() as u32;
+                    deferred.push(if Some(d) == defer {
+                        Deferred::New {
+                            stream: dst_stream[d].clone(),
+                            len: dst_len[d],
+                        }
+                    } else {
+                        Deferred::Later(later_of[d])
+                    });
+                }
+            }
             let mut bufs = Vec::with_capacity(views.len());
             let mut guards = Vec::with_capacity(views.len());
-            for (v, s) in views.iter_mut().zip(streams) {
+            for (d, (v, s)) in views.iter_mut().zip(streams).enumerate() {
                 match v {
                     Some(v) => {
                         let (p, g) = v.device_ptr_mut(s);
                         bufs.push(Mem::Dev(p));
                         guards.push(g);
                     }
-                    None => bufs.push(Mem::Deferred),
+                    None if gate_of[d] != u32::MAX => bufs.push(Mem::Deferred(gate_of[d])),
+                    None => match later_now.get(later_of[d]) {
+                        Some(&p) => bufs.push(Mem::Dev(p)),
+                        None => {
+                            return Err(Error::InvalidArgument(
+                                "a destination neither allocated nor deferred (a bug in gpudirect: please report it)".into(),
+                            ))
+                        }
+                    },
                 }
             }
             engine::trace::mark(|| format!("ReadBatch: {} destinations ordered", bufs.len()));
@@ -862,9 +991,12 @@ impl<'a> ReadBatch<'a> {
             // checked to fit its buffer and to overlap no other item's; no copy starts before
             // the work pending on the buffers (`after`: device_ptr_mut made each stream wait
             // for its buffer's other users first); Engine::run returns only after every copy
-            // completed. The one deferred buffer (the new destination, when `defer`) gets its
-            // address from `gate`, opened by run_deferred's allocation of its `dst_len` bytes
-            // in `ctx`, and is kept (in `deferred_out`) until run_deferred returned.
+            // completed. Each deferred buffer (the new destination, when `defer`; the later
+            // destinations, when `defer_later`) gets its address from its gate, opened by
+            // run_deferred_each's allocation of its `dst_len` bytes in `ctx` (the new one's is
+            // kept in `deferred_out` until run_deferred_each returned; the later ones' are the
+            // caller's, under run_with's contract); the later ones allocated now are
+            // run_with's contract too.
             let mut job = unsafe {
                 engine::Job::batch(
                     job_files,
@@ -880,24 +1012,35 @@ impl<'a> ReadBatch<'a> {
             if let Some(p) = first.seg_params() {
                 job = job.with_segments(p);
             }
-            let gate = engine::DstGate::new();
-            let out = match defer {
-                None => eng.run(job, threads)?,
-                Some(k) => {
-                    let (stream, len) = (&dst_stream[k], dst_len[k]);
+            let gates: Vec<engine::DstGate> =
+                deferred.iter().map(|_| engine::DstGate::new()).collect();
+            let out = match deferred.is_empty() {
+                true => eng.run(job, threads)?,
+                false => {
                     let out = &mut deferred_out;
-                    let r = eng.run_deferred(job.with_gate(&gate), threads, || {
-                        let mut b = alloc_new(stream, len)?;
-                        // The engine writes it on its own stream, and its copies complete
-                        // before the buffer is handed out; the allocation (stream-ordered) is
-                        // complete before any copy.
-                        let (dptr, record) = b.device_ptr_mut(stream);
-                        drop(record);
-                        stream
-                            .synchronize()
-                            .map_err(|e| Error::cuda("cuStreamSynchronize", e))?;
-                        *out = Some(b);
-                        Ok(dptr)
+                    let later_alloc = &mut later_alloc;
+                    let r = eng.run_deferred_each(job.with_gates(&gates), threads, |j| {
+                        match &deferred[j] {
+                            Deferred::New { stream, len } => {
+                                let mut b = alloc_new(stream, *len)?;
+                                // The engine writes it on its own stream, and its copies
+                                // complete before the buffer is handed out; the allocation
+                                // (stream-ordered) is complete before any copy.
+                                let (dptr, record) = b.device_ptr_mut(stream);
+                                drop(record);
+                                stream
+                                    .synchronize()
+                                    .map_err(|e| Error::cuda("cuStreamSynchronize", e))?;
+                                *out = Some(b);
+                                Ok(dptr)
+                            }
+                            Deferred::Later(k) => match later_alloc {
+                                Some(f) => f(*k),
+                                None => Err(Error::InvalidArgument(
+                                    "a later destination without its allocator (a bug in gpudirect: please report it)".into(),
+                                )),
+                            },
+                        }
                     });
                     match r {
                         Ok(o) => o,

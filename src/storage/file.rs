@@ -261,6 +261,11 @@ impl GpuFile {
         &self.cfg
     }
 
+    /// Whether reads of this file into device memory go through cuFile (not the engine).
+    pub(crate) fn through_cufile(&self) -> bool {
+        self.cufile.is_some()
+    }
+
     /// The path device transfers take, decided at open, and why when it is not direct.
     pub fn path_report(&self) -> &PathReport {
         &self.report
@@ -832,7 +837,7 @@ impl GpuFile {
         let job = unsafe {
             Job::batch(
                 vec![&*self.fds],
-                vec![Mem::Deferred],
+                vec![Mem::Deferred(0)],
                 1,
                 tasks,
                 piece,

@@ -240,7 +240,7 @@ impl GatherJob {
                     // contract); dst holds len bytes of our staging buffer, disjoint from it.
                     unsafe { std::ptr::copy_nonoverlapping(p.add(t.buf_off), dst, t.len) };
                 }
-                Mem::Deferred => return Err(internal("a deferred buffer in a write")),
+                Mem::Deferred(_) => return Err(internal("a deferred buffer in a write")),
             }
         }
         Ok(())

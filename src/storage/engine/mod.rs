@@ -85,9 +85,10 @@ pub(in crate::storage) enum Mem {
     Host(*mut u8),
     /// Device memory of the job's context at this address.
     Dev(sys::CUdeviceptr),
-    /// Device memory of the job's context allocated while the job starts: the address its
-    /// [`DstGate`] is given (copies into it wait for it).
-    Deferred,
+    /// Device memory of the job's context allocated while the job runs: the address the
+    /// job's gate of this index is given (copies into it wait for it; see
+    /// [`Engine::run_deferred_each`]).
+    Deferred(u32),
 }
 
 /// The address of a destination that is allocated while its job already reads
@@ -188,7 +189,8 @@ pub(in crate::storage) struct Job<'a> {
     ctl: Control<'a>,
     /// The cancel flag stopped the job with tasks left.
     cut: AtomicBool,
-    gate: Option<&'a DstGate>,
+    /// One per [`Mem::Deferred`] index.
+    gates: &'a [DstGate],
     trace: Option<Box<trace::JobTrace>>,
 }
 
@@ -307,7 +309,7 @@ impl<'a> Job<'a> {
             seg: None,
             ctl: Control::default(),
             cut: AtomicBool::new(false),
-            gate: None,
+            gates: &[],
             trace: None,
         }
     }
@@ -357,9 +359,14 @@ impl<'a> Job<'a> {
         }
     }
 
-    /// Buffers that are [`Mem::Deferred`] get their address from `gate`.
-    pub fn with_gate(mut self, gate: &'a DstGate) -> Self {
-        self.gate = Some(gate);
+    /// The job's one [`Mem::Deferred`]`(0)` buffer gets its address from `gate`.
+    pub fn with_gate(self, gate: &'a DstGate) -> Self {
+        self.with_gates(std::slice::from_ref(gate))
+    }
+
+    /// Buffers [`Mem::Deferred`]`(k)` get their address from `gates[k]`.
+    pub fn with_gates(mut self, gates: &'a [DstGate]) -> Self {
+        self.gates = gates;
         self
     }
 
@@ -405,13 +412,21 @@ impl<'a> Job<'a> {
         }
     }
 
-    /// Waits until the job's destinations exist: true at once without a deferred one; false
-    /// when its allocation failed or the job aborted.
-    fn wait_dst(&self) -> Result<bool> {
-        match self.gate {
-            None => Ok(true),
-            Some(g) => Ok(g.wait(|| self.aborted()).is_some()),
+    /// Waits until the buffers `bufs` exist: true at once for buffers that are not deferred;
+    /// false when an allocation failed or the job aborted.
+    fn wait_dst(&self, bufs: impl IntoIterator<Item = u32>) -> Result<bool> {
+        for b in bufs {
+            if let Some(Mem::Deferred(k)) = self.bufs.get(b as usize) {
+                let g = self
+                    .gates
+                    .get(*k as usize)
+                    .ok_or_else(|| internal("a deferred buffer without its gate"))?;
+                if g.wait(|| self.aborted()).is_none() {
+                    return Ok(false);
+                }
+            }
         }
+        Ok(true)
     }
 
     /// Runs a device read through the segment pipeline (ignored for other jobs).
@@ -473,7 +488,7 @@ impl<'a> Job<'a> {
     fn dev_ptr(&self, buf: u32, off: usize) -> Result<sys::CUdeviceptr> {
         match self.bufs[buf as usize] {
             Mem::Dev(p) => Ok(p + off as u64),
-            Mem::Deferred => match self.gate.and_then(DstGate::get) {
+            Mem::Deferred(k) => match self.gates.get(k as usize).and_then(DstGate::get) {
                 Some(p) => Ok(p + off as u64),
                 None => Err(internal("a copy into a destination not allocated yet")),
             },
@@ -763,7 +778,7 @@ impl Engine {
     /// Runs `job` to completion on up to `threads` workers. A host job of one task runs on the
     /// calling thread.
     pub fn run(&self, mut job: Job<'_>, threads: usize) -> Result<Outcome> {
-        if job.gate.is_some() || job.bufs.iter().any(|b| matches!(b, Mem::Deferred)) {
+        if !job.gates.is_empty() || job.bufs.iter().any(|b| matches!(b, Mem::Deferred(_))) {
             return Err(internal(
                 "a deferred destination outside Engine::run_deferred",
             ));
@@ -1071,8 +1086,8 @@ impl Engine {
         job.outcome(end.copies)
     }
 
-    /// Runs a device read (through the segment ring) whose destination buffers marked
-    /// [`Mem::Deferred`] do not exist yet (their address comes from the job's [`DstGate`]):
+    /// Runs a device read (through the segment ring) whose one destination buffer,
+    /// [`Mem::Deferred`]`(0)`, does not exist yet (its address comes from the job's gate):
     /// `alloc` runs on the calling thread at once (one worker thread is started first; the
     /// others start each other), and returns the destination's address (or fails the job).
     /// Workers read into the ring meanwhile; a segment's copies wait for the address, and only
@@ -1087,7 +1102,30 @@ impl Engine {
         threads: usize,
         alloc: impl FnOnce() -> Result<sys::CUdeviceptr>,
     ) -> Result<Outcome> {
-        let (Some(p), Some(gate)) = (job.seg, job.gate) else {
+        if job.gates.len() != 1 {
+            return Err(internal("a deferred destination without its one gate"));
+        }
+        let mut alloc = Some(alloc);
+        self.run_deferred_each(job, threads, |_| match alloc.take() {
+            Some(f) => f(),
+            None => Err(internal("a single deferred destination allocated twice")),
+        })
+    }
+
+    /// [`run_deferred`](Self::run_deferred) for a job with one gate per deferred buffer:
+    /// `alloc(k)` runs on the calling thread for `k` = 0, 1, … in turn (order the gates as
+    /// the tasks first use their buffers, so the first copies wait least) and returns buffer
+    /// `k`'s address, opening gate `k`. A segment's copies wait only for the buffers they write,
+    /// and its slot is page-locked after those exist: page-lockings may overlap later
+    /// allocations (which they slow down, not the copies waiting). When `alloc(k)` fails or
+    /// panics, the job fails and gates `k..` open empty; no copy into those buffers was issued.
+    pub fn run_deferred_each(
+        &self,
+        job: Job<'_>,
+        threads: usize,
+        alloc: impl FnMut(usize) -> Result<sys::CUdeviceptr>,
+    ) -> Result<Outcome> {
+        let Some(p) = job.seg.filter(|_| !job.gates.is_empty()) else {
             return Err(internal(
                 "a deferred destination without the segment pipeline or a gate",
             ));
@@ -1095,50 +1133,72 @@ impl Engine {
         if job.ctx.is_none() || job.op != Op::Read {
             return Err(internal("a deferred destination outside a device read"));
         }
+        if job
+            .bufs
+            .iter()
+            .any(|b| matches!(b, Mem::Deferred(k) if *k as usize >= job.gates.len()))
+        {
+            return Err(internal("a deferred buffer without its gate"));
+        }
         if job.tasks.is_empty() {
-            // Nothing to copy: the destination is still allocated (the caller hands it out).
-            open_gate(&job, gate, alloc);
+            // Nothing to copy: the destinations are still allocated (the caller hands them out).
+            open_gates(&job, alloc);
             return job.outcome(0);
         }
         let threads = threads.clamp(1, MAX_THREADS).min(job.tasks.len());
-        self.run_segments(job, p, threads, |job| open_gate(job, gate, alloc))
+        self.run_segments(job, p, threads, |job| open_gates(job, alloc))
     }
 }
 
-/// Calls `alloc` and opens `gate` with its address; on failure (or a panic in `alloc`) fails
-/// the job first and opens the gate empty, so no worker waits for it forever.
-fn open_gate(job: &Job<'_>, gate: &DstGate, alloc: impl FnOnce() -> Result<sys::CUdeviceptr>) {
-    struct Resolve<'g, 'j, 'a> {
-        gate: &'g DstGate,
+/// Calls `alloc(k)` for each of the job's gates in turn and opens gate `k` with its address;
+/// on a failure (or a panic in `alloc`) fails the job first and opens the gates not yet open
+/// empty, so no worker waits for them forever.
+fn open_gates(job: &Job<'_>, mut alloc: impl FnMut(usize) -> Result<sys::CUdeviceptr>) {
+    struct Resolve<'j, 'a> {
         job: &'j Job<'a>,
+        from: usize,
     }
-    impl Drop for Resolve<'_, '_, '_> {
+    impl Drop for Resolve<'_, '_> {
         fn drop(&mut self) {
-            if self.gate.get().is_none() {
+            let rest = &self.job.gates[self.from.min(self.job.gates.len())..];
+            if !rest.is_empty() {
                 self.job.fail(panicked());
-                self.gate.set(None);
+                for g in rest {
+                    g.set(None);
+                }
             }
         }
     }
-    let guard = Resolve { gate, job };
+    let mut guard = Resolve { job, from: 0 };
     let t0 = trace::now_us();
-    match alloc() {
-        Ok(p) => gate.set(Some(p)),
-        Err(e) => {
-            job.fail(e);
-            gate.set(None);
+    let n = job.gates.len();
+    let mut failed = false;
+    for (k, g) in job.gates.iter().enumerate() {
+        match alloc(k) {
+            Ok(p) => g.set(Some(p)),
+            Err(e) => {
+                job.fail(e);
+                for g in &job.gates[k..] {
+                    g.set(None);
+                }
+                failed = true;
+                guard.from = n;
+                break;
+            }
         }
+        guard.from = k + 1;
     }
     if let Some(t) = job.trace() {
-        t.note(format!(
-            "destination allocated on the calling thread from {:.3} ms{}",
-            t0.saturating_sub(t.start()) as f64 / 1e3,
-            if gate.get().is_some() {
-                ""
-            } else {
-                " (failed)"
-            }
-        ));
+        let from = t0.saturating_sub(t.start()) as f64 / 1e3;
+        let fail = if failed { " (failed)" } else { "" };
+        t.note(if n == 1 {
+            format!("destination allocated on the calling thread from {from:.3} ms{fail}")
+        } else {
+            format!(
+                "{n} destinations allocated on the calling thread from {from:.3} to {:.3} ms{fail}",
+                trace::now_us().saturating_sub(t.start()) as f64 / 1e3
+            )
+        });
     }
     drop(guard);
 }
@@ -1202,7 +1262,7 @@ fn host_ptr(job: &Job<'_>, t: &Task) -> Result<*mut u8> {
     match job.bufs[t.buf as usize] {
         // SAFETY: buf_off + len lies inside the caller's buffer (Job::batch contract).
         Mem::Host(p) => Ok(unsafe { p.add(t.buf_off) }),
-        Mem::Dev(_) | Mem::Deferred => Err(internal("a device buffer in a host job")),
+        Mem::Dev(_) | Mem::Deferred(_) => Err(internal("a device buffer in a host job")),
     }
 }
 

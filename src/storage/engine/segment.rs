@@ -49,15 +49,19 @@
 //! allocates it at once while the workers start and read; a segment's copies wait for the
 //! address ([`DstGate`](super::DstGate)) *before* its slot is page-locked, so no
 //! `cuMemHostRegister` contends with the allocation for the driver (which slows the
-//! allocation down). A failed allocation fails the job before any copy.
+//! allocation down). A failed allocation fails the job before any copy. A job may have one
+//! deferred destination per buffer ([`Engine::run_deferred_each`](super::Engine::run_deferred_each):
+//! a checkpoint's tensors, each in its own allocation): the calling thread allocates them in
+//! the order the tasks use them, and a segment's copies wait only for the buffers they write,
+//! so the first copies wait for the first allocations only.
 //!
 //! The measurements behind these choices: CONTRIBUTING.md, "Costs behind the storage engine's
 //! design".
 //!
 //! **Ordering rules** (checked on the host by `pipeline_tests`, on a ring whose copies run
 //! late): a copy is enqueued only after its slot is page-locked as far as it reads and after
-//! its destination exists; no slot is page-locked while a deferred destination is being
-//! allocated, nor two at once; a slot is read into again only after the copies out of it completed;
+//! its destination exists; no slot is page-locked while a job's one deferred destination is
+//! being allocated (with several, only after the ones its segment writes exist), nor two at once; a slot is read into again only after the copies out of it completed;
 //! a panic on any thread fails the job, so no worker waits for what the panicking one would
 //! have done.
 //!
@@ -836,10 +840,11 @@ impl<'r, R: Ring + ?Sized> SegJob<'r, R> {
         Ok(())
     }
 
-    /// Issues segment `g`'s copies (all its tasks are read), as worker `w`: the destination is
-    /// waited for first (when it is allocated while the job runs: no page-locking contends
-    /// with the allocation), then the slot is page-locked (its pages were faulted in by the
-    /// reads), then the copies are enqueued and the slot's marker recorded.
+    /// Issues segment `g`'s copies (all its tasks are read), as worker `w`: the destinations
+    /// they write are waited for first (when they are allocated while the job runs: no
+    /// page-locking contends with a job's one allocation), then the slot is page-locked (its
+    /// pages were faulted in by the reads), then the copies are enqueued and the slot's marker
+    /// recorded.
     fn issue(&self, job: &Job<'_>, g: usize, w: usize) -> Result<()> {
         let ready = job.t_now();
         let r = g % self.nseg;
@@ -852,8 +857,8 @@ impl<'r, R: Ring + ?Sized> SegJob<'r, R> {
         let stream = g % self.nstreams;
         if !runs.is_empty() {
             let t0 = job.t_now();
-            if !job.wait_dst()? {
-                // The allocation failed (the job is failed and aborting): no copy.
+            if !job.wait_dst(runs.iter().map(|x| x.buf))? {
+                // An allocation failed (the job is failed and aborting): no copy.
                 return Ok(());
             }
             if let Some(t) = job.trace() {
@@ -1350,6 +1355,9 @@ mod pipeline_tests {
         dev: (usize, usize),
         /// Set when the destination exists (a deferred one: after its allocation).
         dev_exists: AtomicBool,
+        /// With one deferred buffer per item: each buffer's range of the "device" memory and
+        /// whether it exists yet (a copy must land in one that does).
+        bufs: Vec<(usize, usize, AtomicBool)>,
         copies_enqueued: AtomicUsize,
         /// Workers wait this long when they bind (start a job): holds them back.
         worker_bind_delay: Duration,
@@ -1440,6 +1448,7 @@ mod pipeline_tests {
                 registered: (0..nslots).map(|_| AtomicUsize::new(0)).collect(),
                 dev,
                 dev_exists: AtomicBool::new(true),
+                bufs: Vec::new(),
                 worker_bind_delay: Duration::ZERO,
                 panic_at_copy: usize::MAX,
                 pins: Mutex::new(Vec::new()),
@@ -1543,6 +1552,14 @@ mod pipeline_tests {
                 dst >= self.dev.0 && dst + len <= self.dev.0 + self.dev.1,
                 "a copy outside the destination"
             );
+            if !self.bufs.is_empty() {
+                assert!(
+                    self.bufs.iter().any(|(at, n, made)| dst >= *at
+                        && dst + len <= at + n
+                        && made.load(Ordering::SeqCst)),
+                    "a copy of {len} bytes to {dst:#x} outside every buffer allocated by then"
+                );
+            }
             if self.copies_enqueued.fetch_add(1, Ordering::SeqCst) == self.panic_at_copy {
                 panic!("test: a worker panics while it issues a segment's copies");
             }
@@ -1709,11 +1726,16 @@ mod pipeline_tests {
         bind_delay: Duration,
         /// The copy with this index (0-based, in enqueue order) panics on its worker.
         panic_at_copy: Option<usize>,
+        /// One deferred buffer per item (`run_deferred_each`), each allocated after
+        /// `alloc_delay`; the allocation of this item fails.
+        per_item: bool,
+        fail_item: Option<usize>,
     }
 
     /// [`run_case`] with every knob.
     fn run_case_with(c: &Case, k: &Knobs) -> Ran {
         let (deferred, alloc_delay, alloc_fails) = (k.deferred, k.alloc_delay, k.alloc_fails);
+        let per_item = k.per_item;
         let paths: Vec<_> = c
             .files
             .iter()
@@ -1724,10 +1746,12 @@ mod pipeline_tests {
         let mut dev = vec![0xA5u8; c.dev_len];
         let mut tasks = Vec::new();
         for (k, &(f, off, len, at)) in c.items.iter().enumerate() {
+            // Per item: buffer k starts at the item's destination offset.
             let t = Task {
                 file: f as u32,
                 item: k as u32,
-                buf_off: at,
+                buf: if per_item { k as u32 } else { 0 },
+                buf_off: if per_item { 0 } else { at },
                 ..Task::default()
             };
             plan_item(&mut tasks, t, off, len, c.piece, Dir::Read, c.direct);
@@ -1737,19 +1761,31 @@ mod pipeline_tests {
         let mut ring = FakeRing::new(seg_bytes, c.seg.segments, c.seg.streams, (base, c.dev_len));
         ring.worker_bind_delay = k.bind_delay;
         ring.panic_at_copy = k.panic_at_copy.unwrap_or(usize::MAX);
+        if per_item {
+            ring.bufs = c
+                .items
+                .iter()
+                .map(|&(_, _, len, at)| (base + at, len, AtomicBool::new(false)))
+                .collect();
+        }
         let segs = layout(&tasks, seg_bytes).segs.len();
-        let gate = DstGate::new();
-        let mem = if deferred {
-            Mem::Deferred
+        let gates: Vec<DstGate> = (0..if per_item { c.items.len() } else { 1 })
+            .map(|_| DstGate::new())
+            .collect();
+        let gate = &gates[0];
+        let mems = if per_item {
+            (0..c.items.len() as u32).map(Mem::Deferred).collect()
+        } else if deferred {
+            vec![Mem::Deferred(0)]
         } else {
-            Mem::Dev(base as u64)
+            vec![Mem::Dev(base as u64)]
         };
         // SAFETY: (test) the buffer is `dev`, alive until the job ended; tasks lie inside the
         // items' ranges, which fit it and do not overlap.
         let job = unsafe {
             super::super::Job::batch(
                 fds.iter().collect(),
-                vec![mem],
+                mems,
                 c.items.len(),
                 tasks,
                 c.piece,
@@ -1758,16 +1794,25 @@ mod pipeline_tests {
             )
         }
         .with_segments(c.seg)
-        .with_gate(&gate);
+        .with_gates(&gates);
         if deferred {
             ring.dev_exists.store(false, Ordering::SeqCst);
-        } else {
+        } else if !per_item {
             gate.set(Some(base as u64));
         }
         let pool = Pool::new(PoolConfig::new("test-seg", 8));
         let end = run(&pool, &job, &ring, c.seg, c.threads, || {
-            if deferred {
-                super::super::open_gate(&job, &gate, || {
+            if per_item {
+                super::super::open_gates(&job, |i| {
+                    std::thread::sleep(alloc_delay);
+                    if k.fail_item == Some(i) {
+                        return Err(Error::InvalidArgument("test: allocation refused".into()));
+                    }
+                    ring.bufs[i].2.store(true, Ordering::SeqCst);
+                    Ok(ring.bufs[i].0 as u64)
+                })
+            } else if deferred {
+                super::super::open_gates(&job, |_| {
                     std::thread::sleep(alloc_delay);
                     if alloc_fails {
                         return Err(Error::InvalidArgument("test: allocation refused".into()));
@@ -1955,6 +2000,68 @@ mod pipeline_tests {
         }
     }
 
+    /// One deferred destination per item (a checkpoint's tensors, each allocated while the
+    /// job reads): every copy lands in a buffer that exists by then (the fake ring asserts
+    /// it), every byte lands, and no copy is still queued when the job returns.
+    #[test]
+    fn deferred_destinations_each_are_copied_into_only_once_they_exist() {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(91);
+        for round in 0..10 {
+            let c = random_case(&mut rng, true);
+            let r = run_case_with(
+                &c,
+                &Knobs {
+                    per_item: true,
+                    alloc_delay: Duration::from_micros(rng.random_range(0..600)),
+                    bind_delay: Duration::from_millis(round % 3),
+                    ..Knobs::default()
+                },
+            );
+            let out = r.result.unwrap();
+            assert!(out.items.iter().all(|i| i.complete && i.error.is_none()));
+            assert_eq!(
+                r.enqueued, r.run,
+                "a copy was still queued when the job returned"
+            );
+            check_bytes(&c, &r.dev);
+        }
+    }
+
+    /// A failed allocation of one of several deferred destinations fails the job: nothing is
+    /// copied into it or any buffer after it (they were never allocated), no worker waits
+    /// for them forever, and every copy issued into the earlier ones has run.
+    #[test]
+    fn a_failed_allocation_among_several_fails_the_job_and_writes_no_later_buffer() {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(93);
+        for _ in 0..8 {
+            let c = random_case(&mut rng, true);
+            let fail = rng.random_range(0..c.items.len());
+            let r = run_case_with(
+                &c,
+                &Knobs {
+                    per_item: true,
+                    alloc_delay: Duration::from_micros(200),
+                    fail_item: Some(fail),
+                    ..Knobs::default()
+                },
+            );
+            match r.result {
+                Err(Error::InvalidArgument(m)) => assert!(m.contains("allocation refused"), "{m}"),
+                other => panic!("expected the allocation's error, got {other:?}"),
+            }
+            assert_eq!(
+                r.enqueued, r.run,
+                "a copy was still queued after the failure"
+            );
+            for &(_, _, len, at) in &c.items[fail..] {
+                assert!(
+                    r.dev[at..at + len].iter().all(|&b| b == 0xA5),
+                    "a buffer at or after the failed allocation was written"
+                );
+            }
+        }
+    }
+
     /// A panic on the calling thread after the destination was handed out (copies into it are
     /// being issued) comes back only once every copy enqueued has completed: unwinding frees
     /// the destination, so the panic must not overtake the drain.
@@ -1983,7 +2090,7 @@ mod pipeline_tests {
             let job = unsafe {
                 super::super::Job::batch(
                     vec![&fds],
-                    vec![Mem::Deferred],
+                    vec![Mem::Deferred(0)],
                     1,
                     tasks,
                     c.piece,
@@ -1995,7 +2102,7 @@ mod pipeline_tests {
             .with_gate(&gate);
             let pool = Pool::new(PoolConfig::new("test-seg-late-panic", 4));
             let end = run(&pool, &job, &ring, c.seg, c.threads, || {
-                super::super::open_gate(&job, &gate, || Ok(base as u64));
+                super::super::open_gates(&job, |_| Ok(base as u64));
                 // Let the workers issue copies into the destination, then panic.
                 std::thread::sleep(Duration::from_millis(3));
                 panic!("test: the calling thread panics after the allocation");
@@ -2045,7 +2152,7 @@ mod pipeline_tests {
         let job = unsafe {
             super::super::Job::batch(
                 vec![&fds],
-                vec![Mem::Deferred],
+                vec![Mem::Deferred(0)],
                 1,
                 tasks,
                 c.piece,
@@ -2057,7 +2164,7 @@ mod pipeline_tests {
         .with_gate(&gate);
         let pool = Pool::new(PoolConfig::new("test-seg-panic", 4));
         let end = run(&pool, &job, &ring, c.seg, 4, || {
-            super::super::open_gate(&job, &gate, || panic!("test: allocation panicked"))
+            super::super::open_gates(&job, |_| panic!("test: allocation panicked"))
         });
         assert!(end.panic.is_some(), "the allocation's panic was swallowed");
         assert!(job.aborted(), "the job was not failed");
