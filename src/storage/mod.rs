@@ -138,3 +138,14 @@ pub fn release_engines() -> Released {
 pub fn gpu_numa_node(ordinal: usize) -> Option<u32> {
     crate::cuda::device::numa_node(ordinal)
 }
+
+/// `GPUDIRECT_TRACE=timing`: prints a phase mark (for the rooms built on storage); `what` is
+/// only built when tracing is on.
+pub(crate) fn trace_mark(what: impl FnOnce() -> String) {
+    engine::trace::mark(what)
+}
+
+/// Whether `GPUDIRECT_TRACE=timing` is on.
+pub(crate) fn trace_on() -> bool {
+    engine::trace::on()
+}

@@ -372,7 +372,8 @@ pub(in crate::storage) fn preallocate(fd: &File, off: u64, len: u64) {
     }
 }
 
-/// At most this many `mincore` calls sample one batch's ranges ([`cached_fractions`]): on the
+/// About this many `mincore` calls sample one batch's ranges ([`cached_fractions`]; at least
+/// one per range, so a batch of more ranges makes one call each): on the
 /// H200 machine (a VM) a call cost about 0.6 µs, and 64 per range made a 221-tensor batch
 /// spend 9 ms sampling before its engine job started (a `GPUDIRECT_TRACE=timing` owned
 /// checkpoint load, 2026-12-01).
@@ -397,7 +398,7 @@ pub(in crate::storage) fn sample_counts(pages: &[u64], per_range: u64, budget: u
 }
 
 /// The fraction of each `(off, len)` range of one file found in the page cache, from up to
-/// `samples` pages spread over each range, [`SAMPLE_BUDGET`] pages in all (shared by the
+/// `samples` pages spread over each range, about [`SAMPLE_BUDGET`] pages in all (shared by the
 /// ranges' sizes, at least one each: [`sample_counts`]) (`mmap` + `mincore`, no page is
 /// touched; an empty range counts as cached; `None` for a range whose end overflows, and for
 /// every range when the extent cannot be mapped), through one mapping of their extent: a

@@ -453,6 +453,14 @@ impl<'a> Job<'a> {
         self.tasks.get(i).map(|t| (i, *t))
     }
 
+    /// Fails the job with `e` whatever failed it before: a drain that failed means copies may
+    /// still be queued into the destinations, and the caller must see that CUDA error (and
+    /// leak them), not an earlier one (a failed allocation) after which it would free them.
+    fn fail_over(&self, e: Error) {
+        self.abort.store(true, Ordering::Relaxed);
+        *self.error.lock().unwrap_or_else(|p| p.into_inner()) = Some(e);
+    }
+
     /// Fails the whole job (a CUDA error, a bug): every worker stops.
     fn fail(&self, e: Error) {
         self.abort.store(true, Ordering::Relaxed);
@@ -1068,20 +1076,35 @@ impl Engine {
         }
         let end = segment::run(&self.pool, &job, res, p, threads, || caller(&job));
         self.note_spawns(&job);
+        let drained = end.drained.is_ok();
         if let Err(e) = end.drained {
             // A failed synchronize is a sticky context error: the context runs no more work.
-            // The ring may still be named by queued copies, so it is never unmapped.
+            // The ring may still be named by queued copies, so it is never unmapped; nor may
+            // the destinations be freed: the caller gets this CUDA error (Job::fail_over).
             tracing::error!(%e, "could not drain the segment ring; leaking it");
             std::mem::forget(g.take());
-            job.fail(e);
+            job.fail_over(e);
         } else if job.trace.is_some() {
             let done = res.finish_timing();
             job.finish_trace(&done);
         }
         drop(g);
         if let Some(p) = end.panic {
-            // Every copy completed (or the ring was leaked): the destination may go now.
-            std::panic::resume_unwind(p);
+            if drained {
+                // Every copy completed: the destination may go now.
+                std::panic::resume_unwind(p);
+            }
+            // Unwinding would free destinations that queued copies may still write: the
+            // panic (a bug) is logged and the CUDA error returned, so the caller leaks them.
+            let msg = p
+                .downcast_ref::<&str>()
+                .map(|s| s.to_string())
+                .or_else(|| p.downcast_ref::<String>().cloned())
+                .unwrap_or_default();
+            tracing::error!(
+                panic = %msg,
+                "a storage job's calling thread panicked and its copies could not be drained (a bug in gpudirect: please report it)"
+            );
         }
         job.outcome(end.copies)
     }
@@ -1173,9 +1196,32 @@ fn open_gates(job: &Job<'_>, mut alloc: impl FnMut(usize) -> Result<sys::CUdevic
     let t0 = trace::now_us();
     let n = job.gates.len();
     let mut failed = false;
+    // Trace: when the first gate opened, and the slowest allocation (µs).
+    let (mut first_open, mut slowest) = (0u64, (0u64, 0usize));
     for (k, g) in job.gates.iter().enumerate() {
+        if job.aborted() {
+            // The job failed (its error is set): nothing more is allocated; the gates left
+            // open empty. (Not on a cancel: a segment read in full still has its copies
+            // issued, and they wait for their destinations.)
+            for g in &job.gates[k..] {
+                g.set(None);
+            }
+            failed = true;
+            guard.from = n;
+            break;
+        }
+        let ta = trace::now_us();
         match alloc(k) {
-            Ok(p) => g.set(Some(p)),
+            Ok(p) => {
+                g.set(Some(p));
+                let tb = trace::now_us();
+                if k == 0 {
+                    first_open = tb;
+                }
+                if tb - ta > slowest.0 {
+                    slowest = (tb - ta, k);
+                }
+            }
             Err(e) => {
                 job.fail(e);
                 for g in &job.gates[k..] {
@@ -1195,8 +1241,11 @@ fn open_gates(job: &Job<'_>, mut alloc: impl FnMut(usize) -> Result<sys::CUdevic
             format!("destination allocated on the calling thread from {from:.3} ms{fail}")
         } else {
             format!(
-                "{n} destinations allocated on the calling thread from {from:.3} to {:.3} ms{fail}",
-                trace::now_us().saturating_sub(t.start()) as f64 / 1e3
+                "{n} destinations allocated on the calling thread from {from:.3} to {:.3} ms{fail}; the first ready at {:.3} ms, the slowest #{} took {:.3} ms",
+                trace::now_us().saturating_sub(t.start()) as f64 / 1e3,
+                first_open.saturating_sub(t.start()) as f64 / 1e3,
+                slowest.1,
+                slowest.0 as f64 / 1e3
             )
         });
     }

@@ -84,6 +84,8 @@ struct Shared {
     /// condition (notified when it reaches 0).
     starting: Mutex<usize>,
     all_started: Condvar,
+    /// [`START_WAIT`] (tests set it).
+    start_wait: Duration,
     state: Mutex<State>,
     start: Condvar,
     done: Condvar,
@@ -147,6 +149,8 @@ pub(in crate::storage) struct PoolConfig {
     pub init: Arc<dyn Fn(usize) + Send + Sync>,
     /// Called when the last worker left for idleness.
     pub on_idle: Option<Box<dyn Fn() + Send + Sync>>,
+    /// How long a new thread waits for its job's other starts ([`START_WAIT`]).
+    pub start_wait: Duration,
     /// Test hook: spawning worker `id >= n` fails.
     #[cfg(test)]
     pub fail_spawn_from: Option<usize>,
@@ -166,6 +170,7 @@ impl PoolConfig {
             idle: None,
             init: Arc::new(|_| {}),
             on_idle: None,
+            start_wait: START_WAIT,
             #[cfg(test)]
             fail_spawn_from: None,
             #[cfg(test)]
@@ -451,7 +456,7 @@ fn worker_loop(shared: Arc<Shared>, id: usize, mut seen: u64, children: Vec<usiz
     let mut ws = WorkerState::new(id);
     exit.looping = true;
     // Started for a job: enter it together with the job's other new threads.
-    let mut together = Some(std::time::Instant::now() + START_WAIT);
+    let mut together = Some(std::time::Instant::now() + shared.start_wait);
     loop {
         let job = {
             let mut st = lock(&shared.state);
@@ -545,6 +550,7 @@ impl Pool {
         let shared = Arc::new(Shared {
             starting: Mutex::new(0),
             all_started: Condvar::new(),
+            start_wait: cfg.start_wait,
             state: Mutex::new(State {
                 job: None,
                 generation: 0,
@@ -845,19 +851,29 @@ mod tests {
     }
 
     /// Start together: the threads a job starts enter it only once every one of them is
-    /// started (or after `START_WAIT`), so none reads while another is still being created;
-    /// threads already running enter at once; a job whose starts fail still runs.
+    /// started, so none reads while another is still being created (the wait is set to 30 s,
+    /// so a count that never reaches 0 shows as a slow job, not as a pass); threads already
+    /// running enter at once; a job whose starts fail does not wait for the threads that
+    /// never came.
     #[test]
     fn new_threads_enter_their_first_job_together() {
+        let long = Duration::from_secs(30);
         for n in [2usize, 7, 16] {
-            let pool = pool(n);
+            let mut cfg = PoolConfig::new("test-pool", n);
+            cfg.start_wait = long;
+            let pool = Pool::new(cfg);
             let t0 = Instant::now();
             let entered = Mutex::new(Vec::new());
             assert!(pool.run(n, &|_| entered.lock().unwrap().push(Instant::now())));
+            assert!(
+                t0.elapsed() < Duration::from_secs(10),
+                "n = {n}: {:?}",
+                t0.elapsed()
+            );
             let last = *pool.shared.started_at.lock().unwrap().iter().max().unwrap();
             for &e in entered.lock().unwrap().iter() {
                 assert!(
-                    e >= last || e.duration_since(t0) >= START_WAIT,
+                    e >= last,
                     "n = {n}: a worker entered its job {:?} before the last start returned",
                     last - e
                 );
@@ -866,7 +882,7 @@ mod tests {
             let t1 = Instant::now();
             assert!(pool.run(n, &|_| {}));
             assert!(
-                t1.elapsed() < START_WAIT * 20,
+                t1.elapsed() < Duration::from_secs(10),
                 "a warm job took {:?}",
                 t1.elapsed()
             );
@@ -874,12 +890,19 @@ mod tests {
         }
         let mut cfg = PoolConfig::new("test-pool", 8);
         cfg.fail_spawn_from = Some(2);
+        cfg.start_wait = long;
         let pool = Pool::new(cfg);
         let n = AtomicUsize::new(0);
+        let t0 = Instant::now();
         assert!(pool.run(8, &|_| {
             n.fetch_add(1, Ordering::Relaxed);
         }));
         assert_eq!(n.load(Ordering::Relaxed), 2);
+        assert!(
+            t0.elapsed() < Duration::from_secs(10),
+            "the started threads waited {:?} for starts that had failed",
+            t0.elapsed()
+        );
         pool.shutdown();
     }
 
