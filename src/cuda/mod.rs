@@ -71,7 +71,7 @@ pub use pointer::{pointer_info, set_sync_memops, MemoryKind, PointerInfo};
 
 use std::sync::{Arc, OnceLock};
 
-use cudarc::driver::{sys, CudaContext};
+use cudarc::driver::{sys, CudaContext, CudaStream};
 
 use crate::error::{Error, Result};
 
@@ -233,6 +233,43 @@ pub fn check_ordinal(ordinal: usize) -> Result<()> {
 pub fn context(ordinal: usize) -> Result<Arc<CudaContext>> {
     check_ordinal(ordinal)?;
     CudaContext::new(ordinal).map_err(|e| Error::cuda("cuDevicePrimaryCtxRetain", e))
+}
+
+/// A stream of `ctx`'s context for gpudirect's own work (the storage engine's ring and worker
+/// lanes, small transfers' side streams, peer-copy lanes), created through a `CudaContext`
+/// object of gpudirect's own for that device whose event tracking is off. cudarc's
+/// `CudaContext::new_stream` synchronizes the whole context (`cuCtxSynchronize`) when it creates
+/// the first stream of an object that tracks events, as an object used only through
+/// `default_stream()` is: inside a transfer that would wait for every other stream's work in
+/// the process. The object is used for streams and events only, never to allocate a cudarc
+/// slice (whose uses it would then not track). Falls back to `ctx.new_stream()` for a context
+/// that is not its device's primary one.
+pub(crate) fn own_stream(ctx: &Arc<CudaContext>) -> Result<Arc<CudaStream>> {
+    static OWN: std::sync::Mutex<Vec<Arc<CudaContext>>> = std::sync::Mutex::new(Vec::new());
+    let own = {
+        let mut v = OWN.lock().unwrap_or_else(|p| p.into_inner());
+        match v.iter().find(|c| c.cu_ctx() == ctx.cu_ctx()) {
+            Some(c) => Some(c.clone()),
+            None => {
+                let c = CudaContext::new(ctx.ordinal())
+                    .map_err(|e| Error::cuda("cuDevicePrimaryCtxRetain", e))?;
+                if c.cu_ctx() == ctx.cu_ctx() {
+                    // SAFETY: no cudarc slice is ever allocated through this object (only
+                    // streams and events), so no slice goes untracked.
+                    unsafe { c.disable_event_tracking() };
+                    v.push(c.clone());
+                    Some(c)
+                } else {
+                    None
+                }
+            }
+        }
+    };
+    let _restore = CurrentContext::save();
+    own.as_ref()
+        .unwrap_or(ctx)
+        .new_stream()
+        .map_err(|e| Error::cuda("cuStreamCreate", e))
 }
 
 /// Reads a device attribute (`cuDeviceGetAttribute`).

@@ -475,10 +475,7 @@ fn load_fanout(
     }
     let mut lane_of: HashMap<(usize, usize), usize> = HashMap::new();
     for &(r, d) in &pairs {
-        let lane = streams[d]
-            .context()
-            .new_stream()
-            .map_err(|e| Error::cuda("cuStreamCreate", e))?;
+        let lane = crate::cuda::own_stream(streams[d].context())?;
         lane_of.insert((r, d), landing.lanes.len());
         landing.lanes.push(lane);
     }

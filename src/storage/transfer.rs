@@ -324,9 +324,7 @@ fn side_stream(ctx: &Arc<CudaContext>) -> Result<Arc<CudaStream>> {
         if let Some(s) = v.iter().find(|s| s.context().cu_ctx() == ctx.cu_ctx()) {
             return Ok(s.clone());
         }
-        let s = ctx
-            .new_stream()
-            .map_err(|e| Error::cuda("cuStreamCreate", e))?;
+        let s = crate::cuda::own_stream(ctx)?;
         v.push(s.clone());
         Ok(s)
     })

@@ -395,10 +395,7 @@ impl SegRes {
         })?;
         let mem = RingMem::new(len)?;
         let streams = (0..nstreams.max(1))
-            .map(|_| {
-                ctx.new_stream()
-                    .map_err(|e| Error::cuda("cuStreamCreate", e))
-            })
+            .map(|_| crate::cuda::own_stream(ctx))
             .collect::<Result<Vec<_>>>()?;
         let events = (0..nseg)
             .map(|_| {

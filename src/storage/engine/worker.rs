@@ -20,9 +20,7 @@ pub(in crate::storage) struct Lane {
 
 impl Lane {
     fn new(ctx: &Arc<CudaContext>) -> Result<Lane> {
-        let stream = ctx
-            .new_stream()
-            .map_err(|e| Error::cuda("cuStreamCreate", e))?;
+        let stream = crate::cuda::own_stream(ctx)?;
         let ev = || {
             ctx.new_event(Some(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING))
                 .map_err(|e| Error::cuda("cuEventCreate", e))
