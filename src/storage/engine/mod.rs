@@ -1391,9 +1391,11 @@ fn write_host_task(ws: &mut WorkerState, job: &Job<'_>, t: &Task) -> Result<()> 
     }
 }
 
-/// Test hook: the next lanes read panics right after enqueuing its copy.
+/// Test hook: the next lanes read into the device buffer at this address (0: none) panics
+/// right after enqueuing its copy (keyed by the buffer: tests share the engine).
 #[cfg(test)]
-pub(in crate::storage) static PANIC_AFTER_COPY: AtomicBool = AtomicBool::new(false);
+pub(in crate::storage) static PANIC_AFTER_COPY: std::sync::atomic::AtomicU64 =
+    std::sync::atomic::AtomicU64::new(0);
 
 fn dev_read(ws: &mut WorkerState, job: &Job<'_>, ctx: &Arc<CudaContext>) -> Result<()> {
     let w = ws.id;
@@ -1445,7 +1447,17 @@ fn dev_read(ws: &mut WorkerState, job: &Job<'_>, ctx: &Arc<CudaContext>) -> Resu
                 }?;
                 lane.record_slot(s)?;
                 #[cfg(test)]
-                if PANIC_AFTER_COPY.swap(false, Ordering::SeqCst) {
+                // Only the job into the test's own buffer (its base address): other tests'
+                // jobs on the shared engine run on.
+                if PANIC_AFTER_COPY
+                    .compare_exchange(
+                        dst - t.buf_off as u64,
+                        0,
+                        Ordering::SeqCst,
+                        Ordering::SeqCst,
+                    )
+                    .is_ok()
+                {
                     panic!("test: panic with a copy in flight");
                 }
             }
@@ -1518,7 +1530,7 @@ mod tests {
                     },
                 )
             };
-            PANIC_AFTER_COPY.store(inject, Ordering::SeqCst);
+            PANIC_AFTER_COPY.store(if inject { dptr } else { 0 }, Ordering::SeqCst);
             let r = eng.run(job, 1);
             if inject {
                 assert!(r.is_err(), "a panicking job reported success");
