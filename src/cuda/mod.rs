@@ -246,30 +246,40 @@ pub fn context(ordinal: usize) -> Result<Arc<CudaContext>> {
 /// that is not its device's primary one.
 pub(crate) fn own_stream(ctx: &Arc<CudaContext>) -> Result<Arc<CudaStream>> {
     static OWN: std::sync::Mutex<Vec<Arc<CudaContext>>> = std::sync::Mutex::new(Vec::new());
+    // cudarc's CudaContext::new binds the primary context to this thread: put back what was.
+    let _restore = CurrentContext::save();
     let own = {
         let mut v = OWN.lock().unwrap_or_else(|p| p.into_inner());
         match v.iter().find(|c| c.cu_ctx() == ctx.cu_ctx()) {
             Some(c) => Some(c.clone()),
-            None => {
-                let c = CudaContext::new(ctx.ordinal())
-                    .map_err(|e| Error::cuda("cuDevicePrimaryCtxRetain", e))?;
-                if c.cu_ctx() == ctx.cu_ctx() {
+            // An inactive primary context cannot be `ctx`: never create one to find that out.
+            None if !primary_active(ctx) => None,
+            None => match CudaContext::new(ctx.ordinal()) {
+                Ok(c) if c.cu_ctx() == ctx.cu_ctx() => {
                     // SAFETY: no cudarc slice is ever allocated through this object (only
                     // streams and events), so no slice goes untracked.
                     unsafe { c.disable_event_tracking() };
                     v.push(c.clone());
                     Some(c)
-                } else {
-                    None
                 }
-            }
+                // Not the primary context (or it could not be retained): the caller's object.
+                _ => None,
+            },
         }
     };
-    let _restore = CurrentContext::save();
     own.as_ref()
         .unwrap_or(ctx)
         .new_stream()
         .map_err(|e| Error::cuda("cuStreamCreate", e))
+}
+
+/// Whether `ctx`'s device's primary context is active (`cuDevicePrimaryCtxGetState`; false
+/// when that cannot be asked).
+fn primary_active(ctx: &CudaContext) -> bool {
+    let (mut flags, mut active) = (0u32, 0i32);
+    // SAFETY: plain out-parameters for a device handle cudarc got from the driver.
+    let rc = unsafe { sys::cuDevicePrimaryCtxGetState(ctx.cu_device(), &mut flags, &mut active) };
+    rc == sys::CUresult::CUDA_SUCCESS && active != 0
 }
 
 /// Reads a device attribute (`cuDeviceGetAttribute`).

@@ -1507,8 +1507,8 @@ fn load_owned(
             let r = unsafe { batch.run_with(&mut alloc_k) };
             crate::storage::trace_mark(|| {
                 format!(
-                    "owned load: {} tensors allocated: {:.3} ms in cudarc's alloc, {:.3} ms in cuStreamSynchronize",
-                    group.len(),
+                    "owned load: {} tensors allocated while it read: {:.3} ms in cudarc's alloc, {:.3} ms in cuStreamSynchronize",
+                    later.len(),
                     in_alloc as f64 / 1e3,
                     in_sync as f64 / 1e3
                 )
