@@ -1364,6 +1364,8 @@ mod pipeline_tests {
         pins: Mutex<Vec<(usize, bool)>>,
         /// Page-lockings under way.
         pinning: AtomicUsize,
+        /// Per page-locking: its slot and which of `bufs` existed then.
+        pin_made: Mutex<Vec<(usize, Vec<bool>)>>,
         shared: Arc<Shared>,
         threads: Vec<std::thread::JoinHandle<()>>,
     }
@@ -1450,6 +1452,7 @@ mod pipeline_tests {
                 panic_at_copy: usize::MAX,
                 pins: Mutex::new(Vec::new()),
                 pinning: AtomicUsize::new(0),
+                pin_made: Mutex::new(Vec::new()),
                 copies_enqueued: AtomicUsize::new(0),
                 shared,
                 threads,
@@ -1511,6 +1514,12 @@ mod pipeline_tests {
                 self.dev_exists.load(Ordering::SeqCst),
                 "slot {r} page-locked while the destination was being allocated (they contend for the driver)"
             );
+            // Which per-item buffers exist as the locking starts.
+            let made: Vec<bool> = self
+                .bufs
+                .iter()
+                .map(|b| b.2.load(Ordering::SeqCst))
+                .collect();
             assert_eq!(
                 self.pinning.fetch_add(1, Ordering::SeqCst),
                 0,
@@ -1520,6 +1529,7 @@ mod pipeline_tests {
             std::thread::sleep(Duration::from_millis(2));
             self.pinning.fetch_sub(1, Ordering::SeqCst);
             self.pins.lock().unwrap().push((r, on_worker()));
+            self.pin_made.lock().unwrap().push((r, made));
             self.registered[r].store(need, Ordering::SeqCst);
             Ok(need)
         }
@@ -1695,6 +1705,9 @@ mod pipeline_tests {
         run: usize,
         pins: Vec<(usize, bool)>,
         segs: usize,
+        /// With one deferred buffer per item: page-lockings done before a buffer that the
+        /// first segment staged in that slot writes existed (slot, buffer).
+        pinned_early: Vec<(usize, u32)>,
     }
 
     /// Runs a case through the real SegJob on a real pool; `deferred`: the destination is
@@ -1765,7 +1778,9 @@ mod pipeline_tests {
                 .map(|&(_, _, len, at)| (base + at, len, AtomicBool::new(false)))
                 .collect();
         }
-        let segs = layout(&tasks, seg_bytes).segs.len();
+        let lay = layout(&tasks, seg_bytes);
+        let segs = lay.segs.len();
+        let task_buf: Vec<u32> = tasks.iter().map(|t| t.buf).collect();
         let gates: Vec<DstGate> = (0..if per_item { c.items.len() } else { 1 })
             .map(|_| DstGate::new())
             .collect();
@@ -1825,6 +1840,19 @@ mod pipeline_tests {
         let enqueued = ring.copies_enqueued.load(Ordering::SeqCst);
         let run = ring.shared.copies_run.load(Ordering::SeqCst);
         let pins = std::mem::take(&mut *ring.pins.lock().unwrap());
+        let mut pinned_early = Vec::new();
+        if per_item {
+            for (r, made) in ring.pin_made.lock().unwrap().iter() {
+                // The first segment staged in slot r is the one whose copies locked it.
+                if let Some(g) = (0..segs).find(|g| g % c.seg.segments == *r) {
+                    for &b in &task_buf[lay.segs[g].clone()] {
+                        if !made[b as usize] {
+                            pinned_early.push((*r, b));
+                        }
+                    }
+                }
+            }
+        }
         drop(ring);
         pool.shutdown();
         for p in &paths {
@@ -1837,6 +1865,7 @@ mod pipeline_tests {
             run,
             pins,
             segs,
+            pinned_early,
         }
     }
 
@@ -2021,6 +2050,11 @@ mod pipeline_tests {
                 "a copy was still queued when the job returned"
             );
             check_bytes(&c, &r.dev);
+            assert!(
+                r.pinned_early.is_empty(),
+                "slots page-locked before the buffers their segment writes existed (slot, buffer): {:?}",
+                r.pinned_early
+            );
         }
     }
 
