@@ -1177,13 +1177,16 @@ impl Engine {
 /// on a failure (or a panic in `alloc`) fails the job first and opens the gates not yet open
 /// empty, so no worker waits for them forever.
 fn open_gates(job: &Job<'_>, mut alloc: impl FnMut(usize) -> Result<sys::CUdeviceptr>) {
+    /// Opens the gates from `from` on empty when dropped, failing the job first (a no-op
+    /// for a job that failed already, as the first error stays): after an allocation's error,
+    /// a failed job, or a panic in `alloc`.
     struct Resolve<'j, 'a> {
         job: &'j Job<'a>,
         from: usize,
     }
     impl Drop for Resolve<'_, '_> {
         fn drop(&mut self) {
-            let rest = &self.job.gates[self.from.min(self.job.gates.len())..];
+            let rest = &self.job.gates[self.from..];
             if !rest.is_empty() {
                 self.job.fail(panicked());
                 for g in rest {
@@ -1195,19 +1198,12 @@ fn open_gates(job: &Job<'_>, mut alloc: impl FnMut(usize) -> Result<sys::CUdevic
     let mut guard = Resolve { job, from: 0 };
     let t0 = trace::now_us();
     let n = job.gates.len();
-    let mut failed = false;
     // Trace: when the first gate opened, and the slowest allocation (µs).
     let (mut first_open, mut slowest) = (0u64, (0u64, 0usize));
     for (k, g) in job.gates.iter().enumerate() {
+        // A failed job (its error is set) allocates nothing more. (Not on a cancel: a segment
+        // read in full still has its copies issued, and they wait for their destinations.)
         if job.aborted() {
-            // The job failed (its error is set): nothing more is allocated; the gates left
-            // open empty. (Not on a cancel: a segment read in full still has its copies
-            // issued, and they wait for their destinations.)
-            for g in &job.gates[k..] {
-                g.set(None);
-            }
-            failed = true;
-            guard.from = n;
             break;
         }
         let ta = trace::now_us();
@@ -1224,16 +1220,13 @@ fn open_gates(job: &Job<'_>, mut alloc: impl FnMut(usize) -> Result<sys::CUdevic
             }
             Err(e) => {
                 job.fail(e);
-                for g in &job.gates[k..] {
-                    g.set(None);
-                }
-                failed = true;
-                guard.from = n;
                 break;
             }
         }
         guard.from = k + 1;
     }
+    let failed = guard.from < n;
+    drop(guard);
     if let Some(t) = job.trace() {
         let from = t0.saturating_sub(t.start()) as f64 / 1e3;
         let fail = if failed { " (failed)" } else { "" };
@@ -1249,7 +1242,6 @@ fn open_gates(job: &Job<'_>, mut alloc: impl FnMut(usize) -> Result<sys::CUdevic
             )
         });
     }
-    drop(guard);
 }
 
 /// Fails the job when dropped during a panic (so that no worker waits for a slot, a pin or a
