@@ -1882,19 +1882,24 @@ mod pipeline_tests {
         }
     }
 
+    /// The run succeeded with every item complete and every destination byte right.
+    fn assert_landed(c: &Case, r: &Ran) {
+        let out = r.result.as_ref().unwrap();
+        assert!(out.items.iter().all(|i| i.complete && i.error.is_none()));
+        check_bytes(c, &r.dev);
+    }
+
     #[test]
     fn late_copies_never_see_a_slot_reused_and_every_byte_lands() {
         let mut rng = rand::rngs::StdRng::seed_from_u64(2024);
         for round in 0..24 {
             let c = random_case(&mut rng, round % 2 == 1);
             let r = run_case(&c, false, Duration::ZERO, false);
-            let out = r.result.unwrap();
-            assert!(out.items.iter().all(|i| i.complete && i.error.is_none()));
+            assert_landed(&c, &r);
             assert_eq!(
                 r.enqueued, r.run,
                 "a copy was still queued when the job returned"
             );
-            check_bytes(&c, &r.dev);
         }
     }
 
@@ -1916,9 +1921,7 @@ mod pipeline_tests {
                     ..Knobs::default()
                 },
             );
-            let out = r.result.unwrap();
-            assert!(out.items.iter().all(|i| i.complete && i.error.is_none()));
-            check_bytes(&c, &r.dev);
+            assert_landed(&c, &r);
             let mut pins = r.pins.clone();
             pins.sort();
             let want: Vec<(usize, bool)> = (0..3.min(r.segs)).map(|s| (s, true)).collect();
@@ -1939,9 +1942,7 @@ mod pipeline_tests {
             let mut c = random_case(&mut rng, round % 2 == 1);
             c.threads = 4;
             let r = run_case(&c, true, Duration::from_millis(30), false);
-            let out = r.result.unwrap();
-            assert!(out.items.iter().all(|i| i.complete && i.error.is_none()));
-            check_bytes(&c, &r.dev);
+            assert_landed(&c, &r);
             assert!(!r.pins.is_empty() || r.segs == 0);
         }
     }
@@ -1998,10 +1999,8 @@ mod pipeline_tests {
                 Duration::from_millis(rng.random_range(1..30)),
                 false,
             );
-            let out = r.result.unwrap();
-            assert!(out.items.iter().all(|i| i.complete && i.error.is_none()));
+            assert_landed(&c, &r);
             assert_eq!(r.enqueued, r.run);
-            check_bytes(&c, &r.dev);
         }
     }
 
@@ -2043,13 +2042,11 @@ mod pipeline_tests {
                     ..Knobs::default()
                 },
             );
-            let out = r.result.unwrap();
-            assert!(out.items.iter().all(|i| i.complete && i.error.is_none()));
+            assert_landed(&c, &r);
             assert_eq!(
                 r.enqueued, r.run,
                 "a copy was still queued when the job returned"
             );
-            check_bytes(&c, &r.dev);
             assert!(
                 r.pinned_early.is_empty(),
                 "slots page-locked before the buffers their segment writes existed (slot, buffer): {:?}",
