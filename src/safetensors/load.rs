@@ -783,9 +783,9 @@ impl OwnedTensor {
 /// the device memory the load needs is the tensors' bytes. Each tensor comes from cudarc's
 /// stream-ordered pool on the load's stream (`CudaStream::alloc`), as the user's own
 /// allocations would. The pool's first allocation in a process is slow (10.8–11.2 ms on an
-/// H200, against ~50 µs for the next ones): a program whose first allocation is this load pays
-/// that once, before the load's first tensor (the one-allocation [`load`](super::load) takes
-/// `cuMemAlloc` memory and does not).
+/// H200 alone, 15 ms beside the load's reads, against ~50 µs for the next ones): a program
+/// whose first allocation is this load pays that once, on its first tensor (the
+/// one-allocation [`load`](super::load) takes `cuMemAlloc` memory and does not).
 pub struct OwnedCheckpoint {
     tensors: Vec<Option<OwnedTensor>>,
     by_name: HashMap<String, usize>,
@@ -1433,33 +1433,10 @@ fn load_owned(
         // only for its own tensor's.
         let lens: Vec<u64> = with_bytes.iter().map(|&i| p.sel[i].len).collect();
         let device = stream.context().ordinal();
-        // The first tensor is allocated before the job: the first allocation from cudarc's
-        // pool in a process is slow (15 ms on the H200 machine beside a starting job's reads,
-        // against ~50 µs for the next ones), and alone it does not contend with the workers
-        // faulting in the ring.
-        let mut first: Option<(usize, TensorData)> = None;
-        if let Some(&i0) = with_bytes.first() {
-            let t = Instant::now();
-            first = Some((i0, alloc(i0)?));
-            crate::storage::trace_mark(|| {
-                format!(
-                    "owned load: the first tensor allocated before the job in {:.3} ms",
-                    t.elapsed().as_secs_f64() * 1e3
-                )
-            });
-        }
         for g in owned_groups(&lens, step) {
             let group = &with_bytes[g];
-            let i0 = first.as_ref().map(|f| f.0).filter(|i| group.contains(i));
-            let mut first_view = first
-                .as_mut()
-                .filter(|_| i0.is_some())
-                .map(|(_, d)| d.bytes_mut());
             let mut batch = ReadBatch::new();
             let mut bytes = 0;
-            // The tensors the batch asks for while it reads (all but an allocated first one).
-            let mut later: Vec<usize> = Vec::with_capacity(group.len());
-            let first_id = first_view.as_mut().map(|v| batch.destination(v));
             for &i in group {
                 let r = read_of(i);
                 let f = p.files[r.shard].as_ref().ok_or_else(|| {
@@ -1468,13 +1445,7 @@ fn load_owned(
                 let len = usize::try_from(r.len).map_err(|_| {
                     Error::InvalidArgument("a read exceeds the address space".into())
                 })?;
-                let id = match (first_id, i0) {
-                    (Some(id), Some(i0)) if i0 == i => id,
-                    _ => {
-                        later.push(i);
-                        batch.later_destination(stream, len)
-                    }
-                };
+                let id = batch.later_destination(stream, len);
                 batch.read_file(f, r.file_offset, len, id, 0);
                 bytes += r.len;
             }
@@ -1482,7 +1453,7 @@ fn load_owned(
             let (mut in_alloc, mut in_sync) = (0u128, 0u128);
             let timing = crate::storage::trace_on();
             let mut alloc_k = |k: usize| -> Result<sys::CUdeviceptr> {
-                let i = later[k];
+                let i = group[k];
                 let ta = timing.then(Instant::now);
                 let mut d = alloc(i)?;
                 let tb = timing.then(Instant::now);
@@ -1511,7 +1482,7 @@ fn load_owned(
             crate::storage::trace_mark(|| {
                 format!(
                     "owned load: {} tensors allocated while it read: {:.3} ms in cudarc's alloc, {:.3} ms in cuStreamSynchronize",
-                    later.len(),
+                    group.len(),
                     in_alloc as f64 / 1e3,
                     in_sync as f64 / 1e3
                 )
@@ -1530,17 +1501,9 @@ fn load_owned(
                                 d.leak();
                             }
                         }
-                        if let Some((i0, d)) = first.take() {
-                            if group.contains(&i0) {
-                                d.leak();
-                            }
-                        }
                     }
                     return Err(unbatch(e));
                 }
-            }
-            if let Some((i0, d)) = first.take_if(|(i0, _)| group.contains(i0)) {
-                data[i0] = Some(d);
             }
         }
     }
