@@ -119,6 +119,9 @@ pub(in crate::storage) struct CopyTrace {
     pub issued: u64,
     pub bytes: usize,
     pub runs: usize,
+    /// Parts the copies were issued in (a first-pass segment's copies go out as its reads
+    /// come in; `issued` is then the first part's).
+    pub parts: usize,
 }
 
 /// What one engine job did, collected while it runs and printed when it ends.
@@ -390,6 +393,13 @@ impl JobTrace {
                 s,
                 "{p}   copies (segment slot/stream: ready -> issued -> GPU done, bytes, GB/s of the GPU's span since the previous copy on its stream ended or this one was issued):"
             );
+            let parts = |n: usize| {
+                if n > 1 {
+                    format!(" in {n} parts")
+                } else {
+                    String::new()
+                }
+            };
             let mut prev_end: Vec<u64> = Vec::new();
             let mut busy = 0u64;
             let (mut first_issue, mut last_done) = (u64::MAX, 0u64);
@@ -415,14 +425,15 @@ impl JobTrace {
                     prev_end[c.stream] = d;
                     let _ = write!(
                         l,
-                        " -> {:>9.3}  {:>9} B in {} runs, {:.1} GB/s",
+                        " -> {:>9.3}  {:>9} B in {} runs{}, {:.1} GB/s",
                         rel(d),
                         c.bytes,
                         c.runs,
+                        parts(c.parts),
                         c.bytes as f64 / span as f64 / 1e3
                     );
                 } else {
-                    let _ = write!(l, "  {:>9} B in {} runs", c.bytes, c.runs);
+                    let _ = write!(l, "  {:>9} B in {} runs{}", c.bytes, c.runs, parts(c.parts));
                 }
                 let _ = writeln!(s, "{l}");
             }
@@ -479,6 +490,7 @@ mod tests {
                     issued: 3_010,
                     bytes: 32 << 20,
                     runs: 1,
+                    parts: 1,
                 },
                 CopyTrace {
                     seg: 0,
@@ -488,6 +500,7 @@ mod tests {
                     issued: 2_300,
                     bytes: 32 << 20,
                     runs: 1,
+                    parts: 1,
                 },
             ]),
             notes: Mutex::new(vec![(1_200, "alloc done".into())]),
