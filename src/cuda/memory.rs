@@ -424,14 +424,17 @@ impl<M: DeviceMemory + ?Sized> DeviceMemory for Arc<M> {
     }
 }
 
-/// A checkpoint's one allocation of at least this many bytes comes from `cuMemAlloc`; smaller
-/// ones from cudarc's stream-ordered pool. A large pool allocation is slow the first time in a
-/// process (a 4 GiB `cuMemAllocAsync` took 8–20 ms beside a starting checkpoint load on the H200
-/// against 0.4 ms for `cuMemAlloc`: CONTRIBUTING.md, "CUDA pointer facts"), and a one-shot
-/// load's copies wait for it; `cuMemAlloc` memory is also GPUDirect RDMA capable and exports as
-/// a dma-buf, which pool memory is not. Freeing it costs more (cudarc's `cuMemFreeAsync` of
-/// it: 13.8 ms beside a held stream, 0.07 ms for pool memory), once per checkpoint. Buffers a
-/// loop allocates and frees (`read_to_gpu`) stay in the pool.
+/// A device buffer gpudirect allocates for a read (`read_to_gpu`, a checkpoint's one
+/// allocation, a batch's destination) of at least this many bytes comes from `cuMemAlloc`;
+/// smaller ones from cudarc's stream-ordered pool. A large pool allocation is slow, the first
+/// time in a process most (a 4 GiB `cuMemAllocAsync` took 5.6–7.5 ms in a loop, 17 ms as the
+/// pool's first, and 6.5–10 ms beside a starting `read_to_gpu`, on the H200, against
+/// 0.36–0.53 ms for `cuMemAlloc`: CONTRIBUTING.md, "CUDA pointer facts"), and a one-shot
+/// read's copies wait for it. Freeing is no dearer in a loop: cudarc's `cuMemFreeAsync` of a
+/// written 4 GiB `cuMemAlloc` buffer took 0.01 ms and the stream sync after it 2.4–2.9 ms
+/// (the process's first such free 11.2 ms), against 0.01 ms and 7.6–9.9 ms for pool memory
+/// (the pool gives it back at the sync: release threshold 0). `cuMemAlloc` memory is also
+/// GPUDirect RDMA capable and exports as a dma-buf, which pool memory is not.
 pub(crate) const DIRECT_ALLOC_MIN: usize = 64 << 20;
 
 /// `len` uninitialised `T`s in `stream`'s context, as a cudarc slice: `cuMemAlloc` from

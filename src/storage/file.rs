@@ -851,15 +851,18 @@ impl GpuFile {
         let outcome = engine.run_deferred(job, threads, || {
             // SAFETY: every byte is written by the read, or the buffer is dropped on error; T
             // accepts any bit pattern.
-            let mut b =
-                unsafe { stream.alloc::<T>(n) }.map_err(|e| Error::cuda("cuMemAlloc", e))?;
+            let mut b = unsafe { crate::cuda::alloc_uninit::<T>(stream, n) }?;
             // The engine writes it on its own stream, and its copies complete before the buffer
-            // is handed out; the allocation (stream-ordered) is complete before any copy.
+            // is handed out. A pool allocation (below DIRECT_ALLOC_MIN) is ordered on `stream`:
+            // it is complete before any copy once the stream is; `cuMemAlloc` memory is usable
+            // at once.
             let (dptr, record) = b.device_ptr_mut(stream);
             drop(record);
-            stream
-                .synchronize()
-                .map_err(|e| Error::cuda("cuStreamSynchronize", e))?;
+            if len < crate::cuda::DIRECT_ALLOC_MIN {
+                stream
+                    .synchronize()
+                    .map_err(|e| Error::cuda("cuStreamSynchronize", e))?;
+            }
             out = Some(b);
             Ok(dptr)
         });
