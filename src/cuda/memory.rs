@@ -46,9 +46,7 @@ impl Layout for GpuPageAligned {
 }
 
 /// A `cuMemAlloc` allocation of `T`s, usable wherever cudarc takes a `CudaSlice`/`CudaView`,
-/// freed on drop in the order of its stream (`cuMemFreeAsync`, after the buffer's recorded uses
-/// on other streams: a drop waits for no other work; `cuMemFree` after a sync of its stream on
-/// devices without stream-ordered allocation).
+/// freed with `cuMemFree` on drop after its stream finished.
 ///
 /// cudarc allocates from the stream-ordered pool (`cuMemAllocAsync`); some jobs need
 /// `cuMemAlloc` memory instead: legacy CUDA IPC (`cuIpcGetMemHandle` accepts only `cuMemAlloc`
@@ -66,13 +64,13 @@ impl Layout for GpuPageAligned {
 ///
 /// cudarc code sees either as a [`CudaSlice`] ([`as_slice`](Self::as_slice)) or views, so
 /// kernels, `memcpy_htod`/`memcpy_dtoh` and `launch_builder` work unchanged. The slice is never
-/// dropped by cudarc (a `GdrBuffer`'s slice does not start where the allocation does).
+/// dropped by cudarc (which would free it with `cuMemFreeAsync`).
 ///
 /// Which of gpudirect's allocation types (and cudarc's) for what: [the crate
 /// docs](crate#which-allocation-type-for-what).
 #[derive(Debug)]
 pub struct DeviceBuffer<T = u8, L: Layout = Plain> {
-    /// Never dropped by cudarc: leaked in our Drop before it is freed.
+    /// Never dropped by cudarc: leaked in our Drop before `cuMemFree`.
     slice: ManuallyDrop<CudaSlice<T>>,
     /// What cuMemAlloc returned (may precede `start` by the alignment padding).
     base: sys::CUdeviceptr,
@@ -86,23 +84,6 @@ pub struct DeviceBuffer<T = u8, L: Layout = Plain> {
 /// A GPUDirect-RDMA-capable device allocation (`cuMemAlloc`, 64 KiB aligned, `SYNC_MEMOPS`
 /// set): [`DeviceBuffer`] with the [`GpuPageAligned`] layout.
 pub type GdrBuffer<T = u8> = DeviceBuffer<T, GpuPageAligned>;
-
-/// Frees a `cuMemAlloc` allocation no work ever used, waiting for no other work where the
-/// device allows it (`cuMemFreeAsync` on `stream`; `cuMemFree` waits for all of the device's
-/// work).
-///
-/// # Safety
-/// `p` must come from `cuMemAlloc` in `stream`'s context, current on this thread, and no work
-/// may use it.
-unsafe fn free_unused(stream: &CudaStream, p: sys::CUdeviceptr) -> Result<()> {
-    if stream.context().has_async_alloc() {
-        // SAFETY: the caller's contract: no use to order before the free.
-        unsafe { r::mem::free_ordered(p, stream.cu_stream()) }
-    } else {
-        // SAFETY: the caller's contract.
-        unsafe { r::mem::free(p) }
-    }
-}
 
 fn round_up(x: usize, to: usize) -> Option<usize> {
     x.checked_add(to - 1).map(|v| v / to * to)
@@ -174,10 +155,9 @@ impl<T: DeviceRepr> DeviceBuffer<T, GpuPageAligned> {
         if base % GPU_PAGE_SIZE as u64 != 0 {
             // cuMemAlloc guarantees 256 B alignment only: over-allocate by one GPU page and start
             // on the next boundary (as GDRCopy's tests do).
-            // SAFETY: `base` came from cuMemAlloc above (its context is current) and nothing
-            // refers to it.
-            if let Err(e) = unsafe { free_unused(stream, base) } {
-                tracing::warn!(error = %e, "freeing a misaligned GdrBuffer attempt failed");
+            // SAFETY: `base` came from cuMemAlloc above and nothing else refers to it.
+            if let Err(e) = unsafe { r::mem::free(base) } {
+                tracing::warn!(error = %e, "cuMemFree of a misaligned GdrBuffer attempt failed");
             }
             alloc_bytes = rounded + GPU_PAGE_SIZE;
             // SAFETY: as above.
@@ -188,9 +168,8 @@ impl<T: DeviceRepr> DeviceBuffer<T, GpuPageAligned> {
         debug_assert!(capacity >= bytes);
         // SYNC_MEMOPS: synchronous cuMemcpy/cuMemset complete before a NIC can read the bytes.
         if let Err(e) = super::set_sync_memops(start) {
-            // SAFETY: `base` came from cuMemAlloc above (its context is current); nothing
-            // refers to it yet.
-            let _ = unsafe { free_unused(stream, base) };
+            // SAFETY: `base` came from cuMemAlloc above; nothing refers to it yet.
+            let _ = unsafe { r::mem::free(base) };
             return Err(e);
         }
         // SAFETY: `start..start + bytes` lies inside the cuMemAlloc allocation (capacity >=
@@ -342,27 +321,12 @@ impl<T, L: Layout> Drop for DeviceBuffer<T, L> {
         // Orders the stream after the slice's recorded uses and releases cudarc's events.
         let ptr = slice.leak();
         debug_assert_eq!(ptr, self.start);
+        if let Err(e) = stream.synchronize() {
+            tracing::warn!(error = %e, "gpudirect DeviceBuffer: cuStreamSynchronize before cuMemFree failed");
+        }
         if let Err(e) = stream.context().bind_to_thread() {
             tracing::warn!(error = %e, "gpudirect DeviceBuffer: cannot bind the context to free the buffer; leaking it");
             return;
-        }
-        // In stream order, as cudarc frees its own slices: the free waits for the buffer's
-        // stream only (ordered after every recorded use above). `cuMemFree` would wait for all
-        // of the device's work, so dropping a buffer while another stream is held (a long
-        // kernel, a host function waiting for this thread) would wait for it, or never return.
-        if stream.context().has_async_alloc() {
-            // SAFETY: `base` came from cuMemAlloc in this context (current, bound above), is
-            // freed only here, and every cudarc use of it is ordered before this point of
-            // `stream` (leak above); cudarc no longer owns it.
-            if let Err(e) = unsafe { r::mem::free_ordered(self.base, stream.cu_stream()) } {
-                // Whether a failed call (an error of earlier work, a broken context) queued
-                // the free is unknown: a second free could hit memory reallocated meanwhile.
-                tracing::warn!(error = %e, "gpudirect DeviceBuffer: cuMemFreeAsync failed; leaking the buffer");
-            }
-            return;
-        }
-        if let Err(e) = stream.synchronize() {
-            tracing::warn!(error = %e, "gpudirect DeviceBuffer: cuStreamSynchronize before cuMemFree failed");
         }
         // SAFETY: `base` came from cuMemAlloc in this context, is freed only here, and the
         // stream that ordered all cudarc work on it was synchronized above; cudarc no longer

@@ -383,19 +383,6 @@ pub(crate) mod mem {
         check("cuMemFree", unsafe { sys::cuMemFree_v2(p) })
     }
 
-    /// `cuMemFreeAsync` of `cuMemAlloc` memory: freed once `stream` reaches the free, with no
-    /// wait for any other work (`cuMemFree` waits for all of the device's work, other streams'
-    /// included). The CUDA programming guide's "Stream Ordered Memory Allocator" allows it for
-    /// `cuMemAlloc` memory (as cudarc frees slices made with `upgrade_device_ptr`).
-    ///
-    /// # Safety
-    /// `p` must come from `cuMemAlloc` in the current context, and every use of it must be
-    /// ordered before this point of `stream` (queued on it, or waited for by it).
-    pub(crate) unsafe fn free_ordered(p: sys::CUdeviceptr, stream: sys::CUstream) -> Result<()> {
-        // SAFETY: the caller's contract.
-        check("cuMemFreeAsync", unsafe { sys::cuMemFreeAsync(p, stream) })
-    }
-
     /// `cuMemGetAddressRange_v2`: the base and size of the allocation holding `ptr`.
     ///
     /// # Safety
