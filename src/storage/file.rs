@@ -858,7 +858,7 @@ impl GpuFile {
             // at once.
             let (dptr, record) = b.device_ptr_mut(stream);
             drop(record);
-            if len < crate::cuda::DIRECT_ALLOC_MIN {
+            if n * std::mem::size_of::<T>() < crate::cuda::DIRECT_ALLOC_MIN {
                 stream
                     .synchronize()
                     .map_err(|e| Error::cuda("cuStreamSynchronize", e))?;
