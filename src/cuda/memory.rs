@@ -48,6 +48,13 @@ impl Layout for GpuPageAligned {
 /// A `cuMemAlloc` allocation of `T`s, usable wherever cudarc takes a `CudaSlice`/`CudaView`,
 /// freed with `cuMemFree` on drop after its stream finished.
 ///
+/// The drop waits for all of the context's work, other streams' included (`cuMemFree` does):
+/// do not drop one while another stream waits for the dropping thread (a host function or a
+/// kernel waiting for a flag it sets later), which would never return. A free in the order of
+/// the buffer's stream would not wait, but it is not sound here: cudarc keeps one read and one
+/// write event per slice, so a buffer read on two streams would be freed after the last read
+/// only (CONTRIBUTING.md, "CUDA pointer facts").
+///
 /// cudarc allocates from the stream-ordered pool (`cuMemAllocAsync`); some jobs need
 /// `cuMemAlloc` memory instead: legacy CUDA IPC (`cuIpcGetMemHandle` accepts only `cuMemAlloc`
 /// memory), the context-peer-access path, and GPUDirect RDMA (pool memory reports

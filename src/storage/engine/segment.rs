@@ -8,17 +8,19 @@
 //! packed back to back (many small files) are contiguous in the segment too; otherwise it
 //! starts at the next legal offset; a task that does not fit starts the next segment.
 //!
-//! **Copies** ([`copy_runs`], pure): when every task of segment `g` is read, one
+//! **Copies** ([`copy_runs`], pure): when every task of segment `g` is read (in the ring's
+//! first pass: each read prefix of it that is large enough, see "No warm-up tax"), one
 //! `cuMemcpyHtoDAsync` is issued per maximal run of payload that is contiguous both in the
-//! segment and in one destination buffer: a single big file gets one copy per segment, 10k
-//! small files packed into one buffer get one copy per segment, a checkpoint whose device
-//! layout pads tensors gets one copy per tensor piece. Only bytes a task read are copied, each
+//! segment (or the part) and in one destination buffer: a single big file gets one copy per
+//! segment, 10k small files packed into one buffer get one copy per segment, a checkpoint
+//! whose device layout pads tensors gets one copy per tensor piece (copies are also cut where
+//! the slot's registrations start). Only bytes a task read are copied, each
 //! into its own task's destination range: no destination byte outside the items is written.
 //!
 //! **Ring**: segment `g` is staged in slot `g % K` of a ring of `K` slots. Workers pull tasks in
 //! order from the job's counter and read each into its span of its segment's slot; the worker
-//! that finishes the last task of a segment issues its copies on copy stream `g % streams` and
-//! records the slot's event. A worker that wants to fill slot `r` for segment `g ≥ K` first
+//! that finishes the last task of a segment issues its copies (the rest of them, in the first
+//! pass) on copy stream `g % streams` and records the slot's event. A worker that wants to fill slot `r` for segment `g ≥ K` first
 //! waits until segment `g − K`'s copies were issued and have completed (the slot's event).
 //! No deadlock: tasks are taken in order and segments are contiguous ranges of tasks, so every
 //! task of segment `g − K` was taken before any task of `g`; each of those is being read by a
@@ -305,10 +307,12 @@ pub(in crate::storage) trait Ring: Sync {
     /// Makes the ring's context current on the calling thread.
     fn bind(&self) -> Result<()>;
     /// Page-locks at least the first `need` bytes of slot `r`; returns the bytes locked by this
-    /// call (0: they already were). One caller per slot at a time (the job's pin lock), and no
-    /// copy out of the slot is in flight (the job issues none before the slot is locked as far
-    /// as all of them read; earlier jobs' copies were drained). Workers may be reading into
-    /// the slot meanwhile (the pages' contents are not touched).
+    /// call (0: they already were). One caller per slot at a time (the job's pin lock). A
+    /// slot locked less far is extended by one more registration over the bytes past it: no
+    /// copy reads those yet (the job issues a copy only once the slot is locked as far as it
+    /// reads; earlier jobs' copies were drained), while copies out of the bytes locked before
+    /// may be in flight. Workers may be reading into the slot meanwhile (the pages' contents
+    /// are not touched).
     fn ensure_registered(&self, r: usize, need: usize) -> Result<usize>;
     /// Whether the first `end` bytes of slot `r` are page-locked.
     fn is_registered(&self, r: usize, end: usize) -> bool;
@@ -793,7 +797,8 @@ pub(in crate::storage) struct SegJob<'r, R: Ring + ?Sized> {
     nstreams: usize,
     layout: Layout,
     /// Per slot: the bytes it is page-locked for, for every segment of the job at once (so a
-    /// slot is locked at most once per job and never unlocked under a copy of the job).
+    /// slot is locked only in the first pass, in a few parts, and never unlocked under a copy
+    /// of the job).
     need: Vec<usize>,
     /// Held while a slot is being page-locked (by the worker issuing its first segment's
     /// copies): one at a time, and whoever comes second for a slot finds it done.
@@ -894,8 +899,8 @@ impl<'r, R: Ring + ?Sized> SegJob<'r, R> {
     /// segment's last part, as far as any segment staged in the slot reads), then the copies
     /// are enqueued. After the segment's last part (`last`), the slot's marker is recorded:
     /// its parts are all on one stream, so the marker completes after every one of them.
-    /// Ok(false): an allocation failed (the job is failed and aborting) and nothing was
-    /// enqueued.
+    /// Returns the runs and bytes copied; `Ok(None)`: an allocation failed (the job is failed
+    /// and aborting) and nothing was enqueued.
     fn issue_part(
         &self,
         job: &Job<'_>,
