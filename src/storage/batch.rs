@@ -60,8 +60,7 @@ pub struct BatchReport {
     pub items: usize,
     /// Bytes moved (the sum of the items' lengths).
     pub bytes: usize,
-    /// Wall time of the call, from `run` to its return (files opened included; the POSIX
-    /// engine's files are closed after it, see [`ReadBatch::run`]).
+    /// Wall time of the call, from `run` to its return (files opened and closed included).
     pub elapsed: Duration,
     /// The job's path: the path of the most bytes (see [`paths`](Self::paths) when items took
     /// different ones).
@@ -522,12 +521,8 @@ impl<'a> ReadBatch<'a> {
     ///
     /// The files named by path are opened in parallel on the engine's workers and the calling
     /// thread; a panic while opening one (a bug) is the same `Err` whichever thread took the
-    /// file, never an unwind out of `run`. The files the POSIX engine read are closed on a
-    /// thread of gpudirect's own after `run` returns (10k closes took ~5 ms on 16 threads);
-    /// the next batch that opens files waits for those closes first, so a loop of batches
-    /// never holds more than one batch's files open. Files with a cuFile handle are closed
-    /// before `run` returns. A panic while closing (a bug) is logged and leaves the result
-    /// alone (the items are in place by then).
+    /// file, never an unwind out of `run`. A panic while closing them at the end is logged
+    /// and leaves the result alone (the items are in place by then).
     pub fn run(self) -> Result<BatchReport> {
         self.run_allocating().map(|(r, _)| r)
     }
@@ -718,9 +713,6 @@ impl<'a> ReadBatch<'a> {
                 ),
                 _ => io::reserve_fds(fds),
             }
-            // The files earlier batches opened are closed first: a loop of batches never
-            // holds more than one batch's files open.
-            wait_for_closes();
             let ok = eng.for_each(to_open.len(), threads, &|k| {
                 let s = to_open[k];
                 if let Source::Path(p) = &srcs[s] {
@@ -1126,24 +1118,12 @@ impl<'a> ReadBatch<'a> {
         }
         let nfiles = files.len();
         drop(files);
-        // Close what the batch opened: the engine's files on a thread of their own, after this
-        // returns (closing 10k files took 4.8-5.0 ms on 16 workers on the H200, a tenth of the
-        // batch); a file with a cuFile handle here, now (its deregistration must not race the
-        // driver's close at exit).
-        let mut background = Vec::new();
+        // Close what the batch opened, in parallel.
         let slots: Vec<Mutex<Option<GpuFile>>> = opened
             .into_iter()
-            .map(|o| o.into_inner().and_then(|r| r.ok()))
-            .filter_map(|f| match f {
-                Some(f) if f.cufile.is_none() => {
-                    background.push(f);
-                    None
-                }
-                f => f.map(|f| Mutex::new(Some(f))),
-            })
+            .map(|o| Mutex::new(o.into_inner().and_then(|r| r.ok())))
             .collect();
-        close_later(background);
-        if !slots.is_empty() {
+        if !to_open.is_empty() {
             let threads = engine::default_threads(Some(ordinal), options.config_ref().numa_pin);
             let closed = eng.for_each(slots.len(), threads, &|k| {
                 drop(slots[k].lock().unwrap_or_else(|p| p.into_inner()).take());
@@ -1176,46 +1156,6 @@ impl<'a> ReadBatch<'a> {
         r.odirect = odirect;
         r.copies = copies;
         Ok((r, new_buf.or(deferred_out)))
-    }
-}
-
-/// The thread closing the files the last batch opened (`close_later`), if any.
-static CLOSING: Mutex<Option<std::thread::JoinHandle<()>>> = Mutex::new(None);
-
-/// Waits until the files earlier batches opened are closed.
-fn wait_for_closes() {
-    let h = CLOSING.lock().unwrap_or_else(|p| p.into_inner()).take();
-    if let Some(h) = h {
-        joined(h);
-    }
-}
-
-/// Joins a closing thread; a close that panicked (a bug) is logged and leaves nothing to undo.
-fn joined(h: std::thread::JoinHandle<()>) {
-    if h.join().is_err() {
-        tracing::error!(
-            "closing a batch's files panicked (a bug in gpudirect: please report it); the batch's items were in place"
-        );
-    }
-}
-
-/// Closes `files` on a thread of their own (on this thread when none can be started). The
-/// thread closing an earlier batch's files is waited for here: closing threads do not pile
-/// up.
-fn close_later(files: Vec<GpuFile>) {
-    if files.is_empty() {
-        return;
-    }
-    // A failed spawn drops the closure, closing the files here.
-    let Ok(h) = std::thread::Builder::new()
-        .name("gpudirect-close".into())
-        .spawn(move || drop(files))
-    else {
-        return;
-    };
-    let earlier = CLOSING.lock().unwrap_or_else(|p| p.into_inner()).replace(h);
-    if let Some(e) = earlier {
-        joined(e);
     }
 }
 
@@ -1722,50 +1662,6 @@ impl<'a> WriteBatch<'a> {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    /// The descriptors of this process that name `path` (`/proc/self/fd`: other tests' files
-    /// name other paths, so reused numbers do not count).
-    fn fds_naming(path: &std::path::Path) -> usize {
-        std::fs::read_dir("/proc/self/fd")
-            .unwrap()
-            .filter_map(|e| std::fs::read_link(e.ok()?.path()).ok())
-            .filter(|l| l == path)
-            .count()
-    }
-
-    /// The files a batch closes after it returns are closed by the time the next batch opens
-    /// its own (`wait_for_closes`), also when several batches' closes were handed over one
-    /// after another; nothing stays open.
-    #[test]
-    fn files_closed_later_are_closed_before_the_next_batch_opens_files() {
-        let dir =
-            std::env::temp_dir().join(format!("gpudirect-close-later-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let paths: Vec<_> = (0..3)
-            .map(|k| {
-                let p = dir.join(format!("f{k}"));
-                std::fs::write(&p, [k as u8; 100]).unwrap();
-                p.canonicalize().unwrap()
-            })
-            .collect();
-        for round in 0..3 {
-            for p in &paths {
-                let files: Vec<GpuFile> = (0..40).map(|_| GpuFile::open(p).unwrap()).collect();
-                assert!(fds_naming(p) >= 40, "round {round}: the files are open");
-                close_later(files);
-            }
-            wait_for_closes();
-            for p in &paths {
-                assert_eq!(
-                    fds_naming(p),
-                    0,
-                    "round {round}: {} still open",
-                    p.display()
-                );
-            }
-        }
-        std::fs::remove_dir_all(&dir).unwrap();
-    }
 
     /// Review finding 4: a ring that cannot be built or locked fails no batch, and the
     /// descriptor table is still made room in, exactly once, whether the preparation failed
