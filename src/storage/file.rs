@@ -991,10 +991,12 @@ pub(super) fn seg_params_of(cfg: &StorageConfig) -> Option<SegParams> {
 /// ```
 ///
 /// The buffer is cudarc's, freed by cudarc like any `CudaSlice` (`cuMemFreeAsync` on
-/// `stream`). From 64 MiB it is `cuMemAlloc` memory (usable on every stream at once, GPUDirect
-/// RDMA capable), allocated while the engine's workers already read (a 4 GiB pool allocation
-/// took 5.6–17 ms on the H200 against 0.4 ms: CONTRIBUTING.md, "CUDA pointer facts"); smaller
-/// ones come from cudarc's stream-ordered pool, ordered on `stream`.
+/// `stream`). When the POSIX engine's segment ring reads it (its default pipeline), a buffer
+/// of 64 MiB or more is `cuMemAlloc` memory (usable on every stream at once, GPUDirect RDMA
+/// capable), allocated while the workers already read (a 4 GiB pool allocation took 5.6–17 ms
+/// on the H200 against 0.4 ms: CONTRIBUTING.md, "CUDA pointer facts"); otherwise (smaller,
+/// through cuFile, or another pipeline) it comes from cudarc's stream-ordered pool, ordered on
+/// `stream`.
 ///
 /// Errors as [`GpuFile::open`] and [`GpuFile::read_to_device`]; a file whose length is not a
 /// multiple of `size_of::<T>()` is an [`Error::Io`] of kind `InvalidData` (nothing is read); a
