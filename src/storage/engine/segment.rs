@@ -1904,6 +1904,8 @@ mod pipeline_tests {
         /// `alloc_delay`; the allocation of this item fails.
         per_item: bool,
         fail_item: Option<usize>,
+        /// The job's cancel flag is set once this many tasks finished.
+        cancel_after: Option<usize>,
     }
 
     /// [`run_case`] with every knob.
@@ -1980,6 +1982,24 @@ mod pipeline_tests {
         }
         .with_segments(c.seg)
         .with_gates(&gates);
+        let cancel = AtomicBool::new(false);
+        let finished = AtomicUsize::new(0);
+        let on_piece = |_n: usize| {
+            if k.cancel_after
+                .is_some_and(|at| finished.fetch_add(1, Ordering::SeqCst) + 1 >= at)
+            {
+                cancel.store(true, Ordering::SeqCst);
+            }
+        };
+        let job = if k.cancel_after.is_some() {
+            job.with_control(super::super::Control {
+                after: &[],
+                cancel: Some(&cancel),
+                on_piece: Some(&on_piece),
+            })
+        } else {
+            job
+        };
         if deferred {
             ring.dev_exists.store(false, Ordering::SeqCst);
         } else if !per_item {
@@ -2146,6 +2166,61 @@ mod pipeline_tests {
             parted > 0,
             "no first-pass segment came in parts: the test checks nothing"
         );
+    }
+
+    /// A job cancelled while the ring's first pass issues its segments' copies in parts: the
+    /// bytes it reports per item are exactly the ones that reached the destination (tasks in
+    /// parts whose copies were issued count; tasks read but not issued count 0), every byte
+    /// that reached it is right, and no copy is still queued. Random data can equal the
+    /// sentinel, so "reached" is bounded: the bytes that differ from the sentinel at most, the
+    /// bytes that equal the file at least.
+    #[test]
+    fn a_job_cancelled_in_the_first_pass_reports_exactly_the_parts_it_copied() {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(53);
+        let mut cut_rounds = 0;
+        for round in 0..16 {
+            let mut c = random_case(&mut rng, round % 2 == 1);
+            c.seg.segments = 3;
+            c.threads = 1 + round % 4;
+            c.seg.segment_size = c.piece * (4 + round % 3);
+            let r = run_case_with(
+                &c,
+                &Knobs {
+                    cancel_after: Some(1 + round % 7),
+                    ..Knobs::default()
+                },
+            );
+            assert_eq!(
+                r.enqueued, r.run,
+                "a copy was still queued when the job returned"
+            );
+            let out = r.result.as_ref().unwrap();
+            if out.cancelled {
+                cut_rounds += 1;
+            }
+            for (k, &(f, off, len, at)) in c.items.iter().enumerate() {
+                let got = &r.dev[at..at + len];
+                let want = &c.files[f][off as usize..off as usize + len];
+                let differs = got.iter().filter(|&&b| b != 0xA5).count();
+                let equal = got.iter().zip(want).filter(|(a, b)| a == b).count();
+                let moved = out.items[k].moved;
+                assert!(
+                    differs <= moved && moved <= equal,
+                    "round {round}, item {k}: {moved} bytes reported, {differs} differ from the sentinel, {equal} equal the file"
+                );
+                for (i, (&g, &w)) in got.iter().zip(want).enumerate() {
+                    assert!(
+                        g == 0xA5 || g == w,
+                        "round {round}, item {k}, byte {i}: {g:#x}, not the file's {w:#x}"
+                    );
+                }
+                assert!(
+                    got[..out.items[k].prefix] == want[..out.items[k].prefix],
+                    "round {round}, item {k}: the reported prefix is not the file's"
+                );
+            }
+        }
+        assert!(cut_rounds > 0, "no job was cut: the test checks nothing");
     }
 
     /// A deferred destination: no slot is page-locked while it is being allocated (the fake
