@@ -329,7 +329,23 @@ impl GpuFile {
     }
 
     pub(super) fn read_direct(&self, off: u64, n: usize) -> bool {
-        self.read_direct_many(&[(off, n)])[0]
+        self.direct_unsampled(n)
+            .unwrap_or_else(|| self.read_direct_many(&[(off, n)])[0])
+    }
+
+    /// [`read_direct`](Self::read_direct)'s answer for a range of `n` bytes when it needs no
+    /// page-cache sample (no O_DIRECT descriptor, `ODirect::Off` or `On`, or a range below
+    /// `AUTO_DIRECT_MIN`), with no allocation: every 4 KiB read asks.
+    pub(super) fn direct_unsampled(&self, n: usize) -> Option<bool> {
+        if self.fds.direct().is_none() {
+            return Some(false);
+        }
+        match self.cfg.odirect_read {
+            ODirect::Off => Some(false),
+            ODirect::On => Some(true),
+            ODirect::Auto if n < AUTO_DIRECT_MIN => Some(false),
+            ODirect::Auto => None,
+        }
     }
 
     /// [`read_direct`](Self::read_direct) of each `(offset, len)` range, the page cache
