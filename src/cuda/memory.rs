@@ -484,6 +484,29 @@ pub(crate) unsafe fn alloc_uninit<T: DeviceRepr>(
     Ok(unsafe { stream.upgrade_device_ptr::<T>(ptr, len) })
 }
 
+/// [`alloc_uninit`] for work on any stream at once (an engine job's destination allocated while
+/// it reads, written on the engine's own streams): a pool allocation (below
+/// [`DIRECT_ALLOC_MIN`]) is ordered on `stream`, so `stream` is synchronized first;
+/// `cuMemAlloc` memory is usable as soon as it exists. Returns the slice and its address.
+///
+/// # Safety
+/// As [`alloc_uninit`].
+pub(crate) unsafe fn alloc_uninit_ready<T: DeviceRepr>(
+    stream: &Arc<CudaStream>,
+    len: usize,
+) -> Result<(CudaSlice<T>, sys::CUdeviceptr)> {
+    // SAFETY: the caller's contract.
+    let mut b = unsafe { alloc_uninit::<T>(stream, len) }?;
+    let (dptr, record) = cudarc::driver::DevicePtrMut::device_ptr_mut(&mut b, stream);
+    drop(record);
+    if b.num_bytes() < DIRECT_ALLOC_MIN {
+        stream
+            .synchronize()
+            .map_err(|e| Error::cuda("cuStreamSynchronize", e))?;
+    }
+    Ok((b, dptr))
+}
+
 /// Lets go of cudarc's view of memory gpudirect will unmap or free itself: orders `stream`
 /// after the view's recorded uses and releases cudarc's events (`CudaSlice::leak`), then waits
 /// for `stream`, so that no queued work touches the memory when the caller's unmap runs. A

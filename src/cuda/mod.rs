@@ -60,7 +60,7 @@ pub(crate) mod result;
 pub(crate) mod vmm;
 
 pub(crate) use current::CurrentContext;
-pub(crate) use memory::{alloc_uninit, release_slice_view, DIRECT_ALLOC_MIN};
+pub(crate) use memory::{alloc_uninit, alloc_uninit_ready, release_slice_view};
 
 pub use bits::AnyBitPattern;
 pub use dmabuf::{export_dmabuf, host_page_size, DmaBufExport, DmaBufPlan};

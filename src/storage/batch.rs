@@ -1005,15 +1005,12 @@ impl<'a> ReadBatch<'a> {
                     let r = eng.run_deferred_each(job.with_gates(&gates), threads, |j| {
                         match &deferred[j] {
                             Deferred::New { stream, len } => {
-                                let mut b = alloc_new(stream, *len)?;
-                                // The engine writes it on its own stream, and its copies
-                                // complete before the buffer is handed out; the allocation
-                                // (stream-ordered) is complete before any copy.
-                                let (dptr, record) = b.device_ptr_mut(stream);
-                                drop(record);
-                                stream
-                                    .synchronize()
-                                    .map_err(|e| Error::cuda("cuStreamSynchronize", e))?;
+                                // The engine writes it on its own streams, and its copies
+                                // complete before the buffer is handed out.
+                                // SAFETY: as alloc_new's.
+                                let (b, dptr) = unsafe {
+                                    crate::cuda::alloc_uninit_ready::<u8>(stream, *len)
+                                }?;
                                 *out = Some(b);
                                 Ok(dptr)
                             }

@@ -865,20 +865,11 @@ impl GpuFile {
         .with_gate(&gate);
         let mut out: Option<CudaSlice<T>> = None;
         let outcome = engine.run_deferred(job, threads, || {
+            // The engine writes it on its own streams, and its copies complete before the
+            // buffer is handed out.
             // SAFETY: every byte is written by the read, or the buffer is dropped on error; T
             // accepts any bit pattern.
-            let mut b = unsafe { crate::cuda::alloc_uninit::<T>(stream, n) }?;
-            // The engine writes it on its own stream, and its copies complete before the buffer
-            // is handed out. A pool allocation (below DIRECT_ALLOC_MIN) is ordered on `stream`:
-            // it is complete before any copy once the stream is; `cuMemAlloc` memory is usable
-            // at once.
-            let (dptr, record) = b.device_ptr_mut(stream);
-            drop(record);
-            if n * std::mem::size_of::<T>() < crate::cuda::DIRECT_ALLOC_MIN {
-                stream
-                    .synchronize()
-                    .map_err(|e| Error::cuda("cuStreamSynchronize", e))?;
-            }
+            let (b, dptr) = unsafe { crate::cuda::alloc_uninit_ready::<T>(stream, n) }?;
             out = Some(b);
             Ok(dptr)
         });
