@@ -10,28 +10,10 @@ import threading
 import time
 
 import numpy as np
-import torch
+
+from h2dpass import chunk, one_pass
 
 ks = [int(x) for x in sys.argv[1:]] or [0, 4, 8, 16]
-MiB = 1 << 20
-chunk, n = 32 * MiB, 128
-h = torch.empty(chunk * n, dtype=torch.uint8, pin_memory=True)
-h.fill_(7)
-d = torch.empty(chunk * n, dtype=torch.uint8, device="cuda:0")
-s = torch.cuda.Stream()
-torch.cuda.synchronize()
-
-
-def one_pass():
-    ev = [torch.cuda.Event(enable_timing=True) for _ in range(n + 1)]
-    with torch.cuda.stream(s):
-        ev[0].record(s)
-        for i in range(n):
-            d[i * chunk:(i + 1) * chunk].copy_(h[i * chunk:(i + 1) * chunk], non_blocking=True)
-            ev[i + 1].record(s)
-    s.synchronize()
-    rates = [8 * chunk / ev[g].elapsed_time(ev[g + 8]) / 1e6 for g in range(0, n, 8)]
-    return chunk * n / ev[0].elapsed_time(ev[n]) / 1e6, rates
 
 
 for k in ks:
@@ -50,7 +32,7 @@ for k in ks:
         t.start()
     time.sleep(0.05)
     m0, t0 = sum(moved), time.perf_counter()
-    total, rates = one_pass()
+    total, rates, _ = one_pass()
     host = (sum(moved) - m0) / (time.perf_counter() - t0) / 1e9
     stop.set()
     for t in th:

@@ -12,32 +12,15 @@ import time
 
 import torch
 
+from h2dpass import chunk, d, h, n, s
+from h2dpass import one_pass as timed_pass
+
 idle = float(sys.argv[1]) if len(sys.argv) > 1 else 0.5
-MiB = 1 << 20
-chunk, n = 32 * MiB, 128
-h = torch.empty(chunk * n, dtype=torch.uint8, pin_memory=True)
-h.fill_(7)
-d = torch.empty(chunk * n, dtype=torch.uint8, device="cuda:0")
-s = torch.cuda.Stream()
-torch.cuda.synchronize()
 
 
 def one_pass(label):
-    ev = [torch.cuda.Event(enable_timing=True) for _ in range(n + 1)]
-    t0 = time.perf_counter()
-    with torch.cuda.stream(s):
-        ev[0].record(s)
-        for i in range(n):
-            d[i * chunk:(i + 1) * chunk].copy_(h[i * chunk:(i + 1) * chunk], non_blocking=True)
-            ev[i + 1].record(s)
-    s.synchronize()
-    wall = time.perf_counter() - t0
-    rates = []
-    for g in range(0, n, 8):
-        ms = ev[g].elapsed_time(ev[g + 8])
-        rates.append(8 * chunk / ms / 1e6)
-    total = ev[0].elapsed_time(ev[n])
-    print(f"{label:28s} total {chunk * n / total / 1e6:6.2f} GB/s (wall {chunk * n / wall / 1e9:6.2f}); per 256 MiB: "
+    total, rates, wall = timed_pass()
+    print(f"{label:28s} total {total:6.2f} GB/s (wall {chunk * n / wall / 1e9:6.2f}); per 256 MiB: "
           + " ".join(f"{r:.1f}" for r in rates), flush=True)
 
 
