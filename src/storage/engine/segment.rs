@@ -2100,6 +2100,15 @@ mod pipeline_tests {
         }
     }
 
+    /// A random case (many small files in odd rounds) on a ring of 3 slots whose segments hold
+    /// 4 to 6 tasks, so that a first-pass segment can come in parts.
+    fn parted_case(rng: &mut impl Rng, round: usize) -> Case {
+        let mut c = random_case(rng, round % 2 == 1);
+        c.seg.segments = 3;
+        c.seg.segment_size = c.piece * (4 + round % 3);
+        c
+    }
+
     /// Each slot the job uses is page-locked by workers only (the reads fault its pages in),
     /// one locking at a time (the fake ring asserts no two overlap, and that a copy never
     /// reads past what is locked), each locking extending the slot's last one: first as the
@@ -2112,11 +2121,8 @@ mod pipeline_tests {
         let mut rng = rand::rngs::StdRng::seed_from_u64(31);
         let mut parted = 0;
         for round in 0..12 {
-            let mut c = random_case(&mut rng, round % 2 == 1);
-            c.seg.segments = 3;
+            let mut c = parted_case(&mut rng, round);
             c.threads = 6;
-            // Segments of several tasks, so that a first-pass segment can come in parts.
-            c.seg.segment_size = c.piece * (4 + round % 3);
             let r = run_case_with(
                 &c,
                 &Knobs {
@@ -2179,10 +2185,8 @@ mod pipeline_tests {
         let mut rng = rand::rngs::StdRng::seed_from_u64(53);
         let mut cut_rounds = 0;
         for round in 0..16 {
-            let mut c = random_case(&mut rng, round % 2 == 1);
-            c.seg.segments = 3;
+            let mut c = parted_case(&mut rng, round);
             c.threads = 1 + round % 4;
-            c.seg.segment_size = c.piece * (4 + round % 3);
             let r = run_case_with(
                 &c,
                 &Knobs {
