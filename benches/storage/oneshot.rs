@@ -23,6 +23,9 @@
 //! - `4 KiB random read latency`: `GpuFile::read_to_device` of 4 KiB at random aligned offsets
 //!   of the cached file, vs `pread` into pinned memory + `cuMemcpyHtoD`; medians and p99.
 //! - `warm` rows beside each: the same call again in the same process (steady state).
+//! - Not a row: `--child rand4k-parts FILE OPS`, a probe of where a 4 KiB read's time goes
+//!   (`pread`, the copy, its synchronisation on the null and on an own stream, cudarc's events,
+//!   `read_to_device` on both streams), interleaved, one JSON line of medians and p99s.
 //! - One more fresh sample of the page-cached 4 GiB row and of the 10k-files row runs with
 //!   `GPUDIRECT_TRACE=timing` (out of the medians, as `... (traced)`); its trace lines (both
 //!   calls of the child) are printed after the table: where a fresh process's first call spends
@@ -296,6 +299,114 @@ fn child(args: &[String]) -> Res<()> {
                 json!({"ours_median_us": q(&mut ours, 0.5), "ours_p99_us": q(&mut ours, 0.99),
                 "base_median_us": q(&mut base, 0.5), "base_p99_us": q(&mut base, 0.99), "ops": ours.len()}),
             );
+        }
+        "rand4k-parts" => {
+            // Probe (not a table row): where a 4 KiB read's time goes. Each variant runs 250
+            // reads per round at random aligned offsets, interleaved, rounds 0-1 discarded;
+            // medians in µs. `base` is the table's baseline; `ours_*` is read_to_device.
+            let path = Path::new(&args[1]);
+            let ops: usize = args[2].parse()?;
+            let stream = cuda()?;
+            let own = stream.context().new_stream()?;
+            let f = GpuFile::open(path)?;
+            let blocks = f.len()? / 4096;
+            let raw = File::open(path)?;
+            // SAFETY: written by pread before use; freed at the end.
+            let pinned = unsafe { result::malloc_host(4096, 0) }?.cast::<u8>();
+            let mut buf0 = stream.alloc_zeros::<u8>(4096)?;
+            let mut buf_own = own.alloc_zeros::<u8>(4096)?;
+            let plain = stream.alloc_zeros::<u8>(4096)?;
+            let (dptr, _g) = plain.device_ptr(&stream);
+            let cs = own.cu_stream();
+            let names = [
+                "base",
+                "pread",
+                "h2d_sync",
+                "h2d_async_null",
+                "h2d_async_own",
+                "pread_async_own",
+                "devptr_events",
+                "ours_null",
+                "ours_own",
+            ];
+            let mut v: Vec<Vec<f64>> = vec![Vec::new(); names.len()];
+            let mut rng = rand::rngs::StdRng::seed_from_u64(4097);
+            let pread = |off: u64| -> Res<()> {
+                // SAFETY: pinned holds 4096 bytes.
+                let r = unsafe {
+                    libc::pread(raw.as_raw_fd(), pinned.cast(), 4096, off as libc::off_t)
+                };
+                if r == 4096 {
+                    Ok(())
+                } else {
+                    Err("pread".into())
+                }
+            };
+            for round in 0..(ops / 250 + 2) {
+                for (k, samples) in v.iter_mut().enumerate() {
+                    for _ in 0..250 {
+                        let off = rng.random_range(0..blocks) * 4096;
+                        let t = Instant::now();
+                        // SAFETY: pinned and the device buffers hold 4096 bytes; every copy
+                        // is waited for before the next use.
+                        unsafe {
+                            match k {
+                                0 => {
+                                    pread(off)?;
+                                    sys::cuMemcpyHtoD_v2(dptr, pinned.cast(), 4096).result()?;
+                                }
+                                1 => pread(off)?,
+                                2 => sys::cuMemcpyHtoD_v2(dptr, pinned.cast(), 4096).result()?,
+                                3 => {
+                                    sys::cuMemcpyHtoDAsync_v2(
+                                        dptr,
+                                        pinned.cast(),
+                                        4096,
+                                        std::ptr::null_mut(),
+                                    )
+                                    .result()?;
+                                    sys::cuStreamSynchronize(std::ptr::null_mut()).result()?;
+                                }
+                                4 => {
+                                    sys::cuMemcpyHtoDAsync_v2(dptr, pinned.cast(), 4096, cs)
+                                        .result()?;
+                                    sys::cuStreamSynchronize(cs).result()?;
+                                }
+                                5 => {
+                                    pread(off)?;
+                                    sys::cuMemcpyHtoDAsync_v2(dptr, pinned.cast(), 4096, cs)
+                                        .result()?;
+                                    sys::cuStreamSynchronize(cs).result()?;
+                                }
+                                6 => {
+                                    use gpudirect::cudarc::driver::DevicePtrMut;
+                                    let (_p, g) = buf_own.device_ptr_mut(&own);
+                                    drop(g);
+                                }
+                                7 => {
+                                    f.read_to_device(&mut buf0, off)?;
+                                }
+                                _ => {
+                                    f.read_to_device(&mut buf_own, off)?;
+                                }
+                            }
+                        }
+                        if round > 1 {
+                            samples.push(t.elapsed().as_secs_f64() * 1e6);
+                        }
+                    }
+                }
+            }
+            own.synchronize()?;
+            // SAFETY: allocated above; every copy was waited for.
+            unsafe { result::free_host(pinned.cast()) }?;
+            let mut out = serde_json::Map::new();
+            for (name, mut s) in names.iter().zip(v) {
+                s.sort_by(f64::total_cmp);
+                out.insert(format!("{name}_median_us"), json!(s[s.len() / 2]));
+                out.insert(format!("{name}_p99_us"), json!(s[(s.len() - 1) * 99 / 100]));
+            }
+            emit(Value::Object(out));
         }
         "raw" => {
             let (path, threads, block) = (
