@@ -1075,3 +1075,123 @@ pub fn read_to_gpu<T: AnyBitPattern>(
     r.elapsed = t0.elapsed();
     Ok((buf, r))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::storage::Backend;
+    use rand::{RngCore, SeedableRng};
+
+    /// `read_to_new`'s destination is leaked, never freed, when the engine job fails with a
+    /// CUDA error: the engine may not have drained its copies then (the segment ring's engine
+    /// leaks its ring), and cudarc's free (`cuMemFreeAsync` on the caller's stream, which does
+    /// not wait for the engine's streams) would let them write freed memory. Through the
+    /// segment ring (a `cuMemAlloc` destination allocated while the engine reads) and through
+    /// lanes (a pool destination allocated first), the engine's drain is made to report a
+    /// failure (a hook, after the real drain: every copy did complete, so the old code frees
+    /// no memory still being written); after a context synchronize (a queued free is done by
+    /// then) the destination must still be a live allocation holding the file's bytes. On the
+    /// old code `cuMemGetAddressRange` on it fails: it was freed. Certain for the segment
+    /// ring's `cuMemAlloc` memory; for the lanes' pool memory only where the pool gives freed
+    /// memory back at the synchronize (release threshold 0, the default). Another test of this
+    /// binary could allocate the freed range again in between; the byte check catches that.
+    #[test]
+    #[ignore = "needs a CUDA GPU"]
+    fn gpu_storage_read_to_new_keeps_its_buffer_when_the_engine_cannot_drain() {
+        let ctx = crate::cuda::context(0).unwrap_or_else(|e| {
+            panic!("this test needs a CUDA GPU ({e}): run it on a GPU machine, see CONTRIBUTING.md")
+        });
+        let stream = ctx.new_stream().unwrap();
+        let dir = std::env::var_os("GPUDIRECT_TEST_DIR")
+            .map(std::path::PathBuf::from)
+            .unwrap_or_else(std::env::temp_dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let p = dir.join(format!("gpudirect-undrained-{}", std::process::id()));
+        // At least 64 MiB: through the segment ring, `cuMemAlloc` memory, which cudarc's
+        // `cuMemFreeAsync` really frees.
+        let len = (96 << 20) + 4096 + 13;
+        let mut data = vec![0u8; len];
+        rand::rngs::StdRng::seed_from_u64(93).fill_bytes(&mut data);
+        std::fs::write(&p, &data).unwrap();
+        let mut freed = Vec::new();
+        for pipe in [Pipeline::Segments, Pipeline::Lanes] {
+            let f = GpuFile::options()
+                .backend(Backend::Engine)
+                .pipeline(pipe)
+                .open(&p)
+                .unwrap();
+            // Without the hook the same read lands byte for byte.
+            let (b, r) = f.read_to_new::<u8>(&stream, len).unwrap();
+            assert_eq!(r.bytes, len, "{pipe:?}");
+            assert!(
+                stream.clone_dtoh(&b).unwrap() == data,
+                "{pipe:?}: the plain read differs"
+            );
+            drop(b);
+            engine::fail_drain::arm();
+            let e = f
+                .read_to_new::<u8>(&stream, len)
+                .expect_err("a read whose drain failed reported success");
+            assert!(
+                matches!(e, Error::Cuda { .. }),
+                "{pipe:?}: not a CUDA error: {e}"
+            );
+            let (addr, issued) = engine::fail_drain::hit()
+                .unwrap_or_else(|| panic!("{pipe:?}: the hook did not fire (no engine job)"));
+            assert!(addr != 0, "{pipe:?}: the destination was never allocated");
+            assert!(issued, "{pipe:?}: no copy was issued before the drain");
+            ctx.synchronize().unwrap();
+            ctx.bind_to_thread().unwrap();
+            // SAFETY: libcuda is initialised (`ctx` exists); the call only reads the address.
+            let range = unsafe { crate::cuda::result::mem::get_address_range(addr) };
+            match range {
+                Ok((base, size)) if base == addr && size >= len => {}
+                Ok((base, size)) => {
+                    freed.push(format!("{pipe:?}: the destination at {addr:#x} lies in another allocation ({base:#x}, {size} B): it was freed"));
+                    continue;
+                }
+                Err(e) => {
+                    freed.push(format!("{pipe:?}: the destination at {addr:#x} was freed under copies that may still be queued ({e})"));
+                    continue;
+                }
+            }
+            let mut back = vec![0u8; len];
+            // SAFETY: addr..addr+len is a live allocation (checked above) that no work writes
+            // any more (the context is synchronized); `back` holds len bytes until the
+            // synchronize.
+            unsafe {
+                crate::cuda::result::mem::memcpy_dtoh_async(
+                    back.as_mut_ptr(),
+                    addr,
+                    len,
+                    stream.cu_stream(),
+                )
+            }
+            .unwrap();
+            stream.synchronize().unwrap();
+            if back != data {
+                freed.push(format!("{pipe:?}: the destination at {addr:#x} does not hold the file's bytes: it was freed and allocated again"));
+                continue;
+            }
+            eprintln!("{pipe:?}: the destination at {addr:#x} ({len} B) was kept");
+            match pipe {
+                // SAFETY: `addr` is the leaked `cuMemAlloc` destination, now ours; nothing uses
+                // it (the context is synchronized).
+                Pipeline::Segments => unsafe { crate::cuda::result::mem::free(addr) }.unwrap(),
+                _ => {
+                    // SAFETY: `addr` is the leaked pool destination, now ours; nothing uses it
+                    // (the context is synchronized).
+                    unsafe { crate::cuda::result::mem_pool::free_async(addr, stream.cu_stream()) }
+                        .unwrap();
+                    stream.synchronize().unwrap();
+                }
+            }
+        }
+        assert!(
+            freed.is_empty(),
+            "read_to_new must leak its destination on a CUDA error:\n{}",
+            freed.join("\n")
+        );
+        std::fs::remove_file(&p).unwrap();
+    }
+}

@@ -822,6 +822,12 @@ impl Engine {
             if !ok {
                 job.fail(panicked());
             }
+            #[cfg(test)]
+            if let Some(e) =
+                fail_drain::fire(&job, job.done.iter().any(|d| d.load(Ordering::Relaxed) > 0))
+            {
+                job.fail_over(e);
+            }
         }
         job.finish_trace(&[]);
         job.outcome(0)
@@ -1075,6 +1081,8 @@ impl Engine {
             }
         }
         let end = segment::run(&self.pool, &job, res, p, threads, || caller(&job));
+        #[cfg(test)]
+        let end = fail_drain::apply(end, &job);
         self.note_spawns(&job);
         let drained = end.drained.is_ok();
         if let Err(e) = end.drained {
@@ -1380,6 +1388,70 @@ fn write_host_task(ws: &mut WorkerState, job: &Job<'_>, t: &Task) -> Result<()> 
         write_task(job, t, b)
     } else {
         write_task(job, t, user)
+    }
+}
+
+/// Test hook: a device read whose drain fails (a context that can no longer synchronize), for
+/// the job run next on the arming thread only (tests share the engine; a job's workers are
+/// waited for on its calling thread).
+#[cfg(test)]
+pub(in crate::storage) mod fail_drain {
+    use std::cell::Cell;
+
+    use cudarc::driver::{sys, DriverError};
+
+    use super::{segment::RunEnd, DstGate, Job, Mem, Op};
+    use crate::error::Error;
+
+    thread_local! {
+        static ARMED: Cell<bool> = const { Cell::new(false) };
+        static HIT: Cell<Option<(sys::CUdeviceptr, bool)>> = const { Cell::new(None) };
+    }
+
+    /// The next device read this thread runs (segment ring or lanes) fails as if draining its
+    /// copies had failed, with a CUDA error, after the real drain (so every copy did complete
+    /// and nothing writes freed memory even where the caller frees its buffers); the segment
+    /// ring's engine leaks its ring then, as on a real failure.
+    pub fn arm() {
+        ARMED.set(true);
+        HIT.set(None);
+    }
+
+    /// The job the hook failed on this thread: its first destination's address (0: a deferred
+    /// one never allocated) and whether it had issued a copy.
+    pub fn hit() -> Option<(sys::CUdeviceptr, bool)> {
+        HIT.get()
+    }
+
+    /// The error to fail `job` with when the hook is armed and `job` is a device read.
+    pub(in crate::storage::engine) fn fire(job: &Job<'_>, issued: bool) -> Option<Error> {
+        if job.op != Op::Read || job.ctx.is_none() || !ARMED.replace(false) {
+            return None;
+        }
+        let dst = match job.bufs.first() {
+            Some(Mem::Dev(p)) => *p,
+            Some(Mem::Deferred(k)) => job
+                .gates
+                .get(*k as usize)
+                .and_then(DstGate::get)
+                .unwrap_or(0),
+            _ => 0,
+        };
+        HIT.set(Some((dst, issued)));
+        Some(Error::cuda(
+            "cuStreamSynchronize",
+            DriverError(sys::CUresult::CUDA_ERROR_LAUNCH_FAILED),
+        ))
+    }
+
+    /// A segment run's end with its drain failed, when the hook fires.
+    pub(in crate::storage::engine) fn apply(mut end: RunEnd, job: &Job<'_>) -> RunEnd {
+        if let Some(e) = fire(job, end.copies > 0) {
+            if end.drained.is_ok() {
+                end.drained = Err(e);
+            }
+        }
+        end
     }
 }
 
