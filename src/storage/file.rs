@@ -830,12 +830,20 @@ impl GpuFile {
             .seg_params()
             .filter(|_| self.cufile.is_none() && len > small::SMALL_MAX.min(self.cfg.piece_size()));
         let Some(p) = seg else {
-            // SAFETY: every byte is written by the read below, or the buffer is dropped on
-            // error; T accepts any bit pattern.
+            // SAFETY: every byte is written by the read below, or the buffer is dropped (or
+            // leaked) on error; T accepts any bit pattern.
             let mut buf =
                 unsafe { stream.alloc::<T>(n) }.map_err(|e| Error::cuda("cuMemAlloc", e))?;
-            let r = self.read_to_device(&mut buf, 0)?;
-            return Ok((buf, r));
+            return match self.read_to_device(&mut buf, 0) {
+                Ok(r) => Ok((buf, r)),
+                Err(e) => {
+                    // As below: copies into it may still be queued after a CUDA error.
+                    if matches!(e, Error::Cuda { .. }) {
+                        let _ = buf.leak();
+                    }
+                    Err(e)
+                }
+            };
         };
         let ctx = stream.context().clone();
         self.check_device(ctx.ordinal())?;
@@ -849,7 +857,7 @@ impl GpuFile {
         // SAFETY: the one buffer is deferred: its address comes from `gate`, opened below once
         // the allocation of `len` bytes in `ctx` completed; every task lies within [0, len);
         // the buffer is kept (in `out`) until Engine::run_deferred returned, after every copy
-        // completed.
+        // completed, and leaked when it returns a CUDA error (copies may be queued then).
         let job = unsafe {
             Job::batch(
                 vec![&*self.fds],
@@ -873,7 +881,20 @@ impl GpuFile {
             out = Some(b);
             Ok(dptr)
         });
-        let (bytes, odirect) = outcome?.single()?;
+        let outcome = match outcome {
+            Ok(o) => o,
+            Err(e) => {
+                // A CUDA error may mean the engine could not drain its copies (it leaks its
+                // ring then): the buffer they write is leaked too, never freed under them.
+                if matches!(e, Error::Cuda { .. }) {
+                    if let Some(b) = out.take() {
+                        let _ = b.leak();
+                    }
+                }
+                return Err(e);
+            }
+        };
+        let (bytes, odirect) = outcome.single()?;
         let buf = out.ok_or_else(|| {
             Error::InvalidArgument(
                 "the destination was not allocated (a bug in gpudirect: please report it)".into(),
