@@ -447,7 +447,9 @@ pub(crate) const DIRECT_ALLOC_MIN: usize = 64 << 20;
 /// `len` uninitialised `T`s in `stream`'s context, as a cudarc slice: `cuMemAlloc` from
 /// [`DIRECT_ALLOC_MIN`] bytes on (usable by work on any stream at once), cudarc's stream-ordered
 /// pool below (ordered on `stream`, as `stream.alloc`); no allocation for `len` 0 (cudarc's
-/// empty slice). The calling thread's current context is left as it was.
+/// empty slice). The calling thread's current context is left as it was. A `cuMemAlloc` that
+/// runs out of memory is tried once more after a `cuCtxSynchronize` (frees cudarc queued on
+/// the context's streams complete); its error when that fails too.
 ///
 /// The slice is cudarc's and cudarc frees it: with `cuMemFreeAsync` on its stream, which the
 /// CUDA programming guide allows for `cuMemAlloc` memory ("Stream Ordered Memory Allocator":
@@ -477,7 +479,22 @@ pub(crate) unsafe fn alloc_uninit<T: DeviceRepr>(
         .bind_to_thread()
         .map_err(|e| Error::cuda("cuCtxSetCurrent", e))?;
     // SAFETY: the stream's context is current (bound above).
-    let ptr = unsafe { r::mem::alloc(bytes) }?;
+    let ptr = match unsafe { r::mem::alloc(bytes) } {
+        Err(Error::Cuda { source, .. }) if source.0 == sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY => {
+            // cudarc frees its slices with `cuMemFreeAsync` on their streams: a dropped buffer's
+            // memory comes back only once its stream reached the free (where a pool allocation
+            // on that stream would reuse it at once). Wait for the context's queued frees and
+            // try once more. `cuCtxSynchronize` waits for all of the context's work, every
+            // stream's, not only the frees: paid only on this rare path.
+            stream
+                .context()
+                .synchronize()
+                .map_err(|e| Error::cuda("cuCtxSynchronize", e))?;
+            // SAFETY: as above (the context is still current: synchronize binds it).
+            unsafe { r::mem::alloc(bytes) }?
+        }
+        other => other?,
+    };
     // SAFETY: `ptr` is a fresh `cuMemAlloc` allocation of `bytes` = `len` elements in the
     // stream's context, owned by the slice from here on (cudarc frees it on drop); the
     // contents are the caller's contract.
