@@ -606,7 +606,7 @@ impl GpuFile {
                 return Ok(IoReport::new(0, self.engine_report(), false, ctl.elapsed()));
             }
             let direct = self.read_direct(file_offset, len);
-            let (dptr, _record) = view.device_ptr_mut(&stream);
+            let (dptr, record) = view.device_ptr_mut(&stream);
             let copy = ctl.small_stream(&ctx, &stream, len)?;
             let whole = |n: usize| self.whole_elements(file_offset, n, len, esz);
             // SAFETY: dptr..dptr+len is `dst`'s device memory in `ctx`, exclusively borrowed for
@@ -625,6 +625,7 @@ impl GpuFile {
                     copy.cu_stream(),
                 )
             }?;
+            forget_completed(record);
             ctl.moved(bytes);
             return Ok(IoReport::new(
                 bytes,
@@ -762,7 +763,7 @@ impl GpuFile {
         } else if len <= small::SMALL_MAX.min(self.cfg.piece_size()) {
             let direct = self.write_direct();
             self.prepare_write(direct, file_offset, len)?;
-            let (dptr, _record) = view.device_ptr(&stream);
+            let (dptr, record) = view.device_ptr(&stream);
             let copy = ctl.small_stream(&ctx, &stream, len)?;
             // SAFETY: dptr..dptr+len is `src`'s device memory in `ctx`, borrowed for this call;
             // device_ptr ordered `stream` after the buffer's writers, and `copy` is `stream` or
@@ -779,6 +780,7 @@ impl GpuFile {
                     copy.cu_stream(),
                 )
             }?;
+            forget_completed(record);
             ctl.moved(len);
             (len, self.engine_report(), odirect)
         } else {
@@ -1095,6 +1097,17 @@ pub fn read_to_gpu<T: AnyBitPattern>(
     }
     r.elapsed = t0.elapsed();
     Ok((buf, r))
+}
+
+/// Drops cudarc's access record of a buffer whose copy completed before the call returns (a
+/// small transfer waits for its copy) without recording its event: work submitted after the
+/// call cannot overlap the copy, so no later user needs to wait for it, and the event record
+/// (a `cuEventRecord` after a context binding) is skipped: cudarc's waits and record together
+/// took 0.64-0.84 µs per call on the H200 (bench oneshot's `rand4k-parts`) against 9 µs for a
+/// 4 KiB read. The buffer's earlier events stay as they were. Only on success: a failed copy
+/// may still be queued, and its record is kept.
+fn forget_completed(record: cudarc::driver::SyncOnDrop<'_>) {
+    std::mem::forget(record);
 }
 
 #[cfg(test)]
