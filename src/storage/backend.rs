@@ -123,18 +123,17 @@ fn fs_magic(f: &std::fs::File) -> Option<i64> {
 
 /// The verdict for an open file (cached per device and filesystem).
 pub(in crate::storage) fn verdict(fds: &Fds) -> Verdict {
-    use std::os::unix::fs::MetadataExt;
-    let (Ok(meta), Some(magic)) = (fds.buffered.metadata(), fs_magic(&fds.buffered)) else {
+    let Some(magic) = fs_magic(&fds.buffered) else {
         // Facts unavailable: let cuFile answer.
         return Verdict::Probe;
     };
-    let key = (meta.dev(), magic);
+    let key = (fds.dev, magic);
     let mut cache = verdicts().lock().unwrap_or_else(|p| p.into_inner());
     if let Some((_, v)) = cache.iter().find(|(k, _)| *k == key) {
         return v.clone();
     }
     let fs = crate::storage::cufile::file_handle::fs_name(magic);
-    let v = cheap_verdict(&fs, meta.dev(), host_has_dma_path());
+    let v = cheap_verdict(&fs, fds.dev, host_has_dma_path());
     if cache.len() < VERDICTS_MAX {
         cache.push((key, v.clone()));
     }
@@ -144,7 +143,6 @@ pub(in crate::storage) fn verdict(fds: &Fds) -> Verdict {
 /// Records what the full probe found for `fds`'s filesystem, when it is a fallback that holds
 /// for the whole filesystem (so later opens there do not pay the probe again).
 fn remember(fds: &Fds, cause: &Cause) {
-    use std::os::unix::fs::MetadataExt;
     if !matches!(
         cause,
         Cause::NoNvidiaFs
@@ -155,10 +153,10 @@ fn remember(fds: &Fds, cause: &Cause) {
     ) {
         return;
     }
-    let (Ok(meta), Some(magic)) = (fds.buffered.metadata(), fs_magic(&fds.buffered)) else {
+    let Some(magic) = fs_magic(&fds.buffered) else {
         return;
     };
-    let key = (meta.dev(), magic);
+    let key = (fds.dev, magic);
     let mut cache = verdicts().lock().unwrap_or_else(|p| p.into_inner());
     let v = Verdict::Engine(cause.clone());
     match cache.iter().position(|(k, _)| *k == key) {

@@ -675,8 +675,8 @@ impl<'a> ReadBatch<'a> {
         let odirect_on = options.config_ref().odirect_read == ODirect::On;
         let eng = engine::engine(Some(ordinal), options.config_ref().numa_pin)?;
         let opened: Vec<OnceLock<Result<GpuFile>>> = srcs.iter().map(|_| OnceLock::new()).collect();
-        // Each opened file's size, taken on the worker that opened it (10k `fstat`s in parallel,
-        // not one after another below).
+        // Each opened file's size, from the `fstat` that checked its type on the worker that
+        // opened it (10k `fstat`s in parallel, not one after another below).
         let open_sizes: Vec<OnceLock<Option<u64>>> = srcs.iter().map(|_| OnceLock::new()).collect();
         let to_open: Vec<usize> = (0..srcs.len())
             .filter(|&s| matches!(srcs[s], Source::Path(_)))
@@ -717,7 +717,7 @@ impl<'a> ReadBatch<'a> {
                 let s = to_open[k];
                 if let Source::Path(p) = &srcs[s] {
                     let f = options.clone().open_with(p, want_direct(s));
-                    if let Some(size) = f.as_ref().ok().and_then(|f| f.known_size().ok()) {
+                    if let Some(size) = f.as_ref().ok().and_then(|f| f.known_size_at_open().ok()) {
                         let _ = open_sizes[s].set(size);
                     }
                     let _ = opened[s].set(f);

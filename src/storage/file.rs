@@ -485,7 +485,16 @@ impl GpuFile {
     /// The file's size, `None` when it is unknown (`fstat` says 0 but the file has content,
     /// see [`readable`](Self::readable)).
     pub(super) fn known_size(&self) -> Result<Option<u64>> {
-        let size = self.fds.size()?;
+        self.known(self.fds.size()?)
+    }
+
+    /// [`known_size`](Self::known_size) from the size `fstat` gave when the file was opened (no
+    /// `fstat` now: a batch that opens a file asks right after opening it).
+    pub(super) fn known_size_at_open(&self) -> Result<Option<u64>> {
+        self.known(self.fds.len_at_open)
+    }
+
+    fn known(&self, size: u64) -> Result<Option<u64>> {
         if size == 0 && self.readable(0, 1)?.is_none() {
             return Ok(None);
         }
