@@ -1058,6 +1058,12 @@ impl Engine {
         let t_ring = trace::now_us();
         let seg_bytes = segment::tasks_per_segment(p.segment_size, job.piece) * job.piece;
         let mut g = self.seg.lock().unwrap_or_else(|p| p.into_inner());
+        trace::mark(|| {
+            format!(
+                "ring lock taken in {:.3} ms",
+                (trace::now_us() - t_ring) as f64 / 1e3
+            )
+        });
         let res = self.seg_res(&mut g, &ctx, seg_bytes, p)?;
         job.start_trace(
             || format!("read to GPU {} (segments)", ctx.ordinal()),

@@ -408,16 +408,30 @@ impl SegRes {
                 "{nseg} segments of {seg_bytes} bytes overflow the address space: use smaller segments"
             ))
         })?;
+        let t0 = super::trace::now_us();
+        let ms = |t: u64| (super::trace::now_us() - t) as f64 / 1e3;
         let mem = RingMem::new(len)?;
+        let t1 = super::trace::now_us();
         let streams = (0..nstreams.max(1))
             .map(|_| crate::cuda::own_stream(ctx))
             .collect::<Result<Vec<_>>>()?;
+        let t2 = super::trace::now_us();
         let events = (0..nseg)
             .map(|_| {
                 ctx.new_event(Some(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING))
                     .map_err(|e| Error::cuda("cuEventCreate", e))
             })
             .collect::<Result<Vec<_>>>()?;
+        super::trace::mark(|| {
+            format!(
+                "ring of {nseg} x {} MiB built: memory {:.3} ms, {} streams {:.3} ms, events {:.3} ms",
+                seg_bytes >> 20,
+                (t1 - t0) as f64 / 1e3,
+                streams.len(),
+                (t2 - t1) as f64 / 1e3,
+                ms(t2)
+            )
+        });
         Ok(SegRes {
             ctx: ctx.clone(),
             mem,
