@@ -1,0 +1,28 @@
+# Does cuStreamCreate wait for another stream's work once a context has many streams? Stream A
+# is held by a host function until a timer thread releases it (2 s); the main thread creates
+# streams meanwhile and times each. Run on the GPU machine: python3 scripts/probes/streams.py [N]
+# Prints each creation slower than 10 ms with the number of streams the context had, then the
+# same after destroying half of them (do freed slots wait too?).
+import ctypes as C, sys, threading, time
+from cudactx import cu, ck, new_stream
+N = int(sys.argv[1]) if len(sys.argv) > 1 else 400
+HOSTFN = C.CFUNCTYPE(None, C.c_void_p)
+gate = threading.Event()
+cb = HOSTFN(lambda _: gate.wait())
+A = new_stream()
+def held(label, n, made):
+    gate.clear()
+    ck(cu.cuLaunchHostFunc(A, cb, None), "hostfn"); time.sleep(0.01)
+    threading.Timer(2.0, gate.set).start()
+    t_start = time.perf_counter(); slow = []
+    for i in range(n):
+        t = time.perf_counter(); s = new_stream(); dt = time.perf_counter() - t
+        made.append(s)
+        if dt > 0.01: slow.append((len(made) + 1, round(dt * 1e3, 1), round((t - t_start) * 1e3, 1)))
+    ck(cu.cuStreamSynchronize(A), "syncA")
+    print(f"{label}: {n} streams created while A was held; slow (streams in context, ms, at ms): {slow}")
+made = []
+held("fresh context", N, made)
+for s in made[: len(made) // 2]: ck(cu.cuStreamDestroy_v2(s), "destroy")
+made = made[len(made) // 2 :]
+held("after destroying half", N // 2, made)
