@@ -77,6 +77,23 @@ pub fn need_two_gpus() -> (Arc<CudaContext>, Arc<CudaContext>) {
     (need_gpu(0), need_gpu(1))
 }
 
+/// Streams made in `ctx` so far beyond the driver's one-time growth: on the H200 (driver 580)
+/// creating a context's 36th stream waits for all of the context's work, once per context
+/// (`scripts/probes/streams.py`; CONTRIBUTING.md, "CUDA facts"), whoever creates it. Tests that
+/// hold a stream and time gpudirect's calls call this first, so that the calls they time do
+/// not make that stream: what they time is then gpudirect's own waits. Creates 40 streams
+/// (kept for the process) the first time; a no-op after.
+pub fn grow_streams_past_the_drivers_first_growth(ctx: &Arc<CudaContext>) {
+    static GROWN: std::sync::Mutex<Vec<Arc<gpudirect::cudarc::driver::CudaStream>>> =
+        std::sync::Mutex::new(Vec::new());
+    let mut g = GROWN.lock().unwrap_or_else(|p| p.into_inner());
+    if g.is_empty() {
+        for _ in 0..40 {
+            g.push(ctx.new_stream().expect("cuStreamCreate"));
+        }
+    }
+}
+
 /// Holds a stream at a host function until released (or 30 s pass), like a long kernel:
 /// work queued on the stream after [`StreamGate::block`] waits for [`StreamGate::release`] (or
 /// the drop).
