@@ -693,12 +693,9 @@ impl<'a> ReadBatch<'a> {
             match seg_params_of(cfg) {
                 // Many files read through the segment ring: while the calling thread makes
                 // room in the descriptor table (an RCU grace period), the workers start and
-                // fault in and page-lock the ring's first slot, so the job's first segment is
-                // copied as soon as it is read. One slot only: the opens below run on the same
-                // workers and wait for them (three slots took 11.2 ms against the table's 6.0
-                // on the H200, fresh process, 10k files), and the job locks the other slots in
-                // parts as its first pass fills them. (For files that turn out to go through
-                // cuFile the locked slot is unused until `release_engines`.) Best effort: a
+                // fault in and page-lock the ring the job will use, so its first segment is
+                // copied as soon as it is read. (For files that turn out to go through cuFile
+                // the locked ring is unused until `release_engines`.) Best effort: a
                 // ring that cannot be built or locked now fails no batch (see
                 // `prepare_best_effort`).
                 Some(p) if fds >= 64 => prepare_best_effort(
@@ -707,12 +704,7 @@ impl<'a> ReadBatch<'a> {
                             &ctx,
                             cfg.piece_size(),
                             p,
-                            total.min(
-                                engine::segment::tasks_per_segment(
-                                    p.segment_size,
-                                    cfg.piece_size(),
-                                ) * cfg.piece_size(),
-                            ),
+                            total,
                             threads,
                             reserve,
                         )
