@@ -1112,8 +1112,9 @@ pub fn read_to_gpu<T: AnyBitPattern>(
 /// small transfer waits for its copy) without recording its event: work submitted after the
 /// call cannot overlap the copy, so no later user needs to wait for it, and the event record
 /// (a `cuEventRecord` after a context binding) is skipped: cudarc's waits and record together
-/// took 0.64-0.84 µs per call on the H200 (bench oneshot's `rand4k-parts`) against 9 µs for a
-/// 4 KiB read. The buffer's earlier events stay as they were. Only on success: a failed copy
+/// took 0.46-0.88 µs per call on the H200 (bench oneshot's `rand4k-parts`) against 9 µs for a
+/// 4 KiB read (skipping the record moved the 4 KiB ratio of BENCHMARKS' run B16 by nothing
+/// measurable). The buffer's earlier events stay as they were. Only on success: a failed copy
 /// may still be queued, and its record is kept.
 fn forget_completed(record: cudarc::driver::SyncOnDrop<'_>) {
     std::mem::forget(record);
