@@ -15,13 +15,13 @@ use gpudirect::TransferPath;
 /// once. With the device filled so that one buffer of the file's size fits and a second does
 /// not (a filler leaves room for one plus a margin smaller than one), a loop of 20
 /// `read_to_gpu` calls, each result checked byte for byte and dropped with no synchronize of
-/// its own, must never fail: a `cuMemAlloc` that runs out of memory waits for the context's
+/// its own, must never fail: a `cuMemAlloc` that runs out of memory waits for its stream's
 /// queued frees and tries once more.
 ///
-/// On the old code (no retry) this is expected to fail at some iteration with
-/// "cuMemAlloc failed: CUDA_ERROR_OUT_OF_MEMORY", but not established: whether the driver has
-/// given the dropped buffer back when the next call allocates (its stream is idle then: the
-/// byte check synchronized it before the drop) was not measured.
+/// On the code before the retry (`2a3c340`) it failed on the H200 (sixth session of
+/// 2026-12-01): "iteration 1: read_to_gpu failed with one buffer's room free: cuMemAlloc
+/// failed: CUDA_ERROR_OUT_OF_MEMORY"; with the retry (then after a `cuCtxSynchronize`) it
+/// passed.
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn gpu_storage_near_full_read_to_gpu_loop_reuses_dropped_buffers() {

@@ -448,8 +448,9 @@ pub(crate) const DIRECT_ALLOC_MIN: usize = 64 << 20;
 /// [`DIRECT_ALLOC_MIN`] bytes on (usable by work on any stream at once), cudarc's stream-ordered
 /// pool below (ordered on `stream`, as `stream.alloc`); no allocation for `len` 0 (cudarc's
 /// empty slice). The calling thread's current context is left as it was. A `cuMemAlloc` that
-/// runs out of memory is tried once more after a `cuCtxSynchronize` (frees cudarc queued on
-/// the context's streams complete); its error when that fails too.
+/// runs out of memory is tried once more after synchronizing `stream` (frees cudarc queued on
+/// it complete; frees queued on other streams are not waited for); its error when that fails
+/// too.
 ///
 /// The slice is cudarc's and cudarc frees it: with `cuMemFreeAsync` on its stream, which the
 /// CUDA programming guide allows for `cuMemAlloc` memory ("Stream Ordered Memory Allocator":
@@ -483,14 +484,19 @@ pub(crate) unsafe fn alloc_uninit<T: DeviceRepr>(
         Err(Error::Cuda { source, .. }) if source.0 == sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY => {
             // cudarc frees its slices with `cuMemFreeAsync` on their streams: a dropped buffer's
             // memory comes back only once its stream reached the free (where a pool allocation
-            // on that stream would reuse it at once). Wait for the context's queued frees and
-            // try once more. `cuCtxSynchronize` waits for all of the context's work, every
-            // stream's, not only the frees: paid only on this rare path.
+            // on that stream would reuse it at once). Wait for `stream`'s queued frees (a
+            // `read_to_gpu` / drop loop frees on the stream it reads on) and try once more.
+            // Only `stream`, never the whole context: another stream may hold work that never
+            // ends while this runs (a persistent kernel, a collective waiting for a peer), and
+            // the caller's work is ordered after `stream`'s anyway.
+            stream
+                .synchronize()
+                .map_err(|e| Error::cuda("cuStreamSynchronize", e))?;
             stream
                 .context()
-                .synchronize()
-                .map_err(|e| Error::cuda("cuCtxSynchronize", e))?;
-            // SAFETY: as above (the context is still current: synchronize binds it).
+                .bind_to_thread()
+                .map_err(|e| Error::cuda("cuCtxSetCurrent", e))?;
+            // SAFETY: as above (the stream's context is current: bound right above).
             unsafe { r::mem::alloc(bytes) }?
         }
         other => other?,
