@@ -1114,8 +1114,10 @@ pub fn read_to_gpu<T: AnyBitPattern>(
 /// (a `cuEventRecord` after a context binding) is skipped: cudarc's waits and record together
 /// took 0.46-0.88 µs per call on the H200 (bench oneshot's `rand4k-parts`) against 9 µs for a
 /// 4 KiB read (skipping the record moved the 4 KiB ratio of BENCHMARKS' run B16 by nothing
-/// measurable). The buffer's earlier events stay as they were. Only on success: a failed copy
-/// may still be queued, and its record is kept.
+/// measurable). The buffer's earlier events stay as they were. Only on success: on an error
+/// the guard drops and records on the buffer's stream as before, which orders no later user
+/// after a copy that ran on a side stream (a non-blocking call's) and whose synchronize failed:
+/// that gap predates this and is not closed.
 fn forget_completed(record: cudarc::driver::SyncOnDrop<'_>) {
     std::mem::forget(record);
 }

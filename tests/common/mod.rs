@@ -77,20 +77,22 @@ pub fn need_two_gpus() -> (Arc<CudaContext>, Arc<CudaContext>) {
     (need_gpu(0), need_gpu(1))
 }
 
-/// Streams made in `ctx` so far beyond the driver's one-time growth: on the H200 (driver 580)
-/// creating a context's 36th stream waits for all of the context's work, once per context
-/// (`scripts/probes/streams.py`; CONTRIBUTING.md, "CUDA facts"), whoever creates it. Tests that
-/// hold a stream and time gpudirect's calls call this first, so that the calls they time do
-/// not make that stream: what they time is then gpudirect's own waits. Creates 40 streams
-/// (kept for the process) the first time; a no-op after.
+/// Grows `ctx` past the driver's wait at a context's 36th stream: on the H200 (driver 580)
+/// creating that stream waited for all of the context's work (`scripts/probes/streams.py`;
+/// CONTRIBUTING.md, "CUDA facts"), whoever created it; whether later growths wait too was not
+/// measured. Tests that hold a stream and time gpudirect's calls call this first, so that the
+/// calls they time do not make that stream: what they time is then gpudirect's own waits.
+/// Creates 40 streams in `ctx` (kept for the process) the first time per context.
 pub fn grow_streams_past_the_drivers_first_growth(ctx: &Arc<CudaContext>) {
-    static GROWN: std::sync::Mutex<Vec<Arc<gpudirect::cudarc::driver::CudaStream>>> =
-        std::sync::Mutex::new(Vec::new());
+    type Grown = Vec<(usize, Vec<Arc<gpudirect::cudarc::driver::CudaStream>>)>;
+    static GROWN: std::sync::Mutex<Grown> = std::sync::Mutex::new(Vec::new());
     let mut g = GROWN.lock().unwrap_or_else(|p| p.into_inner());
-    if g.is_empty() {
-        for _ in 0..40 {
-            g.push(ctx.new_stream().expect("cuStreamCreate"));
-        }
+    let key = ctx.cu_ctx() as usize;
+    if !g.iter().any(|(k, _)| *k == key) {
+        let streams = (0..40)
+            .map(|_| ctx.new_stream().expect("cuStreamCreate"))
+            .collect();
+        g.push((key, streams));
     }
 }
 
