@@ -1035,11 +1035,16 @@ pub(super) fn seg_params_of(cfg: &StorageConfig) -> Option<SegParams> {
 /// capable), allocated while the workers already read (a 4 GiB pool allocation took 5.6–17 ms
 /// on the H200 against 0.4 ms: CONTRIBUTING.md, "CUDA pointer facts"); otherwise (smaller,
 /// through cuFile, or another pipeline) it comes from cudarc's stream-ordered pool, ordered on
-/// `stream`.
+/// `stream`. A `cuMemAlloc` that runs out of memory is tried once more after synchronizing
+/// `stream`, so that buffers dropped on `stream` just before (their frees are queued there)
+/// come back first: a loop that reads and drops on one stream near the device's capacity does
+/// not fail for memory it already gave back.
 ///
 /// Errors as [`GpuFile::open`] and [`GpuFile::read_to_device`]; a file whose length is not a
 /// multiple of `size_of::<T>()` is an [`Error::Io`] of kind `InvalidData` (nothing is read); a
-/// file that shrinks while it is read is an [`Error::Io`] of kind `UnexpectedEof`.
+/// file that shrinks while it is read is an [`Error::Io`] of kind `UnexpectedEof`. On an
+/// [`Error::Cuda`] the buffer allocated for the read is leaked, never freed: the engine may not
+/// have been able to wait for its copies into it (the context is then most likely unusable).
 pub fn read_to_gpu<T: AnyBitPattern>(
     path: impl AsRef<FsPath>,
     stream: &Arc<CudaStream>,
