@@ -1836,20 +1836,10 @@ mod tests {
     #[ignore = "needs a CUDA GPU"]
     fn gpu_batch_new_destination_holds_every_item() {
         use crate::storage::Pipeline;
-        use rand::{RngCore, SeedableRng};
-        let ctx = crate::cuda::context(0).unwrap_or_else(|e| {
-            panic!("this test needs a CUDA GPU ({e}): run it on a GPU machine, see CONTRIBUTING.md")
-        });
+        let ctx = crate::storage::testkit::gpu();
         let stream = ctx.new_stream().unwrap();
-        let dir = std::env::var_os("GPUDIRECT_TEST_DIR")
-            .map(std::path::PathBuf::from)
-            .unwrap_or_else(std::env::temp_dir);
-        std::fs::create_dir_all(&dir).unwrap();
-        let p = dir.join(format!("gpudirect-batch-new-{}", std::process::id()));
         let len = (40 << 20) + 4096 + 17;
-        let mut data = vec![0u8; len];
-        rand::rngs::StdRng::seed_from_u64(91).fill_bytes(&mut data);
-        std::fs::write(&p, &data).unwrap();
+        let (p, data) = crate::storage::testkit::random_file("batch-new", len, 91);
         let (a, gap) = ((9 << 20) + 3, 4096 + 5);
         for pipe in [Pipeline::Segments, Pipeline::Lanes] {
             let f = GpuFile::options().pipeline(pipe).open(&p).unwrap();

@@ -1131,7 +1131,6 @@ fn forget_completed(record: cudarc::driver::SyncOnDrop<'_>) {
 mod tests {
     use super::*;
     use crate::storage::Backend;
-    use rand::{RngCore, SeedableRng};
 
     /// `read_to_new`'s destination is leaked, never freed, when the engine job fails with a
     /// CUDA error: the engine may not have drained its copies then (the segment ring's engine
@@ -1149,21 +1148,12 @@ mod tests {
     #[test]
     #[ignore = "needs a CUDA GPU"]
     fn gpu_storage_read_to_new_keeps_its_buffer_when_the_engine_cannot_drain() {
-        let ctx = crate::cuda::context(0).unwrap_or_else(|e| {
-            panic!("this test needs a CUDA GPU ({e}): run it on a GPU machine, see CONTRIBUTING.md")
-        });
+        let ctx = crate::storage::testkit::gpu();
         let stream = ctx.new_stream().unwrap();
-        let dir = std::env::var_os("GPUDIRECT_TEST_DIR")
-            .map(std::path::PathBuf::from)
-            .unwrap_or_else(std::env::temp_dir);
-        std::fs::create_dir_all(&dir).unwrap();
-        let p = dir.join(format!("gpudirect-undrained-{}", std::process::id()));
         // At least 64 MiB: through the segment ring, `cuMemAlloc` memory, which cudarc's
         // `cuMemFreeAsync` really frees.
         let len = (96 << 20) + 4096 + 13;
-        let mut data = vec![0u8; len];
-        rand::rngs::StdRng::seed_from_u64(93).fill_bytes(&mut data);
-        std::fs::write(&p, &data).unwrap();
+        let (p, data) = crate::storage::testkit::random_file("undrained", len, 93);
         let mut freed = Vec::new();
         for pipe in [Pipeline::Segments, Pipeline::Lanes] {
             let f = GpuFile::options()

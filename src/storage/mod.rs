@@ -72,6 +72,8 @@ pub mod cufile;
 pub(in crate::storage) mod engine;
 mod file;
 mod options;
+#[cfg(test)]
+mod testkit;
 mod transfer;
 
 pub use cufile::{CuFileStatus, IoReturn};

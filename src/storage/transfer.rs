@@ -881,21 +881,12 @@ impl GpuFile {
 mod tests {
     use super::*;
     use crate::storage::{GpuFileOptions, Pipeline};
-    use rand::{RngCore, SeedableRng};
     use std::path::PathBuf;
 
-    fn random(n: usize, seed: u64) -> Vec<u8> {
-        let mut v = vec![0u8; n];
-        rand::rngs::StdRng::seed_from_u64(seed).fill_bytes(&mut v);
-        v
-    }
+    use crate::storage::testkit::random;
 
     fn scratch(name: &str) -> PathBuf {
-        let dir = std::env::var_os("GPUDIRECT_TEST_DIR")
-            .map(PathBuf::from)
-            .unwrap_or_else(std::env::temp_dir);
-        std::fs::create_dir_all(&dir).unwrap();
-        dir.join(format!("gpudirect-transfer-{name}-{}", std::process::id()))
+        crate::storage::testkit::scratch(&format!("transfer-{name}"))
     }
 
     /// Small pieces so that a transfer has many: cancellation lands between them.

@@ -1544,13 +1544,8 @@ fn dev_read(ws: &mut WorkerState, job: &Job<'_>, ctx: &Arc<CudaContext>) -> Resu
 mod tests {
     use super::*;
     use cudarc::driver::DevicePtrMut;
-    use rand::{RngCore, SeedableRng};
 
-    fn gpu() -> Arc<CudaContext> {
-        crate::cuda::context(0).unwrap_or_else(|e| {
-            panic!("this test needs a CUDA GPU ({e}): run it on a GPU machine, see CONTRIBUTING.md")
-        })
-    }
+    use crate::storage::testkit::{gpu, random_file};
 
     /// Issue 9 item 7, on the device: a worker that panics right after enqueuing a 32 MiB
     /// host→device copy out of its pinned bounce buffer must drain that copy before its state
@@ -1560,15 +1555,8 @@ mod tests {
     #[ignore = "needs a CUDA GPU"]
     fn gpu_engine_panic_mid_copy_drains_before_the_buffers_go() {
         let ctx = gpu();
-        let dir = std::env::var_os("GPUDIRECT_TEST_DIR")
-            .map(std::path::PathBuf::from)
-            .unwrap_or_else(std::env::temp_dir);
-        std::fs::create_dir_all(&dir).unwrap();
-        let p = dir.join(format!("gpudirect-panic-{}.bin", std::process::id()));
         let len = 64 << 20;
-        let mut data = vec![0u8; len];
-        rand::rngs::StdRng::seed_from_u64(7).fill_bytes(&mut data);
-        std::fs::write(&p, &data).unwrap();
+        let (p, data) = random_file("panic.bin", len, 7);
         let fds = Fds::open_with(
             &p,
             io::OpenMode {
@@ -1663,15 +1651,8 @@ mod tests {
     #[ignore = "needs a CUDA GPU"]
     fn gpu_engine_ring_is_not_rebuilt_for_alternating_shapes() {
         let ctx = gpu();
-        let dir = std::env::var_os("GPUDIRECT_TEST_DIR")
-            .map(std::path::PathBuf::from)
-            .unwrap_or_else(std::env::temp_dir);
-        std::fs::create_dir_all(&dir).unwrap();
-        let p = dir.join(format!("gpudirect-shapes-{}.bin", std::process::id()));
         let len = 48 << 20;
-        let mut data = vec![0u8; len];
-        rand::rngs::StdRng::seed_from_u64(8).fill_bytes(&mut data);
-        std::fs::write(&p, &data).unwrap();
+        let (p, data) = random_file("shapes.bin", len, 8);
         let fds = Fds::open(
             &p,
             io::OpenMode {
