@@ -517,14 +517,16 @@ mod tests {
         reader.memcpy_dtod(&buf, &mut copy).unwrap();
         later.record(&reader).unwrap();
         std::thread::sleep(Duration::from_millis(200));
-        let gate_held = busy(&io_stream) && io_done.try_is_complete() == Ok(false);
+        let io_busy = busy(&io_stream);
+        let io_done_query = io_done.try_is_complete();
         let pending = later.try_is_complete();
         gate.release();
         io_stream.synchronize().unwrap();
         reader.synchronize().unwrap();
         assert!(
-            gate_held,
-            "control: the gate did not hold the IO stream (nothing to judge the reader by)"
+            io_busy && io_done_query == Ok(false),
+            "control: the gate did not hold the IO stream (nothing to judge the reader by): \
+             stream busy {io_busy}, the event after the IO complete {io_done_query:?}"
         );
         assert_eq!(
             pending,
