@@ -77,11 +77,12 @@ pub fn need_two_gpus() -> (Arc<CudaContext>, Arc<CudaContext>) {
     (need_gpu(0), need_gpu(1))
 }
 
-/// Grows `ctx` past the driver's wait at a context's 36th stream: on the H200 (driver 580)
-/// creating that stream waited for all of the context's work (`scripts/probes/streams.py`;
-/// CONTRIBUTING.md, "CUDA facts"), whoever created it; whether later growths wait too was not
-/// measured. Tests that hold a stream and time gpudirect's calls call this first, so that the
-/// calls they time do not make that stream: what they time is then gpudirect's own waits.
+/// Grows `ctx` past the driver's first wait, at a context's 36th stream: on the H200 (driver
+/// 580) creating that stream, and every 43rd or so after it (79th, 122nd, ...), waited for all
+/// of the context's work (`scripts/probes/streams.py`; CONTRIBUTING.md, "CUDA facts"), whoever
+/// created it. Tests that hold a stream and time gpudirect's calls call this first, so that the
+/// calls they time do not make that stream: what they time is then gpudirect's own waits (as
+/// long as the binary makes fewer than about 40 more streams per context).
 /// Creates 40 streams in `ctx` (kept for the process) the first time per context.
 pub fn grow_streams_past_the_drivers_first_growth(ctx: &Arc<CudaContext>) {
     type Grown = Vec<(usize, Vec<Arc<gpudirect::cudarc::driver::CudaStream>>)>;
