@@ -568,6 +568,41 @@ mod tests {
         assert!(serialize(&[t("__metadata__", 24)], &md).is_err());
     }
 
+    /// A name given twice is refused whatever the two dtypes (the layout sorts by dtype first,
+    /// so the two need not be neighbours), before any byte is laid out.
+    #[test]
+    fn serialize_refuses_a_name_twice_whatever_the_dtypes() {
+        let t = |name, dtype, len| OutTensor {
+            name,
+            dtype,
+            shape: &[2, 3],
+            len,
+        };
+        let md = BTreeMap::new();
+        for list in [
+            vec![t("a", Dtype::F32, 24), t("a", Dtype::I8, 6)],
+            vec![t("a", Dtype::I8, 6), t("a", Dtype::F32, 24)],
+            vec![
+                t("a", Dtype::F32, 24),
+                t("b", Dtype::F16, 12),
+                t("a", Dtype::U8, 6),
+            ],
+            vec![
+                t("b", Dtype::F64, 48),
+                t("a", Dtype::BF16, 12),
+                t("c", Dtype::I64, 48),
+                t("a", Dtype::BF16, 12),
+            ],
+        ] {
+            let e = serialize(&list, &md).err().expect("a duplicate name is refused");
+            assert_eq!(e.0.as_deref(), Some("a"));
+            assert!(
+                matches!(e.1, Problem::BadTensor(ref m) if m.contains("two tensors have this name")),
+                "{e:?}"
+            );
+        }
+    }
+
     fn file(header: &str, data_len: usize) -> Vec<u8> {
         let mut v = (header.len() as u64).to_le_bytes().to_vec();
         v.extend_from_slice(header.as_bytes());
