@@ -365,19 +365,22 @@ pub(crate) fn serialize(
     tensors: &[OutTensor<'_>],
     metadata: &BTreeMap<String, String>,
 ) -> std::result::Result<OutHeader, Bad> {
+    // Names first, whatever their dtypes (the layout's order below puts the dtype first, so two
+    // tensors of one name need not be neighbours there).
+    let mut names: Vec<&str> = tensors.iter().map(|t| t.name).collect();
+    names.sort_unstable();
+    if let Some(w) = names.windows(2).find(|w| w[0] == w[1]) {
+        return bad(
+            Some(w[0]),
+            Problem::BadTensor("two tensors have this name".into()),
+        );
+    }
+    drop(names);
     let mut order: Vec<usize> = (0..tensors.len()).collect();
     order.sort_by(|&a, &b| {
         let (l, r) = (&tensors[a], &tensors[b]);
         r.dtype.cmp(&l.dtype).then(l.name.cmp(r.name))
     });
-    for w in order.windows(2) {
-        if tensors[w[0]].name == tensors[w[1]].name {
-            return bad(
-                Some(tensors[w[0]].name),
-                Problem::BadTensor("two tensors have this name".into()),
-            );
-        }
-    }
     let mut rel = vec![0u64; tensors.len()];
     let mut entries = Vec::with_capacity(tensors.len());
     let mut off = 0u64;
