@@ -597,7 +597,9 @@ mod tests {
                 t("a", Dtype::BF16, 12),
             ],
         ] {
-            let e = serialize(&list, &md).err().expect("a duplicate name is refused");
+            let e = serialize(&list, &md)
+                .err()
+                .expect("a duplicate name is refused");
             assert_eq!(e.0.as_deref(), Some("a"));
             assert!(
                 matches!(e.1, Problem::BadTensor(ref m) if m.contains("two tensors have this name")),

@@ -557,6 +557,65 @@ mod tests {
         ));
     }
 
+    /// 4- and 6-bit tensors: a row that is not whole bytes cannot be split (refused, naming
+    /// the tensor); rows of whole bytes split exactly, every byte to one GPU; a byte range of
+    /// such a tensor that is not whole rows is a 1-D piece of the elements it holds.
+    #[test]
+    fn sub_byte_rows_split_only_on_whole_bytes() {
+        let two = [0, 1];
+        let split = |dtype, shape: &[usize]| {
+            let s = vec![t("w", dtype, shape)];
+            Placement::new().split_rows("w", two).resolve(&s, &two)
+        };
+        for (dtype, shape) in [
+            (Dtype::F4, &[2, 3][..]),
+            (Dtype::F4, &[4, 1][..]),
+            (Dtype::F6_E2M3, &[4, 1][..]),
+            (Dtype::F6_E3M2, &[4, 2][..]),
+        ] {
+            assert_eq!(
+                split(dtype, shape),
+                Err((
+                    Some("w".into()),
+                    Problem::NotSplittable {
+                        shape: shape.to_vec()
+                    }
+                )),
+                "{dtype} {shape:?}"
+            );
+        }
+        // F4 [2, 2]: rows of 1 byte; F6 [2, 4]: rows of 3 bytes; F4 [6, 4]: 2 bytes, 3 rows each.
+        for (dtype, shape, row) in [
+            (Dtype::F4, &[2, 2][..], 1),
+            (Dtype::F6_E2M3, &[2, 4][..], 3),
+            (Dtype::F4, &[6, 4][..], 2),
+        ] {
+            let w = split(dtype, shape).unwrap();
+            let rows = shape[0] as u64;
+            let mut next = 0;
+            for (k, d) in w.iter().enumerate() {
+                assert_eq!(d.len(), 1);
+                assert_eq!(
+                    (d[0].start, d[0].end),
+                    (next, (k as u64 + 1) * rows / 2 * row)
+                );
+                assert_eq!(d[0].shape, [shape[0] / 2, shape[1]]);
+                next = d[0].end;
+            }
+            assert_eq!(next, rows * row, "{dtype} {shape:?}: every byte placed");
+        }
+        // put_ranges on F4 [2, 3] (3 bytes, rows of 1.5): byte 0 holds 2 elements, not a row.
+        let s = vec![t("w", Dtype::F4, &[2, 3])];
+        let w = Placement::new()
+            .put_ranges("w", [(0, 0..1), (1, 1..3)])
+            .resolve(&s, &two)
+            .unwrap();
+        assert_eq!(
+            ranges(&w),
+            vec![vec![(0, 0, 1, vec![2])], vec![(0, 1, 3, vec![4])]]
+        );
+    }
+
     #[test]
     fn split_rows_covers_every_row_once() {
         for rows in 0..12usize {
