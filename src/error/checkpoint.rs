@@ -248,8 +248,9 @@ pub enum Problem {
         /// Second range's end.
         second_end: u64,
     },
-    /// Rows of a 0-d tensor were asked for.
-    #[error("a tensor of shape {shape:?} has no rows to split: place it whole")]
+    /// Rows of a tensor that cannot be split by rows were asked for: a 0-d tensor (no rows), or
+    /// a 4- or 6-bit tensor whose rows are not whole bytes.
+    #[error("a tensor of shape {shape:?} cannot be split by rows (it has none, or a row of its 4- or 6-bit elements is not whole bytes): place it whole or give byte ranges")]
     NotSplittable {
         /// Its shape.
         shape: Vec<usize>,

@@ -37,7 +37,8 @@ use super::Problem;
 /// ([`Problem::Unplaced`]: place it, or leave it out with a filter); a byte range outside the
 /// tensor ([`Problem::RangeOutOfBounds`]) or cutting its elements
 /// ([`Problem::RangeMisaligned`]); two different ranges of one tensor for one GPU
-/// ([`Problem::PlacedTwice`]); rows of a 0-d tensor ([`Problem::NotSplittable`]).
+/// ([`Problem::PlacedTwice`]); rows of a 0-d tensor, or of a 4- or 6-bit tensor whose rows are
+/// not whole bytes ([`Problem::NotSplittable`]).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Placement {
     rules: Vec<Rule>,
@@ -130,7 +131,9 @@ impl Placement {
 
     /// The rows (first dimension) of the tensors matching `pattern`, split in order over the
     /// GPUs `devices`: the `k`-th of `n` GPUs gets rows `[k·R/n, (k+1)·R/n)` of `R`, as a tensor
-    /// of shape `[rows, rest of the shape]`.
+    /// of shape `[rows, rest of the shape]`. A row must be whole bytes: a 4- or 6-bit tensor
+    /// whose rows are not is refused ([`Problem::NotSplittable`]; give byte ranges with
+    /// [`put_ranges`](Self::put_ranges)).
     pub fn split_rows(
         mut self,
         pattern: impl Into<String>,
@@ -221,8 +224,15 @@ impl Placement {
                             },
                         ));
                     };
+                    let Some(row) = row_bytes(t) else {
+                        return Err((
+                            Some(t.name.clone()),
+                            Problem::NotSplittable {
+                                shape: t.shape.clone(),
+                            },
+                        ));
+                    };
                     let rows = rows as u64;
-                    let row = t.len.checked_div(rows).unwrap_or(0);
                     let n = ds.len() as u64;
                     for (k, &d) in ds.iter().enumerate() {
                         let k = k as u64;
@@ -339,17 +349,29 @@ fn piece_shape(t: &Selected, r: &Range<u64>) -> Vec<usize> {
     if r.start == 0 && r.end == t.len {
         return t.shape.clone();
     }
-    if let Some(&rows) = t.shape.first() {
-        if rows > 0 {
-            let row = t.len / rows as u64;
-            if row > 0 && r.start.is_multiple_of(row) && r.end.is_multiple_of(row) {
-                let mut s = t.shape.clone();
-                s[0] = ((r.end - r.start) / row) as usize;
-                return s;
-            }
+    if let Some(row) = row_bytes(t) {
+        if row > 0 && r.start.is_multiple_of(row) && r.end.is_multiple_of(row) {
+            let mut s = t.shape.clone();
+            s[0] = ((r.end - r.start) / row) as usize;
+            return s;
         }
     }
     vec![((r.end - r.start) * 8 / t.dtype.bits() as u64) as usize]
+}
+
+/// The bytes of one row (first dimension) of `t`: `None` when it has no rows (0-d) or a row is
+/// not a whole number of bytes (4- and 6-bit dtypes with an odd count per row); 0 for a tensor
+/// of no rows or empty rows.
+fn row_bytes(t: &Selected) -> Option<u64> {
+    let (&rows, rest) = t.shape.split_first()?;
+    if rows == 0 {
+        // No bytes at all; the rest of the shape may even overflow (the header only checks
+        // the product, which is 0).
+        return Some(0);
+    }
+    // Fits: the whole tensor's bits did (the header checked them), and a row is a part of it.
+    let bits = rest.iter().product::<usize>() as u64 * t.dtype.bits() as u64;
+    bits.is_multiple_of(8).then_some(bits / 8)
 }
 
 #[cfg(test)]
