@@ -1683,4 +1683,73 @@ mod tests {
             "{s}"
         );
     }
+
+    /// A safetensors file of two `U8[8]` tensors, `first` at data bytes [0, 8), `second` at
+    /// [8, 16), each of its own random bytes.
+    fn two_tensor_file(first: &str, second: &str, seed: u64) -> Vec<u8> {
+        use rand::{RngCore, SeedableRng};
+        let h = format!(
+            r#"{{"{first}":{{"dtype":"U8","shape":[8],"data_offsets":[0,8]}},"{second}":{{"dtype":"U8","shape":[8],"data_offsets":[8,16]}}}}"#
+        );
+        let mut f = (h.len() as u64).to_le_bytes().to_vec();
+        f.extend_from_slice(h.as_bytes());
+        let mut data = [0u8; 16];
+        rand::rngs::StdRng::seed_from_u64(seed).fill_bytes(&mut data);
+        f.extend_from_slice(&data);
+        f
+    }
+
+    /// The file a load opens for its tensors must be the one its header was read from: another
+    /// file of the same length put in its place (another process's save to the same path), or
+    /// the same file rewritten in place between the header and the open, is refused, naming
+    /// the file, instead of giving each tensor the bytes the new layout puts there.
+    #[test]
+    fn a_file_replaced_between_header_and_open_is_refused() {
+        let d = tempfile::tempdir().unwrap();
+        let path = d.path().join("m.safetensors");
+        let old = two_tensor_file("a", "b", 1);
+        // Same length, the names swapped: "a" is now where "b" was.
+        let new = two_tensor_file("b", "a", 2);
+        assert_eq!(old.len(), new.len());
+        let opts = LoadOptions::new();
+        let src = Source::from(&path);
+        let check = |how: &str, replace: &dyn Fn()| {
+            std::fs::write(&path, &old).unwrap();
+            let s = select(&opts, &src).unwrap();
+            replace();
+            match open_files(&opts, &s.shards, &[true]) {
+                Err(Error::Checkpoint {
+                    file,
+                    tensor: None,
+                    problem,
+                }) => {
+                    assert_eq!(file, path, "{how}");
+                    assert!(
+                        !matches!(problem, Problem::ChangedWhileLoading { .. }),
+                        "{how}: the length did not change: {problem}"
+                    );
+                }
+                Ok(_) => panic!("{how}: the replaced file was opened as the header's"),
+                Err(e) => panic!("{how}: {e}"),
+            }
+        };
+        check("renamed over", &|| {
+            let other = d.path().join("other");
+            std::fs::write(&other, &new).unwrap();
+            std::fs::rename(&other, &path).unwrap();
+        });
+        check("rewritten in place", &|| {
+            use std::io::Write;
+            let mut f = std::fs::OpenOptions::new().write(true).open(&path).unwrap();
+            f.write_all(&new).unwrap();
+            // An explicit time: a write within the clock's tick may leave the time as it was.
+            f.set_modified(std::time::SystemTime::UNIX_EPOCH + Duration::from_secs(1 << 30))
+                .unwrap();
+        });
+        // Left alone, it opens.
+        std::fs::write(&path, &old).unwrap();
+        let s = select(&opts, &src).unwrap();
+        let files = open_files(&opts, &s.shards, &[true]).unwrap();
+        assert_eq!(files.len(), 1);
+    }
 }
