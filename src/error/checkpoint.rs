@@ -11,8 +11,9 @@ use serde::Serialize;
 /// [`Error::Checkpoint`](crate::Error::Checkpoint) together with the file and, where one is to
 /// blame, the tensor.
 ///
-/// Every one is found before any byte moves to the GPU (except [`Problem::ChangedWhileLoading`]),
-/// and none leaves a partial result that looks like success.
+/// Every one is found before any byte moves to the GPU (except [`Problem::ChangedWhileLoading`]
+/// and [`Problem::ReplacedWhileLoading`], found as the shards are opened, before any of their
+/// bytes move), and none leaves a partial result that looks like success.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
 pub enum Problem {
@@ -183,6 +184,15 @@ pub enum Problem {
         was: u64,
         /// Length now.
         now: u64,
+    },
+    /// The file opened for the tensors is not the one the header was read from, unchanged:
+    /// another file took its name (a save to the same path renames a new file over it), or it
+    /// was rewritten in place (its modification or change time moved) in between. Found when
+    /// the shard is opened, before any of its bytes move.
+    #[error("the file changed after its header was read ({what}): its tensors may not be where that header put them; load it again once the writer is done")]
+    ReplacedWhileLoading {
+        /// What changed.
+        what: &'static str,
     },
     /// A tensor to save is described wrongly.
     #[error("cannot save it: {0}")]

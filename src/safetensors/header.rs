@@ -67,9 +67,57 @@ struct RawInfo {
     data_offsets: (usize, usize),
 }
 
+/// What a file was when its header was read: which file (`st_dev`, `st_ino`), its length and
+/// its modification and change times. A load compares it with the `fstat` of the descriptor it
+/// reads the tensors through, so that a file replaced or rewritten in between is refused rather
+/// than read with a layout that is no longer its own.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct FileStamp {
+    dev: u64,
+    ino: u64,
+    len: u64,
+    mtime: (i64, i64),
+    ctime: (i64, i64),
+}
+
+impl FileStamp {
+    pub(crate) fn of(md: &std::fs::Metadata) -> FileStamp {
+        use std::os::unix::fs::MetadataExt;
+        FileStamp {
+            dev: md.dev(),
+            ino: md.ino(),
+            len: md.len(),
+            mtime: (md.mtime(), md.mtime_nsec()),
+            ctime: (md.ctime(), md.ctime_nsec()),
+        }
+    }
+
+    /// Why `now` (a later `fstat`) is not this file as it was, if it is not.
+    pub(crate) fn changed(&self, now: &FileStamp) -> Option<Problem> {
+        if (self.dev, self.ino) != (now.dev, now.ino) {
+            return Some(Problem::ReplacedWhileLoading {
+                what: "another file now has its name",
+            });
+        }
+        if self.len != now.len {
+            return Some(Problem::ChangedWhileLoading {
+                was: self.len,
+                now: now.len,
+            });
+        }
+        if (self.mtime, self.ctime) != (now.mtime, now.ctime) {
+            return Some(Problem::ReplacedWhileLoading {
+                what: "it was rewritten in place: its modification or change time moved",
+            });
+        }
+        None
+    }
+}
+
 /// Reads and validates the header of the safetensors file at `path`; reads only the header's
-/// bytes. Errors: [`Error::Io`] (open, read), [`Error::Checkpoint`] naming the tensor.
-pub fn read(path: &Path) -> Result<Header> {
+/// bytes. Returns the file's [`FileStamp`] too. Errors: [`Error::Io`] (open, read),
+/// [`Error::Checkpoint`] naming the tensor.
+pub(crate) fn read(path: &Path) -> Result<(Header, FileStamp)> {
     let io = |op, e| Error::io(op, Some(path.to_owned()), e);
     let f = File::open(path).map_err(|e| io("open", e))?;
     let md = f.metadata().map_err(|e| io("fstat", e))?;
@@ -93,7 +141,8 @@ pub fn read(path: &Path) -> Result<Header> {
     let mut header = vec![0u8; n as usize];
     f.read_exact_at(&mut header, 8)
         .map_err(|e| io("pread", e))?;
-    parse_header(n, &header, file_len).map_err(at)
+    let h = parse_header(n, &header, file_len).map_err(at)?;
+    Ok((h, FileStamp::of(&md)))
 }
 
 fn read_prefix(f: &File, file_len: u64) -> std::io::Result<Vec<u8>> {

@@ -1010,7 +1010,9 @@ pub(super) fn prepare(opts: &LoadOptions, src: Source) -> Result<Prepared> {
 }
 
 /// Opens the shards that have bytes to read (in parallel when there are several: opening may
-/// register each file with cuFile), each checked to be the length its header was read from.
+/// register each file with cuFile), each checked to be the file its header was read from, as it
+/// was then (same `st_dev`/`st_ino`, length and times; [`Problem::ReplacedWhileLoading`],
+/// [`Problem::ChangedWhileLoading`]).
 fn open_files(
     opts: &LoadOptions,
     shards: &[Shard],
@@ -1026,15 +1028,14 @@ fn open_files(
         }
         let s = &shards[i];
         let f = o.open(&s.path)?;
-        let now = f.len()?;
-        if now != s.header.file_len {
+        // The descriptor's own fstat: the file the tensors are read from, whatever the path
+        // names by now.
+        let now = super::header::FileStamp::of(&f.metadata()?);
+        if let Some(problem) = s.stamp.changed(&now) {
             return Err(Error::Checkpoint {
                 file: s.path.clone(),
                 tensor: None,
-                problem: Problem::ChangedWhileLoading {
-                    was: s.header.file_len,
-                    now,
-                },
+                problem,
             });
         }
         Ok(Some(f))
@@ -1725,8 +1726,8 @@ mod tests {
                 }) => {
                     assert_eq!(file, path, "{how}");
                     assert!(
-                        !matches!(problem, Problem::ChangedWhileLoading { .. }),
-                        "{how}: the length did not change: {problem}"
+                        matches!(problem, Problem::ReplacedWhileLoading { .. }),
+                        "{how}: {problem}"
                     );
                 }
                 Ok(_) => panic!("{how}: the replaced file was opened as the header's"),

@@ -37,7 +37,8 @@
 //! truncated files, header lengths past the file or over the format's 100 MB limit, non-UTF-8
 //! or invalid JSON, unknown dtypes, `shape × dtype ≠ bytes`, offsets out of range, overlapping
 //! or leaving gaps, trailing bytes, duplicate names across shards, an index naming a missing
-//! shard or disagreeing with it, a filter pattern matching nothing, not enough device memory.
+//! shard or disagreeing with it, a filter pattern matching nothing, not enough device memory,
+//! a shard replaced or rewritten between reading its header and opening it for its tensors.
 //! Each is an [`Error::Checkpoint`](crate::Error::Checkpoint) naming the file, the tensor when
 //! one is to blame, and the [`Problem`].
 //!

@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 
 use serde::Deserialize;
 
-use super::header::{self, Header};
+use super::header::{self, FileStamp, Header};
 use super::Problem;
 use crate::error::{Error, Result};
 
@@ -235,17 +235,19 @@ pub(crate) fn resolve(src: &Source) -> Result<Resolved> {
 pub(crate) struct Shard {
     pub path: PathBuf,
     pub header: Header,
+    /// The file as its header was read: a load opens only this file, unchanged.
+    pub stamp: FileStamp,
 }
 
 /// Reads every shard's header (in parallel for many shards) and checks the set: names unique
 /// across shards, and the index (when there is one) agreeing with the headers.
 pub(crate) fn read_shards(r: &Resolved) -> Result<Vec<Shard>> {
-    let headers: Vec<Result<Header>> = if r.files.len() <= 2 {
+    let headers: Vec<Result<(Header, FileStamp)>> = if r.files.len() <= 2 {
         r.files.iter().map(|f| header::read(f)).collect()
     } else {
         let workers = r.files.len().min(16);
         let next = std::sync::atomic::AtomicUsize::new(0);
-        let slots: Vec<std::sync::Mutex<Option<Result<Header>>>> = r
+        let slots: Vec<std::sync::Mutex<Option<Result<(Header, FileStamp)>>>> = r
             .files
             .iter()
             .map(|_| std::sync::Mutex::new(None))
@@ -273,9 +275,11 @@ pub(crate) fn read_shards(r: &Resolved) -> Result<Vec<Shard>> {
     };
     let mut shards = Vec::with_capacity(r.files.len());
     for (path, h) in r.files.iter().zip(headers) {
+        let (header, stamp) = h?;
         shards.push(Shard {
             path: path.clone(),
-            header: h?,
+            header,
+            stamp,
         });
     }
     check_set(&shards, r.index.as_ref())?;

@@ -283,6 +283,16 @@ impl GpuFile {
         self.cufile.is_some()
     }
 
+    /// `fstat` of the open file: the file this `GpuFile` reads and writes, whatever its path
+    /// names now (compare `dev()` and `ino()` with what another open of the path saw to know it
+    /// is the same file).
+    pub fn metadata(&self) -> Result<std::fs::Metadata> {
+        self.fds
+            .buffered
+            .metadata()
+            .map_err(|e| self.fds.err("fstat", e))
+    }
+
     /// Why O_DIRECT is unavailable for this file, if it is.
     pub fn odirect_refused(&self) -> Option<&str> {
         self.fds.direct_refused.as_deref()
