@@ -485,3 +485,127 @@ fn fan_out_placement_problems_are_named() {
         Err(Error::InvalidArgument(_))
     ));
 }
+
+/// Runs `f` on a thread; `None` when it has not returned after `secs` (the thread is left
+/// behind, blocked: `unblock` is then called to let it go).
+fn within<R: Send + 'static>(
+    secs: u64,
+    f: impl FnOnce() -> R + Send + 'static,
+    unblock: impl FnOnce(),
+) -> Option<R> {
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(f());
+    });
+    match rx.recv_timeout(std::time::Duration::from_secs(secs)) {
+        Ok(r) => Some(r),
+        Err(_) => {
+            unblock();
+            None
+        }
+    }
+}
+
+fn mkfifo(p: &Path) {
+    use std::os::unix::ffi::OsStrExt;
+    let c = std::ffi::CString::new(p.as_os_str().as_bytes()).unwrap();
+    // SAFETY: a NUL-terminated path that outlives the call.
+    let rc = unsafe { libc::mkfifo(c.as_ptr(), 0o600) };
+    assert_eq!(
+        rc,
+        0,
+        "mkfifo {}: {}",
+        p.display(),
+        std::io::Error::last_os_error()
+    );
+}
+
+/// Opens the FIFO's write end without blocking and closes it: a reader blocked in `open` then
+/// proceeds (and sees end of file).
+fn release(p: &Path) {
+    use std::os::unix::fs::OpenOptionsExt;
+    let _ = std::fs::OpenOptions::new()
+        .write(true)
+        .custom_flags(libc::O_NONBLOCK)
+        .open(p);
+}
+
+/// A FIFO (or a link to one) given as a shard, an index or a directory's index is refused
+/// without blocking, naming it; nothing waits for a writer that never comes.
+#[test]
+fn fifos_are_refused_without_blocking() {
+    let d = tempfile::tempdir().unwrap();
+    let shard = d.path().join("m.safetensors");
+    let index = d.path().join("x.safetensors.index.json");
+    let linked = d.path().join("linked.json");
+    let model = d.path().join("model");
+    std::fs::create_dir(&model).unwrap();
+    let dir_index = model.join(st::INDEX_FILE);
+    for f in [&shard, &index, &dir_index] {
+        mkfifo(f);
+    }
+    std::os::unix::fs::symlink(&index, &linked).unwrap();
+    write(
+        &model.join("model-00001-of-00001.safetensors"),
+        &tensors(9, 3),
+    );
+    let cases: Vec<(&str, st::Source, &Path)> = vec![
+        ("a FIFO as the file", st::Source::from(&shard), &shard),
+        (
+            "a FIFO in a list of shards",
+            st::Source::from(vec![shard.clone()]),
+            &shard,
+        ),
+        ("a FIFO as the index", st::Source::from(&index), &index),
+        (
+            "a link to a FIFO as the index",
+            st::Source::from(&linked),
+            &index,
+        ),
+        (
+            "a FIFO as a directory's index",
+            st::Source::from(&model),
+            &dir_index,
+        ),
+    ];
+    for (what, src, fifo) in cases {
+        for planned in [false, true] {
+            let s = src.clone();
+            let r = within(
+                5,
+                move || {
+                    if planned {
+                        LoadOptions::new().plan(s).map(drop)
+                    } else {
+                        st::inspect(s).map(drop)
+                    }
+                },
+                || release(fifo),
+            );
+            match r {
+                None => panic!("{what} (plan: {planned}): still blocked after 5 s"),
+                Some(Ok(())) => panic!("{what} (plan: {planned}): accepted"),
+                Some(Err(Error::InvalidArgument(m))) => assert!(
+                    m.contains("FIFO") && m.contains(&*fifo.to_string_lossy()),
+                    "{what}: {m}"
+                ),
+                Some(Err(e)) => panic!("{what} (plan: {planned}): {e}"),
+            }
+        }
+    }
+}
+
+/// An index file larger than a header may be is refused from its size, before it is read.
+#[test]
+fn an_oversized_index_is_refused() {
+    let d = tempfile::tempdir().unwrap();
+    let index = d.path().join("big.safetensors.index.json");
+    // Sparse: no disk space, and a read of it would be 100 MB of zeros.
+    std::fs::File::create(&index)
+        .unwrap()
+        .set_len(st::MAX_HEADER_LEN + 2)
+        .unwrap();
+    let (file, tensor, p) = problem(st::inspect(&index).unwrap_err());
+    assert_eq!((file, tensor), (index, None));
+    assert!(!matches!(p, Problem::InvalidJson(_)), "{p:?}");
+}
