@@ -560,7 +560,7 @@ fn fifos_are_refused_without_blocking() {
         (
             "a link to a FIFO as the index",
             st::Source::from(&linked),
-            &index,
+            &linked,
         ),
         (
             "a FIFO as a directory's index",
@@ -607,5 +607,18 @@ fn an_oversized_index_is_refused() {
         .unwrap();
     let (file, tensor, p) = problem(st::inspect(&index).unwrap_err());
     assert_eq!((file, tensor), (index, None));
-    assert!(!matches!(p, Problem::InvalidJson(_)), "{p:?}");
+    assert_eq!(
+        p,
+        Problem::IndexTooLarge {
+            len: st::MAX_HEADER_LEN + 2
+        }
+    );
+    // A link named .json to a device that never ends is refused as a device, before any read.
+    let zero = d.path().join("zero.json");
+    std::os::unix::fs::symlink("/dev/zero", &zero).unwrap();
+    match within(5, move || st::inspect(&zero).map(drop), || {}) {
+        Some(Err(Error::InvalidArgument(m))) => assert!(m.contains("a device node"), "{m}"),
+        None => panic!("/dev/zero as an index: still reading after 5 s"),
+        Some(r) => panic!("/dev/zero as an index: {r:?}"),
+    }
 }

@@ -125,6 +125,13 @@ pub enum Problem {
         /// The other file.
         other: std::path::PathBuf,
     },
+    /// The index file is larger than a header may be ([`MAX_HEADER_LEN`](crate::safetensors::MAX_HEADER_LEN));
+    /// it is refused from its size, or once that many bytes were read.
+    #[error("the index is {len} bytes or more, over the limit of 100000000 bytes: it is not a model.safetensors.index.json")]
+    IndexTooLarge {
+        /// Its size (or the bytes read before the read stopped).
+        len: u64,
+    },
     /// The index names a shard that does not exist.
     #[error("the index names shard {shard:?}, which does not exist: copy the whole checkpoint directory")]
     MissingShard {

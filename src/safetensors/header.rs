@@ -119,14 +119,10 @@ impl FileStamp {
 /// [`Error::Checkpoint`] naming the tensor.
 pub(crate) fn read(path: &Path) -> Result<(Header, FileStamp)> {
     let io = |op, e| Error::io(op, Some(path.to_owned()), e);
-    let f = File::open(path).map_err(|e| io("open", e))?;
-    let md = f.metadata().map_err(|e| io("fstat", e))?;
-    if !md.is_file() {
-        return Err(Error::InvalidArgument(format!(
-            "{} is not a regular file: pass a .safetensors file, a model directory or a list of shards",
-            path.display()
-        )));
-    }
+    let (f, md) = open_regular(
+        path,
+        "pass a .safetensors file, a model directory or a list of shards",
+    )?;
     let file_len = md.len();
     let at = |(tensor, problem): Bad| Error::Checkpoint {
         file: path.to_owned(),
@@ -143,6 +139,48 @@ pub(crate) fn read(path: &Path) -> Result<(Header, FileStamp)> {
         .map_err(|e| io("pread", e))?;
     let h = parse_header(n, &header, file_len).map_err(at)?;
     Ok((h, FileStamp::of(&md)))
+}
+
+/// Opens `path` for reading if it is a regular file (a link to one is followed), with its
+/// `fstat`. Anything else (a directory, a FIFO, a socket, a device node) is an
+/// [`Error::InvalidArgument`] naming it and what it is, ending with `hint`. The open is
+/// non-blocking (a FIFO without a writer would block `open(2)` forever) and the flag is cleared
+/// once the file is known to be regular.
+pub(crate) fn open_regular(path: &Path, hint: &str) -> Result<(File, std::fs::Metadata)> {
+    use std::os::fd::AsRawFd;
+    use std::os::unix::fs::{FileTypeExt, OpenOptionsExt};
+    let io = |op, e| Error::io(op, Some(path.to_owned()), e);
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NONBLOCK | libc::O_CLOEXEC)
+        .open(path)
+        .map_err(|e| io("open", e))?;
+    let md = f.metadata().map_err(|e| io("fstat", e))?;
+    let ft = md.file_type();
+    if !ft.is_file() {
+        let what = if ft.is_dir() {
+            "a directory"
+        } else if ft.is_fifo() {
+            "a FIFO"
+        } else if ft.is_socket() {
+            "a socket"
+        } else if ft.is_block_device() || ft.is_char_device() {
+            "a device node"
+        } else {
+            "not a regular file"
+        };
+        return Err(Error::InvalidArgument(format!(
+            "{} is {what}, not a regular file: {hint}",
+            path.display()
+        )));
+    }
+    // F_SETFL of no flags clears O_NONBLOCK, the only status flag the open set (the access
+    // mode is not a status flag and stays).
+    // SAFETY: fcntl on a descriptor this function owns; F_SETFL takes an integer, no pointer.
+    if unsafe { libc::fcntl(f.as_raw_fd(), libc::F_SETFL, 0) } < 0 {
+        return Err(io("fcntl", std::io::Error::last_os_error()));
+    }
+    Ok((f, md))
 }
 
 fn read_prefix(f: &File, file_len: u64) -> std::io::Result<Vec<u8>> {

@@ -148,8 +148,36 @@ pub(crate) struct Resolved {
     pub index: Option<Index>,
 }
 
+/// Reads an index file: a regular file (else [`Error::InvalidArgument`]) of at most
+/// [`MAX_HEADER_LEN`](header::MAX_HEADER_LEN) bytes ([`Problem::IndexTooLarge`]).
+fn read_index_text(path: &Path) -> Result<Vec<u8>> {
+    use std::io::Read;
+    let (f, md) = header::open_regular(
+        path,
+        "pass a model.safetensors.index.json file, a model directory or .safetensors files",
+    )?;
+    let too_large = |len| Error::Checkpoint {
+        file: path.to_owned(),
+        tensor: None,
+        problem: Problem::IndexTooLarge { len },
+    };
+    if md.len() > header::MAX_HEADER_LEN {
+        return Err(too_large(md.len()));
+    }
+    // The size a regular file reports may be wrong (0 for /proc files) or grow: the read itself
+    // stops past the limit.
+    let mut text = Vec::with_capacity(md.len() as usize);
+    f.take(header::MAX_HEADER_LEN + 1)
+        .read_to_end(&mut text)
+        .map_err(|e| Error::io("read", Some(path.to_owned()), e))?;
+    if text.len() as u64 > header::MAX_HEADER_LEN {
+        return Err(too_large(text.len() as u64));
+    }
+    Ok(text)
+}
+
 fn read_index(path: &Path) -> Result<Resolved> {
-    let text = std::fs::read(path).map_err(|e| Error::io("read", Some(path.to_owned()), e))?;
+    let text = read_index_text(path)?;
     let index = parse_index(path, &text)?;
     let dir = path.parent().unwrap_or(Path::new("."));
     let mut files: Vec<PathBuf> = Vec::new();
@@ -159,7 +187,12 @@ fn read_index(path: &Path) -> Result<Resolved> {
             continue;
         }
         let p = dir.join(shard);
-        if !p.is_file() {
+        // Exists (whatever it is: a shard that is not a regular file is refused by name when
+        // its header is read).
+        let exists = p
+            .try_exists()
+            .map_err(|e| Error::io("stat", Some(p.clone()), e))?;
+        if !exists {
             return Err(Error::Checkpoint {
                 file: path.to_owned(),
                 tensor: Some(name.clone()),
@@ -195,12 +228,18 @@ pub(crate) fn resolve(src: &Source) -> Result<Resolved> {
         Source::Path(p) => {
             let md = std::fs::metadata(p).map_err(|e| Error::io("stat", Some(p.clone()), e))?;
             if md.is_dir() {
+                // Present whatever they are: one that is not a regular file is refused by name
+                // when it is read, not taken for absent.
+                let present = |f: &Path| {
+                    f.try_exists()
+                        .map_err(|e| Error::io("stat", Some(f.to_owned()), e))
+                };
                 let idx = p.join(INDEX_FILE);
-                if idx.is_file() {
+                if present(&idx)? {
                     return read_index(&idx);
                 }
                 let single = p.join(SINGLE_FILE);
-                if single.is_file() {
+                if present(&single)? {
                     return Ok(Resolved {
                         files: vec![single],
                         index: None,
