@@ -855,6 +855,107 @@ mod tests {
         assert!(parse_file_bytes(&file(r#"{"__metadata__":null}"#, 0)).is_ok());
     }
 
+    const PEAK_CHILD: &str = "GPUDIRECT_TEST_HEADER_PEAK_CHILD";
+
+    /// The process's peak resident memory so far (`VmHWM`), in bytes.
+    fn vm_hwm() -> u64 {
+        let status = std::fs::read_to_string("/proc/self/status").unwrap();
+        let line = status
+            .lines()
+            .find(|l| l.starts_with("VmHWM:"))
+            .expect("VmHWM in /proc/self/status");
+        let kib: u64 = line
+            .split_whitespace()
+            .nth(1)
+            .and_then(|v| v.parse().ok())
+            .expect("VmHWM: N kB");
+        kib << 10
+    }
+
+    /// A file whose header is one tensor with `zeros` dimensions of length 0 (no elements, no
+    /// bytes: the format allows it), so the header is almost all `0,`.
+    fn zeros_header_file(zeros: usize) -> Vec<u8> {
+        let mut h = String::with_capacity(2 * zeros + 100);
+        h.push_str(r#"{"w":{"dtype":"F32","shape":["#);
+        for i in 0..zeros {
+            h.push_str(if i == 0 { "0" } else { ",0" });
+        }
+        h.push_str(r#"],"data_offsets":[0,0]}}"#);
+        let mut f = (h.len() as u64).to_le_bytes().to_vec();
+        f.extend_from_slice(h.as_bytes());
+        f
+    }
+
+    /// Helper and test in one: with `GPUDIRECT_TEST_HEADER_PEAK_CHILD=FILE` set (by
+    /// `a_large_header_costs_a_few_times_its_size`) it reads FILE's header and prints how much
+    /// the process's peak memory grew; otherwise it parses a small header of the same kind.
+    #[test]
+    fn header_peak_child_or_zeros_header() {
+        match std::env::var_os(PEAK_CHILD) {
+            Some(file) => {
+                let before = vm_hwm();
+                let (h, _) = read(Path::new(&file)).unwrap();
+                let after = vm_hwm();
+                assert_eq!(h.tensors.len(), 1);
+                println!(
+                    "HEADER_PEAK_GROWTH={} DIMS={}",
+                    after - before,
+                    h.tensors[0].shape.len()
+                );
+            }
+            None => {
+                let h = parse_file_bytes(&zeros_header_file(1000)).unwrap();
+                assert_eq!(h.tensors[0].shape, vec![0; 1000]);
+            }
+        }
+    }
+
+    /// A valid 16.8 MB header (2^23 dimensions of 0) parses, in a fresh process, with the peak
+    /// memory growing by less than 8 times its size (the text once, each dimension one `usize`
+    /// of 8 bytes for its 2 bytes of text, nothing parsed twice; a parse through
+    /// `serde_json::Value` holds 32 bytes per number, ~20 times the text).
+    #[test]
+    fn a_large_header_costs_a_few_times_its_size() {
+        let d = tempfile::tempdir().unwrap();
+        let path = d.path().join("zeros.safetensors");
+        let file = zeros_header_file(1 << 23);
+        let header_len = file.len() as u64 - 8;
+        std::fs::write(&path, &file).unwrap();
+        drop(file);
+        let out = std::process::Command::new(std::env::current_exe().unwrap())
+            .args([
+                "--exact",
+                "safetensors::header::tests::header_peak_child_or_zeros_header",
+                "--test-threads=1",
+                "--nocapture",
+            ])
+            .env(PEAK_CHILD, &path)
+            .output()
+            .unwrap();
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            out.status.success(),
+            "{stdout}{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let line = stdout
+            .lines()
+            .find_map(|l| l.split_once("HEADER_PEAK_GROWTH=").map(|x| x.1))
+            .unwrap_or_else(|| panic!("no HEADER_PEAK_GROWTH line: {stdout}"));
+        let (growth, dims) = line.split_once(" DIMS=").unwrap();
+        let growth: u64 = growth.parse().unwrap();
+        assert_eq!(dims, (1u64 << 23).to_string());
+        eprintln!(
+            "a {header_len}-byte header: peak memory grew by {growth} bytes ({:.1}x)",
+            growth as f64 / header_len as f64
+        );
+        assert!(
+            growth < 8 * header_len,
+            "a {header_len}-byte header raised the peak by {growth} bytes ({:.1}x its size)",
+            growth as f64 / header_len as f64
+        );
+    }
+
     /// Differential fuzzing, deterministic: random mutations of valid files (bytes flipped,
     /// truncated, extended, header text edited). We must accept exactly what the `safetensors`
     /// crate accepts, agree on every tensor when both accept, and never panic.
