@@ -240,35 +240,29 @@ pub(crate) fn parse_header(
             )
         }
     };
-    let map: serde_json::Map<String, serde_json::Value> = match serde_json::from_str(text) {
-        Ok(m) => m,
-        Err(e) => return bad(None, Problem::InvalidJson(format!("header: {e}"))),
-    };
+    let Entries {
+        metadata,
+        tensors: raw,
+    } = parse_entries(text)?;
     let data_start = 8 + n;
-    let mut metadata = BTreeMap::new();
-    let mut tensors = Vec::with_capacity(map.len());
-    for (name, v) in map {
-        if name == "__metadata__" {
-            if v.is_null() {
-                continue;
+    let metadata = metadata.flatten().unwrap_or_default();
+    // A name given twice: the last one counts (as in a JSON object read into a map, and in the
+    // crate).
+    let mut last = vec![true; raw.len()];
+    {
+        let mut by_name: Vec<usize> = (0..raw.len()).collect();
+        by_name.sort_by(|&a, &b| raw[a].0.cmp(&raw[b].0).then(a.cmp(&b)));
+        for w in by_name.windows(2) {
+            if raw[w[0]].0 == raw[w[1]].0 {
+                last[w[0]] = false;
             }
-            match serde_json::from_value::<BTreeMap<String, String>>(v) {
-                Ok(m) => metadata = m,
-                Err(e) => {
-                    return bad(
-                        None,
-                        Problem::InvalidJson(format!(
-                            "__metadata__ must map strings to strings: {e}"
-                        )),
-                    )
-                }
-            }
+        }
+    }
+    let mut tensors = Vec::with_capacity(raw.len());
+    for ((name, raw), last) in raw.into_iter().zip(last) {
+        if !last {
             continue;
         }
-        let raw: RawInfo = match serde_json::from_value(v) {
-            Ok(r) => r,
-            Err(e) => return bad(Some(&name), Problem::InvalidJson(e.to_string())),
-        };
         let Some(dtype) = Dtype::parse(&raw.dtype) else {
             return bad(Some(&name), Problem::UnknownDtype(raw.dtype));
         };
@@ -296,8 +290,8 @@ pub(crate) fn parse_header(
         }
         tensors.push((name, dtype, raw.shape, s as u64, e as u64));
     }
-    // The crate's order: by (start, end), stable.
-    tensors.sort_by_key(|t| (t.3, t.4));
+    // The crate's order: by (start, end); ties (empty tensors) by name.
+    tensors.sort_by(|a, b| (a.3, a.4).cmp(&(b.3, b.4)).then_with(|| a.0.cmp(&b.0)));
     let mut covered = 0u64;
     let mut last_nonempty: Option<usize> = None;
     for (i, t) in tensors.iter().enumerate() {
@@ -354,7 +348,10 @@ pub(crate) fn parse_header(
             );
         }
     }
-    // The reference validation.
+    // The reference validation. Its verdict on a shape depends only on the product of the
+    // dimensions (element count times bits, in whole bytes, against the offsets), which
+    // `byte_len` computed without overflow: so it is given the count as a 1-D shape, the same
+    // verdict without a second copy of every shape.
     let crate_view: Vec<(String, ::safetensors::tensor::TensorInfo)> = tensors
         .iter()
         .map(|(name, d, shape, s, e)| {
@@ -362,7 +359,7 @@ pub(crate) fn parse_header(
                 name.clone(),
                 ::safetensors::tensor::TensorInfo {
                     dtype: d.to_crate(),
-                    shape: shape.clone(),
+                    shape: vec![shape.iter().product()],
                     data_offsets: (*s as usize, *e as usize),
                 },
             )
@@ -386,6 +383,78 @@ pub(crate) fn parse_header(
         data_start,
         file_len,
     })
+}
+
+/// A header's entries as its JSON gives them, in file order, each value parsed once, straight
+/// into its final form (no `serde_json::Value` tree: that holds 32 bytes per number, ~20 times
+/// the header's text for a long shape).
+struct Entries {
+    /// `__metadata__` (`Some(None)` when it is `null`).
+    metadata: Option<Option<BTreeMap<String, String>>>,
+    tensors: Vec<(String, RawInfo)>,
+}
+
+/// Parses the header's JSON object into [`Entries`]; a value that does not parse is blamed on
+/// its key.
+fn parse_entries(text: &str) -> std::result::Result<Entries, Bad> {
+    let mut current: Option<String> = None;
+    let mut de = serde_json::Deserializer::from_str(text);
+    let r = serde::Deserializer::deserialize_map(
+        &mut de,
+        EntriesVisitor {
+            current: &mut current,
+        },
+    )
+    .and_then(|e| de.end().map(|()| e));
+    match r {
+        Ok(e) => Ok(e),
+        // A value of the wrong shape is its key's; broken JSON (syntax, end of text) is the
+        // header's.
+        Err(e) => match current.as_deref().filter(|_| e.is_data()) {
+            Some("__metadata__") => bad(
+                None,
+                Problem::InvalidJson(format!("__metadata__ must map strings to strings: {e}")),
+            ),
+            Some(name) => bad(Some(name), Problem::InvalidJson(e.to_string())),
+            None => bad(None, Problem::InvalidJson(format!("header: {e}"))),
+        },
+    }
+}
+
+/// Visits the header's object; `current` holds the key whose value is being parsed, so that a
+/// failure can name it.
+struct EntriesVisitor<'a> {
+    current: &'a mut Option<String>,
+}
+
+impl<'de> serde::de::Visitor<'de> for EntriesVisitor<'_> {
+    type Value = Entries;
+
+    fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("a JSON object of tensors")
+    }
+
+    fn visit_map<A: serde::de::MapAccess<'de>>(
+        self,
+        mut map: A,
+    ) -> std::result::Result<Entries, A::Error> {
+        let mut e = Entries {
+            metadata: None,
+            tensors: Vec::new(),
+        };
+        while let Some(name) = map.next_key::<String>()? {
+            let name = self.current.insert(name);
+            if name == "__metadata__" {
+                e.metadata = Some(map.next_value()?);
+            } else {
+                let raw: RawInfo = map.next_value()?;
+                let name = self.current.take().expect("set above");
+                e.tensors.push((name, raw));
+            }
+            *self.current = None;
+        }
+        Ok(e)
+    }
 }
 
 /// Bytes a tensor of `dtype` and `shape` occupies, as the format computes it.
