@@ -900,6 +900,49 @@ mod tests {
         ));
     }
 
+    /// A key given twice in the header is refused, naming it, even where keeping the last (as
+    /// the crate does) would give a valid file: which entry is meant is ambiguous.
+    #[test]
+    fn a_name_twice_in_one_header_is_refused() {
+        let u8x4 = |at: u32| {
+            format!(
+                r#"{{"dtype":"U8","shape":[4],"data_offsets":[{at},{}]}}"#,
+                at + 4
+            )
+        };
+        let f32x1 = r#"{"dtype":"F32","shape":[1],"data_offsets":[0,4]}"#;
+        let empty = r#"{"dtype":"F32","shape":[0],"data_offsets":[0,0]}"#;
+        for (h, name) in [
+            // The same entry twice.
+            (format!(r#"{{"a":{},"a":{}}}"#, u8x4(0), u8x4(0)), "a"),
+            // Two dtypes for the same bytes.
+            (format!(r#"{{"a":{f32x1},"a":{}}}"#, u8x4(0)), "a"),
+            // An empty tensor first, then a real one of that name, with another between.
+            (
+                format!(r#"{{"b":{empty},"x":{},"b":{}}}"#, u8x4(0), u8x4(4)),
+                "b",
+            ),
+            // The metadata twice.
+            (
+                format!(
+                    r#"{{"__metadata__":{{"k":"v"}},"a":{},"__metadata__":{{"k":"w"}}}}"#,
+                    u8x4(0)
+                ),
+                "__metadata__",
+            ),
+        ] {
+            let data = if h.contains("[4,8]") { 8 } else { 4 };
+            let buf = file(&h, data);
+            let r = parse_file_bytes(&buf);
+            match r {
+                Err((tensor, p)) => {
+                    assert_eq!(tensor.as_deref(), Some(name), "{h}: {p:?}");
+                }
+                Ok(_) => panic!("{h}: accepted"),
+            }
+        }
+    }
+
     #[test]
     fn edge_cases_the_format_allows() {
         // Empty tensors share an offset; a 0-d scalar; metadata; no tensors at all.
