@@ -132,6 +132,12 @@ pub enum Problem {
         /// Its size (or the bytes read before the read stopped).
         len: u64,
     },
+    /// The header gives a name (a tensor's, or `__metadata__`) more than once. The JSON of
+    /// such a file is valid and the `safetensors` crate keeps the last entry; gpudirect refuses
+    /// it, stricter than the crate: which entry is meant is ambiguous, and readers that keep
+    /// the first see other tensors.
+    #[error("the header gives this name more than once: which entry is meant is ambiguous (the safetensors crate keeps the last); write the file again with each name once")]
+    DuplicateInHeader,
     /// The index names a shard that does not exist.
     #[error("the index names shard {shard:?}, which does not exist: copy the whole checkpoint directory")]
     MissingShard {

@@ -7,8 +7,10 @@
 //! exactly, without gaps, overlaps or trailing bytes.
 //!
 //! Validation is ours (so every refusal names the tensor and the reason) followed by the
-//! `safetensors` crate's own (`Metadata::new`), so we accept exactly what the crate accepts; a
-//! differential test in this module checks that on randomly mutated files.
+//! `safetensors` crate's own (`Metadata::new`), so we accept exactly what the crate accepts,
+//! with one exception, stricter: a name given twice in one header
+//! ([`Problem::DuplicateInHeader`]), whose last entry the crate keeps. A differential test in
+//! this module checks that on randomly mutated files.
 
 use std::collections::BTreeMap;
 use std::fs::File;
@@ -246,23 +248,18 @@ pub(crate) fn parse_header(
     } = parse_entries(text)?;
     let data_start = 8 + n;
     let metadata = metadata.flatten().unwrap_or_default();
-    // A name given twice: the last one counts (as in a JSON object read into a map, and in the
-    // crate).
-    let mut last = vec![true; raw.len()];
+    // A name given twice is refused: which entry is meant is ambiguous (a JSON object read into
+    // a map, as the crate reads it, keeps the last; a reader that keeps the first sees another
+    // tensor).
     {
-        let mut by_name: Vec<usize> = (0..raw.len()).collect();
-        by_name.sort_by(|&a, &b| raw[a].0.cmp(&raw[b].0).then(a.cmp(&b)));
-        for w in by_name.windows(2) {
-            if raw[w[0]].0 == raw[w[1]].0 {
-                last[w[0]] = false;
-            }
+        let mut by_name: Vec<&str> = raw.iter().map(|t| t.0.as_str()).collect();
+        by_name.sort_unstable();
+        if let Some(w) = by_name.windows(2).find(|w| w[0] == w[1]) {
+            return bad(Some(w[0]), Problem::DuplicateInHeader);
         }
     }
     let mut tensors = Vec::with_capacity(raw.len());
-    for ((name, raw), last) in raw.into_iter().zip(last) {
-        if !last {
-            continue;
-        }
+    for (name, raw) in raw {
         let Some(dtype) = Dtype::parse(&raw.dtype) else {
             return bad(Some(&name), Problem::UnknownDtype(raw.dtype));
         };
@@ -398,11 +395,13 @@ struct Entries {
 /// its key.
 fn parse_entries(text: &str) -> std::result::Result<Entries, Bad> {
     let mut current: Option<String> = None;
+    let mut twice = false;
     let mut de = serde_json::Deserializer::from_str(text);
     let r = serde::Deserializer::deserialize_map(
         &mut de,
         EntriesVisitor {
             current: &mut current,
+            twice: &mut twice,
         },
     )
     .and_then(|e| de.end().map(|()| e));
@@ -411,6 +410,7 @@ fn parse_entries(text: &str) -> std::result::Result<Entries, Bad> {
         // A value of the wrong shape is its key's; broken JSON (syntax, end of text) is the
         // header's.
         Err(e) => match current.as_deref().filter(|_| e.is_data()) {
+            Some("__metadata__") if twice => bad(Some("__metadata__"), Problem::DuplicateInHeader),
             Some("__metadata__") => bad(
                 None,
                 Problem::InvalidJson(format!("__metadata__ must map strings to strings: {e}")),
@@ -422,9 +422,10 @@ fn parse_entries(text: &str) -> std::result::Result<Entries, Bad> {
 }
 
 /// Visits the header's object; `current` holds the key whose value is being parsed, so that a
-/// failure can name it.
+/// failure can name it; `twice` is set when the failure is a second `__metadata__`.
 struct EntriesVisitor<'a> {
     current: &'a mut Option<String>,
+    twice: &'a mut bool,
 }
 
 impl<'de> serde::de::Visitor<'de> for EntriesVisitor<'_> {
@@ -445,6 +446,10 @@ impl<'de> serde::de::Visitor<'de> for EntriesVisitor<'_> {
         while let Some(name) = map.next_key::<String>()? {
             let name = self.current.insert(name);
             if name == "__metadata__" {
+                if e.metadata.is_some() {
+                    *self.twice = true;
+                    return Err(serde::de::Error::custom("__metadata__ is given twice"));
+                }
                 e.metadata = Some(map.next_value()?);
             } else {
                 let raw: RawInfo = map.next_value()?;
@@ -937,6 +942,7 @@ mod tests {
             match r {
                 Err((tensor, p)) => {
                     assert_eq!(tensor.as_deref(), Some(name), "{h}: {p:?}");
+                    assert_eq!(p, Problem::DuplicateInHeader, "{h}");
                 }
                 Ok(_) => panic!("{h}: accepted"),
             }
@@ -1134,6 +1140,8 @@ mod tests {
                     }
                 }
                 (Err(_), Err(_)) => refused += 1,
+                // Stricter than the crate, on purpose: a name twice (a flipped bit can make one).
+                (Err((_, Problem::DuplicateInHeader)), Ok(_)) => refused += 1,
                 _ => panic!(
                     "disagreement on {:?}: ours {:?}, crate's {:?}",
                     String::from_utf8_lossy(&buf[..buf.len().min(400)]),

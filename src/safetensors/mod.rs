@@ -33,12 +33,14 @@
 //!
 //! # What is checked
 //! Headers are validated before any byte moves (our checks name the tensor and the reason,
-//! then the `safetensors` crate's validation runs too, so we accept exactly what it accepts):
+//! then the `safetensors` crate's validation runs too, so we accept what it accepts, except a
+//! name given twice in one header, which the crate resolves by keeping the last and we refuse):
 //! truncated files, header lengths past the file or over the format's 100 MB limit, non-UTF-8
 //! or invalid JSON, unknown dtypes, `shape × dtype ≠ bytes`, offsets out of range, overlapping
-//! or leaving gaps, trailing bytes, duplicate names across shards, an index naming a missing
-//! shard or disagreeing with it, a filter pattern matching nothing, not enough device memory,
-//! a shard replaced or rewritten between reading its header and opening it for its tensors.
+//! or leaving gaps, trailing bytes, duplicate names in a header or across shards, an index
+//! naming a missing shard or disagreeing with it, a filter pattern matching nothing, not enough
+//! device memory, a shard replaced or rewritten between reading its header and opening it for
+//! its tensors.
 //! Each is an [`Error::Checkpoint`](crate::Error::Checkpoint) naming the file, the tensor when
 //! one is to blame, and the [`Problem`].
 //!
