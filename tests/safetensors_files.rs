@@ -622,3 +622,27 @@ fn an_oversized_index_is_refused() {
         Some(r) => panic!("/dev/zero as an index: {r:?}"),
     }
 }
+
+/// A filter of no patterns selects nothing: refused like a pattern that matches nothing, never
+/// an empty load reported as success.
+#[test]
+fn an_empty_filter_is_refused() {
+    let d = tempfile::tempdir().unwrap();
+    let p = d.path().join("m.safetensors");
+    write(&p, &tensors(11, 5));
+    let (file, tensor, pr) = problem(
+        LoadOptions::new()
+            .filter(Vec::<String>::new())
+            .plan(&p)
+            .unwrap_err(),
+    );
+    assert_eq!((file, tensor), (p.clone(), None));
+    assert!(
+        matches!(pr, Problem::FilterMatchedNothing { tensors: 5, ref filter } if filter.contains("no pattern")),
+        "{pr:?}"
+    );
+    assert!(LoadOptions::new()
+        .filter(Vec::<String>::new())
+        .plan_placed(&p, &st::Placement::replicated(), &[0, 1])
+        .is_err());
+}
