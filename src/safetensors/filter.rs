@@ -3,9 +3,9 @@
 
 /// A tensor filter: a tensor is loaded when any pattern matches its whole name. A pattern with
 /// `*` or `?` is a glob, any other an exact name. Every pattern must match at least one tensor
-/// of the checkpoint, or the load fails with
-/// [`Problem::FilterMatchedNothing`](super::Problem::FilterMatchedNothing) (a typo must not
-/// load a model without its weights).
+/// of the checkpoint, and a filter must have a pattern; otherwise the load fails with
+/// [`Problem::FilterMatchedNothing`](super::Problem::FilterMatchedNothing) (a typo, or a list
+/// left empty, must not load a model without its weights).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Filter {
     patterns: Vec<String>,

@@ -67,7 +67,7 @@ impl LoadOptions {
 
     /// Load only the tensors whose names match one of `patterns` (exact names, or globs with
     /// `*` and `?`); the bytes of the others are never read. Every pattern must match some
-    /// tensor ([`Problem::FilterMatchedNothing`]).
+    /// tensor, and a filter of no patterns is refused too ([`Problem::FilterMatchedNothing`]).
     pub fn filter<I, S>(mut self, patterns: I) -> Self
     where
         I: IntoIterator<Item = S>,
@@ -896,12 +896,19 @@ pub(super) fn select(opts: &LoadOptions, src: &Source) -> Result<Selection> {
             let names = shards
                 .iter()
                 .flat_map(|s| s.header.tensors.iter().map(|t| t.name.as_str()));
-            if let Some(p) = f.unmatched(names) {
+            let unmatched = if f.patterns().is_empty() {
+                // Selects nothing: a list left empty by mistake must not load a model without
+                // its weights.
+                Some("[] (a filter of no patterns)".to_owned())
+            } else {
+                f.unmatched(names).map(|p| format!("{p:?}"))
+            };
+            if let Some(filter) = unmatched {
                 return Err(Error::Checkpoint {
                     file: src.display_path(),
                     tensor: None,
                     problem: Problem::FilterMatchedNothing {
-                        filter: format!("{p:?}"),
+                        filter,
                         tensors: total_tensors,
                     },
                 });
