@@ -646,3 +646,21 @@ fn an_empty_filter_is_refused() {
         .plan_placed(&p, &st::Placement::replicated(), &[0, 1])
         .is_err());
 }
+
+/// An index whose weight_map names no shard is refused, even with a shard beside it: it loads
+/// nothing, which must not pass for a loaded model.
+#[test]
+fn an_index_naming_no_shard_is_refused() {
+    let d = tempfile::tempdir().unwrap();
+    write(
+        &d.path().join("model-00001-of-00001.safetensors"),
+        &tensors(12, 4),
+    );
+    let idx = d.path().join(st::INDEX_FILE);
+    std::fs::write(&idx, br#"{"metadata":{"total_size":0},"weight_map":{}}"#).unwrap();
+    for src in [st::Source::from(d.path()), st::Source::from(&idx)] {
+        let (file, tensor, p) = problem(LoadOptions::new().plan(src.clone()).unwrap_err());
+        assert_eq!((&file, &tensor), (&idx, &None), "{p:?}");
+        assert!(st::inspect(src).is_err());
+    }
+}
