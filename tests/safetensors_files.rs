@@ -660,7 +660,7 @@ fn an_index_naming_no_shard_is_refused() {
     std::fs::write(&idx, br#"{"metadata":{"total_size":0},"weight_map":{}}"#).unwrap();
     for src in [st::Source::from(d.path()), st::Source::from(&idx)] {
         let (file, tensor, p) = problem(LoadOptions::new().plan(src.clone()).unwrap_err());
-        assert_eq!((&file, &tensor), (&idx, &None), "{p:?}");
+        assert_eq!((&file, &tensor, &p), (&idx, &None, &Problem::EmptyIndex));
         assert!(st::inspect(src).is_err());
     }
 }

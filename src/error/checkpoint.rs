@@ -138,6 +138,9 @@ pub enum Problem {
     /// the first see other tensors.
     #[error("the header gives this name more than once: which entry is meant is ambiguous (the safetensors crate keeps the last); write the file again with each name once")]
     DuplicateInHeader,
+    /// The index's `weight_map` is empty: it names no shard, so a load would load nothing.
+    #[error("the index's weight_map names no tensor and no shard: the index is incomplete (pass the .safetensors files themselves, or write the index again)")]
+    EmptyIndex,
     /// The index names a shard that does not exist.
     #[error("the index names shard {shard:?}, which does not exist: copy the whole checkpoint directory")]
     MissingShard {

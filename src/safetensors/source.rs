@@ -108,6 +108,9 @@ pub(crate) fn parse_index(path: &Path, text: &[u8]) -> Result<Index> {
     })?;
     let raw: RawIndex =
         serde_json::from_str(text).map_err(|e| bad(Problem::InvalidJson(format!("index: {e}"))))?;
+    if raw.weight_map.is_empty() {
+        return Err(bad(Problem::EmptyIndex));
+    }
     for (name, shard) in &raw.weight_map {
         let p = Path::new(shard);
         let plain = p.components().count() == 1
@@ -379,7 +382,14 @@ mod tests {
         assert_eq!(i.metadata["total_size"], "24");
         assert_eq!(i.metadata["format"], "pt");
         assert_eq!(i.weight_map["b"], "s2.safetensors");
-        assert!(parse_index(p, br#"{"weight_map":{}}"#).is_ok());
+        match parse_index(p, br#"{"metadata":{},"weight_map":{}}"#) {
+            Err(Error::Checkpoint {
+                file,
+                tensor: None,
+                problem: Problem::EmptyIndex,
+            }) => assert_eq!(file, p),
+            other => panic!("an index of no shard: {other:?}"),
+        }
         for bad in [
             &br#"{"weight_map":{"a":"../s1.safetensors"}}"#[..],
             br#"{"weight_map":{"a":"/etc/passwd"}}"#,
