@@ -542,6 +542,61 @@ fn gpu_safetensors_refusals_move_no_byte() {
     std::fs::remove_dir_all(&d).unwrap();
 }
 
+/// `save` end to end: two tensors of one name and different dtypes are refused and the old
+/// file stays as it was; a replaced file keeps its permission bits (0600 stays 0600) and loads
+/// back byte for byte.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gpu_safetensors_save_refuses_a_name_twice_and_keeps_the_mode() {
+    use std::os::unix::fs::PermissionsExt;
+    let s = stream();
+    let d = scratch("save-mode");
+    let p = d.join("m.safetensors");
+    let ms = models(7, 6, 4096);
+    let bufs = upload(&s, &ms);
+    std::fs::write(&p, b"old checkpoint").unwrap();
+    std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o600)).unwrap();
+    // bufs[2] is F32 [3, 11] (132 bytes), bufs[7] I8 [3, 11] (33 bytes): one name for both.
+    assert_eq!((ms[2].dtype, ms[7].dtype), (Dtype::F32, Dtype::I8));
+    let r = st::save(
+        &p,
+        [
+            (
+                "w",
+                SaveTensor::from_bytes(bufs[2].as_view(), ms[2].dtype, &ms[2].shape),
+            ),
+            (
+                "w",
+                SaveTensor::from_bytes(bufs[7].as_view(), ms[7].dtype, &ms[7].shape),
+            ),
+        ],
+        &SaveOptions::new(),
+    );
+    match r.unwrap_err() {
+        Error::Checkpoint {
+            tensor,
+            problem: Problem::BadTensor(m),
+            ..
+        } => assert_eq!(tensor.as_deref(), Some("w"), "{m}"),
+        e => panic!("{e}"),
+    }
+    assert_eq!(std::fs::read(&p).unwrap(), b"old checkpoint");
+    save_models(&p, &ms, &bufs, &SaveOptions::new());
+    let mode = std::fs::metadata(&p).unwrap().permissions().mode() & 0o7777;
+    assert_eq!(
+        mode, 0o600,
+        "the saved file is {mode:o}, the old one was 600"
+    );
+    check_checkpoint(&s, &st::load(&p, &s).unwrap(), &ms);
+    let left: Vec<_> = std::fs::read_dir(&d)
+        .unwrap()
+        .map(|e| e.unwrap().file_name())
+        .filter(|n| n.to_string_lossy().ends_with(".tmp"))
+        .collect();
+    assert!(left.is_empty(), "{left:?}");
+    std::fs::remove_dir_all(&d).unwrap();
+}
+
 fn interop(args: &[&str]) -> String {
     let out = std::process::Command::new("python3")
         .arg("scripts/safetensors_interop.py")

@@ -344,6 +344,34 @@ mod tests {
         assert_eq!(rel.parent(), Some(Path::new(".")));
     }
 
+    fn mode(p: &Path) -> u32 {
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::metadata(p).unwrap().permissions().mode() & 0o7777
+    }
+
+    /// A replaced file keeps its permission bits (a 0600 checkpoint stays 0600); a new one gets
+    /// what a plain create gives (0666 less the umask).
+    #[test]
+    fn a_replace_keeps_the_targets_permissions() {
+        use std::os::unix::fs::PermissionsExt;
+        let d = tempfile::tempdir().unwrap();
+        let target = d.path().join("m.safetensors");
+        for (k, m) in [0o600, 0o640, 0o604, 0o444, 0o755].into_iter().enumerate() {
+            std::fs::write(&target, b"old").unwrap();
+            std::fs::set_permissions(&target, std::fs::Permissions::from_mode(m)).unwrap();
+            let new = vec![k as u8 + 1; 1000 + k];
+            atomic_replace(&target, false, |t| write_host(t, &new, None)).unwrap();
+            assert_eq!(std::fs::read(&target).unwrap(), new);
+            assert_eq!(mode(&target), m, "{m:o} became {:o}", mode(&target));
+            assert!(leftovers(d.path()).is_empty());
+        }
+        let fresh = d.path().join("fresh.safetensors");
+        atomic_replace(&fresh, false, |t| write_host(t, b"abc", None)).unwrap();
+        let plain = d.path().join("plain");
+        std::fs::File::create(&plain).unwrap();
+        assert_eq!(mode(&fresh), mode(&plain));
+    }
+
     const CHILD: &str = "GPUDIRECT_TEST_SAVE_CHILD";
 
     /// Helper and test in one: with `GPUDIRECT_TEST_SAVE_CHILD=DIR` set (by
