@@ -121,6 +121,11 @@ pub type SaveReport = LoadReport;
 /// or a crash, before the rename leaves `path` as it was. A crash can leave the temporary file
 /// (`.NAME.*.tmp`) behind.
 ///
+/// The temporary file is created exclusively (`O_EXCL`, `O_NOFOLLOW`: never an existing file or
+/// a link's target) with mode 0600 while it is written; before the rename it takes the
+/// permission bits of the file `path` names (a 0600 checkpoint stays 0600), or, for a new
+/// path, what a plain create gives (0666 less the umask). Its owner is the saving user.
+///
 /// Errors: [`Problem::BadTensor`](super::Problem::BadTensor) (a shape that does not match the bytes, a duplicate or
 /// empty name; nothing written), [`Error::Io`], [`Error::Cuda`], storage errors.
 pub fn save<'a, I, N>(path: impl AsRef<Path>, tensors: I, opts: &SaveOptions) -> Result<SaveReport>
@@ -159,9 +164,32 @@ where
     // File order, so writes advance through the file.
     let mut order: Vec<usize> = (0..list.len()).collect();
     order.sort_by_key(|&i| h.offsets[i]);
-    atomic_replace(path, opts.durable, |tmp| {
+    atomic_replace(path, opts.durable, |tmp, created| {
+        // The temporary exists (created exclusively, with its mode, by atomic_replace): open
+        // it, and only it.
         let o = opts.file.clone().unwrap_or_default();
-        let f = o.create(true).truncate(true).durable(false).open(tmp)?;
+        let f = o
+            .write(true)
+            .create(false)
+            .truncate(false)
+            .durable(false)
+            .open(tmp)?;
+        let same = |m: &std::fs::Metadata| {
+            use std::os::unix::fs::MetadataExt;
+            (m.dev(), m.ino())
+        };
+        let ours = created
+            .metadata()
+            .map_err(|e| Error::io("fstat", Some(tmp.to_owned()), e))?;
+        if same(&f.metadata()?) != same(&ours) {
+            return Err(Error::io(
+                "open",
+                Some(tmp.to_owned()),
+                std::io::Error::other(
+                    "the temporary file was replaced by another between its creation and its open: something else writes in the directory",
+                ),
+            ));
+        }
         write_all(
             &f,
             &h.bytes,
@@ -259,15 +287,61 @@ fn temp_path(target: &Path) -> Result<PathBuf> {
     Ok(dir.join(tmp))
 }
 
+/// Creates the temporary file `tmp` for writing: exclusively (`O_CREAT|O_EXCL`: never a file
+/// that exists, never through a symbolic link) and with `O_NOFOLLOW`, with mode `mode` (less the
+/// umask, as any create).
+fn create_temp(tmp: &Path, mode: u32) -> std::io::Result<std::fs::File> {
+    use std::os::unix::fs::OpenOptionsExt;
+    std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(mode)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
+        .open(tmp)
+}
+
+/// The process's umask (`Umask:` of `/proc/self/status`, Linux 4.7 and later), read without
+/// changing it (`umask(2)` can only set it, and setting it races with other threads' creates).
+fn umask() -> Option<u32> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let v = status.lines().find_map(|l| l.strip_prefix("Umask:"))?;
+    u32::from_str_radix(v.trim(), 8).ok()
+}
+
 /// Runs `write` on a temporary file next to `target`, then renames it over `target` (and, when
 /// `durable`, fsyncs the directory). `write` is responsible for the file's own fsync. On any
 /// error the temporary file is removed and `target` is untouched.
+///
+/// The temporary file is created here, exclusively (never an existing file or a link's target)
+/// and handed to `write` with its path. It is mode 0600 while it is written, then (`fchmod`,
+/// before the rename) `target`'s permission bits when `target` exists, else the mode a plain
+/// create gives (0666 less the umask).
 pub(crate) fn atomic_replace<R>(
     target: &Path,
     durable: bool,
-    write: impl FnOnce(&Path) -> Result<R>,
+    write: impl FnOnce(&Path, &std::fs::File) -> Result<R>,
 ) -> Result<R> {
-    let tmp = temp_path(target)?;
+    use std::os::unix::fs::PermissionsExt;
+    // The mode of the file the path names now (through a link: the file it points to), else a
+    // new file's. Without the umask (no /proc), the create applies it: 0666 at create.
+    let final_mode = std::fs::metadata(target)
+        .ok()
+        .filter(|m| m.is_file())
+        .map(|m| m.permissions().mode() & 0o777)
+        .or_else(|| umask().map(|u| 0o666 & !u));
+    let (tmp, created) = {
+        let mut tries = 0;
+        loop {
+            let tmp = temp_path(target)?;
+            match create_temp(&tmp, if final_mode.is_some() { 0o600 } else { 0o666 }) {
+                Ok(f) => break (tmp, f),
+                // A name another process made (the names are unique per process and call):
+                // take the next one.
+                Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists && tries < 16 => tries += 1,
+                Err(e) => return Err(Error::io("create", Some(tmp), e)),
+            }
+        }
+    };
     let cleanup = |e: Error| {
         if let Err(rm) = std::fs::remove_file(&tmp) {
             if rm.kind() != std::io::ErrorKind::NotFound {
@@ -279,7 +353,14 @@ pub(crate) fn atomic_replace<R>(
         }
         e
     };
-    let r = write(&tmp).map_err(cleanup)?;
+    let r = write(&tmp, &created).map_err(cleanup)?;
+    if let Some(m) = final_mode {
+        // fchmod: the file just written, whatever its name names now.
+        created
+            .set_permissions(std::fs::Permissions::from_mode(m))
+            .map_err(|e| cleanup(Error::io("fchmod", Some(tmp.clone()), e)))?;
+    }
+    drop(created);
     std::fs::rename(&tmp, target)
         .map_err(|e| cleanup(Error::io("rename", Some(target.to_owned()), e)))?;
     if durable {
@@ -322,22 +403,23 @@ mod tests {
         let target = d.path().join("m.safetensors");
         let old: Vec<u8> = (0..10_000u32).map(|i| (i * 7) as u8).collect();
         let new: Vec<u8> = (0..20_000u32).map(|i| (i * 13 + 1) as u8).collect();
-        atomic_replace(&target, true, |t| write_host(t, &old, None)).unwrap();
+        atomic_replace(&target, true, |t, _| write_host(t, &old, None)).unwrap();
         assert_eq!(std::fs::read(&target).unwrap(), old);
         for cut in [0, 1, 8, 9_999, 19_999] {
-            let e = atomic_replace(&target, true, |t| write_host(t, &new, Some(cut))).unwrap_err();
+            let e =
+                atomic_replace(&target, true, |t, _| write_host(t, &new, Some(cut))).unwrap_err();
             assert!(e.to_string().contains("injected"), "{e}");
             assert_eq!(std::fs::read(&target).unwrap(), old, "cut at {cut}");
             assert!(leftovers(d.path()).is_empty());
         }
-        atomic_replace(&target, false, |t| write_host(t, &new, None)).unwrap();
+        atomic_replace(&target, false, |t, _| write_host(t, &new, None)).unwrap();
         assert_eq!(std::fs::read(&target).unwrap(), new);
         assert!(leftovers(d.path()).is_empty());
         // A rename that fails (the target is a non-empty directory) cleans up too.
         let dir_target = d.path().join("sub");
         std::fs::create_dir(&dir_target).unwrap();
         std::fs::write(dir_target.join("x"), b"x").unwrap();
-        assert!(atomic_replace(&dir_target, true, |t| write_host(t, &new, None)).is_err());
+        assert!(atomic_replace(&dir_target, true, |t, _| write_host(t, &new, None)).is_err());
         assert!(leftovers(d.path()).is_empty());
         assert!(temp_path(Path::new("/")).is_err());
         let rel = temp_path(Path::new("x.safetensors")).unwrap();
@@ -360,16 +442,49 @@ mod tests {
             std::fs::write(&target, b"old").unwrap();
             std::fs::set_permissions(&target, std::fs::Permissions::from_mode(m)).unwrap();
             let new = vec![k as u8 + 1; 1000 + k];
-            atomic_replace(&target, false, |t| write_host(t, &new, None)).unwrap();
+            atomic_replace(&target, false, |t, _| write_host(t, &new, None)).unwrap();
             assert_eq!(std::fs::read(&target).unwrap(), new);
             assert_eq!(mode(&target), m, "{m:o} became {:o}", mode(&target));
             assert!(leftovers(d.path()).is_empty());
         }
         let fresh = d.path().join("fresh.safetensors");
-        atomic_replace(&fresh, false, |t| write_host(t, b"abc", None)).unwrap();
+        atomic_replace(&fresh, false, |t, _| write_host(t, b"abc", None)).unwrap();
         let plain = d.path().join("plain");
         std::fs::File::create(&plain).unwrap();
         assert_eq!(mode(&fresh), mode(&plain));
+    }
+
+    /// The temporary file is created exclusively: never an existing file, never through a link
+    /// (a link planted at its name is not followed; the file it points to is untouched).
+    #[test]
+    fn the_temporary_is_created_exclusively() {
+        use std::os::unix::fs::PermissionsExt;
+        let d = tempfile::tempdir().unwrap();
+        let victim = d.path().join("victim");
+        std::fs::write(&victim, b"keep me").unwrap();
+        let link = d.path().join(".m.tmp");
+        std::os::unix::fs::symlink(&victim, &link).unwrap();
+        let dangling = d.path().join(".n.tmp");
+        std::os::unix::fs::symlink(d.path().join("nothing"), &dangling).unwrap();
+        for p in [&link, &dangling, &victim] {
+            let e = create_temp(p, 0o600).unwrap_err();
+            assert_eq!(
+                e.kind(),
+                std::io::ErrorKind::AlreadyExists,
+                "{}",
+                p.display()
+            );
+        }
+        assert_eq!(std::fs::read(&victim).unwrap(), b"keep me");
+        assert!(!d.path().join("nothing").exists());
+        let fresh = d.path().join(".o.tmp");
+        create_temp(&fresh, 0o600).unwrap();
+        assert_eq!(
+            std::fs::metadata(&fresh).unwrap().permissions().mode() & 0o777,
+            0o600
+        );
+        let u = umask().expect("Umask: in /proc/self/status");
+        assert_eq!(u & !0o777, 0, "{u:o}");
     }
 
     const CHILD: &str = "GPUDIRECT_TEST_SAVE_CHILD";
@@ -383,7 +498,7 @@ mod tests {
             Some(dir) => {
                 let dir = PathBuf::from(dir);
                 let target = dir.join("m.safetensors");
-                let _: Result<()> = atomic_replace(&target, true, |t| {
+                let _: Result<()> = atomic_replace(&target, true, |t, _| {
                     let mut f = std::fs::File::create(t).unwrap();
                     f.write_all(&[0xEE; 50_000]).unwrap();
                     f.sync_all().unwrap();
@@ -395,7 +510,7 @@ mod tests {
             None => {
                 let d = tempfile::tempdir().unwrap();
                 let target = d.path().join("fresh.safetensors");
-                atomic_replace(&target, true, |t| write_host(t, b"abc", None)).unwrap();
+                atomic_replace(&target, true, |t, _| write_host(t, b"abc", None)).unwrap();
                 assert_eq!(std::fs::read(&target).unwrap(), b"abc");
             }
         }
