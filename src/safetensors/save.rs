@@ -91,6 +91,14 @@ impl SaveOptions {
     }
     /// Whether the save is on stable storage when it returns (default true): one `fsync` of
     /// the data at the end, then the rename, then one `fsync` of the directory.
+    ///
+    /// `durable(false)` skips both. The replace is still atomic for other processes (they see
+    /// the old file or the new one), but not across a power loss or a kernel crash: the rename
+    /// can reach the disk before the data does, and on some filesystems (XFS; ext4 mounted
+    /// with `noauto_da_alloc`; others that do not flush a renamed file's data first) the file
+    /// can then be found zero-length or partly written after the reboot, so neither the old
+    /// checkpoint nor the new one survives. Use it for scratch files, or when the caller syncs
+    /// (`sync(1)`, `syncfs`) before it relies on the file.
     pub fn durable(mut self, yes: bool) -> Self {
         self.durable = yes;
         self
@@ -125,6 +133,12 @@ pub type SaveReport = LoadReport;
 /// a link's target) with mode 0600 while it is written; before the rename it takes the
 /// permission bits of the file `path` names (a 0600 checkpoint stays 0600), or, for a new
 /// path, what a plain create gives (0666 less the umask). Its owner is the saving user.
+///
+/// When `path` is a symbolic link, the rename replaces the link itself with the new regular
+/// file; the file the link pointed to is left as it was (and keeps the old bytes). A Hugging
+/// Face cache snapshot (`snapshots/REV/model.safetensors`) is such a link to a blob: saving to
+/// it leaves the blob, and any other snapshot linking to it, unchanged. Save to the link's
+/// target (`std::fs::canonicalize`) to replace the file it names.
 ///
 /// Errors: [`Problem::BadTensor`](super::Problem::BadTensor) (a shape that does not match the bytes, a duplicate or
 /// empty name; nothing written), [`Error::Io`], [`Error::Cuda`], storage errors.
@@ -452,6 +466,21 @@ mod tests {
         let plain = d.path().join("plain");
         std::fs::File::create(&plain).unwrap();
         assert_eq!(mode(&fresh), mode(&plain));
+    }
+
+    /// A target that is a symbolic link: the link is replaced by the new file, the file it
+    /// pointed to keeps its bytes (as `save`'s docs say).
+    #[test]
+    fn a_link_as_the_target_is_replaced_not_followed() {
+        let d = tempfile::tempdir().unwrap();
+        let blob = d.path().join("blob");
+        std::fs::write(&blob, b"the blob").unwrap();
+        let link = d.path().join("m.safetensors");
+        std::os::unix::fs::symlink(&blob, &link).unwrap();
+        atomic_replace(&link, false, |t, _| write_host(t, b"new bytes", None)).unwrap();
+        assert!(!std::fs::symlink_metadata(&link).unwrap().is_symlink());
+        assert_eq!(std::fs::read(&link).unwrap(), b"new bytes");
+        assert_eq!(std::fs::read(&blob).unwrap(), b"the blob");
     }
 
     /// The temporary file is created exclusively: never an existing file, never through a link
