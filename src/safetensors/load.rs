@@ -1760,4 +1760,94 @@ mod tests {
         let files = open_files(&opts, &s.shards, &[true]).unwrap();
         assert_eq!(files.len(), 1);
     }
+
+    const SPAWN_CHILD: &str = "GPUDIRECT_TEST_SPAWN_CHILD";
+
+    fn outcome<T>(r: Result<T>) -> String {
+        match r {
+            Ok(_) => "ok".into(),
+            Err(Error::Io { op, .. }) => format!("io {op}"),
+            Err(e) => format!("other {e}"),
+        }
+    }
+
+    /// Helper and test in one: with `GPUDIRECT_TEST_SPAWN_CHILD=DIR` set (by
+    /// `a_thread_the_os_refuses_is_an_error_not_a_panic`, with a `RUST_MIN_STACK` no thread
+    /// can have) it reads three shards' headers (on worker threads) and opens two shards (on
+    /// worker threads) and prints what each returned; otherwise it opens 40 shards.
+    #[test]
+    fn spawn_child_or_many_shards_open() {
+        match std::env::var_os(SPAWN_CHILD) {
+            Some(dir) => {
+                let dir = PathBuf::from(dir);
+                let files: Vec<PathBuf> = (0..3)
+                    .map(|i| dir.join(format!("s{i}.safetensors")))
+                    .collect();
+                let opts = LoadOptions::new();
+                println!("PLAN={}", outcome(opts.plan(files.clone())));
+                // Two shards: their headers are read in turn, their opens on threads.
+                let s = select(&opts, &Source::from(files[..2].to_vec())).unwrap();
+                println!(
+                    "OPEN={}",
+                    outcome(open_files(&opts, &s.shards, &[true, true]))
+                );
+            }
+            None => {
+                let d = tempfile::tempdir().unwrap();
+                let files: Vec<PathBuf> = (0..40)
+                    .map(|i| {
+                        let p = d.path().join(format!("s{i}.safetensors"));
+                        std::fs::write(&p, two_tensor_file(&format!("a{i}"), &format!("b{i}"), i))
+                            .unwrap();
+                        p
+                    })
+                    .collect();
+                let opts = LoadOptions::new();
+                let s = select(&opts, &Source::from(files.clone())).unwrap();
+                let opened = open_files(&opts, &s.shards, &[true; 40]).unwrap();
+                assert_eq!(opened.len(), 40);
+                for (f, p) in opened.iter().zip(&files) {
+                    assert_eq!(f.as_ref().unwrap().path(), p);
+                }
+            }
+        }
+    }
+
+    /// When the OS refuses a thread, reading headers and opening shards fail with a typed
+    /// error; the panic `std::thread::Scope::spawn` raises must not escape the load.
+    #[test]
+    fn a_thread_the_os_refuses_is_an_error_not_a_panic() {
+        let d = tempfile::tempdir().unwrap();
+        for i in 0..3 {
+            std::fs::write(
+                d.path().join(format!("s{i}.safetensors")),
+                two_tensor_file(&format!("a{i}"), &format!("b{i}"), i),
+            )
+            .unwrap();
+        }
+        let out = std::process::Command::new(std::env::current_exe().unwrap())
+            .args([
+                "--exact",
+                "safetensors::load::tests::spawn_child_or_many_shards_open",
+                "--test-threads=1",
+                "--nocapture",
+            ])
+            .env(SPAWN_CHILD, d.path())
+            // Every new thread's stack: 1 PB, more than the address space.
+            .env("RUST_MIN_STACK", "1000000000000000")
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&out.stdout).into_owned()
+            + &String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "{text}");
+        let said = |key: &str| {
+            text.split(key)
+                .nth(1)
+                .and_then(|r| r.lines().next())
+                .unwrap_or_else(|| panic!("no {key} in {text}"))
+                .to_owned()
+        };
+        assert_eq!(said("PLAN="), "io pthread_create", "{text}");
+        assert_eq!(said("OPEN="), "io pthread_create", "{text}");
+    }
 }
