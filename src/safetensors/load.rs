@@ -1016,10 +1016,10 @@ pub(super) fn prepare(opts: &LoadOptions, src: Source) -> Result<Prepared> {
     })
 }
 
-/// Opens the shards that have bytes to read (in parallel when there are several: opening may
-/// register each file with cuFile), each checked to be the file its header was read from, as it
-/// was then (same `st_dev`/`st_ino`, length and times; [`Problem::ReplacedWhileLoading`],
-/// [`Problem::ChangedWhileLoading`]).
+/// Opens the shards that have bytes to read (on up to 16 threads when there are several:
+/// opening may register each file with cuFile), each checked to be the file its header was
+/// read from, as it was then (same `st_dev`/`st_ino`, length and times;
+/// [`Problem::ReplacedWhileLoading`], [`Problem::ChangedWhileLoading`]).
 fn open_files(
     opts: &LoadOptions,
     shards: &[Shard],
@@ -1047,22 +1047,10 @@ fn open_files(
         }
         Ok(Some(f))
     };
-    if shards.len() <= 1 {
-        return (0..shards.len()).map(open).collect();
-    }
-    let results: Vec<Result<Option<GpuFile>>> = std::thread::scope(|s| {
-        let hs: Vec<_> = (0..shards.len())
-            .map(|i| s.spawn(move || open(i)))
-            .collect();
-        hs.into_iter()
-            .map(|h| {
-                h.join().unwrap_or_else(|_| {
-                    Err(Error::InvalidArgument("opening a shard panicked".into()))
-                })
-            })
-            .collect()
-    });
-    results.into_iter().collect()
+    // One on the calling thread; more on the room's capped pool (at most 16 opens at once).
+    super::pool::map_indexed(shards.len(), 1, open)?
+        .into_iter()
+        .collect()
 }
 
 pub(super) fn check_memory(stream: &Arc<CudaStream>, cat: &Catalog, needed: u64) -> Result<()> {

@@ -68,6 +68,7 @@ mod header;
 mod load;
 mod placement;
 mod plan;
+mod pool;
 mod save;
 mod source;
 

@@ -284,37 +284,8 @@ pub(crate) struct Shard {
 /// Reads every shard's header (in parallel for many shards) and checks the set: names unique
 /// across shards, and the index (when there is one) agreeing with the headers.
 pub(crate) fn read_shards(r: &Resolved) -> Result<Vec<Shard>> {
-    let headers: Vec<Result<(Header, FileStamp)>> = if r.files.len() <= 2 {
-        r.files.iter().map(|f| header::read(f)).collect()
-    } else {
-        let workers = r.files.len().min(16);
-        let next = std::sync::atomic::AtomicUsize::new(0);
-        let slots: Vec<std::sync::Mutex<Option<Result<(Header, FileStamp)>>>> = r
-            .files
-            .iter()
-            .map(|_| std::sync::Mutex::new(None))
-            .collect();
-        std::thread::scope(|s| {
-            for _ in 0..workers {
-                s.spawn(|| loop {
-                    let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                    let Some(f) = r.files.get(i) else { break };
-                    let h = header::read(f);
-                    *slots[i].lock().unwrap_or_else(|e| e.into_inner()) = Some(h);
-                });
-            }
-        });
-        slots
-            .into_iter()
-            .map(|m| {
-                m.into_inner()
-                    .unwrap_or_else(|e| e.into_inner())
-                    .unwrap_or_else(|| {
-                        Err(Error::InvalidArgument("a header reader stopped".into()))
-                    })
-            })
-            .collect()
-    };
+    // Two in turn; more on the room's capped pool (at most 16 headers in flight).
+    let headers = super::pool::map_indexed(r.files.len(), 2, |i| header::read(&r.files[i]))?;
     let mut shards = Vec::with_capacity(r.files.len());
     for (path, h) in r.files.iter().zip(headers) {
         let (header, stamp) = h?;

@@ -1,0 +1,124 @@
+//! The room's per-file work on threads (reading shard headers, opening shards): at most
+//! [`MAX_WORKERS`] scoped threads, each taking the next index until none is left, so a
+//! checkpoint of hundreds of shards neither starts hundreds of threads nor holds hundreds of
+//! headers in flight.
+
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Mutex;
+
+use crate::error::{Error, Result};
+
+/// The most threads one call runs.
+pub(super) const MAX_WORKERS: usize = 16;
+
+/// `f(0)`, …, `f(n - 1)`, in order: on the calling thread when `n <= alone`, else on
+/// `min(n, MAX_WORKERS)` scoped threads. A thread the OS refuses is an [`Error::Io`]
+/// (`pthread_create`: no further index is started, the threads already running finish theirs);
+/// a panic in `f` is an [`Error::InvalidArgument`] naming it, not a panic of the caller.
+pub(super) fn map_indexed<T: Send>(
+    n: usize,
+    alone: usize,
+    f: impl Fn(usize) -> T + Sync,
+) -> Result<Vec<T>> {
+    if n <= alone {
+        return Ok((0..n).map(f).collect());
+    }
+    let next = AtomicUsize::new(0);
+    let stop = AtomicBool::new(false);
+    let slots: Vec<Mutex<Option<std::thread::Result<T>>>> =
+        (0..n).map(|_| Mutex::new(None)).collect();
+    let work = || {
+        while !stop.load(Ordering::Relaxed) {
+            let i = next.fetch_add(1, Ordering::Relaxed);
+            if i >= n {
+                break;
+            }
+            let r = catch_unwind(AssertUnwindSafe(|| f(i)));
+            if r.is_err() {
+                stop.store(true, Ordering::Relaxed);
+            }
+            *slots[i].lock().unwrap_or_else(|e| e.into_inner()) = Some(r);
+        }
+    };
+    let spawned = std::thread::scope(|s| {
+        for _ in 0..n.min(MAX_WORKERS) {
+            if let Err(e) = std::thread::Builder::new().spawn_scoped(s, work) {
+                stop.store(true, Ordering::Relaxed);
+                return Err(e);
+            }
+        }
+        Ok(())
+    });
+    spawned.map_err(|e| Error::io("pthread_create", None, e))?;
+    slots
+        .into_iter()
+        .map(|m| match m.into_inner().unwrap_or_else(|e| e.into_inner()) {
+            Some(Ok(v)) => Ok(v),
+            Some(Err(p)) => {
+                let what = p
+                    .downcast_ref::<&str>()
+                    .map(|s| s.to_string())
+                    .or_else(|| p.downcast_ref::<String>().cloned())
+                    .unwrap_or_default();
+                Err(Error::InvalidArgument(format!(
+                    "a checkpoint worker thread panicked (a bug in gpudirect, please report it): {what}"
+                )))
+            }
+            None => Err(Error::InvalidArgument(
+                "a checkpoint worker thread stopped before its work (another one panicked)".into(),
+            )),
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every index once, results in order, never more than MAX_WORKERS at once; a panic is an
+    /// error.
+    #[test]
+    fn every_index_once_in_order_on_at_most_sixteen_threads() {
+        for n in [0, 1, 2, 3, 17, 100] {
+            let running = AtomicUsize::new(0);
+            let most = AtomicUsize::new(0);
+            let threads = Mutex::new(std::collections::HashSet::new());
+            let v = map_indexed(n, 1, |i| {
+                let now = running.fetch_add(1, Ordering::SeqCst) + 1;
+                most.fetch_max(now, Ordering::SeqCst);
+                threads.lock().unwrap().insert(std::thread::current().id());
+                std::thread::sleep(std::time::Duration::from_millis(2));
+                running.fetch_sub(1, Ordering::SeqCst);
+                i * 3
+            })
+            .unwrap();
+            assert_eq!(v, (0..n).map(|i| i * 3).collect::<Vec<_>>());
+            let most = most.into_inner();
+            assert!(most <= MAX_WORKERS, "{most} at once for {n}");
+            let threads = threads.into_inner().unwrap().len();
+            assert!(threads <= MAX_WORKERS.max(1), "{threads} threads for {n}");
+            if n > 1 {
+                assert!(!threads_contain_caller(n), "{n}");
+            }
+        }
+        let r = map_indexed(5, 0, |i| {
+            if i == 2 {
+                panic!("index two")
+            }
+            i
+        });
+        assert!(
+            matches!(r, Err(Error::InvalidArgument(ref m)) if m.contains("panicked")),
+            "{r:?}"
+        );
+    }
+
+    fn threads_contain_caller(n: usize) -> bool {
+        let me = std::thread::current().id();
+        map_indexed(n, 1, |_| std::thread::current().id() == me)
+            .unwrap()
+            .into_iter()
+            .any(|x| x)
+    }
+}
