@@ -250,17 +250,22 @@ fn run(args: &Args) -> gpudirect::Result<()> {
     };
     if args.json {
         let paths: Vec<String> = report.paths.iter().map(|p| p.path.to_string()).collect();
+        // serde_json writes the strings (paths, causes: any character) as JSON; a number that
+        // is not finite becomes null.
         println!(
-            "{{\"mode\":\"{mode}\",\"bytes\":{},\"tensors\":{},\"files\":{},\"reads\":{},\"seconds\":{},\"gbps\":{},\"odirect\":{},\"paths\":{:?},\"fallback\":{:?}}}",
-            report.bytes,
-            report.tensors,
-            report.files,
-            report.reads,
-            report.elapsed.as_secs_f64(),
-            report.gb_per_s(),
-            report.odirect,
-            paths,
-            report.fallback_cause().map(|c| c.to_string()).unwrap_or_default()
+            "{}",
+            serde_json::json!({
+                "mode": mode,
+                "bytes": report.bytes,
+                "tensors": report.tensors,
+                "files": report.files,
+                "reads": report.reads,
+                "seconds": report.elapsed.as_secs_f64(),
+                "gbps": report.gb_per_s(),
+                "odirect": report.odirect,
+                "paths": paths,
+                "fallback": report.fallback_cause().map(|c| c.to_string()).unwrap_or_default(),
+            })
         );
         return Ok(());
     }
@@ -293,7 +298,11 @@ fn run(args: &Args) -> gpudirect::Result<()> {
 }
 
 /// The tensor-parallel placement: every tensor of 2+ dimensions split by rows, the rest
-/// everywhere.
+/// everywhere. A row must be whole bytes (4- and 6-bit tensors whose rows are not stay whole).
+///
+/// Rules take patterns, and a name with `*` or `?` is a glob that would match other tensors
+/// too: such a tensor gets its rows as explicit byte ranges (`put_ranges`, which names one
+/// tensor exactly), the same split `split_rows` makes.
 fn rows_placement(args: &Args, devices: &[usize]) -> gpudirect::Result<Placement> {
     let mut p = Placement::new();
     let keep = st::Filter::new(args.filter.clone());
@@ -303,7 +312,20 @@ fn rows_placement(args: &Args, devices: &[usize]) -> gpudirect::Result<Placement
             .iter()
             .filter(|t| t.shape.len() >= 2 && (args.filter.is_empty() || keep.matches(&t.name)))
         {
-            p = p.split_rows(t.name.clone(), devices.iter().copied());
+            let row_bits = t.shape[1..].iter().product::<usize>() as u64 * t.dtype.bits() as u64;
+            if !row_bits.is_multiple_of(8) {
+                continue;
+            }
+            if t.name.contains(['*', '?']) {
+                let (rows, row, n) = (t.shape[0] as u64, row_bits / 8, devices.len() as u64);
+                let ranges = devices.iter().enumerate().map(|(k, &d)| {
+                    let k = k as u64;
+                    (d, k * rows / n * row..(k + 1) * rows / n * row)
+                });
+                p = p.put_ranges(t.name.clone(), ranges);
+            } else {
+                p = p.split_rows(t.name.clone(), devices.iter().copied());
+            }
         }
     }
     Ok(p.replicate("*"))

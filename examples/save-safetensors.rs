@@ -189,17 +189,26 @@ fn run(args: &Args) -> gpudirect::Result<()> {
     };
     let loaded = ck.as_ref().map(|c| c.report().clone());
     if args.json {
+        // serde_json writes the strings (paths: any character) as JSON; a number that is not
+        // finite becomes null.
         println!(
-            "{{\"tensors\":{},\"bytes\":{},\"durable\":{},\"save_seconds\":{},\"save_gbps\":{},\"load_seconds\":{},\"load_gbps\":{},\"save_path\":{:?},\"load_path\":{:?},\"mismatches\":{bad}}}",
-            saved.tensors,
-            saved.bytes,
-            args.durable,
-            saved.elapsed.as_secs_f64(),
-            saved.gb_per_s(),
-            loaded.as_ref().map_or(0.0, |l| l.elapsed.as_secs_f64()),
-            loaded.as_ref().map_or(0.0, |l| l.gb_per_s()),
-            saved.paths.first().map(|p| p.path.to_string()).unwrap_or_default(),
-            loaded.as_ref().and_then(|l| l.paths.first()).map(|p| p.path.to_string()).unwrap_or_default(),
+            "{}",
+            serde_json::json!({
+                "tensors": saved.tensors,
+                "bytes": saved.bytes,
+                "durable": args.durable,
+                "save_seconds": saved.elapsed.as_secs_f64(),
+                "save_gbps": saved.gb_per_s(),
+                "load_seconds": loaded.as_ref().map_or(0.0, |l| l.elapsed.as_secs_f64()),
+                "load_gbps": loaded.as_ref().map_or(0.0, |l| l.gb_per_s()),
+                "save_path": saved.paths.first().map(|p| p.path.to_string()).unwrap_or_default(),
+                "load_path": loaded
+                    .as_ref()
+                    .and_then(|l| l.paths.first())
+                    .map(|p| p.path.to_string())
+                    .unwrap_or_default(),
+                "mismatches": bad,
+            })
         );
     } else {
         println!(
