@@ -453,7 +453,8 @@ impl<'de> serde::de::Visitor<'de> for EntriesVisitor<'_> {
                 e.metadata = Some(map.next_value()?);
             } else {
                 let raw: RawInfo = map.next_value()?;
-                let name = self.current.take().expect("set above");
+                // Set above; taken back, not cloned.
+                let name = self.current.take().unwrap_or_default();
                 e.tensors.push((name, raw));
             }
             *self.current = None;
