@@ -1089,6 +1089,16 @@ impl Engine {
         let end = segment::run(&self.pool, &job, res, p, threads, || caller(&job));
         #[cfg(test)]
         let end = fail_drain::apply(end, &job);
+        #[cfg(test)]
+        let end = match end {
+            mut end if faults::fired(&job) == Some(faults::Fault::DrainFails) => {
+                if end.drained.is_ok() {
+                    end.drained = Err(faults::drain_error());
+                }
+                end
+            }
+            end => end,
+        };
         self.note_spawns(&job);
         let drained = end.drained.is_ok();
         if let Err(e) = end.drained {
@@ -1461,6 +1471,136 @@ pub(in crate::storage) mod fail_drain {
     }
 }
 
+/// Test hook: faults injected into the device read of one file (keyed by the path of the job's
+/// first file: tests share the engine and run in parallel), and what the job did.
+#[cfg(test)]
+pub(in crate::storage) mod faults {
+    use std::path::{Path, PathBuf};
+    use std::sync::Mutex;
+
+    use cudarc::driver::{sys, DriverError};
+
+    use super::{Job, Mem};
+    use crate::error::Error;
+
+    /// What goes wrong in the job.
+    #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+    pub enum Fault {
+        /// Lanes: the first worker to issue a copy of the job fails right after it with an
+        /// Io-kind error, and its lane's drain then reports `CUDA_ERROR_UNKNOWN` (after the
+        /// real drain: every copy did complete, so nothing writes freed memory even where the
+        /// code under test frees it). Segments: the first worker to issue copies fails right
+        /// after them with an Io-kind error, and the ring's drain reports `CUDA_ERROR_UNKNOWN`
+        /// (after the real drain).
+        DrainFails,
+    }
+
+    /// What the job did.
+    #[derive(Debug, Clone, Copy, Default)]
+    pub struct Hit {
+        /// The base address of the destination the fault hit.
+        pub dst: sys::CUdeviceptr,
+        /// The copy issued before the fault: (destination offset, file offset, bytes).
+        pub copied: Option<(usize, u64, usize)>,
+    }
+
+    struct Armed {
+        path: PathBuf,
+        fault: Fault,
+        hit: Option<Hit>,
+        /// What the stream queries made after a failed drain answer, in turn, before the
+        /// real answers.
+        queries: Vec<sys::CUresult>,
+    }
+
+    static ARMED: Mutex<Vec<Armed>> = Mutex::new(Vec::new());
+
+    fn armed() -> std::sync::MutexGuard<'static, Vec<Armed>> {
+        ARMED.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Arms `fault` for the device reads of the file at `path`; the queries of a settle after
+    /// its failed drain answer `queries` first.
+    pub fn arm(path: &Path, fault: Fault, queries: &[sys::CUresult]) {
+        armed().push(Armed {
+            path: path.to_path_buf(),
+            fault,
+            hit: None,
+            queries: queries.to_vec(),
+        });
+    }
+
+    /// Disarms the fault for `path`: where it hit, and how many of its scripted query answers
+    /// were never asked for.
+    pub fn disarm(path: &Path) -> (Option<Hit>, usize) {
+        let mut a = armed();
+        match a.iter().position(|x| x.path == path) {
+            Some(i) => {
+                let x = a.swap_remove(i);
+                (x.hit, x.queries.len())
+            }
+            None => (None, 0),
+        }
+    }
+
+    fn key<'j>(job: &'j Job<'_>) -> Option<&'j Path> {
+        job.files.first().map(|f| f.path.as_path())
+    }
+
+    /// The fault armed for `job`'s file and not fired yet.
+    pub(in crate::storage::engine) fn pending(job: &Job<'_>) -> Option<Fault> {
+        let k = key(job)?;
+        armed()
+            .iter()
+            .find(|x| x.path == k && x.hit.is_none())
+            .map(|x| x.fault)
+    }
+
+    /// The fault armed for `job`'s file that fired already.
+    pub(in crate::storage::engine) fn fired(job: &Job<'_>) -> Option<Fault> {
+        let k = key(job)?;
+        armed()
+            .iter()
+            .find(|x| x.path == k && x.hit.is_some())
+            .map(|x| x.fault)
+    }
+
+    /// Fires `job`'s fault once (false when another worker fired it), recording `hit`.
+    pub(in crate::storage::engine) fn fire(job: &Job<'_>, hit: Hit) -> bool {
+        let Some(k) = key(job) else { return false };
+        let mut a = armed();
+        match a.iter_mut().find(|x| x.path == k && x.hit.is_none()) {
+            Some(x) => {
+                x.hit = Some(hit);
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// The base address of buffer `buf` of `job` (0 when not known yet).
+    pub(in crate::storage::engine) fn base(job: &Job<'_>, buf: u32) -> sys::CUdeviceptr {
+        match job.bufs.get(buf as usize) {
+            Some(Mem::Dev(p)) => *p,
+            Some(Mem::Deferred(_)) => job.dev_ptr(buf, 0).unwrap_or(0),
+            _ => 0,
+        }
+    }
+
+    /// The Io-kind error the fault fails a worker with.
+    pub(in crate::storage::engine) fn io_error() -> Error {
+        super::internal("test: an Io-kind worker error after a copy")
+    }
+
+    /// The drain error the fault reports.
+    pub(in crate::storage::engine) fn drain_error() -> Error {
+        Error::cuda(
+            "cuStreamSynchronize",
+            DriverError(sys::CUresult::CUDA_ERROR_UNKNOWN),
+        )
+    }
+}
+
 /// Test hook: the next lanes read into the device buffer at this address (0: none) panics
 /// right after enqueuing its copy (keyed by the buffer: tests share the engine).
 #[cfg(test)]
@@ -1476,6 +1616,8 @@ fn dev_read(ws: &mut WorkerState, job: &Job<'_>, ctx: &Arc<CudaContext>) -> Resu
     let bufs = [ws.slot_ptr(0), ws.slot_ptr(1)];
     let lane = &mut ws.lanes[li];
     let mut s = 0usize;
+    #[cfg(test)]
+    let mut drain_fails = false;
     let r = (|| -> Result<()> {
         while let Some((i, t)) = job.next() {
             if job.item_failed(t.item) {
@@ -1530,6 +1672,17 @@ fn dev_read(ws: &mut WorkerState, job: &Job<'_>, ctx: &Arc<CudaContext>) -> Resu
                 {
                     panic!("test: panic with a copy in flight");
                 }
+                #[cfg(test)]
+                if faults::pending(job) == Some(faults::Fault::DrainFails) {
+                    let hit = faults::Hit {
+                        dst: dst - t.buf_off as u64,
+                        copied: Some((t.buf_off, t.file_off, n)),
+                    };
+                    if faults::fire(job, hit) {
+                        drain_fails = true;
+                        return Err(faults::io_error());
+                    }
+                }
             }
             job.finish(i, n);
             s ^= 1;
@@ -1537,6 +1690,11 @@ fn dev_read(ws: &mut WorkerState, job: &Job<'_>, ctx: &Arc<CudaContext>) -> Resu
         Ok(())
     })();
     let d = lane.drain();
+    #[cfg(test)]
+    let d = match d {
+        Ok(()) if drain_fails => Err(faults::drain_error()),
+        d => d,
+    };
     r.and(d)
 }
 

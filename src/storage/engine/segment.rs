@@ -960,6 +960,29 @@ impl<'r, R: Ring + ?Sized> SegJob<'r, R> {
             self.res.record(r, stream)?;
             self.res.mark_done(g, stream)?;
         }
+        #[cfg(test)]
+        if let Some(run) = runs.first() {
+            use super::faults;
+            if faults::pending(job) == Some(faults::Fault::DrainFails) {
+                // The first run's bytes in the file (the task whose payload it starts in).
+                let file_off = job
+                    .tasks
+                    .iter()
+                    .find(|t| {
+                        t.buf == run.buf
+                            && t.buf_off <= run.buf_off
+                            && run.buf_off < t.buf_off + t.len
+                    })
+                    .map_or(0, |t| t.file_off + (run.buf_off - t.buf_off) as u64);
+                let hit = faults::Hit {
+                    dst: faults::base(job, run.buf),
+                    copied: Some((run.buf_off, file_off, run.len)),
+                };
+                if faults::fire(job, hit) {
+                    return Err(faults::io_error());
+                }
+            }
+        }
         Ok(Some((runs.len(), runs.iter().map(|x| x.len).sum())))
     }
 
