@@ -1282,6 +1282,69 @@ mod tests {
         assert!(bad.is_empty(), "{}", bad.join("\n"));
     }
 
+    /// Review (drain, finding 2b): a read that fails with a CUDA error before it issued any
+    /// copy (every worker's stream creation fails, as `cuStreamCreate` out of memory does in
+    /// `Lane::new`; or, through the segment ring, page-locking fails once the destination was
+    /// allocated) has every copy drained (there is none): `read_to_new` must free its
+    /// destination, not leak a file-sized buffer, which near capacity makes the next reads
+    /// fail too. On the old code it leaks it (any `Error::Cuda` leaks): the leak record has
+    /// it, and (segments: `cuMemAlloc` memory) it is still a live allocation after a context
+    /// synchronize. (Another test of this binary could allocate the freed range again in
+    /// between, with the same base and a size at least as large, and so make this fail on the
+    /// new code: unlikely.)
+    #[test]
+    #[ignore = "needs a CUDA GPU"]
+    fn gpu_storage_read_to_new_frees_its_buffer_when_a_cuda_error_left_nothing_in_flight() {
+        use engine::faults::{self, Fault};
+        let ctx = gpu();
+        let stream = ctx.new_stream().unwrap();
+        let len = (96 << 20) + 4096 + 13;
+        let mut bad = Vec::new();
+        for pipe in [Pipeline::Lanes, Pipeline::Segments] {
+            let (p, _) = random_file(&format!("drained-cuda-{pipe:?}"), len, 96);
+            let f = GpuFile::options()
+                .backend(Backend::Engine)
+                .pipeline(pipe)
+                .open(&p)
+                .unwrap();
+            faults::arm(&p, Fault::FailsBeforeCopy, &[]);
+            let r = f.read_to_new::<u8>(&stream, len);
+            let (hit, _) = faults::disarm(&p);
+            let e = match r {
+                Ok(_) => panic!("{pipe:?}: a read whose workers failed reported success"),
+                Err(e) => e,
+            };
+            let hit = hit.unwrap_or_else(|| panic!("{pipe:?}: the fault did not fire"));
+            assert!(
+                hit.dst != 0,
+                "{pipe:?}: the destination was never allocated"
+            );
+            assert!(
+                matches!(e, Error::Cuda { .. }),
+                "{pipe:?}: not the workers' CUDA error: {e}"
+            );
+            let recorded = leaked(hit.dst);
+            if recorded {
+                bad.push(format!(
+                    "{pipe:?}: read_to_new leaked its destination at {:#x} ({len} B) although no copy was in flight ({e})",
+                    hit.dst
+                ));
+            }
+            if pipe == Pipeline::Segments && live(&ctx, hit.dst, len) && !recorded {
+                bad.push(format!(
+                    "{pipe:?}: the destination at {:#x} is still allocated after the failed read",
+                    hit.dst
+                ));
+            }
+            if recorded && live(&ctx, hit.dst, len) {
+                free_leaked(&stream, hit.dst, pipe);
+            }
+            drop(f);
+            std::fs::remove_file(&p).unwrap();
+        }
+        assert!(bad.is_empty(), "{}", bad.join("\n"));
+    }
+
     /// `read_to_new`'s destination is leaked, never freed, when the engine job fails with a
     /// CUDA error: the engine may not have drained its copies then (the segment ring's engine
     /// leaks its ring), and cudarc's free (`cuMemFreeAsync` on the caller's stream, which does

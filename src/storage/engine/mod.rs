@@ -1493,6 +1493,12 @@ pub(in crate::storage) mod faults {
         /// after them with an Io-kind error, and the ring's drain reports `CUDA_ERROR_UNKNOWN`
         /// (after the real drain).
         DrainFails,
+        /// Every worker of the job fails with a CUDA error before it issues any copy, after
+        /// the destination exists: lanes, as if creating the worker's stream failed
+        /// (`cuStreamCreate`: out of memory, in `Lane::new`); segments, as if page-locking a
+        /// slot failed (`cuMemHostRegister`: out of memory) once the destination was
+        /// allocated. Every copy is drained: there is none.
+        FailsBeforeCopy,
     }
 
     /// What the job did.
@@ -1547,13 +1553,10 @@ pub(in crate::storage) mod faults {
         job.files.first().map(|f| f.path.as_path())
     }
 
-    /// The fault armed for `job`'s file and not fired yet.
+    /// The fault armed for `job`'s file.
     pub(in crate::storage::engine) fn pending(job: &Job<'_>) -> Option<Fault> {
         let k = key(job)?;
-        armed()
-            .iter()
-            .find(|x| x.path == k && x.hit.is_none())
-            .map(|x| x.fault)
+        armed().iter().find(|x| x.path == k).map(|x| x.fault)
     }
 
     /// The fault armed for `job`'s file that fired already.
@@ -1592,6 +1595,12 @@ pub(in crate::storage) mod faults {
         super::internal("test: an Io-kind worker error after a copy")
     }
 
+    /// The CUDA error [`Fault::FailsBeforeCopy`] fails a worker with (`op` failed: out of
+    /// memory).
+    pub(in crate::storage::engine) fn oom(op: &'static str) -> Error {
+        Error::cuda(op, DriverError(sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY))
+    }
+
     /// The drain error the fault reports.
     pub(in crate::storage::engine) fn drain_error() -> Error {
         Error::cuda(
@@ -1609,6 +1618,12 @@ pub(in crate::storage) static PANIC_AFTER_COPY: std::sync::atomic::AtomicU64 =
 
 fn dev_read(ws: &mut WorkerState, job: &Job<'_>, ctx: &Arc<CudaContext>) -> Result<()> {
     let w = ws.id;
+    #[cfg(test)]
+    if faults::pending(job) == Some(faults::Fault::FailsBeforeCopy) {
+        let dst = faults::base(job, 0);
+        faults::fire(job, faults::Hit { dst, copied: None });
+        return Err(faults::oom("cuStreamCreate"));
+    }
     let li = ws.lane(ctx)?;
     job.order(&ws.lanes[li].stream)?;
     ws.ensure_slot(0, job.piece, true)?;

@@ -936,6 +936,12 @@ impl<'r, R: Ring + ?Sized> SegJob<'r, R> {
             if let Some(t) = job.trace() {
                 t.gate_waited(w, t0);
             }
+            #[cfg(test)]
+            if super::faults::pending(job) == Some(super::faults::Fault::FailsBeforeCopy) {
+                let dst = super::faults::base(job, runs[0].buf);
+                super::faults::fire(job, super::faults::Hit { dst, copied: None });
+                return Err(super::faults::oom("cuMemHostRegister"));
+            }
             let end = if last {
                 self.need[r]
             } else {
