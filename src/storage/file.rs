@@ -1345,6 +1345,88 @@ mod tests {
         assert!(bad.is_empty(), "{}", bad.join("\n"));
     }
 
+    /// Review (drain, finding 3): a read into the caller's buffer (`read_to_device`, a
+    /// `ReadBatch` destination) whose copies could not be drained must not return while they
+    /// may still be queued: the caller frees its buffer next. The hook fails the first worker
+    /// that issued a copy with an Io-kind error and makes its lane's (or the ring's) drain
+    /// report `CUDA_ERROR_UNKNOWN` (after the real drain); the stream queries answer
+    /// `UNKNOWN, NOT_READY, UNKNOWN, UNKNOWN` before the real answers. The call must ask all
+    /// four (it kept waiting until the streams were known idle), report the drain's CUDA
+    /// error, and leave the copied bytes in the buffer. On the old code it returns at once
+    /// without asking (a failed synchronize was taken to mean the context runs no more work),
+    /// and the lanes job reports the Io error.
+    #[test]
+    #[ignore = "needs a CUDA GPU"]
+    fn gpu_storage_read_into_a_borrowed_buffer_waits_for_copies_it_could_not_drain() {
+        use crate::storage::ReadBatch;
+        use engine::faults::{self, Fault};
+        use sys::CUresult as R;
+        let ctx = gpu();
+        let stream = ctx.new_stream().unwrap();
+        let len = (48 << 20) + 4096 + 13;
+        let script = [
+            R::CUDA_ERROR_UNKNOWN,
+            R::CUDA_ERROR_NOT_READY,
+            R::CUDA_ERROR_UNKNOWN,
+            R::CUDA_ERROR_UNKNOWN,
+        ];
+        let mut bad = Vec::new();
+        for pipe in [Pipeline::Lanes, Pipeline::Segments] {
+            for batch in [false, true] {
+                let what = format!(
+                    "{pipe:?}, {}",
+                    if batch { "ReadBatch" } else { "read_to_device" }
+                );
+                let (p, data) = random_file(
+                    &format!("borrowed-{pipe:?}-{batch}"),
+                    len,
+                    97 + batch as u64,
+                );
+                let f = GpuFile::options()
+                    .backend(Backend::Engine)
+                    .pipeline(pipe)
+                    .open(&p)
+                    .unwrap();
+                let mut dev = stream.alloc_zeros::<u8>(len).unwrap();
+                faults::arm(&p, Fault::DrainFails, &script);
+                let r = if batch {
+                    let mut b = ReadBatch::new();
+                    let d = b.destination(&mut dev);
+                    b.read_file(&f, 0, len, d, 0);
+                    b.run().map(|r| r.bytes)
+                } else {
+                    f.read_to_device(&mut dev, 0).map(|r| r.bytes)
+                };
+                let (hit, left) = faults::disarm(&p);
+                let hit = hit.unwrap_or_else(|| panic!("{what}: the fault did not fire"));
+                let (at, file_off, n) = hit.copied.expect("the fault fires after a copy");
+                match r {
+                    Ok(_) => bad.push(format!(
+                        "{what}: a read whose worker failed reported success"
+                    )),
+                    Err(Error::Cuda { .. }) => {}
+                    Err(e) => bad.push(format!(
+                        "{what}: reports `{e}`, hiding that its copies could not be drained"
+                    )),
+                }
+                if left > 0 {
+                    bad.push(format!(
+                        "{what}: returned after {} of {} stream queries, while copies into the caller's buffer were not known to be complete",
+                        script.len() - left,
+                        script.len()
+                    ));
+                }
+                let back = stream.clone_dtoh(&dev).unwrap();
+                if back[at..at + n] != data[file_off as usize..file_off as usize + n] {
+                    bad.push(format!("{what}: the copied bytes are not in the buffer"));
+                }
+                drop(f);
+                std::fs::remove_file(&p).unwrap();
+            }
+        }
+        assert!(bad.is_empty(), "{}", bad.join("\n"));
+    }
+
     /// `read_to_new`'s destination is leaked, never freed, when the engine job fails with a
     /// CUDA error: the engine may not have drained its copies then (the segment ring's engine
     /// leaks its ring), and cudarc's free (`cuMemFreeAsync` on the caller's stream, which does
