@@ -1030,7 +1030,7 @@ impl<'a> ReadBatch<'a> {
                             // never freed under them.
                             if matches!(e, Error::Cuda { .. }) {
                                 if let Some(b) = deferred_out.take() {
-                                    let _ = b.leak();
+                                    super::file::leak_dst(b);
                                 }
                             }
                             return Err(e);

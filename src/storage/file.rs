@@ -1427,6 +1427,76 @@ mod tests {
         assert!(bad.is_empty(), "{}", bad.join("\n"));
     }
 
+    /// Review (drain, finding 2): a `ReadBatch`'s own destination (`new_destination`, what a
+    /// one-allocation checkpoint load uses) is leaked exactly when copies into it may still be
+    /// queued. With the drain-failure fault (an Io-kind worker error, then a drain that
+    /// reports `CUDA_ERROR_UNKNOWN` and stream queries that answer `CUDA_ERROR_UNKNOWN`) it
+    /// must be leaked, still allocated and holding the copied bytes; with the fault that fails
+    /// every worker with a CUDA error before any copy it must be freed. On the old code the
+    /// lanes batch (its destination allocated before the job) frees it on every engine error,
+    /// the undrained one included (`?` drops it), and the segments batch (allocated while the
+    /// job reads) leaks it on every CUDA error, the drained one included.
+    #[test]
+    #[ignore = "needs a CUDA GPU"]
+    fn gpu_batch_new_destination_is_leaked_exactly_when_copies_may_be_queued() {
+        use crate::storage::ReadBatch;
+        use engine::faults::{self, Fault};
+        let ctx = gpu();
+        let stream = ctx.new_stream().unwrap();
+        // At least 64 MiB: `cuMemAlloc` memory, which a free really gives back.
+        let len = (80 << 20) + 4096 + 29;
+        let mut bad = Vec::new();
+        for pipe in [Pipeline::Lanes, Pipeline::Segments] {
+            for fault in [Fault::DrainFails, Fault::FailsBeforeCopy] {
+                let what = format!("{pipe:?}, {fault:?}");
+                let (p, data) = random_file(&format!("batch-new-{pipe:?}-{fault:?}"), len, 98);
+                let f = GpuFile::options()
+                    .backend(Backend::Engine)
+                    .pipeline(pipe)
+                    .open(&p)
+                    .unwrap();
+                faults::arm(&p, fault, &[sys::CUresult::CUDA_ERROR_UNKNOWN]);
+                let mut b = ReadBatch::new();
+                let d = b.new_destination(&stream, len);
+                b.read_file(&f, 0, len, d, 0);
+                let r = b.run_allocating();
+                let (hit, _) = faults::disarm(&p);
+                assert!(
+                    r.is_err(),
+                    "{what}: a batch whose workers failed reported success"
+                );
+                let hit = hit.unwrap_or_else(|| panic!("{what}: the fault did not fire"));
+                assert!(hit.dst != 0, "{what}: no destination");
+                let (recorded, alive) = (leaked(hit.dst), live(&ctx, hit.dst, len));
+                match hit.copied {
+                    Some((at, file_off, n)) => {
+                        if !recorded || !alive {
+                            bad.push(format!(
+                                "{what}: the destination at {:#x} was freed although copies into it may still be queued (leaked: {recorded}, allocated: {alive})",
+                                hit.dst
+                            ));
+                        } else if device_bytes(&stream, hit.dst + at as u64, n)
+                            != data[file_off as usize..file_off as usize + n]
+                        {
+                            bad.push(format!("{what}: the leaked destination lost its bytes"));
+                        }
+                    }
+                    None if recorded || alive => bad.push(format!(
+                        "{what}: the destination at {:#x} ({len} B) was kept although no copy was in flight (leaked: {recorded}, allocated: {alive})",
+                        hit.dst
+                    )),
+                    None => {}
+                }
+                if recorded && alive {
+                    free_leaked(&stream, hit.dst, Pipeline::Segments);
+                }
+                drop(f);
+                std::fs::remove_file(&p).unwrap();
+            }
+        }
+        assert!(bad.is_empty(), "{}", bad.join("\n"));
+    }
+
     /// `read_to_new`'s destination is leaked, never freed, when the engine job fails with a
     /// CUDA error: the engine may not have drained its copies then (the segment ring's engine
     /// leaks its ring), and cudarc's free (`cuMemFreeAsync` on the caller's stream, which does
