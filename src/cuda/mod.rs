@@ -57,6 +57,7 @@ pub(crate) mod dmabuf;
 mod memory;
 mod pointer;
 pub(crate) mod result;
+pub(crate) mod settle;
 pub(crate) mod vmm;
 
 pub(crate) use current::CurrentContext;

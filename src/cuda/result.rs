@@ -334,7 +334,18 @@ pub(crate) mod stream {
     #[allow(dead_code)] // the storage engine's next pipeline uses it
     pub(crate) unsafe fn is_idle(stream: sys::CUstream) -> bool {
         // SAFETY: the caller's contract.
-        unsafe { sys::cuStreamQuery(stream) == sys::CUresult::CUDA_SUCCESS }
+        unsafe { query(stream) == sys::CUresult::CUDA_SUCCESS }
+    }
+
+    /// `cuStreamQuery`, its code returned raw: `CUDA_ERROR_NOT_READY` is no failure, and
+    /// what the others mean for the queued work is [`crate::cuda::settle`]'s one
+    /// classification.
+    ///
+    /// # Safety
+    /// As [`synchronize`].
+    pub(crate) unsafe fn query(stream: sys::CUstream) -> sys::CUresult {
+        // SAFETY: the caller's contract.
+        unsafe { sys::cuStreamQuery(stream) }
     }
 }
 

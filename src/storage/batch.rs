@@ -528,7 +528,9 @@ impl<'a> ReadBatch<'a> {
     }
 
     /// [`run`](Self::run), handing back the buffer of [`new_destination`](Self::new_destination)
-    /// (`None` when there was none). On `Err` the buffer is dropped.
+    /// (`None` when there was none). On `Err` the buffer is dropped, or leaked when copies
+    /// into it may still be queued (a batch whose destinations are all its own does not wait
+    /// for copies it could not drain).
     pub(crate) fn run_allocating(self) -> Result<(BatchReport, Option<CudaSlice<u8>>)> {
         self.run_inner(None)
     }
@@ -546,6 +548,9 @@ impl<'a> ReadBatch<'a> {
     /// returns, and that work on any stream may use at once (a stream-ordered allocation must
     /// have completed). It must stay allocated until this returns; when this returns
     /// [`Error::Cuda`], copies into it may still be queued: it must never be freed (leak it).
+    /// (A batch with no borrowed destination does not wait for copies it could not drain;
+    /// the error is then the drain's, an [`Error::Cuda`]. Other CUDA errors leave no copy in
+    /// flight, but this contract does not tell them apart.)
     pub(crate) unsafe fn run_with(
         self,
         alloc: &mut dyn FnMut(usize) -> Result<sys::CUdeviceptr>,
@@ -627,6 +632,9 @@ impl<'a> ReadBatch<'a> {
                 srcs.len()
             )
         });
+        // No destination is the caller's borrowed buffer: the engine's job need not wait for
+        // copies it could not drain (their destinations are leaked instead).
+        let owns_every_destination = !dsts.iter().any(|d| matches!(d, Dst::Borrowed(_)));
         // Each destination's length and stream (its view is taken again when the bytes move).
         let (dst_len, dst_stream): (Vec<usize>, Vec<Arc<CudaStream>>) = dsts
             .iter_mut()
@@ -997,8 +1005,11 @@ impl<'a> ReadBatch<'a> {
             }
             let gates: Vec<engine::DstGate> =
                 deferred.iter().map(|_| engine::DstGate::new()).collect();
-            let out = match deferred.is_empty() {
-                true => eng.run(job, threads)?,
+            if owns_every_destination {
+                job = job.owning_destinations();
+            }
+            let r = match deferred.is_empty() {
+                true => eng.run(job, threads),
                 false => {
                     let out = &mut deferred_out;
                     let later_alloc = &mut later_alloc;
@@ -1022,20 +1033,25 @@ impl<'a> ReadBatch<'a> {
                             },
                         }
                     });
-                    match r {
-                        Ok(o) => o,
-                        Err(e) => {
-                            // A CUDA error may mean the engine could not drain its copies
-                            // (it leaks its ring then): the buffer they write is leaked too,
-                            // never freed under them.
-                            if matches!(e, Error::Cuda { .. }) {
-                                if let Some(b) = deferred_out.take() {
-                                    super::file::leak_dst(b);
-                                }
-                            }
-                            return Err(e);
+                    r
+                }
+            };
+            let out = match r {
+                Ok(o) => o,
+                Err(f) => {
+                    drop(guards);
+                    drop(views);
+                    // Undrained (only when the batch owns every destination): copies may
+                    // still be queued into its own destination (the engine leaks its ring
+                    // then), which is leaked, never freed under them; the later ones are
+                    // run_with's caller's to leak (the error is the drain's Error::Cuda).
+                    // Otherwise no copy can run any more, and it goes.
+                    if !f.drained {
+                        for b in deferred_out.take().into_iter().chain(new_buf.take()) {
+                            super::file::leak_dst(b);
                         }
                     }
+                    return Err(f.error);
                 }
             };
             drop(guards);
@@ -1630,7 +1646,7 @@ impl<'a> WriteBatch<'a> {
                 )
             }
             .with_control(ctl.engine(&after));
-            let out = eng.run(job, threads)?;
+            let out = eng.run(job, threads).map_err(engine::Failed::into_error)?;
             drop(guards);
             odirect = out.odirect;
             copies = out.copies;

@@ -15,7 +15,7 @@ use super::backend::cufile_glue;
 use super::config::{ODirect, Pipeline, StorageConfig};
 use super::engine::io::{self, Fds};
 use super::engine::plan::{plan, Dir};
-use super::engine::{self, small, DstGate, Job, Mem, Op, SegParams, Target};
+use super::engine::{self, small, DstGate, Failed, Job, Mem, Op, SegParams, Target};
 use super::options::GpuFileOptions;
 use super::transfer::Ctl;
 use crate::cuda::AnyBitPattern;
@@ -591,6 +591,22 @@ impl GpuFile {
         file_offset: u64,
         ctl: &Ctl<'_>,
     ) -> Result<IoReport> {
+        // A borrowed view: the engine waits for its copies (Failed::into_error).
+        self.read_dev_into(view, esz, file_offset, ctl, false)
+            .map_err(Failed::into_error)
+    }
+
+    /// [`read_dev`](Self::read_dev) into memory the caller owns when `owned` (the engine's
+    /// job then does not wait for copies it could not drain: on an error with
+    /// [`Failed::drained`] false the caller must leak the memory).
+    fn read_dev_into(
+        &self,
+        view: &mut CudaViewMut<'_, u8>,
+        esz: usize,
+        file_offset: u64,
+        ctl: &Ctl<'_>,
+        owned: bool,
+    ) -> Result<IoReport, Failed> {
         let len = view.len();
         check_range(file_offset, len)?;
         let stream = view.stream().clone();
@@ -601,7 +617,7 @@ impl GpuFile {
         if let Some(cf) = &self.cufile {
             let Some(n) = self.readable_whole(file_offset, len, esz)? else {
                 let path = cf.path_report().clone();
-                return self.read_unsized_to_device(view, file_offset, esz, path, ctl);
+                return Ok(self.read_unsized_to_device(view, file_offset, esz, path, ctl)?);
             };
             let bytes = if n == 0 {
                 0
@@ -655,7 +671,7 @@ impl GpuFile {
         }
         let Some(n) = self.readable_whole(file_offset, len, esz)? else {
             let path = self.engine_report();
-            return self.read_unsized_to_device(view, file_offset, esz, path, ctl);
+            return Ok(self.read_unsized_to_device(view, file_offset, esz, path, ctl)?);
         };
         if n == 0 {
             return Ok(IoReport::new(0, self.engine_report(), false, ctl.elapsed()));
@@ -679,6 +695,9 @@ impl GpuFile {
             .with_control(ctl.engine(after));
         if let Some(p) = self.seg_params() {
             job = job.with_segments(p);
+        }
+        if owned {
+            job = job.owning_destinations();
         }
         let (bytes, odirect) = ctl.single(engine.run(job, threads)?, n)?;
         Ok(IoReport::new(
@@ -819,7 +838,8 @@ impl GpuFile {
             // writers (`after`); Engine::run returns after all copies completed.
             let job = unsafe { Job::new(&self.fds, tasks, piece, Target::DevWrite { ctx, dptr }) }
                 .with_control(ctl.engine(after));
-            let (bytes, odirect) = ctl.single(engine.run(job, threads)?, len)?;
+            let out = engine.run(job, threads).map_err(Failed::into_error)?;
+            let (bytes, odirect) = ctl.single(out, len)?;
             (bytes, self.engine_report(), odirect)
         };
         if self.durable {
@@ -855,14 +875,20 @@ impl GpuFile {
             // leaked) on error; T accepts any bit pattern.
             let mut buf =
                 unsafe { stream.alloc::<T>(n) }.map_err(|e| Error::cuda("cuMemAlloc", e))?;
-            return match self.read_to_device(&mut buf, 0) {
+            // As read_to_device, into memory this call owns.
+            let r = {
+                let mut typed = buf.as_dst();
+                let mut view = dst_bytes(&mut typed);
+                self.read_dev_into(&mut view, elem_size::<T>()?, 0, &Ctl::now(), true)
+            };
+            return match r {
                 Ok(r) => Ok((buf, r)),
-                Err(e) => {
-                    // As below: copies into it may still be queued after a CUDA error.
-                    if matches!(e, Error::Cuda { .. }) {
+                Err(f) => {
+                    // As below: copies into it may still be queued.
+                    if !f.drained {
                         leak_dst(buf);
                     }
-                    Err(e)
+                    Err(f.error)
                 }
             };
         };
@@ -878,7 +904,7 @@ impl GpuFile {
         // SAFETY: the one buffer is deferred: its address comes from `gate`, opened below once
         // the allocation of `len` bytes in `ctx` completed; every task lies within [0, len);
         // the buffer is kept (in `out`) until Engine::run_deferred returned, after every copy
-        // completed, and leaked when it returns a CUDA error (copies may be queued then).
+        // completed, and leaked when it returns undrained (copies may be queued then).
         let job = unsafe {
             Job::batch(
                 vec![&*self.fds],
@@ -891,7 +917,8 @@ impl GpuFile {
             )
         }
         .with_segments(p)
-        .with_gate(&gate);
+        .with_gate(&gate)
+        .owning_destinations();
         let mut out: Option<CudaSlice<T>> = None;
         let outcome = engine.run_deferred(job, threads, || {
             // The engine writes it on its own streams, and its copies complete before the
@@ -904,15 +931,16 @@ impl GpuFile {
         });
         let outcome = match outcome {
             Ok(o) => o,
-            Err(e) => {
-                // A CUDA error may mean the engine could not drain its copies (it leaks its
-                // ring then): the buffer they write is leaked too, never freed under them.
-                if matches!(e, Error::Cuda { .. }) {
+            Err(f) => {
+                // Undrained: copies may still be queued into the buffer (the engine leaks its
+                // ring then): it is leaked too, never freed under them. Otherwise no copy can
+                // run any more, and the buffer goes.
+                if !f.drained {
                     if let Some(b) = out.take() {
                         leak_dst(b);
                     }
                 }
-                return Err(e);
+                return Err(f.error);
             }
         };
         let (bytes, odirect) = outcome.single()?;
@@ -971,7 +999,8 @@ impl GpuFile {
         // within [0, n).
         let job = unsafe { Job::new(&self.fds, tasks, piece, Target::HostRead(buf.as_mut_ptr())) }
             .with_control(ctl.engine(&[]));
-        let (bytes, odirect) = ctl.single(engine.run(job, threads)?, n)?;
+        let out = engine.run(job, threads).map_err(Failed::into_error)?;
+        let (bytes, odirect) = ctl.single(out, n)?;
         Ok(IoReport::new(
             bytes,
             Self::host_report(),
@@ -1005,7 +1034,8 @@ impl GpuFile {
             // SAFETY: buf is borrowed for the call; tasks lie within [0, len).
             let job = unsafe { Job::new(&self.fds, tasks, piece, Target::HostWrite(buf.as_ptr())) }
                 .with_control(ctl.engine(&[]));
-            odirect = ctl.single(engine.run(job, threads)?, buf.len())?.1;
+            let out = engine.run(job, threads).map_err(Failed::into_error)?;
+            odirect = ctl.single(out, buf.len())?.1;
         }
         if self.durable {
             self.sync_all()?;
@@ -1497,10 +1527,12 @@ mod tests {
         assert!(bad.is_empty(), "{}", bad.join("\n"));
     }
 
-    /// `read_to_new`'s destination is leaked, never freed, when the engine job fails with a
-    /// CUDA error: the engine may not have drained its copies then (the segment ring's engine
-    /// leaks its ring), and cudarc's free (`cuMemFreeAsync` on the caller's stream, which does
-    /// not wait for the engine's streams) would let them write freed memory. Through the
+    /// `read_to_new`'s destination is leaked, never freed, when the engine job fails
+    /// undrained: the engine did not drain its copies then (the segment ring's engine leaks
+    /// its ring), and cudarc's free (`cuMemFreeAsync` on the caller's stream, which does not
+    /// wait for the engine's streams) would let them write freed memory. (The hook's settle
+    /// sees `CUDA_ERROR_UNKNOWN` stream answers first, and `read_to_new`'s job, which owns its
+    /// destination, asks once: undrained.) Through the
     /// segment ring (a `cuMemAlloc` destination allocated while the engine reads) and through
     /// lanes (a pool destination allocated first), the engine's drain is made to report a
     /// failure (a hook, after the real drain: every copy did complete, so the old code frees
@@ -1595,7 +1627,7 @@ mod tests {
         }
         assert!(
             freed.is_empty(),
-            "read_to_new must leak its destination on a CUDA error:\n{}",
+            "read_to_new must leak its destination when its copies were not drained:\n{}",
             freed.join("\n")
         );
         std::fs::remove_file(&p).unwrap();

@@ -26,6 +26,7 @@ use cudarc::driver::sys;
 
 use super::plan::{align_down, align_up, Task};
 use super::{internal, write_task, Job, Mem};
+use crate::cuda::settle::{Patience, Settled};
 use crate::error::{Error, Result};
 use crate::storage::config::DIRECT_ALIGN;
 
@@ -155,6 +156,9 @@ pub(in crate::storage) trait Stage {
     fn wait(&mut self, slot: usize) -> Result<()>;
     /// Waits for every copy enqueued.
     fn drain(&mut self) -> Result<()>;
+    /// After a failed [`drain`](Self::drain): what the copies can still do, settled with
+    /// `job`'s patience ([`crate::cuda::settle::settle`]).
+    fn settle(&mut self, job: &Job<'_>, patience: Patience) -> Settled;
 }
 
 impl Stage for super::worker::Lane {
@@ -173,6 +177,10 @@ impl Stage for super::worker::Lane {
     }
     fn drain(&mut self) -> Result<()> {
         super::worker::Lane::drain(self)
+    }
+    fn settle(&mut self, job: &Job<'_>, patience: Patience) -> Settled {
+        // SAFETY: the lane's stream is alive (the lane owns it) in its live context.
+        super::worker::Lane::settle(self, patience, |c, s| unsafe { super::query(job, c, s) })
     }
 }
 
@@ -298,7 +306,8 @@ impl GatherJob {
 
     /// Worker `w`'s loop over segments, staging through `bufs` (two buffers of at least the
     /// largest segment, page-locked when `stage` copies from a GPU). Every copy it enqueued
-    /// has completed when this returns (also on error). The job's cancel flag is looked at
+    /// has completed when this returns (also on error), or its context is dead: a drain that
+    /// fails is settled and fails the job (`Job::drained`). The job's cancel flag is looked at
     /// before each segment is staged and again before each staged one is written: a cancel
     /// stops the job between two writes (a staged segment is dropped, not written).
     pub fn work(
@@ -343,8 +352,11 @@ impl GatherJob {
                 }
             }
         })();
+        // A failed drain fails the job whatever `r` is (its error wins: Job::fail_drain), once
+        // the copies were settled: the sources are the caller's borrowed device memory.
         let d = stage.drain();
-        r.and(d)
+        job.drained(d, |p| stage.settle(job, p));
+        r
     }
 }
 
@@ -591,6 +603,146 @@ mod tests {
             }
             Ok(())
         }
+        fn settle(&mut self, _: &Job<'_>, _: Patience) -> Settled {
+            // Its drain never fails.
+            Settled::Complete
+        }
+    }
+
+    /// A [`LateStage`] whose drain reports `CUDA_ERROR_UNKNOWN` after draining for real, and
+    /// that records the patience it is settled with.
+    struct DrainFails {
+        inner: LateStage,
+        settled_with: Option<Patience>,
+    }
+
+    impl Stage for DrainFails {
+        unsafe fn d2h(&mut self, dst: *mut u8, src: sys::CUdeviceptr, len: usize) -> Result<()> {
+            // SAFETY: the caller's contract.
+            unsafe { self.inner.d2h(dst, src, len) }
+        }
+        fn record(&mut self, slot: usize) -> Result<()> {
+            self.inner.record(slot)
+        }
+        fn wait(&mut self, slot: usize) -> Result<()> {
+            self.inner.wait(slot)
+        }
+        fn drain(&mut self) -> Result<()> {
+            self.inner.drain()?;
+            Err(Error::cuda(
+                "cuStreamSynchronize",
+                cudarc::driver::DriverError(sys::CUresult::CUDA_ERROR_UNKNOWN),
+            ))
+        }
+        fn settle(&mut self, _: &Job<'_>, patience: Patience) -> Settled {
+            self.settled_with = Some(patience);
+            // Drained for real: what a settle finds.
+            Settled::Complete
+        }
+    }
+
+    /// Review (drain, finding 1, on the gather writer): a worker whose staging failed with an
+    /// Io-kind error after it had enqueued a copy, and whose stage then could not drain, fails
+    /// the job with the drain's CUDA error, not the earlier Io one, after settling the copies
+    /// with [`Patience::Wait`] (the sources are the caller's borrowed device memory). Before
+    /// the fix, `r.and(d)` dropped the drain's error: the job reported the Io error, and no
+    /// one waited for the copies.
+    #[test]
+    fn a_drain_that_fails_after_an_earlier_error_fails_the_gather_job_after_waiting() {
+        use crate::storage::engine::io::{Fds, OpenMode};
+        use crate::storage::engine::{Job, Op};
+        let dir = std::env::var_os("GPUDIRECT_TEST_DIR")
+            .map(std::path::PathBuf::from)
+            .unwrap_or_else(std::env::temp_dir);
+        let path = dir.join(format!("gpudirect-gather-drain-{}", std::process::id()));
+        let fds = Fds::open(
+            &path,
+            OpenMode {
+                write: true,
+                create: true,
+                truncate: true,
+            },
+        )
+        .unwrap();
+        let mut dev = vec![0u8; 3 * DIRECT_ALIGN];
+        rand::rngs::StdRng::seed_from_u64(14).fill_bytes(&mut dev);
+        // Item 0 from "device" memory, then item 1 from a deferred buffer (refused, an Io-kind
+        // error) in the same segment: the first copy is enqueued before the error.
+        let mut tasks = Vec::new();
+        for (k, (buf, off)) in [(0u32, 0u64), (1, DIRECT_ALIGN as u64)]
+            .into_iter()
+            .enumerate()
+        {
+            let at = Task {
+                buf,
+                item: k as u32,
+                ..Task::default()
+            };
+            plan_item(&mut tasks, at, off, DIRECT_ALIGN, 8192, Dir::Write, false);
+        }
+        let seg = 4 * DIRECT_ALIGN;
+        let l = plan(&tasks, seg, false);
+        assert_eq!(l.segs.len(), 1);
+        // SAFETY: (test) `dev` outlives the job and holds item 0's range; the deferred buffer
+        // is never addressed (staging it fails); a write job only reads.
+        let job = unsafe {
+            Job::batch(
+                vec![&fds],
+                vec![Mem::Dev(dev.as_ptr() as sys::CUdeviceptr), Mem::Deferred(0)],
+                2,
+                l.tasks.clone(),
+                8192,
+                Op::Write,
+                None,
+            )
+        };
+        let gj = GatherJob::new(l.segs.clone());
+        let mut stage = DrainFails {
+            inner: LateStage::new(15),
+            settled_with: None,
+        };
+        let layout = std::alloc::Layout::from_size_align(seg, DIRECT_ALIGN).unwrap();
+        // SAFETY: (test) non-zero sizes; freed below, after the stage drained.
+        let bufs = unsafe { [std::alloc::alloc(layout), std::alloc::alloc(layout)] };
+        let r = gj.work(&job, &mut stage, bufs, 0);
+        drop(stage.inner);
+        // SAFETY: (test) allocated above with this layout; the stage is drained and gone.
+        unsafe {
+            std::alloc::dealloc(bufs[0], layout);
+            std::alloc::dealloc(bufs[1], layout);
+        }
+        assert!(
+            matches!(&r, Err(Error::Io { .. })),
+            "the worker's own error is its staging's: {r:?}"
+        );
+        if let Err(e) = r {
+            job.fail(e);
+        }
+        assert_eq!(
+            gj.copies.load(Ordering::Relaxed),
+            1,
+            "item 0's copy was enqueued"
+        );
+        let f = job.outcome(1).expect_err("the job failed");
+        assert!(
+            matches!(
+                &f.error,
+                Error::Cuda {
+                    op: "cuStreamSynchronize",
+                    ..
+                }
+            ),
+            "the drain's error must win: {}",
+            f.error
+        );
+        assert!(f.drained, "settled complete");
+        assert_eq!(
+            stage.settled_with,
+            Some(Patience::Wait),
+            "a job that borrows its sources waits for copies it could not drain"
+        );
+        drop(fds);
+        std::fs::remove_file(&path).unwrap();
     }
 
     /// The run's ordering rules on the host: copies into the staging buffers complete late,

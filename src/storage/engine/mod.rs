@@ -39,7 +39,13 @@
 //!   engines idle that long do the same by themselves (off by default: freeing pinned memory
 //!   waits for all the GPU's work, and stalls other threads' `cuEventCreate` meanwhile, so it
 //!   happens only when the caller asks).
-//! - Every stream is synchronized before a job returns: no copy outlives the call.
+//! - Every stream is synchronized before a job returns: no copy outlives the call. A
+//!   synchronize that fails says nothing for sure about the queued copies, so they are settled
+//!   ([`crate::cuda::settle`]): a job that borrows memory waits until they completed or their
+//!   context is dead (the process aborts after a minute of unknown answers); one whose caller
+//!   owns every destination ([`Job::owning_destinations`]) asks once and, when they may still
+//!   run, fails undrained ([`Failed::drained`]): the caller leaks the destinations. A drain's
+//!   error wins over every other error of the job.
 //! - **Timing trace** ([`trace`], `GPUDIRECT_TRACE=timing`): each job prints where its time
 //!   went (workers, IO, waits, page-locking, copies with GPU times); off, every probe is one
 //!   relaxed atomic load.
@@ -66,6 +72,7 @@ use std::time::Duration;
 
 use cudarc::driver::{sys, CudaContext, CudaEvent, CudaStream};
 
+use crate::cuda::settle::{Patience, Settled};
 use crate::cuda::CurrentContext;
 use crate::error::{Error, Result};
 use crate::storage::config::DIRECT_ALIGN;
@@ -181,6 +188,12 @@ pub(in crate::storage) struct Job<'a> {
     next: AtomicUsize,
     abort: AtomicBool,
     error: Mutex<Option<Error>>,
+    /// The error is a drain's ([`Job::fail_drain`]): no later error replaces it.
+    drain_failed: AtomicBool,
+    /// A drain failed and copies of the job may still run.
+    undrained: AtomicBool,
+    /// How long a failed drain waits for the copies ([`Job::owning_destinations`]).
+    patience: Patience,
     item_failed: Vec<AtomicBool>,
     item_errors: Mutex<Vec<(usize, Error)>>,
     done: Vec<AtomicUsize>,
@@ -252,6 +265,52 @@ pub(in crate::storage) struct Outcome {
     pub cancelled: bool,
 }
 
+/// A job that failed: its error, and whether copies it issued may still run.
+#[derive(Debug)]
+pub(in crate::storage) struct Failed {
+    /// What failed. A drain's error (always an [`Error::Cuda`]) wins over every other: a
+    /// caller that decides by the variant stays on the safe side.
+    pub error: Error,
+    /// No copy the job issued can run any more: each completed, or its context is dead
+    /// (runs no more work). Always true for a job that waits ([`Patience::Wait`], the
+    /// default); false only for one whose caller owns every destination
+    /// ([`Job::owning_destinations`]) when a drain failed and the copies' state is unknown:
+    /// that caller must leak the destinations.
+    pub drained: bool,
+}
+
+impl Failed {
+    /// The error of a job that waited for its copies (any job but one that
+    /// [owns its destinations](Job::owning_destinations)): none can still run, so the
+    /// caller may free or hand back the memory the job used.
+    pub fn into_error(self) -> Error {
+        if !self.drained {
+            // Unreachable: a waiting job returns once its copies completed or their context
+            // died. Returning would let the caller free memory they may still write.
+            let msg = format!(
+                "gpudirect: a storage job that borrowed its buffers returned with copies that may still run ({}): a bug in gpudirect, please report it; aborting",
+                self.error
+            );
+            tracing::error!("{msg}");
+            eprintln!("{msg}");
+            std::process::abort();
+        }
+        self.error
+    }
+}
+
+/// A failure before or beside the job's copies, after which none is in flight: every call of
+/// the crate but the engine's jobs waits for its copies (or its context is dead) before it
+/// returns an error.
+impl From<Error> for Failed {
+    fn from(error: Error) -> Self {
+        Failed {
+            error,
+            drained: true,
+        }
+    }
+}
+
 impl<'a> Job<'a> {
     /// A one-file, one-buffer, one-item job over `tasks`; `piece` is the bounce-buffer size the
     /// plan was made for.
@@ -302,6 +361,9 @@ impl<'a> Job<'a> {
             next: AtomicUsize::new(0),
             abort: AtomicBool::new(false),
             error: Mutex::new(None),
+            drain_failed: AtomicBool::new(false),
+            undrained: AtomicBool::new(false),
+            patience: Patience::Wait,
             item_failed: (0..items).map(|_| AtomicBool::new(false)).collect(),
             item_errors: Mutex::new(Vec::new()),
             done,
@@ -319,6 +381,21 @@ impl<'a> Job<'a> {
     pub fn with_control(mut self, ctl: Control<'a>) -> Self {
         self.ctl = ctl;
         self
+    }
+
+    /// Every destination of the job is its caller's own allocation, which the caller leaks
+    /// when the job fails undrained ([`Failed::drained`] false): a drain that fails then
+    /// asks the streams once ([`Patience::Once`]) instead of waiting until the copies are
+    /// known complete (a job that borrows memory waits, [`Patience::Wait`], and aborts the
+    /// process when that stays unknown).
+    pub fn owning_destinations(mut self) -> Self {
+        self.patience = Patience::Once;
+        self
+    }
+
+    /// How long a failed drain of this job waits for its copies.
+    fn patience(&self) -> Patience {
+        self.patience
     }
 
     /// Makes `stream` wait for the events the job is ordered after (before its first copy).
@@ -453,20 +530,58 @@ impl<'a> Job<'a> {
         self.tasks.get(i).map(|t| (i, *t))
     }
 
-    /// Fails the job with `e` whatever failed it before: a drain that failed means copies may
-    /// still be queued into the destinations, and the caller must see that CUDA error (and
-    /// leak them), not an earlier one (a failed allocation) after which it would free them.
-    fn fail_over(&self, e: Error) {
+    /// Fails the job after draining a stream of its copies failed with `e` (a CUDA error):
+    /// `e` replaces any earlier error but an earlier drain's (an Io-kind error, a failed
+    /// allocation, a panic), so that the caller sees that its copies could not be drained;
+    /// unless they are `quiet` (complete, or their context dead: see [`Settled::quiet`]) the
+    /// job ends undrained.
+    fn fail_drain(&self, e: Error, quiet: bool) {
         self.abort.store(true, Ordering::Relaxed);
-        *self.error.lock().unwrap_or_else(|p| p.into_inner()) = Some(e);
+        if !quiet {
+            self.undrained.store(true, Ordering::Relaxed);
+        }
+        let mut g = self.error.lock().unwrap_or_else(|p| p.into_inner());
+        if !self.drain_failed.swap(true, Ordering::Relaxed) {
+            *g = Some(e);
+        }
     }
 
-    /// Fails the whole job (a CUDA error, a bug): every worker stops.
+    /// After a stream of the job's copies was drained (`d`): nothing when that succeeded;
+    /// otherwise settles them with the job's patience (`settle`, see
+    /// [`crate::cuda::settle::settle`]) and fails the job with the drain's error
+    /// ([`fail_drain`](Self::fail_drain)). What the settle found (`Complete` when the drain
+    /// succeeded).
+    fn drained(&self, d: Result<()>, settle: impl FnOnce(Patience) -> Settled) -> Settled {
+        match d {
+            Ok(()) => Settled::Complete,
+            Err(e) => {
+                let s = settle(self.patience());
+                tracing::error!(%e, settled = ?s, "a storage job could not drain a stream of its copies");
+                self.fail_drain(e, s.quiet());
+                s
+            }
+        }
+    }
+
+    /// Fails the whole job (a CUDA error, a bug): every worker stops. The first error stays
+    /// (a drain's always, see [`fail_drain`](Self::fail_drain)).
     fn fail(&self, e: Error) {
         self.abort.store(true, Ordering::Relaxed);
         let mut g = self.error.lock().unwrap_or_else(|p| p.into_inner());
         if g.is_none() {
             *g = Some(e);
+        }
+    }
+
+    /// After the pool ran the job: a panic fails it; a panicked worker whose streams turned
+    /// out dead (its state leaked) fails it as a drain that failed (the context runs no more
+    /// work: the copies are drained in that sense).
+    fn ran(&self, ran: pool::Ran) {
+        if !ran.ok() {
+            if let Some(e) = ran.dead() {
+                self.fail_drain(e, true);
+            }
+            self.fail(panicked());
         }
     }
 
@@ -540,10 +655,13 @@ impl<'a> Job<'a> {
             .map_err(|e| fds.err("pread", e))
     }
 
-    /// The outcome per item, or the job's error.
-    fn outcome(self, copies: usize) -> Result<Outcome> {
-        if let Some(e) = self.error.into_inner().unwrap_or_else(|p| p.into_inner()) {
-            return Err(e);
+    /// The outcome per item, or the job's error (and whether its copies may still run).
+    fn outcome(self, copies: usize) -> Result<Outcome, Failed> {
+        if let Some(error) = self.error.into_inner().unwrap_or_else(|p| p.into_inner()) {
+            return Err(Failed {
+                error,
+                drained: !self.undrained.load(Ordering::Relaxed),
+            });
         }
         let mut items: Vec<ItemOutcome> = (0..self.item_failed.len())
             .map(|_| ItemOutcome {
@@ -785,11 +903,9 @@ pub(in crate::storage) fn release_all() -> Released {
 impl Engine {
     /// Runs `job` to completion on up to `threads` workers. A host job of one task runs on the
     /// calling thread.
-    pub fn run(&self, mut job: Job<'_>, threads: usize) -> Result<Outcome> {
+    pub fn run(&self, mut job: Job<'_>, threads: usize) -> Result<Outcome, Failed> {
         if !job.gates.is_empty() || job.bufs.iter().any(|b| matches!(b, Mem::Deferred(_))) {
-            return Err(internal(
-                "a deferred destination outside Engine::run_deferred",
-            ));
+            return Err(internal("a deferred destination outside Engine::run_deferred").into());
         }
         if job.tasks.is_empty() {
             return job.outcome(0);
@@ -815,18 +931,24 @@ impl Engine {
             let mut ws = WorkerState::new(usize::MAX);
             work(&mut ws, &job);
         } else {
-            let ok = self
+            let ran = self
                 .pool
                 .run(threads, &|ws: &mut WorkerState| work(ws, &job));
             self.note_spawns(&job);
-            if !ok {
-                job.fail(panicked());
-            }
+            job.ran(ran);
             #[cfg(test)]
             if let Some(e) =
                 fail_drain::fire(&job, job.done.iter().any(|d| d.load(Ordering::Relaxed) > 0))
             {
-                job.fail_over(e);
+                // The lanes were drained for real: the hook's answers, then idle.
+                job.drained(Err(e), |p| {
+                    crate::cuda::settle::settle(
+                        1,
+                        |_| fail_drain::next_query().unwrap_or(sys::CUresult::CUDA_SUCCESS),
+                        p,
+                        "test",
+                    )
+                });
             }
         }
         job.finish_trace(&[]);
@@ -836,7 +958,7 @@ impl Engine {
     /// Runs a write from device memory as a gather write ([`gather`]): big sequential
     /// segments, each staged whole through a worker's two pinned buffers, on up to `threads`
     /// workers (segments of [`gather::segment_bytes`]).
-    fn run_gather(&self, mut job: Job<'_>, threads: usize) -> Result<Outcome> {
+    fn run_gather(&self, mut job: Job<'_>, threads: usize) -> Result<Outcome, Failed> {
         let ctx = job.ctx.clone().expect("device job");
         let seg = gather::segment_bytes(threads);
         let direct = job.tasks.iter().any(|t| t.direct);
@@ -857,7 +979,7 @@ impl Engine {
             threads,
         );
         let gj = gather::GatherJob::new(segs);
-        let ok = self.pool.run(threads, &|ws: &mut WorkerState| {
+        let ran = self.pool.run(threads, &|ws: &mut WorkerState| {
             let _f = FailOnUnwind(&job);
             if let Some(t) = job.trace() {
                 t.entered(ws.id);
@@ -876,9 +998,7 @@ impl Engine {
             }
         });
         self.note_spawns(&job);
-        if !ok {
-            job.fail(panicked());
-        }
+        job.ran(ran);
         job.finish_trace(&[]);
         job.outcome(gj.copies.load(Ordering::Relaxed))
     }
@@ -923,7 +1043,8 @@ impl Engine {
             .pool
             .run_with(threads, &|_ws: &mut WorkerState| take(), || {
                 by_caller = catch_unwind(AssertUnwindSafe(take)).is_ok();
-            });
+            })
+            .ok();
         let ok = ok && by_caller;
         trace::mark(|| {
             let (spawned, _, _) = self.pool.last_spawn();
@@ -1037,7 +1158,8 @@ impl Engine {
 
     /// Starts `threads` workers and binds `ctx` on each (so their first job does not pay it).
     pub fn prepare_workers(&self, ctx: &Arc<CudaContext>, threads: usize) {
-        self.pool.run(threads, &|_ws: &mut WorkerState| {
+        // A panic (none is possible here) only loses the warm-up.
+        let _ = self.pool.run(threads, &|_ws: &mut WorkerState| {
             let _ = ctx.bind_to_thread();
         });
     }
@@ -1050,7 +1172,7 @@ impl Engine {
         p: SegParams,
         threads: usize,
         caller: impl FnOnce(&Job<'_>),
-    ) -> Result<Outcome> {
+    ) -> Result<Outcome, Failed> {
         let ctx = job.ctx.clone().expect("device job");
         // The calling thread builds the ring, allocates a deferred destination and drains
         // the copy streams in `ctx`; its own current context is put back when this returns.
@@ -1100,26 +1222,32 @@ impl Engine {
             end => end,
         };
         self.note_spawns(&job);
-        let drained = end.drained.is_ok();
-        if let Err(e) = end.drained {
-            // A failed synchronize is a sticky context error: the context runs no more work.
-            // The ring may still be named by queued copies, so it is never unmapped; nor may
-            // the destinations be freed: the caller gets this CUDA error (Job::fail_over).
-            tracing::error!(%e, "could not drain the segment ring; leaking it");
+        // A failed synchronize says nothing for sure about the queued copies (a stale error in
+        // cudarc's context, a binding that failed, or the context's sticky error): the job
+        // settles them (waits until they completed or the context is dead, unless its caller
+        // owns and leaks the destinations).
+        let settled = job.drained(end.drained, |p| {
+            // SAFETY: the ring's streams are alive (the ring owns them) in its live context.
+            res.settle(p, |c, st| unsafe { query(&job, c, st) })
+        });
+        if settled != Settled::Complete {
+            // The ring may still be named by copies (queued, or in a dead context that will
+            // not unregister it): never unmapped.
+            tracing::error!("could not drain the segment ring; leaking it");
             std::mem::forget(g.take());
-            job.fail_over(e);
         } else if job.trace.is_some() {
             let done = res.finish_timing();
             job.finish_trace(&done);
         }
         drop(g);
         if let Some(p) = end.panic {
-            if drained {
-                // Every copy completed: the destination may go now.
+            if settled.quiet() {
+                // No copy can run any more: the destination may go now.
                 std::panic::resume_unwind(p);
             }
             // Unwinding would free destinations that queued copies may still write: the
-            // panic (a bug) is logged and the CUDA error returned, so the caller leaks them.
+            // panic (a bug) is logged and the drain's CUDA error returned (undrained), so the
+            // caller leaks them.
             let msg = p
                 .downcast_ref::<&str>()
                 .map(|s| s.to_string())
@@ -1148,9 +1276,9 @@ impl Engine {
         job: Job<'_>,
         threads: usize,
         alloc: impl FnOnce() -> Result<sys::CUdeviceptr>,
-    ) -> Result<Outcome> {
+    ) -> Result<Outcome, Failed> {
         if job.gates.len() != 1 {
-            return Err(internal("a deferred destination without its one gate"));
+            return Err(internal("a deferred destination without its one gate").into());
         }
         let mut alloc = Some(alloc);
         self.run_deferred_each(job, threads, |_| match alloc.take() {
@@ -1171,21 +1299,21 @@ impl Engine {
         job: Job<'_>,
         threads: usize,
         alloc: impl FnMut(usize) -> Result<sys::CUdeviceptr>,
-    ) -> Result<Outcome> {
+    ) -> Result<Outcome, Failed> {
         let Some(p) = job.seg.filter(|_| !job.gates.is_empty()) else {
-            return Err(internal(
-                "a deferred destination without the segment pipeline or a gate",
-            ));
+            return Err(
+                internal("a deferred destination without the segment pipeline or a gate").into(),
+            );
         };
         if job.ctx.is_none() || job.op != Op::Read {
-            return Err(internal("a deferred destination outside a device read"));
+            return Err(internal("a deferred destination outside a device read").into());
         }
         if job
             .bufs
             .iter()
             .any(|b| matches!(b, Mem::Deferred(k) if *k as usize >= job.gates.len()))
         {
-            return Err(internal("a deferred buffer without its gate"));
+            return Err(internal("a deferred buffer without its gate").into());
         }
         if job.tasks.is_empty() {
             // Nothing to copy: the destinations are still allocated (the caller hands them out).
@@ -1422,15 +1550,33 @@ pub(in crate::storage) mod fail_drain {
     thread_local! {
         static ARMED: Cell<bool> = const { Cell::new(false) };
         static HIT: Cell<Option<(sys::CUdeviceptr, bool)>> = const { Cell::new(None) };
+        /// Stream-query answers left for the settle after the failed drain.
+        static QUERIES: Cell<usize> = const { Cell::new(0) };
     }
+
+    /// How many stream queries after the failed drain answer `CUDA_ERROR_UNKNOWN`.
+    const UNKNOWN_ANSWERS: usize = 3;
 
     /// The next device read this thread runs (segment ring or lanes) fails as if draining its
     /// copies had failed, with a CUDA error, after the real drain (so every copy did complete
-    /// and nothing writes freed memory even where the caller frees its buffers); the segment
-    /// ring's engine leaks its ring then, as on a real failure.
+    /// and nothing writes freed memory even where the caller frees its buffers), and the first
+    /// [`UNKNOWN_ANSWERS`] stream queries of the settle that follows answer
+    /// `CUDA_ERROR_UNKNOWN` (a job that owns its destinations asks once: its copies stay
+    /// undrained; one that waits gets the real answers next); the segment ring's engine leaks
+    /// its ring then, as on a real failure.
     pub fn arm() {
         ARMED.set(true);
         HIT.set(None);
+        QUERIES.set(0);
+    }
+
+    /// The next scripted stream-query answer of this thread's settle, if any is left.
+    pub(in crate::storage::engine) fn next_query() -> Option<sys::CUresult> {
+        let n = QUERIES.get();
+        (n > 0).then(|| {
+            QUERIES.set(n - 1);
+            sys::CUresult::CUDA_ERROR_UNKNOWN
+        })
     }
 
     /// The job the hook failed on this thread: its first destination's address (0: a deferred
@@ -1454,6 +1600,7 @@ pub(in crate::storage) mod fail_drain {
             _ => 0,
         };
         HIT.set(Some((dst, issued)));
+        QUERIES.set(UNKNOWN_ANSWERS);
         Some(Error::cuda(
             "cuStreamSynchronize",
             DriverError(sys::CUresult::CUDA_ERROR_LAUNCH_FAILED),
@@ -1557,6 +1704,14 @@ pub(in crate::storage) mod faults {
     pub(in crate::storage::engine) fn pending(job: &Job<'_>) -> Option<Fault> {
         let k = key(job)?;
         armed().iter().find(|x| x.path == k).map(|x| x.fault)
+    }
+
+    /// The next scripted stream-query answer for a settle of `job`'s copies, if any is left.
+    pub(in crate::storage::engine) fn next_query(job: &Job<'_>) -> Option<sys::CUresult> {
+        let k = key(job)?;
+        let mut a = armed();
+        let x = a.iter_mut().find(|x| x.path == k)?;
+        (!x.queries.is_empty()).then(|| x.queries.remove(0))
     }
 
     /// The fault armed for `job`'s file that fired already.
@@ -1710,7 +1865,27 @@ fn dev_read(ws: &mut WorkerState, job: &Job<'_>, ctx: &Arc<CudaContext>) -> Resu
         Ok(()) if drain_fails => Err(faults::drain_error()),
         d => d,
     };
-    r.and(d)
+    // A failed drain fails the job whatever `r` is (its error wins: Job::fail_drain), after
+    // the lane's copies were settled.
+    // SAFETY: the lane's stream is alive (the lane owns it) in its live context.
+    job.drained(d, |p| lane.settle(p, |c, st| unsafe { query(job, c, st) }));
+    r
+}
+
+/// `cuStreamQuery` of `stream` in `ctx` for a settle of `job`'s copies (in tests, the answers
+/// a fault armed for the job scripts come first).
+///
+/// # Safety
+/// `stream` must be a live stream of the live context `ctx`.
+unsafe fn query(job: &Job<'_>, ctx: sys::CUcontext, stream: sys::CUstream) -> sys::CUresult {
+    #[cfg(test)]
+    if let Some(r) = faults::next_query(job).or_else(fail_drain::next_query) {
+        return r;
+    }
+    #[cfg(not(test))]
+    let _ = job;
+    // SAFETY: the caller's contract.
+    unsafe { worker::query(ctx, stream) }
 }
 
 #[cfg(test)]
@@ -1780,6 +1955,66 @@ mod tests {
             "the read after the panic differs from the file"
         );
         std::fs::remove_file(&p).unwrap();
+    }
+
+    /// Review (drain, finding 1): a failed drain's error wins over every other error of the
+    /// job, before or after it (the first drain's stays); a drain whose copies may still run
+    /// leaves the job undrained, one whose copies completed or whose context is dead does
+    /// not; a job waits ([`Patience::Wait`]) unless its caller owns its destinations.
+    #[test]
+    fn a_failed_drain_wins_over_other_errors_and_says_whether_copies_may_run() {
+        use cudarc::driver::DriverError;
+        use sys::CUresult as R;
+        let io = || internal("test: an Io-kind error");
+        let cuda = |r| Error::cuda("cuStreamSynchronize", DriverError(r));
+        for (owning, settled, drained) in [
+            (false, Settled::Complete, true),
+            (false, Settled::Dead(R::CUDA_ERROR_LAUNCH_FAILED), true),
+            (true, Settled::Pending(R::CUDA_ERROR_UNKNOWN), false),
+            (true, Settled::Complete, true),
+        ] {
+            // SAFETY: (test) a job without tasks: it touches no memory.
+            let mut job = unsafe { Job::batch(vec![], vec![], 1, vec![], 4096, Op::Read, None) };
+            if owning {
+                job = job.owning_destinations();
+            }
+            let want = if owning {
+                Patience::Once
+            } else {
+                Patience::Wait
+            };
+            job.fail(io());
+            let s = job.drained(Err(cuda(R::CUDA_ERROR_UNKNOWN)), |p| {
+                assert_eq!(p, want);
+                settled
+            });
+            assert_eq!(s, settled);
+            job.drained(Err(cuda(R::CUDA_ERROR_INVALID_CONTEXT)), |_| {
+                Settled::Complete
+            });
+            job.fail(io());
+            let s = job.drained(Ok(()), |_| panic!("no settle after a drain that succeeded"));
+            assert_eq!(s, Settled::Complete);
+            let f = job.outcome(0).expect_err("the job failed");
+            assert!(
+                matches!(
+                    f.error,
+                    Error::Cuda {
+                        source: DriverError(R::CUDA_ERROR_UNKNOWN),
+                        ..
+                    }
+                ),
+                "{settled:?}: the first drain's error, not {}",
+                f.error
+            );
+            assert_eq!(f.drained, drained, "{settled:?}");
+        }
+        // An error without a drain's: no copy in flight.
+        // SAFETY: (test) a job without tasks: it touches no memory.
+        let job = unsafe { Job::batch(vec![], vec![], 1, vec![], 4096, Op::Read, None) };
+        job.fail(io());
+        let f = job.outcome(0).expect_err("the job failed");
+        assert!(f.drained && matches!(f.error, Error::Io { .. }));
     }
 
     /// Review (docs of finding 5): `for_each` reports a panic the same way whichever thread

@@ -23,7 +23,10 @@
 //!   thread if none did); the threads a failed one was to start are started by its starter; no
 //!   thread is left waiting for a job that never comes.
 //! - **Panics**: a worker that panicked inside a job first drains its streams (no copy may use
-//!   a buffer it is about to reuse or free); if that fails its state is leaked, never dropped.
+//!   a buffer it is about to reuse or free, nor the job's memory, which may be borrowed); when
+//!   a synchronize fails it waits until the copies are known complete or their context dead
+//!   ([`crate::cuda::settle`]); a dead context's state is leaked, never dropped, and the job
+//!   learns its error ([`Ran::dead`]).
 //!   A thread that unwinds outside the job's closure (its start-up, or a `tracing` layer that
 //!   panics) gives back its count and those of the threads it had yet to start, so no job waits
 //!   for it ([`Owed`], `Exit`); a caller that unwinds between publishing a job and waiting for
@@ -39,6 +42,8 @@ use std::thread::JoinHandle;
 use std::time::Duration;
 
 use super::worker::WorkerState;
+use crate::cuda::settle::Patience;
+use crate::error::Error;
 
 /// A type-erased pointer to the caller's closure and the function that calls it.
 #[derive(Clone, Copy)]
@@ -59,6 +64,40 @@ unsafe fn trampoline<F: Fn(&mut WorkerState) + Sync>(data: *const (), ws: &mut W
     f(ws)
 }
 
+/// What [`Pool::run`] reports: whether the closure panicked somewhere, and the error of a
+/// panicked worker whose context turned out dead (see [`recover_after_panic`]).
+#[must_use]
+pub(in crate::storage) struct Ran {
+    panicked: bool,
+    dead: Option<Error>,
+}
+
+impl Ran {
+    /// No participant panicked.
+    pub fn ok(&self) -> bool {
+        !self.panicked
+    }
+
+    /// The error of a panicked worker whose streams' context is dead (its state was leaked).
+    pub fn dead(self) -> Option<Error> {
+        self.dead
+    }
+}
+
+impl State {
+    /// Records how a participant's call ended.
+    fn note(&mut self, c: Called) {
+        match c {
+            Called::Returned => {}
+            Called::Panicked => self.panicked = true,
+            Called::PanickedDead(e) => {
+                self.panicked = true;
+                self.dead.get_or_insert(e);
+            }
+        }
+    }
+}
+
 struct State {
     job: Option<JobPtr>,
     generation: u64,
@@ -67,6 +106,8 @@ struct State {
     /// Participants of the current job that have not returned yet.
     remaining: usize,
     panicked: bool,
+    /// The first error of a panicked worker whose context turned out dead ([`Called`]).
+    dead: Option<Error>,
     /// `alive[id]`: worker `id`'s thread is in its loop (or about to enter it).
     alive: Vec<bool>,
     /// Set by [`Pool::shutdown`]: every worker frees its state and exits.
@@ -195,46 +236,63 @@ pub(in crate::storage) struct Pool {
 }
 
 /// What a worker does with its state after a job panicked inside it: drain its streams so no
-/// copy still uses its buffers, and keep it; if draining fails, leak it (a copy may still read
-/// or write its pinned buffers, which must therefore stay mapped and registered).
-pub(in crate::storage) fn recover_after_panic(ws: &mut WorkerState) {
-    if !ws.quiesce() {
-        // Leaked before the log line, which may unwind (a `tracing` layer) and drop `ws`.
-        let id = ws.id;
-        std::mem::forget(std::mem::replace(ws, WorkerState::new(id)));
-        tracing::error!(
-            worker = id,
-            "an IO worker panicked and its streams could not be drained: leaking its buffers"
-        );
-    }
+/// copy still uses its buffers (or the job's, which may be borrowed: waiting until the copies
+/// are known complete or their context dead, see [`WorkerState::quiesce`]), and keep it; when
+/// a context turns out dead, leak it (never unregister or free what its copies named) and
+/// return that error.
+pub(in crate::storage) fn recover_after_panic(ws: &mut WorkerState) -> Option<Error> {
+    let e = ws.quiesce(Patience::Wait).err()?;
+    // Leaked before the log line, which may unwind (a `tracing` layer) and drop `ws`.
+    let id = ws.id;
+    std::mem::forget(std::mem::replace(ws, WorkerState::new(id)));
+    tracing::error!(
+        worker = id,
+        %e,
+        "an IO worker panicked and its streams could not be drained: leaking its buffers"
+    );
+    Some(e)
 }
 
-/// Runs the job on `ws`, catching a panic (then recovering the state). False on panic.
-fn call(job: JobPtr, ws: &mut WorkerState) -> bool {
+/// How a worker's call of a job ended.
+enum Called {
+    Returned,
+    Panicked,
+    /// Panicked, and a context of its streams is dead (its state leaked): this error.
+    PanickedDead(Error),
+}
+
+/// Runs the job on `ws`, catching a panic (then recovering the state).
+fn call(job: JobPtr, ws: &mut WorkerState) -> Called {
     // SAFETY: `run` published this pointer and waits for every participant to return before
     // its closure goes out of scope; we report back only after the call returned.
     let ok = catch_unwind(AssertUnwindSafe(|| unsafe {
         (job.call)(job.data, &mut *ws)
     }))
     .is_ok();
-    if !ok {
-        recover_after_panic(ws);
+    if ok {
+        return Called::Returned;
     }
-    ok
+    match recover_after_panic(ws) {
+        None => Called::Panicked,
+        Some(e) => Called::PanickedDead(e),
+    }
 }
 
-/// Frees a worker's state at exit: drained first; leaked when draining fails.
+/// Frees a worker's state at exit: drained first; leaked unless its copies are known complete
+/// or their context dead (no job's memory is borrowed any more: one look, no wait).
 fn release_state(ws: WorkerState) {
     let mut ws = ws;
-    if ws.quiesce() {
-        drop(ws);
-    } else {
-        let id = ws.id;
-        std::mem::forget(ws);
-        tracing::error!(
-            worker = id,
-            "an IO worker's streams could not be drained at exit: leaking its buffers"
-        );
+    match ws.quiesce(Patience::Once) {
+        Ok(()) => drop(ws),
+        Err(e) => {
+            let id = ws.id;
+            std::mem::forget(ws);
+            tracing::error!(
+                worker = id,
+                %e,
+                "an IO worker's streams could not be drained at exit: leaking its buffers"
+            );
+        }
     }
 }
 
@@ -502,12 +560,12 @@ fn worker_loop(shared: Arc<Shared>, id: usize, mut seen: u64, children: Vec<usiz
         if let (Some(deadline), Some(_)) = (together.take(), job) {
             wait_all_started(&shared, deadline);
         }
-        let ok = match job {
+        let called = match job {
             Some(j) => call(j, &mut ws),
-            None => true,
+            None => Called::Returned,
         };
         let mut st = lock(&shared.state);
-        st.panicked |= !ok;
+        st.note(called);
         st.remaining -= 1;
         exit.owes = false;
         if st.remaining == 0 {
@@ -557,6 +615,7 @@ impl Pool {
                 want: 0,
                 remaining: 0,
                 panicked: false,
+                dead: None,
                 alive: vec![false; cfg.max],
                 shutdown: false,
                 failed: 0,
@@ -603,10 +662,10 @@ impl Pool {
     }
 
     /// Runs `f` once on each of `n` workers (clamped to `1..=max`) and returns when all have
-    /// finished. Workers not yet running are started after the job is published. Returns false
-    /// when `f` panicked somewhere (the state involved was drained or leaked, never dropped
-    /// with a copy in flight).
-    pub fn run<F: Fn(&mut WorkerState) + Sync>(&self, n: usize, f: &F) -> bool {
+    /// finished. Workers not yet running are started after the job is published. Reports
+    /// whether `f` panicked somewhere (the state involved was drained or leaked, never dropped
+    /// with a copy in flight; [`Ran`]).
+    pub fn run<F: Fn(&mut WorkerState) + Sync>(&self, n: usize, f: &F) -> Ran {
         self.run_with(n, f, || {})
     }
 
@@ -619,7 +678,7 @@ impl Pool {
         n: usize,
         f: &F,
         caller: C,
-    ) -> bool {
+    ) -> Ran {
         let submit = self.submit.lock().unwrap_or_else(|p| p.into_inner());
         let n = n.clamp(1, self.max);
         // The pointer is withdrawn below, after every participant has finished calling it and
@@ -634,6 +693,7 @@ impl Pool {
             st.want = n;
             st.remaining = n;
             st.panicked = false;
+            st.dead = None;
             st.failed = 0;
             st.generation += 1;
             let missing: Vec<usize> = (0..n).filter(|&id| !st.alive[id]).collect();
@@ -678,7 +738,6 @@ impl Pool {
         }
         // Every participant has left the closure; the fallback below runs it on this thread.
         published.armed = false;
-        let mut ok = !st.panicked;
         if super::trace::on() {
             *self.spawned.lock().unwrap_or_else(|p| p.into_inner()) = (
                 self.shared.started.load(Ordering::Relaxed),
@@ -690,16 +749,21 @@ impl Pool {
             // No worker at all: the calling thread does the job.
             drop(st);
             let mut ws = self.fallback.lock().unwrap_or_else(|p| p.into_inner());
-            ok = call(job, &mut ws);
+            let called = call(job, &mut ws);
             st = lock(&self.shared.state);
+            st.note(called);
         }
         st.job = None;
+        let ran = Ran {
+            panicked: st.panicked,
+            dead: st.dead.take(),
+        };
         drop(st);
         drop(submit);
         if let Err(p) = by_caller {
             std::panic::resume_unwind(p);
         }
-        ok
+        ran
     }
 
     /// Stops every worker (each drains and frees its state) and joins them; waits for a running
@@ -753,9 +817,11 @@ mod tests {
         for round in 0..50 {
             let hits = AtomicUsize::new(0);
             let local = [round; 3];
-            assert!(pool.run(5, &|_ws| {
-                hits.fetch_add(local[0] + 1 - round, Ordering::Relaxed);
-            }));
+            assert!(pool
+                .run(5, &|_ws| {
+                    hits.fetch_add(local[0] + 1 - round, Ordering::Relaxed);
+                })
+                .ok());
             assert_eq!(hits.load(Ordering::Relaxed), 5);
         }
         assert_eq!(pool.live_threads(), 5);
@@ -766,7 +832,7 @@ mod tests {
         let pool = pool(4);
         for (ask, expect) in [(2, 2), (1, 1), (100, 4), (0, 1), (3, 3)] {
             let ids = Mutex::new(Vec::new());
-            assert!(pool.run(ask, &|ws| ids.lock().unwrap().push(ws.id)));
+            assert!(pool.run(ask, &|ws| ids.lock().unwrap().push(ws.id)).ok());
             let mut ids = ids.into_inner().unwrap();
             ids.sort();
             assert_eq!(ids, (0..expect).collect::<Vec<_>>(), "asked {ask}");
@@ -777,15 +843,19 @@ mod tests {
     #[test]
     fn a_panicking_job_is_reported_and_the_pool_survives() {
         let pool = pool(3);
-        assert!(!pool.run(3, &|ws| {
-            if ws.id == 1 {
-                panic!("boom");
-            }
-        }));
+        assert!(!pool
+            .run(3, &|ws| {
+                if ws.id == 1 {
+                    panic!("boom");
+                }
+            })
+            .ok());
         let n = AtomicUsize::new(0);
-        assert!(pool.run(3, &|_| {
-            n.fetch_add(1, Ordering::Relaxed);
-        }));
+        assert!(pool
+            .run(3, &|_| {
+                n.fetch_add(1, Ordering::Relaxed);
+            })
+            .ok());
         assert_eq!(n.load(Ordering::Relaxed), 3);
     }
 
@@ -796,13 +866,15 @@ mod tests {
     fn a_panic_with_a_copy_in_flight_never_drops_the_worker_state_undrained() {
         let pool = pool(2);
         let before = super::super::worker::dropped_in_flight();
-        assert!(!pool.run(2, &|ws| {
+        let ran = pool.run(2, &|ws| {
             if ws.id == 0 {
                 ws.test_in_flight = true;
                 panic!("after enqueuing a copy");
             }
-        }));
-        assert!(pool.run(2, &|_| {}));
+        });
+        assert!(!ran.ok());
+        assert!(ran.dead().is_none(), "drained: nothing dead to report");
+        assert!(pool.run(2, &|_| {}).ok());
         pool.shutdown();
         assert_eq!(
             super::super::worker::dropped_in_flight(),
@@ -816,11 +888,17 @@ mod tests {
     fn an_undrainable_state_is_leaked() {
         let pool = pool(1);
         let before = super::super::worker::dropped_in_flight();
-        assert!(!pool.run(1, &|ws| {
+        let ran = pool.run(1, &|ws| {
             ws.test_in_flight = true;
             ws.test_drain_fails = true;
             panic!("copy in flight, stream broken");
-        }));
+        });
+        assert!(!ran.ok());
+        // The job learns why: its copies' context is dead (drain review, finding 1).
+        assert!(
+            matches!(ran.dead(), Some(Error::Cuda { .. })),
+            "a panicked worker that could not be drained is reported with its CUDA error"
+        );
         pool.shutdown();
         assert_eq!(super::super::worker::dropped_in_flight(), before);
     }
@@ -833,9 +911,11 @@ mod tests {
         cfg.fail_spawn_from = Some(3);
         let pool = Pool::new(cfg);
         let n = AtomicUsize::new(0);
-        assert!(pool.run(8, &|_| {
-            n.fetch_add(1, Ordering::Relaxed);
-        }));
+        assert!(pool
+            .run(8, &|_| {
+                n.fetch_add(1, Ordering::Relaxed);
+            })
+            .ok());
         assert_eq!(n.load(Ordering::Relaxed), 3);
         assert_eq!(pool.live_threads(), 3);
         pool.shutdown();
@@ -845,7 +925,9 @@ mod tests {
         cfg.fail_spawn_from = Some(0);
         let pool = Pool::new(cfg);
         let on = Mutex::new(Vec::new());
-        assert!(pool.run(4, &|_| on.lock().unwrap().push(std::thread::current().id())));
+        assert!(pool
+            .run(4, &|_| on.lock().unwrap().push(std::thread::current().id()))
+            .ok());
         assert_eq!(*on.lock().unwrap(), vec![std::thread::current().id()]);
         assert_eq!(pool.live_threads(), 0);
     }
@@ -864,7 +946,9 @@ mod tests {
             let pool = Pool::new(cfg);
             let t0 = Instant::now();
             let entered = Mutex::new(Vec::new());
-            assert!(pool.run(n, &|_| entered.lock().unwrap().push(Instant::now())));
+            assert!(pool
+                .run(n, &|_| entered.lock().unwrap().push(Instant::now()))
+                .ok());
             assert!(
                 t0.elapsed() < Duration::from_secs(10),
                 "n = {n}: {:?}",
@@ -880,7 +964,7 @@ mod tests {
             }
             // The same threads again: nobody waits for a start.
             let t1 = Instant::now();
-            assert!(pool.run(n, &|_| {}));
+            assert!(pool.run(n, &|_| {}).ok());
             assert!(
                 t1.elapsed() < Duration::from_secs(10),
                 "a warm job took {:?}",
@@ -894,9 +978,11 @@ mod tests {
         let pool = Pool::new(cfg);
         let n = AtomicUsize::new(0);
         let t0 = Instant::now();
-        assert!(pool.run(8, &|_| {
-            n.fetch_add(1, Ordering::Relaxed);
-        }));
+        assert!(pool
+            .run(8, &|_| {
+                n.fetch_add(1, Ordering::Relaxed);
+            })
+            .ok());
         assert_eq!(n.load(Ordering::Relaxed), 2);
         assert!(
             t0.elapsed() < Duration::from_secs(10),
@@ -914,9 +1000,11 @@ mod tests {
         for n in [1usize, 2, 3, 7, 16, 33] {
             let pool = pool(n);
             let hits = AtomicUsize::new(0);
-            assert!(pool.run(n, &|_| {
-                hits.fetch_add(1, Ordering::Relaxed);
-            }));
+            assert!(pool
+                .run(n, &|_| {
+                    hits.fetch_add(1, Ordering::Relaxed);
+                })
+                .ok());
             assert_eq!(hits.load(Ordering::Relaxed), n);
             let by = pool.shared.started_by.lock().unwrap().clone();
             assert_eq!(by.len(), n, "every worker started once");
@@ -951,14 +1039,16 @@ mod tests {
     #[test]
     fn shutdown_joins_every_worker_and_the_pool_restarts() {
         let pool = pool(6);
-        assert!(pool.run(6, &|_| {}));
+        assert!(pool.run(6, &|_| {}).ok());
         assert_eq!(pool.live_threads(), 6);
         pool.shutdown();
         assert_eq!(pool.live_threads(), 0);
         let n = AtomicUsize::new(0);
-        assert!(pool.run(6, &|_| {
-            n.fetch_add(1, Ordering::Relaxed);
-        }));
+        assert!(pool
+            .run(6, &|_| {
+                n.fetch_add(1, Ordering::Relaxed);
+            })
+            .ok());
         assert_eq!(n.load(Ordering::Relaxed), 6);
         pool.shutdown();
     }
@@ -973,14 +1063,16 @@ mod tests {
             h.fetch_add(1, Ordering::Relaxed);
         }));
         let pool = Pool::new(cfg);
-        assert!(pool.run(3, &|_| {}));
+        assert!(pool.run(3, &|_| {}).ok());
         wait_until("idle workers exit", || pool.live_threads() == 0);
         wait_until("idle hook", || hook.load(Ordering::Relaxed) == 1);
         // Started again by the next job.
         let n = AtomicUsize::new(0);
-        assert!(pool.run(3, &|_| {
-            n.fetch_add(1, Ordering::Relaxed);
-        }));
+        assert!(pool
+            .run(3, &|_| {
+                n.fetch_add(1, Ordering::Relaxed);
+            })
+            .ok());
         assert_eq!(n.load(Ordering::Relaxed), 3);
         pool.shutdown();
     }
@@ -992,9 +1084,11 @@ mod tests {
         let p = pool.clone();
         std::thread::spawn(move || {
             let hits = AtomicUsize::new(0);
-            let ok = p.run(n, &|_| {
-                hits.fetch_add(1, Ordering::Relaxed);
-            });
+            let ok = p
+                .run(n, &|_| {
+                    hits.fetch_add(1, Ordering::Relaxed);
+                })
+                .ok();
             let _ = tx.send((ok, hits.load(Ordering::Relaxed)));
         });
         rx.recv_timeout(Duration::from_secs(10))
@@ -1052,6 +1146,7 @@ mod tests {
                 std::thread::sleep(Duration::from_millis(200));
                 LEFT_JOB.fetch_add(1, Ordering::SeqCst);
             })
+            .ok()
         }));
         assert!(r.is_err(), "the caller's panic propagates");
         let (inn, left) = (

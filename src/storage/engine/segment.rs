@@ -90,6 +90,7 @@ use super::plan::{direct_read_span, Task};
 use super::trace::{self, CopyTrace};
 use super::{io, Job};
 use crate::cuda::result::mem;
+use crate::cuda::settle::{settle, Patience, Settled};
 use crate::error::{Error, Result};
 use crate::storage::config::DIRECT_ALIGN;
 
@@ -395,6 +396,23 @@ unsafe impl Sync for SegRes {}
 unsafe impl Send for SegRes {}
 
 impl SegRes {
+    /// After a failed drain: what the copies on the ring's streams can still do, asked
+    /// through `query(context, stream)` (`cuStreamQuery`; [`crate::cuda::settle::settle`]
+    /// with `patience`).
+    pub fn settle(
+        &self,
+        patience: Patience,
+        mut query: impl FnMut(sys::CUcontext, sys::CUstream) -> sys::CUresult,
+    ) -> Settled {
+        let ctx = self.ctx.cu_ctx();
+        settle(
+            self.streams.len(),
+            |i| query(ctx, self.streams[i].cu_stream()),
+            patience,
+            "the storage engine's segment ring",
+        )
+    }
+
     /// Maps `nseg` slots of `seg_bytes` (not touched, not pinned yet) and creates `nstreams`
     /// streams and one event per slot. The caller bound `ctx`.
     pub fn new(
@@ -561,7 +579,7 @@ impl SegRes {
         };
         // A worker that panicked faulting or locking fails the preparation (the job that
         // follows locks what is left itself); it never counts as done.
-        if !pool.run_with(threads, &fault, caller) {
+        if !pool.run_with(threads, &fault, caller).ok() {
             return Err(super::panicked());
         }
         if slots == 0 {
@@ -569,7 +587,7 @@ impl SegRes {
         }
         let next = AtomicUsize::new(0);
         let err: Mutex<Option<Error>> = Mutex::new(None);
-        let locked = pool.run(threads.min(slots), &|_ws| {
+        let ran = pool.run(threads.min(slots), &|_ws| {
             if let Err(e) = self.ctx.bind_to_thread() {
                 *err.lock().unwrap_or_else(|p| p.into_inner()) = Some(e.into());
                 return;
@@ -587,7 +605,7 @@ impl SegRes {
         });
         match err.into_inner().unwrap_or_else(|p| p.into_inner()) {
             Some(e) => Err(e),
-            None if !locked => Err(super::panicked()),
+            None if !ran.ok() => Err(super::panicked()),
             None => Ok(()),
         }
     }
@@ -1217,7 +1235,7 @@ pub(in crate::storage) fn run<R: Ring + ?Sized>(
         };
     }
     let mut panic = None;
-    let ok = pool.run_with(
+    let ran = pool.run_with(
         threads,
         &|ws: &mut super::worker::WorkerState| {
             let _f = super::FailOnUnwind(job);
@@ -1235,9 +1253,7 @@ pub(in crate::storage) fn run<R: Ring + ?Sized>(
             }
         },
     );
-    if !ok {
-        job.fail(super::panicked());
-    }
+    job.ran(ran);
     if job.was_cut() {
         sj.forget_unissued(job);
     }
@@ -2072,7 +2088,7 @@ mod pipeline_tests {
         });
         end.drained.unwrap();
         assert!(end.panic.is_none());
-        let result = job.outcome(end.copies);
+        let result = job.outcome(end.copies).map_err(|f| f.error);
         let enqueued = ring.copies_enqueued.load(Ordering::SeqCst);
         let run = ring.shared.copies_run.load(Ordering::SeqCst);
         let pins = std::mem::take(&mut *ring.pins.lock().unwrap());
@@ -2535,7 +2551,7 @@ mod pipeline_tests {
         assert!(job.aborted(), "the job was not failed");
         assert_eq!(ring.copies_enqueued.load(Ordering::SeqCst), 0);
         // The pool still works.
-        assert!(pool.run(4, &|_| {}));
+        assert!(pool.run(4, &|_| {}).ok());
         drop(ring);
         pool.shutdown();
         std::fs::remove_file(&p).unwrap();

@@ -6,6 +6,7 @@ use std::sync::Arc;
 use cudarc::driver::{sys, CudaContext, CudaEvent, CudaStream};
 
 use super::bounce::BounceBuf;
+use crate::cuda::settle::{settle, Patience, Settled};
 use crate::error::{Error, Result};
 
 /// A worker's stream and buffer events in one CUDA context.
@@ -64,6 +65,39 @@ impl Lane {
         }
         r
     }
+
+    /// After a failed [`drain`](Self::drain): what the copies on the lane's stream can still
+    /// do, asked through `query(context, stream)` (`cuStreamQuery`;
+    /// [`crate::cuda::settle::settle`] with `patience`). A lane found idle is free again.
+    pub fn settle(
+        &mut self,
+        patience: Patience,
+        mut query: impl FnMut(sys::CUcontext, sys::CUstream) -> sys::CUresult,
+    ) -> Settled {
+        let (ctx, stream) = (self.ctx.cu_ctx(), self.stream.cu_stream());
+        let s = settle(
+            1,
+            |_| query(ctx, stream),
+            patience,
+            "an IO worker's copy stream",
+        );
+        if s == Settled::Complete {
+            self.busy = [false; 2];
+        }
+        s
+    }
+}
+
+/// `cuStreamQuery` of `stream` in `ctx` ([`crate::cuda::settle::query_stream`]).
+///
+/// # Safety
+/// `stream` must be a live stream of the live context `ctx`.
+pub(in crate::storage) unsafe fn query(
+    ctx: sys::CUcontext,
+    stream: sys::CUstream,
+) -> sys::CUresult {
+    // SAFETY: the caller's contract.
+    unsafe { crate::cuda::settle::query_stream(ctx, stream) }
 }
 
 #[cfg(test)]
@@ -138,23 +172,36 @@ impl WorkerState {
     }
 
     /// Waits for every copy on every lane (after a panic, before freeing or reusing the
-    /// buffers). False when a stream could not be synchronized: a copy may still use the
+    /// buffers); a lane whose synchronize fails is settled with `patience`
+    /// ([`Lane::settle`]). The first drain error of a lane whose copies are not known complete
+    /// (its context is dead, or they may still run: `Once` only): a copy may still name the
     /// buffers, so the caller must leak this state.
-    pub fn quiesce(&mut self) -> bool {
+    pub fn quiesce(&mut self, patience: Patience) -> Result<()> {
         #[cfg(test)]
         {
             if self.test_drain_fails {
-                return false;
+                return Err(Error::cuda(
+                    "cuStreamSynchronize",
+                    cudarc::driver::DriverError(sys::CUresult::CUDA_ERROR_LAUNCH_FAILED),
+                ));
             }
             self.test_in_flight = false;
         }
-        let mut ok = true;
+        let mut first = None;
         for lane in &mut self.lanes {
-            if lane.ctx.bind_to_thread().is_err() || lane.drain().is_err() {
-                ok = false;
+            let d = lane
+                .ctx
+                .bind_to_thread()
+                .map_err(|e| Error::cuda("cuCtxSetCurrent", e))
+                .and_then(|()| lane.drain());
+            if let Err(e) = d {
+                // SAFETY: the lane's stream is alive (the lane owns it) in its live context.
+                if lane.settle(patience, |c, s| unsafe { query(c, s) }) != Settled::Complete {
+                    first.get_or_insert(e);
+                }
             }
         }
-        ok
+        first.map_or(Ok(()), Err)
     }
 
     /// Makes bounce buffer `i` at least `size` bytes (and page-locked when `register`).

@@ -1,0 +1,318 @@
+//! After a synchronize failed: can the work queued on a stream still run?
+//!
+//! `cuStreamSynchronize` fails for reasons that say nothing about the work queued on the
+//! stream (the context could not be made current, an error an earlier call left in cudarc's
+//! context, a lying handle) as well as for the context's sticky errors, after which it runs no
+//! more work. A call that borrowed memory the queued work uses may return only once no piece of
+//! that work can touch the memory any more (conventions, "Lessons"): [`settle`] asks
+//! `cuStreamQuery` until every stream is idle or the context is dead, and aborts the process
+//! when the answer stays unknown for [`UNKNOWN_BOUND`]. A caller that owns the memory (and
+//! leaks it when in doubt) asks once ([`Patience::Once`]).
+
+use std::time::{Duration, Instant};
+
+use cudarc::driver::sys;
+
+/// What one `cuStreamQuery` result says about the work queued on the stream.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum StreamState {
+    /// Every piece of work completed (`CUDA_SUCCESS`).
+    Idle,
+    /// Work is still queued or running (`CUDA_ERROR_NOT_READY`).
+    Busy,
+    /// The context hit an error after which it runs no more work (the sticky family): what is
+    /// queued never runs.
+    Dead,
+    /// Any other error: nothing is known about the queued work.
+    Unknown,
+}
+
+/// The one classification of a `cuStreamQuery` (or failed `cuStreamSynchronize`) result.
+///
+/// Dead are the codes cuda.h documents as leaving the context unusable: "This leaves the
+/// process in an inconsistent state and any further CUDA work will return the same error"
+/// (illegal address, launch timeout, hardware stack error, illegal instruction, misaligned
+/// address, invalid address space, invalid PC, launch failed, external device, contained,
+/// tensor memory leak), "The context cannot be used anymore" (assert), "the process must be
+/// terminated and relaunched" (MPS client terminated); uncorrectable ECC and NVLink errors
+/// (the driver tears the context down); a destroyed context; and a driver that is shutting
+/// down (deinitialized: the process is exiting and the driver runs no more work).
+pub(crate) fn stream_state(r: sys::CUresult) -> StreamState {
+    use sys::CUresult as R;
+    match r {
+        R::CUDA_SUCCESS => StreamState::Idle,
+        R::CUDA_ERROR_NOT_READY => StreamState::Busy,
+        R::CUDA_ERROR_ILLEGAL_ADDRESS
+        | R::CUDA_ERROR_LAUNCH_TIMEOUT
+        | R::CUDA_ERROR_HARDWARE_STACK_ERROR
+        | R::CUDA_ERROR_ILLEGAL_INSTRUCTION
+        | R::CUDA_ERROR_MISALIGNED_ADDRESS
+        | R::CUDA_ERROR_INVALID_ADDRESS_SPACE
+        | R::CUDA_ERROR_INVALID_PC
+        | R::CUDA_ERROR_LAUNCH_FAILED
+        | R::CUDA_ERROR_EXTERNAL_DEVICE
+        | R::CUDA_ERROR_ASSERT
+        | R::CUDA_ERROR_ECC_UNCORRECTABLE
+        | R::CUDA_ERROR_NVLINK_UNCORRECTABLE
+        | R::CUDA_ERROR_CONTEXT_IS_DESTROYED
+        | R::CUDA_ERROR_DEINITIALIZED => StreamState::Dead,
+        // Named only by bindings newer than some gpudirect builds with (cuda.h 12.x):
+        // CUDA_ERROR_CONTAINED, CUDA_ERROR_TENSOR_MEMORY_LEAK, CUDA_ERROR_MPS_CLIENT_TERMINATED.
+        r if matches!(r as u32, 226 | 721 | 810) => StreamState::Dead,
+        _ => StreamState::Unknown,
+    }
+}
+
+/// How long [`settle`] waits.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Patience {
+    /// One query per stream, no wait: for a caller that leaks the memory the work may use
+    /// unless the answer is [`Settled::Complete`] or [`Settled::Dead`].
+    Once,
+    /// Until every stream is idle or the context is dead: for a caller that borrowed the
+    /// memory. Aborts the process after [`UNKNOWN_BOUND`] of unknown answers in a row.
+    Wait,
+}
+
+/// What [`settle`] found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Settled {
+    /// Every piece of work on the streams completed.
+    Complete,
+    /// The context is dead (this code, [`StreamState::Dead`]): what is queued never runs.
+    Dead(sys::CUresult),
+    /// Work may still run (busy, or an unknown error: this code); only with
+    /// [`Patience::Once`].
+    Pending(sys::CUresult),
+}
+
+impl Settled {
+    /// No piece of the work can run any more: it completed, or its context is dead.
+    pub(crate) fn quiet(self) -> bool {
+        !matches!(self, Settled::Pending(_))
+    }
+}
+
+/// How long [`settle`] with [`Patience::Wait`] accepts unknown answers in a row before it
+/// aborts the process.
+pub(crate) const UNKNOWN_BOUND: Duration = Duration::from_secs(60);
+
+/// Asks `query(i)` (a `cuStreamQuery` of stream `i`, see [`query_stream`]) for each of
+/// `streams` streams of one context until each is idle, or until one says the context is
+/// dead; with [`Patience::Once`], once each. Busy answers are waited out however long they
+/// last (as `cuStreamSynchronize` would); unknown ones for at most [`UNKNOWN_BOUND`] in a row,
+/// after which the process aborts with a message naming `what` and the last code: returning
+/// would let the caller free memory the work may still write.
+pub(crate) fn settle(
+    streams: usize,
+    query: impl FnMut(usize) -> sys::CUresult,
+    patience: Patience,
+    what: &str,
+) -> Settled {
+    match poll(streams, query, patience, UNKNOWN_BOUND) {
+        Ok(s) => s,
+        Err(code) => {
+            let msg = format!(
+                "gpudirect: {what}: the CUDA streams answer {code:?} since {} s after a failed synchronize, so whether work still queued on them (copies into memory the caller may free next) completed is unknown; aborting rather than returning (check the driver: dmesg for Xid errors, nvidia-smi)",
+                UNKNOWN_BOUND.as_secs()
+            );
+            tracing::error!("{msg}");
+            eprintln!("{msg}");
+            std::process::abort();
+        }
+    }
+}
+
+/// [`settle`]'s loop with its bound as a parameter: `Err(code)` when the answers stayed
+/// unknown for `bound` in a row (the last one `code`).
+fn poll(
+    streams: usize,
+    mut query: impl FnMut(usize) -> sys::CUresult,
+    patience: Patience,
+    bound: Duration,
+) -> Result<Settled, sys::CUresult> {
+    let mut i = 0;
+    let mut unknown_since: Option<Instant> = None;
+    let mut nap = Duration::from_micros(20);
+    while i < streams {
+        let r = query(i);
+        match stream_state(r) {
+            StreamState::Idle => {
+                i += 1;
+                unknown_since = None;
+                continue;
+            }
+            StreamState::Dead => return Ok(Settled::Dead(r)),
+            _ if patience == Patience::Once => return Ok(Settled::Pending(r)),
+            StreamState::Busy => unknown_since = None,
+            StreamState::Unknown => {
+                if unknown_since.get_or_insert_with(Instant::now).elapsed() >= bound {
+                    return Err(r);
+                }
+            }
+        }
+        std::thread::sleep(nap);
+        nap = (nap * 2).min(Duration::from_millis(5));
+    }
+    Ok(Settled::Complete)
+}
+
+/// `cuStreamQuery` of `stream` after making `ctx` current (`cuCtxSetCurrent`, not cudarc's
+/// binding, which would take and report an error an earlier call left in cudarc's context);
+/// a failed binding answers its own code (unknown).
+///
+/// # Safety
+/// `stream` must be a live stream of the live context `ctx`.
+pub(crate) unsafe fn query_stream(ctx: sys::CUcontext, stream: sys::CUstream) -> sys::CUresult {
+    // SAFETY: `ctx` is live (the caller's contract).
+    let r = unsafe { super::result::ctx::set_current(ctx) };
+    if r != sys::CUresult::CUDA_SUCCESS {
+        return r;
+    }
+    // SAFETY: `stream` is a live stream of the now current `ctx` (the caller's contract).
+    unsafe { super::result::stream::query(stream) }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use sys::CUresult as R;
+
+    #[test]
+    fn stream_states_name_the_sticky_family_dead_and_nothing_else() {
+        assert_eq!(stream_state(R::CUDA_SUCCESS), StreamState::Idle);
+        assert_eq!(stream_state(R::CUDA_ERROR_NOT_READY), StreamState::Busy);
+        for r in [
+            R::CUDA_ERROR_ILLEGAL_ADDRESS,
+            R::CUDA_ERROR_LAUNCH_FAILED,
+            R::CUDA_ERROR_HARDWARE_STACK_ERROR,
+            R::CUDA_ERROR_ILLEGAL_INSTRUCTION,
+            R::CUDA_ERROR_MISALIGNED_ADDRESS,
+            R::CUDA_ERROR_INVALID_ADDRESS_SPACE,
+            R::CUDA_ERROR_INVALID_PC,
+            R::CUDA_ERROR_LAUNCH_TIMEOUT,
+            R::CUDA_ERROR_ASSERT,
+            R::CUDA_ERROR_ECC_UNCORRECTABLE,
+            R::CUDA_ERROR_NVLINK_UNCORRECTABLE,
+            R::CUDA_ERROR_EXTERNAL_DEVICE,
+            R::CUDA_ERROR_CONTEXT_IS_DESTROYED,
+            R::CUDA_ERROR_DEINITIALIZED,
+        ] {
+            assert_eq!(stream_state(r), StreamState::Dead, "{r:?}");
+        }
+        // Errors that say nothing about the queued work: a binding that failed, a handle,
+        // memory, a stale error left in cudarc's context, the driver's catch-all.
+        for r in [
+            R::CUDA_ERROR_INVALID_CONTEXT,
+            R::CUDA_ERROR_INVALID_HANDLE,
+            R::CUDA_ERROR_INVALID_VALUE,
+            R::CUDA_ERROR_OUT_OF_MEMORY,
+            R::CUDA_ERROR_NOT_INITIALIZED,
+            R::CUDA_ERROR_NOT_PERMITTED,
+            R::CUDA_ERROR_NOT_SUPPORTED,
+            R::CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES,
+            R::CUDA_ERROR_PEER_ACCESS_NOT_ENABLED,
+            R::CUDA_ERROR_STREAM_CAPTURE_INVALIDATED,
+            R::CUDA_ERROR_TIMEOUT,
+            R::CUDA_ERROR_UNKNOWN,
+        ] {
+            assert_eq!(stream_state(r), StreamState::Unknown, "{r:?}");
+        }
+    }
+
+    /// Scripted answers per stream, then idle.
+    fn script(
+        per_stream: Vec<Vec<R>>,
+    ) -> (impl FnMut(usize) -> R, std::rc::Rc<std::cell::Cell<usize>>) {
+        let asked = std::rc::Rc::new(std::cell::Cell::new(0));
+        let a = asked.clone();
+        let mut left: Vec<std::collections::VecDeque<R>> =
+            per_stream.into_iter().map(Into::into).collect();
+        let q = move |i: usize| {
+            a.set(a.get() + 1);
+            left[i].pop_front().unwrap_or(R::CUDA_SUCCESS)
+        };
+        (q, asked)
+    }
+
+    #[test]
+    fn waiting_outlasts_busy_and_unknown_answers_until_every_stream_is_idle() {
+        let (q, asked) = script(vec![
+            vec![
+                R::CUDA_ERROR_UNKNOWN,
+                R::CUDA_ERROR_NOT_READY,
+                R::CUDA_ERROR_INVALID_CONTEXT,
+            ],
+            vec![],
+            vec![R::CUDA_ERROR_NOT_READY; 5],
+        ]);
+        let bound = Duration::from_secs(10);
+        assert_eq!(poll(3, q, Patience::Wait, bound), Ok(Settled::Complete));
+        // 3 + 1 for stream 0, 1 for stream 1, 5 + 1 for stream 2.
+        assert_eq!(asked.get(), 11);
+    }
+
+    #[test]
+    fn a_dead_context_ends_the_wait_at_once() {
+        let (q, asked) = script(vec![
+            vec![R::CUDA_ERROR_NOT_READY, R::CUDA_ERROR_UNKNOWN],
+            vec![R::CUDA_ERROR_ILLEGAL_ADDRESS],
+            vec![R::CUDA_ERROR_NOT_READY; 100],
+        ]);
+        let s = poll(3, q, Patience::Wait, Duration::from_secs(10));
+        assert_eq!(s, Ok(Settled::Dead(R::CUDA_ERROR_ILLEGAL_ADDRESS)));
+        assert!(s.unwrap().quiet());
+        assert_eq!(asked.get(), 4, "stream 2 was never asked");
+    }
+
+    #[test]
+    fn once_asks_each_stream_once_and_reports_what_may_still_run() {
+        let (q, asked) = script(vec![vec![], vec![R::CUDA_ERROR_NOT_READY], vec![]]);
+        assert_eq!(
+            poll(3, q, Patience::Once, Duration::ZERO),
+            Ok(Settled::Pending(R::CUDA_ERROR_NOT_READY))
+        );
+        assert_eq!(asked.get(), 2);
+        let (q, _) = script(vec![vec![R::CUDA_ERROR_INVALID_CONTEXT]]);
+        let s = poll(1, q, Patience::Once, Duration::ZERO).unwrap();
+        assert_eq!(s, Settled::Pending(R::CUDA_ERROR_INVALID_CONTEXT));
+        assert!(!s.quiet());
+        let (q, _) = script(vec![vec![], vec![]]);
+        assert_eq!(
+            poll(2, q, Patience::Once, Duration::ZERO),
+            Ok(Settled::Complete)
+        );
+        let (q, _) = script(vec![vec![R::CUDA_ERROR_LAUNCH_FAILED]]);
+        assert_eq!(
+            poll(1, q, Patience::Once, Duration::ZERO),
+            Ok(Settled::Dead(R::CUDA_ERROR_LAUNCH_FAILED))
+        );
+    }
+
+    /// Unknown answers in a row past the bound: the wait gives up (and `settle` aborts); a
+    /// busy answer in between starts the count again, however long the whole wait lasts.
+    #[test]
+    fn unknown_answers_past_the_bound_give_up_and_busy_ones_restart_the_count() {
+        let bound = Duration::from_millis(100);
+        let t = Instant::now();
+        let r = poll(1, |_| R::CUDA_ERROR_INVALID_HANDLE, Patience::Wait, bound);
+        assert_eq!(r, Err(R::CUDA_ERROR_INVALID_HANDLE));
+        assert!(t.elapsed() >= bound);
+        // Unknown, unknown, busy, 60 times (about 0.9 s of naps of up to 5 ms: far more than
+        // the bound in all, never near it in a row), then idle.
+        let mut answers: Vec<R> = (0..60)
+            .flat_map(|_| {
+                [
+                    R::CUDA_ERROR_UNKNOWN,
+                    R::CUDA_ERROR_UNKNOWN,
+                    R::CUDA_ERROR_NOT_READY,
+                ]
+            })
+            .collect();
+        answers.reverse();
+        let t = Instant::now();
+        let q = |_| answers.pop().unwrap_or(R::CUDA_SUCCESS);
+        assert_eq!(poll(1, q, Patience::Wait, bound), Ok(Settled::Complete));
+        assert!(t.elapsed() > bound, "{:?}", t.elapsed());
+    }
+}
