@@ -1527,6 +1527,73 @@ mod tests {
         assert!(bad.is_empty(), "{}", bad.join("\n"));
     }
 
+    /// Review (drain, finding 3, small transfers): a small read into the caller's buffer, or a
+    /// small write from it (one copy through a pinned buffer, `engine::small`), whose
+    /// synchronize fails (a hook, after the real one) must not return while the copy may still
+    /// run: the stream queries answer `UNKNOWN, NOT_READY, UNKNOWN` before the real answers,
+    /// and the call must ask all three, then report the synchronize's CUDA error (a read
+    /// leaves the bytes in the buffer). On the old code it returns at once, no query asked.
+    #[test]
+    #[ignore = "needs a CUDA GPU"]
+    fn gpu_storage_small_transfer_waits_for_a_copy_it_could_not_synchronize() {
+        use engine::faults::{self, Fault};
+        use sys::CUresult as R;
+        let ctx = gpu();
+        let stream = ctx.new_stream().unwrap();
+        let len = 4096 + 13;
+        let script = [
+            R::CUDA_ERROR_UNKNOWN,
+            R::CUDA_ERROR_NOT_READY,
+            R::CUDA_ERROR_UNKNOWN,
+        ];
+        let mut bad = Vec::new();
+        for write in [false, true] {
+            let what = if write {
+                "write_from_device"
+            } else {
+                "read_to_device"
+            };
+            let (p, data) = random_file(&format!("small-sync-{write}"), len, 99);
+            let f = GpuFile::options()
+                .backend(Backend::Engine)
+                .write(true)
+                .open(&p)
+                .unwrap();
+            let mut dev = stream.alloc_zeros::<u8>(len).unwrap();
+            if write {
+                stream.memcpy_htod(&data, &mut dev).unwrap();
+            }
+            faults::arm(&p, Fault::SmallSyncFails, &script);
+            let r = if write {
+                f.write_from_device(&dev, 0).map(|r| r.bytes)
+            } else {
+                f.read_to_device(&mut dev, 0).map(|r| r.bytes)
+            };
+            let (hit, left) = faults::disarm(&p);
+            assert!(
+                hit.is_some(),
+                "{what}: the fault did not fire (not a small transfer?)"
+            );
+            match r {
+                Err(Error::Cuda { .. }) => {}
+                r => bad.push(format!("{what}: not the synchronize's CUDA error: {r:?}")),
+            }
+            if left > 0 {
+                bad.push(format!(
+                    "{what}: returned after {} of {} stream queries, while its copy of the caller's buffer was not known to be complete",
+                    script.len() - left,
+                    script.len()
+                ));
+            }
+            if !write && stream.clone_dtoh(&dev).unwrap() != data {
+                bad.push(format!("{what}: the copied bytes are not in the buffer"));
+            }
+            drop(f);
+            std::fs::remove_file(&p).unwrap();
+        }
+        assert!(bad.is_empty(), "{}", bad.join("\n"));
+    }
+
     /// `read_to_new`'s destination is leaked, never freed, when the engine job fails
     /// undrained: the engine did not drain its copies then (the segment ring's engine leaks
     /// its ring), and cudarc's free (`cuMemFreeAsync` on the caller's stream, which does not

@@ -1646,6 +1646,9 @@ pub(in crate::storage) mod faults {
         /// slot failed (`cuMemHostRegister`: out of memory) once the destination was
         /// allocated. Every copy is drained: there is none.
         FailsBeforeCopy,
+        /// A small transfer's (`engine::small`) synchronize of its copy reports
+        /// `CUDA_ERROR_UNKNOWN`, after the real one (the copy did complete).
+        SmallSyncFails,
     }
 
     /// What the job did.
@@ -1702,8 +1705,12 @@ pub(in crate::storage) mod faults {
 
     /// The fault armed for `job`'s file.
     pub(in crate::storage::engine) fn pending(job: &Job<'_>) -> Option<Fault> {
-        let k = key(job)?;
-        armed().iter().find(|x| x.path == k).map(|x| x.fault)
+        pending_at(key(job)?)
+    }
+
+    /// The fault armed for the file at `path`.
+    pub(in crate::storage::engine) fn pending_at(path: &Path) -> Option<Fault> {
+        armed().iter().find(|x| x.path == path).map(|x| x.fault)
     }
 
     /// The next scripted stream-query answer for a settle of `job`'s copies, if any is left.
@@ -1725,9 +1732,13 @@ pub(in crate::storage) mod faults {
 
     /// Fires `job`'s fault once (false when another worker fired it), recording `hit`.
     pub(in crate::storage::engine) fn fire(job: &Job<'_>, hit: Hit) -> bool {
-        let Some(k) = key(job) else { return false };
+        key(job).is_some_and(|k| fire_at(k, hit))
+    }
+
+    /// Fires the fault of the file at `path` once (false when it fired), recording `hit`.
+    pub(in crate::storage::engine) fn fire_at(path: &Path, hit: Hit) -> bool {
         let mut a = armed();
-        match a.iter_mut().find(|x| x.path == k && x.hit.is_none()) {
+        match a.iter_mut().find(|x| x.path == path && x.hit.is_none()) {
             Some(x) => {
                 x.hit = Some(hit);
                 true

@@ -171,11 +171,38 @@ pub(in crate::storage) unsafe fn read(
             return (Err(e), true);
         }
         // SAFETY: stream is live in the current context (contract).
-        match unsafe { cu_stream::synchronize(stream) } {
+        let synced = unsafe { cu_stream::synchronize(stream) };
+        #[cfg(test)]
+        let synced = hook_sync(fds, dst, off, got, synced);
+        match synced {
             Ok(()) => (Ok((got, odirect)), true),
             Err(e) => (Err(e), false),
         }
     })
+}
+
+/// Test hook ([`super::faults::Fault::SmallSyncFails`]): the synchronize of a small transfer
+/// of the file `fds` (its copy at device address `dev`, of `n` bytes at file offset `off`)
+/// fails after the real one.
+#[cfg(test)]
+fn hook_sync(
+    fds: &Fds,
+    dev: sys::CUdeviceptr,
+    off: u64,
+    n: usize,
+    synced: Result<()>,
+) -> Result<()> {
+    use super::faults::{self, Fault, Hit};
+    if synced.is_ok() && faults::pending_at(&fds.path) == Some(Fault::SmallSyncFails) {
+        let hit = Hit {
+            dst: dev,
+            copied: Some((0, off, n)),
+        };
+        if faults::fire_at(&fds.path, hit) {
+            return Err(faults::drain_error());
+        }
+    }
+    synced
 }
 
 /// Reads into the pinned buffer: `(payload bytes, head, used O_DIRECT)`.
@@ -234,7 +261,10 @@ pub(in crate::storage) unsafe fn write(
             return (Err(e), true);
         }
         // SAFETY: stream is live in the current context (contract).
-        if let Err(e) = unsafe { cu_stream::synchronize(stream) } {
+        let synced = unsafe { cu_stream::synchronize(stream) };
+        #[cfg(test)]
+        let synced = hook_sync(fds, src, off, n, synced);
+        if let Err(e) = synced {
             return (Err(e), false);
         }
         let aligned = off.is_multiple_of(DIRECT_ALIGN as u64) && n.is_multiple_of(DIRECT_ALIGN);
