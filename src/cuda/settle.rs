@@ -162,7 +162,8 @@ fn poll(
 /// a failed binding answers its own code (unknown).
 ///
 /// # Safety
-/// `stream` must be a live stream of the live context `ctx`.
+/// `stream` must be a live stream of the live context `ctx` (or null: its legacy default
+/// stream).
 pub(crate) unsafe fn query_stream(ctx: sys::CUcontext, stream: sys::CUstream) -> sys::CUresult {
     // SAFETY: `ctx` is live (the caller's contract).
     let r = unsafe { super::result::ctx::set_current(ctx) };

@@ -1171,8 +1171,9 @@ pub(super) fn leak_dst<T>(b: CudaSlice<T>) {
 /// 4 KiB read (skipping the record moved the 4 KiB ratio of BENCHMARKS' run B16 by nothing
 /// measurable). The buffer's earlier events stay as they were. Only on success: on an error
 /// the guard drops and records on the buffer's stream as before, which orders no later user
-/// after a copy that ran on a side stream (a non-blocking call's) and whose synchronize failed:
-/// that gap predates this and is not closed.
+/// after a copy that ran on a side stream (a non-blocking call's); a failed synchronize of
+/// that copy is settled first (`engine::small` waits until it completed or its context is
+/// dead), so it does not outlive the call either.
 fn forget_completed(record: cudarc::driver::SyncOnDrop<'_>) {
     std::mem::forget(record);
 }

@@ -1715,9 +1715,14 @@ pub(in crate::storage) mod faults {
 
     /// The next scripted stream-query answer for a settle of `job`'s copies, if any is left.
     pub(in crate::storage::engine) fn next_query(job: &Job<'_>) -> Option<sys::CUresult> {
-        let k = key(job)?;
+        next_query_at(key(job)?)
+    }
+
+    /// The next scripted stream-query answer for a settle of a transfer of the file at
+    /// `path`, if any is left.
+    pub(in crate::storage::engine) fn next_query_at(path: &Path) -> Option<sys::CUresult> {
         let mut a = armed();
-        let x = a.iter_mut().find(|x| x.path == k)?;
+        let x = a.iter_mut().find(|x| x.path == path)?;
         (!x.queries.is_empty()).then(|| x.queries.remove(0))
     }
 

@@ -11,6 +11,7 @@ use super::io::{self, Fds};
 use super::is_einval;
 use super::plan::{align_down, align_up};
 use crate::cuda::result::{mem, stream as cu_stream};
+use crate::cuda::settle::{query_stream, settle, Patience, Settled};
 use crate::error::{Error, Result};
 use crate::storage::config::DIRECT_ALIGN;
 
@@ -114,7 +115,7 @@ fn with_buf<R>(f: impl FnOnce(*mut u8) -> (Result<R>, bool)) -> Result<R> {
     let (r, reusable) = f(buf.0);
     if !reusable {
         tracing::error!(
-            "a small transfer could not synchronize its stream: leaking its pinned buffer"
+            "a small transfer could not drain its copy (its context is dead): leaking its pinned buffer"
         );
         std::mem::forget(buf);
     } else {
@@ -176,9 +177,36 @@ pub(in crate::storage) unsafe fn read(
         let synced = hook_sync(fds, dst, off, got, synced);
         match synced {
             Ok(()) => (Ok((got, odirect)), true),
-            Err(e) => (Err(e), false),
+            // SAFETY: stream is live in ctx (contract).
+            Err(e) => (Err(e), unsafe { settled(fds, ctx, stream) }),
         }
     })
+}
+
+/// After the synchronize of a small transfer's copy failed: waits until the copy completed or
+/// its context is dead ([`crate::cuda::settle::settle`], [`Patience::Wait`]: the device memory
+/// is the caller's, borrowed for the call), and says whether the pinned buffer may be reused
+/// (the copy completed; after a dead context it is leaked, never unregistered).
+///
+/// # Safety
+/// `stream` must be a live stream of `ctx` (or null: its legacy default stream).
+unsafe fn settled(fds: &Fds, ctx: &CudaContext, stream: sys::CUstream) -> bool {
+    #[cfg(not(test))]
+    let _ = fds;
+    let s = settle(
+        1,
+        |_| {
+            #[cfg(test)]
+            if let Some(r) = super::faults::next_query_at(&fds.path) {
+                return r;
+            }
+            // SAFETY: the caller's contract.
+            unsafe { query_stream(ctx.cu_ctx(), stream) }
+        },
+        Patience::Wait,
+        "a small transfer's copy",
+    );
+    s == Settled::Complete
 }
 
 /// Test hook ([`super::faults::Fault::SmallSyncFails`]): the synchronize of a small transfer
@@ -265,7 +293,8 @@ pub(in crate::storage) unsafe fn write(
         #[cfg(test)]
         let synced = hook_sync(fds, src, off, n, synced);
         if let Err(e) = synced {
-            return (Err(e), false);
+            // SAFETY: stream is live in ctx (contract).
+            return (Err(e), unsafe { settled(fds, ctx, stream) });
         }
         let aligned = off.is_multiple_of(DIRECT_ALIGN as u64) && n.is_multiple_of(DIRECT_ALIGN);
         if direct && aligned {
