@@ -1181,19 +1181,26 @@ fn forget_completed(record: cudarc::driver::SyncOnDrop<'_>) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::storage::Backend;
     use crate::storage::testkit::{gpu, random_file};
+    use crate::storage::Backend;
     use cudarc::driver::{sys, CudaContext};
 
     /// Test hook: the addresses of the destinations `leak_dst` leaked.
     pub(in crate::storage) static LEAKED: std::sync::Mutex<Vec<sys::CUdeviceptr>> =
         std::sync::Mutex::new(Vec::new());
 
-    fn leaked(addr: sys::CUdeviceptr) -> bool {
-        LEAKED
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .contains(&addr)
+    /// Whether `leak_dst` leaked the destination at `addr`, taking it out of the record: a
+    /// test that frees what it found leaked must not leave the address behind, where a later
+    /// allocation at the same address would read as leaked too.
+    fn take_leaked(addr: sys::CUdeviceptr) -> bool {
+        let mut v = LEAKED.lock().unwrap_or_else(|p| p.into_inner());
+        match v.iter().position(|&a| a == addr) {
+            Some(i) => {
+                v.swap_remove(i);
+                true
+            }
+            None => false,
+        }
     }
 
     /// Whether `addr` is the start of a live allocation of at least `len` bytes (after a
@@ -1283,7 +1290,8 @@ mod tests {
                     "{pipe:?}: the job reports `{e}`, hiding that its copies could not be drained"
                 ));
             }
-            if !leaked(hit.dst) {
+            let recorded = take_leaked(hit.dst);
+            if !recorded {
                 bad.push(format!(
                     "{pipe:?}: read_to_new did not leak its destination at {:#x} although copies into it may still be queued",
                     hit.dst
@@ -1298,7 +1306,7 @@ mod tests {
                         hit.dst
                     ));
                 }
-                if leaked(hit.dst) {
+                if recorded {
                     free_leaked(&stream, hit.dst, pipe);
                 }
             } else {
@@ -1354,7 +1362,7 @@ mod tests {
                 matches!(e, Error::Cuda { .. }),
                 "{pipe:?}: not the workers' CUDA error: {e}"
             );
-            let recorded = leaked(hit.dst);
+            let recorded = take_leaked(hit.dst);
             if recorded {
                 bad.push(format!(
                     "{pipe:?}: read_to_new leaked its destination at {:#x} ({len} B) although no copy was in flight ({e})",
@@ -1498,7 +1506,7 @@ mod tests {
                 );
                 let hit = hit.unwrap_or_else(|| panic!("{what}: the fault did not fire"));
                 assert!(hit.dst != 0, "{what}: no destination");
-                let (recorded, alive) = (leaked(hit.dst), live(&ctx, hit.dst, len));
+                let (recorded, alive) = (take_leaked(hit.dst), live(&ctx, hit.dst, len));
                 match hit.copied {
                     Some((at, file_off, n)) => {
                         if !recorded || !alive {
@@ -1680,6 +1688,8 @@ mod tests {
                 continue;
             }
             eprintln!("{pipe:?}: the destination at {addr:#x} ({len} B) was kept");
+            // Freed below: out of the leak record too (see take_leaked).
+            take_leaked(addr);
             match pipe {
                 // SAFETY: `addr` is the leaked `cuMemAlloc` destination, now ours; nothing uses
                 // it (the context is synchronized).
