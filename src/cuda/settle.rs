@@ -193,17 +193,20 @@ mod tests {
             R::CUDA_ERROR_INVALID_PC,
             R::CUDA_ERROR_LAUNCH_TIMEOUT,
             R::CUDA_ERROR_ASSERT,
-            R::CUDA_ERROR_ECC_UNCORRECTABLE,
-            R::CUDA_ERROR_NVLINK_UNCORRECTABLE,
             R::CUDA_ERROR_EXTERNAL_DEVICE,
             R::CUDA_ERROR_CONTEXT_IS_DESTROYED,
-            R::CUDA_ERROR_DEINITIALIZED,
         ] {
             assert_eq!(stream_state(r), StreamState::Dead, "{r:?}");
         }
         // Errors that say nothing about the queued work: a binding that failed, a handle,
-        // memory, a stale error left in cudarc's context, the driver's catch-all.
+        // memory, a stale error left in cudarc's context, the driver's catch-all; and those
+        // whose documentation does not say the context runs no more work (uncorrectable ECC
+        // and NVLink errors, "detected during execution"; a driver "in the process of
+        // shutting down").
         for r in [
+            R::CUDA_ERROR_ECC_UNCORRECTABLE,
+            R::CUDA_ERROR_NVLINK_UNCORRECTABLE,
+            R::CUDA_ERROR_DEINITIALIZED,
             R::CUDA_ERROR_INVALID_CONTEXT,
             R::CUDA_ERROR_INVALID_HANDLE,
             R::CUDA_ERROR_INVALID_VALUE,
