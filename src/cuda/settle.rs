@@ -34,9 +34,12 @@ pub(crate) enum StreamState {
 /// (illegal address, launch timeout, hardware stack error, illegal instruction, misaligned
 /// address, invalid address space, invalid PC, launch failed, external device, contained,
 /// tensor memory leak), "The context cannot be used anymore" (assert), "the process must be
-/// terminated and relaunched" (MPS client terminated); uncorrectable ECC and NVLink errors
-/// (the driver tears the context down); a destroyed context; and a driver that is shutting
-/// down (deinitialized: the process is exiting and the driver runs no more work).
+/// terminated and relaunched" (MPS client terminated); and a context "destroyed using
+/// cuCtxDestroy, or ... a primary context which has not yet been initialized" (it has no
+/// streams left to run work on). Nothing else:
+/// cuda.h says of uncorrectable ECC and NVLink errors only that they were "detected during
+/// execution", and of a deinitialized driver that it "is in the process of shutting down",
+/// not that queued work will not run, so they are unknown.
 pub(crate) fn stream_state(r: sys::CUresult) -> StreamState {
     use sys::CUresult as R;
     match r {
@@ -52,10 +55,7 @@ pub(crate) fn stream_state(r: sys::CUresult) -> StreamState {
         | R::CUDA_ERROR_LAUNCH_FAILED
         | R::CUDA_ERROR_EXTERNAL_DEVICE
         | R::CUDA_ERROR_ASSERT
-        | R::CUDA_ERROR_ECC_UNCORRECTABLE
-        | R::CUDA_ERROR_NVLINK_UNCORRECTABLE
-        | R::CUDA_ERROR_CONTEXT_IS_DESTROYED
-        | R::CUDA_ERROR_DEINITIALIZED => StreamState::Dead,
+        | R::CUDA_ERROR_CONTEXT_IS_DESTROYED => StreamState::Dead,
         // Named only by bindings newer than some gpudirect builds with (cuda.h 12.x):
         // CUDA_ERROR_CONTAINED, CUDA_ERROR_TENSOR_MEMORY_LEAK, CUDA_ERROR_MPS_CLIENT_TERMINATED.
         r if matches!(r as u32, 226 | 721 | 810) => StreamState::Dead,
