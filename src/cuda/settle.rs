@@ -269,24 +269,38 @@ mod tests {
         assert_eq!(asked.get(), 4, "stream 2 was never asked");
     }
 
+    /// Review (drain, finding 4): a caller that owns the memory (and leaks it unless the
+    /// copies are known complete or dead) waits out busy answers, as a synchronize would: a
+    /// busy stream says the copies run, nothing worse, and giving up there leaks a file-sized
+    /// buffer (`read_to_new`) for work that completes a moment later. It gives up at the first
+    /// unknown answer, with that code. On the code before the fix it gave up at the first busy
+    /// answer (`Pending(NOT_READY)` after 2 queries here).
     #[test]
-    fn once_asks_each_stream_once_and_reports_what_may_still_run() {
-        let (q, asked) = script(vec![vec![], vec![R::CUDA_ERROR_NOT_READY], vec![]]);
+    fn owning_callers_wait_out_busy_answers_and_give_up_at_the_first_unknown_one() {
+        let (q, asked) = script(vec![vec![], vec![R::CUDA_ERROR_NOT_READY; 3], vec![]]);
         assert_eq!(
             poll(3, q, Patience::Once, Duration::ZERO),
-            Ok(Settled::Pending(R::CUDA_ERROR_NOT_READY))
+            Ok(Settled::Complete)
         );
-        assert_eq!(asked.get(), 2);
-        let (q, _) = script(vec![vec![R::CUDA_ERROR_INVALID_CONTEXT]]);
-        let s = poll(1, q, Patience::Once, Duration::ZERO).unwrap();
+        // 1 for stream 0, 3 + 1 for stream 1, 1 for stream 2.
+        assert_eq!(asked.get(), 6);
+        let (q, asked) = script(vec![
+            vec![R::CUDA_ERROR_NOT_READY, R::CUDA_ERROR_INVALID_CONTEXT],
+            vec![],
+        ]);
+        let s = poll(2, q, Patience::Once, Duration::ZERO).unwrap();
         assert_eq!(s, Settled::Pending(R::CUDA_ERROR_INVALID_CONTEXT));
         assert!(!s.quiet());
+        assert_eq!(asked.get(), 2, "stream 1 was never asked");
         let (q, _) = script(vec![vec![], vec![]]);
         assert_eq!(
             poll(2, q, Patience::Once, Duration::ZERO),
             Ok(Settled::Complete)
         );
-        let (q, _) = script(vec![vec![R::CUDA_ERROR_LAUNCH_FAILED]]);
+        let (q, _) = script(vec![vec![
+            R::CUDA_ERROR_NOT_READY,
+            R::CUDA_ERROR_LAUNCH_FAILED,
+        ]]);
         assert_eq!(
             poll(1, q, Patience::Once, Duration::ZERO),
             Ok(Settled::Dead(R::CUDA_ERROR_LAUNCH_FAILED))
