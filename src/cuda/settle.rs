@@ -7,7 +7,8 @@
 //! that work can touch the memory any more (conventions, "Lessons"): [`settle`] asks
 //! `cuStreamQuery` until every stream is idle or the context is dead, and aborts the process
 //! when the answer stays unknown for [`UNKNOWN_BOUND`]. A caller that owns the memory (and
-//! leaks it when in doubt) asks once ([`Patience::Once`]).
+//! leaks it when in doubt) waits as long as the work runs, but gives up at the first unknown
+//! answer ([`Patience::UntilUnknown`]).
 
 use std::time::{Duration, Instant};
 
@@ -66,9 +67,10 @@ pub(crate) fn stream_state(r: sys::CUresult) -> StreamState {
 /// How long [`settle`] waits.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Patience {
-    /// One query per stream, no wait: for a caller that leaks the memory the work may use
-    /// unless the answer is [`Settled::Complete`] or [`Settled::Dead`].
-    Once,
+    /// Waits out busy answers (the work runs: as long as a synchronize would wait) and gives
+    /// up at the first unknown one: for a caller that leaks the memory the work may use unless
+    /// the answer is [`Settled::Complete`] or [`Settled::Dead`].
+    UntilUnknown,
     /// Until every stream is idle or the context is dead: for a caller that borrowed the
     /// memory. Aborts the process after [`UNKNOWN_BOUND`] of unknown answers in a row.
     Wait,
@@ -81,8 +83,8 @@ pub(crate) enum Settled {
     Complete,
     /// The context is dead (this code, [`StreamState::Dead`]): what is queued never runs.
     Dead(sys::CUresult),
-    /// Work may still run (busy, or an unknown error: this code); only with
-    /// [`Patience::Once`].
+    /// Work may still run (an unknown answer: this code); only with
+    /// [`Patience::UntilUnknown`].
     Pending(sys::CUresult),
 }
 
@@ -99,10 +101,11 @@ pub(crate) const UNKNOWN_BOUND: Duration = Duration::from_secs(60);
 
 /// Asks `query(i)` (a `cuStreamQuery` of stream `i`, see [`query_stream`]) for each of
 /// `streams` streams of one context until each is idle, or until one says the context is
-/// dead; with [`Patience::Once`], once each. Busy answers are waited out however long they
-/// last (as `cuStreamSynchronize` would); unknown ones for at most [`UNKNOWN_BOUND`] in a row,
-/// after which the process aborts with a message naming `what` and the last code: returning
-/// would let the caller free memory the work may still write.
+/// dead. Busy answers are waited out however long they last (as `cuStreamSynchronize` would);
+/// unknown ones, with [`Patience::Wait`], for at most [`UNKNOWN_BOUND`] in a row, after which
+/// the process aborts with a message naming `what` and the last code: returning would let the
+/// caller free memory the work may still write; with [`Patience::UntilUnknown`] the first
+/// unknown answer ends the wait ([`Settled::Pending`]).
 pub(crate) fn settle(
     streams: usize,
     query: impl FnMut(usize) -> sys::CUresult,
@@ -143,8 +146,10 @@ fn poll(
                 continue;
             }
             StreamState::Dead => return Ok(Settled::Dead(r)),
-            _ if patience == Patience::Once => return Ok(Settled::Pending(r)),
             StreamState::Busy => unknown_since = None,
+            StreamState::Unknown if patience == Patience::UntilUnknown => {
+                return Ok(Settled::Pending(r))
+            }
             StreamState::Unknown => {
                 if unknown_since.get_or_insert_with(Instant::now).elapsed() >= bound {
                     return Err(r);
@@ -279,7 +284,7 @@ mod tests {
     fn owning_callers_wait_out_busy_answers_and_give_up_at_the_first_unknown_one() {
         let (q, asked) = script(vec![vec![], vec![R::CUDA_ERROR_NOT_READY; 3], vec![]]);
         assert_eq!(
-            poll(3, q, Patience::Once, Duration::ZERO),
+            poll(3, q, Patience::UntilUnknown, Duration::ZERO),
             Ok(Settled::Complete)
         );
         // 1 for stream 0, 3 + 1 for stream 1, 1 for stream 2.
@@ -288,13 +293,13 @@ mod tests {
             vec![R::CUDA_ERROR_NOT_READY, R::CUDA_ERROR_INVALID_CONTEXT],
             vec![],
         ]);
-        let s = poll(2, q, Patience::Once, Duration::ZERO).unwrap();
+        let s = poll(2, q, Patience::UntilUnknown, Duration::ZERO).unwrap();
         assert_eq!(s, Settled::Pending(R::CUDA_ERROR_INVALID_CONTEXT));
         assert!(!s.quiet());
         assert_eq!(asked.get(), 2, "stream 1 was never asked");
         let (q, _) = script(vec![vec![], vec![]]);
         assert_eq!(
-            poll(2, q, Patience::Once, Duration::ZERO),
+            poll(2, q, Patience::UntilUnknown, Duration::ZERO),
             Ok(Settled::Complete)
         );
         let (q, _) = script(vec![vec![
@@ -302,7 +307,7 @@ mod tests {
             R::CUDA_ERROR_LAUNCH_FAILED,
         ]]);
         assert_eq!(
-            poll(1, q, Patience::Once, Duration::ZERO),
+            poll(1, q, Patience::UntilUnknown, Duration::ZERO),
             Ok(Settled::Dead(R::CUDA_ERROR_LAUNCH_FAILED))
         );
     }

@@ -1608,7 +1608,7 @@ mod tests {
     /// its ring), and cudarc's free (`cuMemFreeAsync` on the caller's stream, which does not
     /// wait for the engine's streams) would let them write freed memory. (The hook's settle
     /// sees `CUDA_ERROR_UNKNOWN` stream answers first, and `read_to_new`'s job, which owns its
-    /// destination, asks once: undrained.) Through the
+    /// destination, gives up at the first unknown answer: undrained.) Through the
     /// segment ring (a `cuMemAlloc` destination allocated while the engine reads) and through
     /// lanes (a pool destination allocated first), the engine's drain is made to report a
     /// failure (a hook, after the real drain: every copy did complete, so the old code frees

@@ -43,8 +43,8 @@
 //!   synchronize that fails says nothing for sure about the queued copies, so they are settled
 //!   ([`crate::cuda::settle`]): a job that borrows memory waits until they completed or their
 //!   context is dead (the process aborts after a minute of unknown answers); one whose caller
-//!   owns every destination ([`Job::owning_destinations`]) asks once and, when they may still
-//!   run, fails undrained ([`Failed::drained`]): the caller leaks the destinations. A drain's
+//!   owns every destination ([`Job::owning_destinations`]) waits while they run but gives up at
+//!   the first unknown answer and, when they may still run then, fails undrained ([`Failed::drained`]): the caller leaks the destinations. A drain's
 //!   error wins over every other error of the job.
 //! - **Timing trace** ([`trace`], `GPUDIRECT_TRACE=timing`): each job prints where its time
 //!   went (workers, IO, waits, page-locking, copies with GPU times); off, every probe is one
@@ -385,11 +385,12 @@ impl<'a> Job<'a> {
 
     /// Every destination of the job is its caller's own allocation, which the caller leaks
     /// when the job fails undrained ([`Failed::drained`] false): a drain that fails then
-    /// asks the streams once ([`Patience::Once`]) instead of waiting until the copies are
-    /// known complete (a job that borrows memory waits, [`Patience::Wait`], and aborts the
-    /// process when that stays unknown).
+    /// waits for copies that run but gives up at the first unknown answer
+    /// ([`Patience::UntilUnknown`]) instead of waiting until the copies are known complete (a
+    /// job that borrows memory waits, [`Patience::Wait`], and aborts the process when that
+    /// stays unknown).
     pub fn owning_destinations(mut self) -> Self {
-        self.patience = Patience::Once;
+        self.patience = Patience::UntilUnknown;
         self
     }
 
@@ -1561,8 +1562,8 @@ pub(in crate::storage) mod fail_drain {
     /// copies had failed, with a CUDA error, after the real drain (so every copy did complete
     /// and nothing writes freed memory even where the caller frees its buffers), and the first
     /// [`UNKNOWN_ANSWERS`] stream queries of the settle that follows answer
-    /// `CUDA_ERROR_UNKNOWN` (a job that owns its destinations asks once: its copies stay
-    /// undrained; one that waits gets the real answers next); the segment ring's engine leaks
+    /// `CUDA_ERROR_UNKNOWN` (a job that owns its destinations gives up at the first: its
+    /// copies stay undrained; one that waits gets the real answers next); the segment ring's engine leaks
     /// its ring then, as on a real failure.
     pub fn arm() {
         ARMED.set(true);
@@ -1995,7 +1996,7 @@ mod tests {
                 job = job.owning_destinations();
             }
             let want = if owning {
-                Patience::Once
+                Patience::UntilUnknown
             } else {
                 Patience::Wait
             };

@@ -279,10 +279,11 @@ fn call(job: JobPtr, ws: &mut WorkerState) -> Called {
 }
 
 /// Frees a worker's state at exit: drained first; leaked unless its copies are known complete
-/// or their context dead (no job's memory is borrowed any more: one look, no wait).
+/// or their context dead (no job's memory is borrowed any more: no wait past the first unknown
+/// answer, [`Patience::UntilUnknown`]).
 fn release_state(ws: WorkerState) {
     let mut ws = ws;
-    match ws.quiesce(Patience::Once) {
+    match ws.quiesce(Patience::UntilUnknown) {
         Ok(()) => drop(ws),
         Err(e) => {
             let id = ws.id;

@@ -174,7 +174,7 @@ impl WorkerState {
     /// Waits for every copy on every lane (after a panic, before freeing or reusing the
     /// buffers); a lane whose synchronize fails is settled with `patience`
     /// ([`Lane::settle`]). The first drain error of a lane whose copies are not known complete
-    /// (its context is dead, or they may still run: `Once` only): a copy may still name the
+    /// (its context is dead, or they may still run: `UntilUnknown` only): a copy may still name the
     /// buffers, so the caller must leak this state.
     pub fn quiesce(&mut self, patience: Patience) -> Result<()> {
         #[cfg(test)]
