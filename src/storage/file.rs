@@ -1536,6 +1536,67 @@ mod tests {
         assert!(bad.is_empty(), "{}", bad.join("\n"));
     }
 
+    /// Review of the drain branch (helper-32, finding 4): a drain must not fail on an error
+    /// an earlier, unrelated call left in a cudarc context object (a failed free of a cudarc
+    /// slice records one there, and cudarc's `bind_to_thread` returns and clears it at the next
+    /// call through that object). The hook records `CUDA_ERROR_UNKNOWN` in the object the
+    /// job's first drain binds through (a lane stream's, or the segment ring's) right before
+    /// it; the read must succeed with every byte in place and leak nothing. On the code before
+    /// the fix the drain (`CudaStream::synchronize`, or the ring's `bind_to_thread`) returns
+    /// that error: the copies are settled complete, and `read_to_new` fails with
+    /// "cuStreamSynchronize ... CUDA_ERROR_UNKNOWN" (lanes) or "cuCtxSetCurrent ...
+    /// CUDA_ERROR_UNKNOWN" (segments). One worker, so that no other worker's call through the
+    /// same object (gpudirect's own per-context object, shared by every lane and ring stream)
+    /// takes the error first; run it without other GPU tests beside it (`--test-threads=1`)
+    /// for the same reason.
+    #[test]
+    #[ignore = "needs a CUDA GPU"]
+    fn gpu_storage_read_to_new_is_not_failed_by_an_error_left_in_cudarcs_context() {
+        use engine::faults::{self, Fault};
+        let ctx = gpu();
+        let stream = ctx.new_stream().unwrap();
+        let len = (96 << 20) + 4096 + 13;
+        let mut bad = Vec::new();
+        for pipe in [Pipeline::Lanes, Pipeline::Segments] {
+            let (p, data) = random_file(&format!("stale-{pipe:?}"), len, 100);
+            let f = GpuFile::options()
+                .backend(Backend::Engine)
+                .pipeline(pipe)
+                .threads(1)
+                .open(&p)
+                .unwrap();
+            faults::arm(&p, Fault::StaleError, &[]);
+            let r = f.read_to_new::<u8>(&stream, len);
+            let (hit, _) = faults::disarm(&p);
+            let hit = hit.unwrap_or_else(|| panic!("{pipe:?}: the fault did not fire"));
+            match r {
+                Ok((b, rep)) => {
+                    if rep.bytes != len || stream.clone_dtoh(&b).unwrap() != data {
+                        bad.push(format!(
+                            "{pipe:?}: {} of {len} bytes, or not the file's",
+                            rep.bytes
+                        ));
+                    }
+                }
+                Err(e) => bad.push(format!(
+                    "{pipe:?}: an error an earlier call left in a cudarc context object failed the read: {e}"
+                )),
+            }
+            if take_leaked(hit.dst) {
+                bad.push(format!(
+                    "{pipe:?}: the destination at {:#x} was leaked",
+                    hit.dst
+                ));
+                if live(&ctx, hit.dst, len) {
+                    free_leaked(&stream, hit.dst, pipe);
+                }
+            }
+            drop(f);
+            std::fs::remove_file(&p).unwrap();
+        }
+        assert!(bad.is_empty(), "{}", bad.join("\n"));
+    }
+
     /// Review (drain, finding 3, small transfers): a small read into the caller's buffer, or a
     /// small write from it (one copy through a pinned buffer, `engine::small`), whose
     /// synchronize fails (a hook, after the real one) must not return while the copy may still

@@ -1624,9 +1624,9 @@ pub(in crate::storage) mod fail_drain {
 #[cfg(test)]
 pub(in crate::storage) mod faults {
     use std::path::{Path, PathBuf};
-    use std::sync::Mutex;
+    use std::sync::{Arc, Mutex};
 
-    use cudarc::driver::{sys, DriverError};
+    use cudarc::driver::{sys, CudaContext, DriverError};
 
     use super::{Job, Mem};
     use crate::error::Error;
@@ -1650,6 +1650,12 @@ pub(in crate::storage) mod faults {
         /// A small transfer's (`engine::small`) synchronize of its copy reports
         /// `CUDA_ERROR_UNKNOWN`, after the real one (the copy did complete).
         SmallSyncFails,
+        /// Right before the first drain of the job (a lane's, or the segment ring's), an
+        /// error is recorded in the cudarc context object that the drain binds through (the
+        /// lane stream's, the ring's), as a failed free of a cudarc slice records one: an
+        /// earlier error that says nothing about the copies being drained. Disarming clears
+        /// what is left of it.
+        StaleError,
     }
 
     /// What the job did.
@@ -1668,6 +1674,8 @@ pub(in crate::storage) mod faults {
         /// What the stream queries made after a failed drain answer, in turn, before the
         /// real answers.
         queries: Vec<sys::CUresult>,
+        /// The context object [`Fault::StaleError`] recorded its error in.
+        stale: Option<Arc<CudaContext>>,
     }
 
     static ARMED: Mutex<Vec<Armed>> = Mutex::new(Vec::new());
@@ -1684,19 +1692,40 @@ pub(in crate::storage) mod faults {
             fault,
             hit: None,
             queries: queries.to_vec(),
+            stale: None,
         });
     }
 
     /// Disarms the fault for `path`: where it hit, and how many of its scripted query answers
-    /// were never asked for.
+    /// were never asked for. An error [`Fault::StaleError`] recorded that no call took is
+    /// cleared.
     pub fn disarm(path: &Path) -> (Option<Hit>, usize) {
         let mut a = armed();
         match a.iter().position(|x| x.path == path) {
             Some(i) => {
                 let x = a.swap_remove(i);
+                if let Some(c) = &x.stale {
+                    let _ = c.check_err();
+                }
                 (x.hit, x.queries.len())
             }
             None => (None, 0),
+        }
+    }
+
+    /// [`Fault::StaleError`], right before a drain of `job`'s copies that binds through the
+    /// context object `obj`: records `CUDA_ERROR_UNKNOWN` in it (once per job).
+    pub(in crate::storage::engine) fn stale_before_drain(job: &Job<'_>, obj: &Arc<CudaContext>) {
+        let Some(k) = key(job) else { return };
+        if pending_at(k) != Some(Fault::StaleError) {
+            return;
+        }
+        let dst = base(job, 0);
+        if fire_at(k, Hit { dst, copied: None }) {
+            obj.record_err::<()>(Err(DriverError(sys::CUresult::CUDA_ERROR_UNKNOWN)));
+            if let Some(x) = armed().iter_mut().find(|x| x.path == k) {
+                x.stale = Some(obj.clone());
+            }
         }
     }
 
@@ -1876,6 +1905,8 @@ fn dev_read(ws: &mut WorkerState, job: &Job<'_>, ctx: &Arc<CudaContext>) -> Resu
         }
         Ok(())
     })();
+    #[cfg(test)]
+    faults::stale_before_drain(job, lane.stream.context());
     let d = lane.drain();
     #[cfg(test)]
     let d = match d {

@@ -344,6 +344,11 @@ pub(in crate::storage) trait Ring: Sync {
     }
     /// Waits for every copy on every stream.
     fn drain(&self) -> Result<()>;
+    /// Test hook: the cudarc context object [`drain`](Self::drain) binds through, if any.
+    #[cfg(test)]
+    fn context_object(&self) -> Option<&Arc<CudaContext>> {
+        None
+    }
 }
 
 /// Timing events of one traced job: a base event recorded when the job started and one per
@@ -738,6 +743,11 @@ impl Ring for SegRes {
                 .map_err(|e| Error::cuda("cuStreamSynchronize", e))?;
         }
         Ok(())
+    }
+
+    #[cfg(test)]
+    fn context_object(&self) -> Option<&Arc<CudaContext>> {
+        Some(&self.ctx)
     }
 }
 
@@ -1260,6 +1270,10 @@ pub(in crate::storage) fn run<R: Ring + ?Sized>(
     // Every copy completes before the caller's buffers are released.
     let copies = sj.copies.load(Ordering::Relaxed);
     drop(sj);
+    #[cfg(test)]
+    if let Some(c) = res.context_object() {
+        super::faults::stale_before_drain(job, c);
+    }
     RunEnd {
         copies,
         drained: res.drain(),
