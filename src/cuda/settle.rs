@@ -12,7 +12,9 @@
 
 use std::time::{Duration, Instant};
 
-use cudarc::driver::sys;
+use cudarc::driver::{sys, CudaStream};
+
+use crate::error::Result;
 
 /// What one `cuStreamQuery` result says about the work queued on the stream.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -162,6 +164,32 @@ fn poll(
     Ok(Settled::Complete)
 }
 
+/// Makes `ctx` current on this thread (`cuCtxSetCurrent`, unless it is) through the result
+/// layer: cudarc's `bind_to_thread` first returns (and clears) an error an earlier, unrelated
+/// call recorded in its context object (a failed free of a cudarc slice records one), which
+/// would read as this call's failure.
+///
+/// # Safety
+/// `ctx` must be a live context.
+unsafe fn make_current(ctx: sys::CUcontext) -> sys::CUresult {
+    if super::result::ctx::current() == Some(ctx) {
+        return sys::CUresult::CUDA_SUCCESS;
+    }
+    // SAFETY: `ctx` is live (the caller's contract).
+    unsafe { super::result::ctx::set_current(ctx) }
+}
+
+/// `cuStreamSynchronize` of `stream` after making its context current, both through the
+/// result layer (see [`make_current`]): a drain's synchronize, whose failure then says
+/// something about this stream's work, not about an earlier call's.
+pub(crate) fn synchronize(stream: &CudaStream) -> Result<()> {
+    // SAFETY: the stream holds its context alive.
+    let r = unsafe { make_current(stream.context().cu_ctx()) };
+    super::result::check("cuCtxSetCurrent", r)?;
+    // SAFETY: `stream` is alive (borrowed) in the context now current.
+    unsafe { super::result::stream::synchronize(stream.cu_stream()) }
+}
+
 /// `cuStreamQuery` of `stream` after making `ctx` current (`cuCtxSetCurrent`, not cudarc's
 /// binding, which would take and report an error an earlier call left in cudarc's context);
 /// a failed binding answers its own code (unknown).
@@ -171,7 +199,7 @@ fn poll(
 /// stream).
 pub(crate) unsafe fn query_stream(ctx: sys::CUcontext, stream: sys::CUstream) -> sys::CUresult {
     // SAFETY: `ctx` is live (the caller's contract).
-    let r = unsafe { super::result::ctx::set_current(ctx) };
+    let r = unsafe { make_current(ctx) };
     if r != sys::CUresult::CUDA_SUCCESS {
         return r;
     }

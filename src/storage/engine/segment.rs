@@ -736,13 +736,17 @@ impl Ring for SegRes {
         Ok(())
     }
 
+    /// Synchronizes every stream, also past one that fails (the first error is returned),
+    /// each through the result layer ([`crate::cuda::settle::synchronize`]: an error an
+    /// earlier call left in a cudarc context object does not fail the drain).
     fn drain(&self) -> Result<()> {
-        self.bind()?;
+        let mut first = None;
         for s in &self.streams {
-            s.synchronize()
-                .map_err(|e| Error::cuda("cuStreamSynchronize", e))?;
+            if let Err(e) = crate::cuda::settle::synchronize(s) {
+                first.get_or_insert(e);
+            }
         }
-        Ok(())
+        first.map_or(Ok(()), Err)
     }
 
     #[cfg(test)]

@@ -54,12 +54,11 @@ impl Lane {
         Ok(())
     }
 
-    /// Waits for every copy on the lane's stream.
+    /// Waits for every copy on the lane's stream (binding its context itself, through the
+    /// result layer: [`crate::cuda::settle::synchronize`], so that an error an earlier call
+    /// left in a cudarc context object does not fail the drain).
     pub fn drain(&mut self) -> Result<()> {
-        let r = self
-            .stream
-            .synchronize()
-            .map_err(|e| Error::cuda("cuStreamSynchronize", e));
+        let r = crate::cuda::settle::synchronize(&self.stream);
         if r.is_ok() {
             self.busy = [false; 2];
         }
@@ -189,12 +188,7 @@ impl WorkerState {
         }
         let mut first = None;
         for lane in &mut self.lanes {
-            let d = lane
-                .ctx
-                .bind_to_thread()
-                .map_err(|e| Error::cuda("cuCtxSetCurrent", e))
-                .and_then(|()| lane.drain());
-            if let Err(e) = d {
+            if let Err(e) = lane.drain() {
                 // SAFETY: the lane's stream is alive (the lane owns it) in its live context.
                 if lane.settle(patience, |c, s| unsafe { query(c, s) }) != Settled::Complete {
                     first.get_or_insert(e);
