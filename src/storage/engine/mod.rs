@@ -2005,16 +2005,22 @@ mod tests {
         std::fs::remove_file(&p).unwrap();
     }
 
-    /// Review (drain, finding 1): a failed drain's error wins over every other error of the
-    /// job, before or after it (the first drain's stays); a drain whose copies may still run
-    /// leaves the job undrained, one whose copies completed or whose context is dead does
-    /// not; a job waits ([`Patience::Wait`]) unless its caller owns its destinations.
+    /// Review (drain, finding 1): the error of a drain whose copies may still run, or whose
+    /// context is dead, wins over every other error of the job, before or after it (the first
+    /// such drain's stays), and a drain whose copies may still run leaves the job undrained; a
+    /// job waits ([`Patience::Wait`]) unless its caller owns its destinations. Review of the
+    /// branch (helper-32, finding 5): a drain that failed but whose copies were then found
+    /// complete replaces nothing: the job's earlier (or later) error stays, and so do item
+    /// errors; only a job that nothing else failed fails with it. Before that fix a complete
+    /// drain's error replaced the Io one and the item's.
     #[test]
-    fn a_failed_drain_wins_over_other_errors_and_says_whether_copies_may_run() {
+    fn a_failed_drain_wins_over_other_errors_unless_its_copies_completed() {
         use cudarc::driver::DriverError;
         use sys::CUresult as R;
         let io = || internal("test: an Io-kind error");
         let cuda = |r| Error::cuda("cuStreamSynchronize", DriverError(r));
+        let is_code =
+            |e: &Error, r| matches!(e, Error::Cuda { source: DriverError(c), .. } if *c == r);
         for (owning, settled, drained) in [
             (false, Settled::Complete, true),
             (false, Settled::Dead(R::CUDA_ERROR_LAUNCH_FAILED), true),
@@ -2044,17 +2050,19 @@ mod tests {
             let s = job.drained(Ok(()), |_| panic!("no settle after a drain that succeeded"));
             assert_eq!(s, Settled::Complete);
             let f = job.outcome(0).expect_err("the job failed");
-            assert!(
-                matches!(
-                    f.error,
-                    Error::Cuda {
-                        source: DriverError(R::CUDA_ERROR_UNKNOWN),
-                        ..
-                    }
-                ),
-                "{settled:?}: the first drain's error, not {}",
-                f.error
-            );
+            if settled == Settled::Complete {
+                assert!(
+                    matches!(f.error, Error::Io { .. }),
+                    "{settled:?}: the earlier Io error, not {}",
+                    f.error
+                );
+            } else {
+                assert!(
+                    is_code(&f.error, R::CUDA_ERROR_UNKNOWN),
+                    "{settled:?}: the first drain's error, not {}",
+                    f.error
+                );
+            }
             assert_eq!(f.drained, drained, "{settled:?}");
         }
         // An error without a drain's: no copy in flight.
@@ -2063,6 +2071,29 @@ mod tests {
         job.fail(io());
         let f = job.outcome(0).expect_err("the job failed");
         assert!(f.drained && matches!(f.error, Error::Io { .. }));
+        // A complete drain's error after an item's error: the item's stays, the job runs on.
+        // SAFETY: (test) a job without tasks: it touches no memory.
+        let job = unsafe { Job::batch(vec![], vec![], 2, vec![], 4096, Op::Read, None) };
+        job.fail_item(1, io()).unwrap();
+        job.drained(Err(cuda(R::CUDA_ERROR_UNKNOWN)), |_| Settled::Complete);
+        assert!(!job.aborted(), "a complete drain stops no other worker");
+        let out = job
+            .outcome(0)
+            .map_err(|f| f.error)
+            .expect("the items' outcome");
+        assert!(out.items[0].error.is_none());
+        assert!(matches!(out.items[1].error, Some(Error::Io { .. })));
+        // A complete drain's error in a job nothing else failed: the job fails with it.
+        for owning in [false, true] {
+            // SAFETY: (test) a job without tasks: it touches no memory.
+            let mut job = unsafe { Job::batch(vec![], vec![], 1, vec![], 4096, Op::Read, None) };
+            if owning {
+                job = job.owning_destinations();
+            }
+            job.drained(Err(cuda(R::CUDA_ERROR_UNKNOWN)), |_| Settled::Complete);
+            let f = job.outcome(0).expect_err("a drain failed");
+            assert!(f.drained && is_code(&f.error, R::CUDA_ERROR_UNKNOWN));
+        }
     }
 
     /// Review (docs of finding 5): `for_each` reports a panic the same way whichever thread
