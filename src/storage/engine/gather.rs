@@ -609,8 +609,8 @@ mod tests {
         }
     }
 
-    /// A [`LateStage`] whose drain reports `CUDA_ERROR_UNKNOWN` after draining for real, and
-    /// that records the patience it is settled with.
+    /// A [`LateStage`] whose drain reports `CUDA_ERROR_UNKNOWN` after draining for real, whose
+    /// settle then finds the context dead, and that records the patience it is settled with.
     struct DrainFails {
         inner: LateStage,
         settled_with: Option<Patience>,
@@ -636,15 +636,17 @@ mod tests {
         }
         fn settle(&mut self, _: &Job<'_>, patience: Patience) -> Settled {
             self.settled_with = Some(patience);
-            // Drained for real: what a settle finds.
-            Settled::Complete
+            // A drain whose copies were found complete replaces no error (drain review 5):
+            // a dead context does.
+            Settled::Dead(sys::CUresult::CUDA_ERROR_LAUNCH_FAILED)
         }
     }
 
     /// Review (drain, finding 1, on the gather writer): a worker whose staging failed with an
-    /// Io-kind error after it had enqueued a copy, and whose stage then could not drain, fails
-    /// the job with the drain's CUDA error, not the earlier Io one, after settling the copies
-    /// with [`Patience::Wait`] (the sources are the caller's borrowed device memory). Before
+    /// Io-kind error after it had enqueued a copy, and whose stage then could not drain (its
+    /// context found dead), fails the job with the drain's CUDA error, not the earlier Io one,
+    /// after settling the copies with [`Patience::Wait`] (the sources are the caller's
+    /// borrowed device memory). Before
     /// the fix, `r.and(d)` dropped the drain's error: the job reported the Io error, and no
     /// one waited for the copies.
     #[test]
@@ -735,7 +737,7 @@ mod tests {
             "the drain's error must win: {}",
             f.error
         );
-        assert!(f.drained, "settled complete");
+        assert!(f.drained, "settled dead: no copy runs any more");
         assert_eq!(
             stage.settled_with,
             Some(Patience::Wait),

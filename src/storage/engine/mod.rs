@@ -44,8 +44,10 @@
 //!   ([`crate::cuda::settle`]): a job that borrows memory waits until they completed or their
 //!   context is dead (the process aborts after a minute of unknown answers); one whose caller
 //!   owns every destination ([`Job::owning_destinations`]) waits while they run but gives up at
-//!   the first unknown answer and, when they may still run then, fails undrained ([`Failed::drained`]): the caller leaks the destinations. A drain's
-//!   error wins over every other error of the job.
+//!   the first unknown answer and, when they may still run then, fails undrained
+//!   ([`Failed::drained`]): the caller leaks the destinations. The error of a drain whose
+//!   copies may still run or whose context is dead wins over every other error of the job; one
+//!   whose copies were found complete fails only a job nothing else failed.
 //! - **Timing trace** ([`trace`], `GPUDIRECT_TRACE=timing`): each job prints where its time
 //!   went (workers, IO, waits, page-locking, copies with GPU times); off, every probe is one
 //!   relaxed atomic load.
@@ -190,6 +192,9 @@ pub(in crate::storage) struct Job<'a> {
     error: Mutex<Option<Error>>,
     /// The error is a drain's ([`Job::fail_drain`]): no later error replaces it.
     drain_failed: AtomicBool,
+    /// The first error of a drain whose copies were then found complete: the job's error
+    /// only when nothing else failed ([`Job::fail_drain`]).
+    complete_drain_error: Mutex<Option<Error>>,
     /// A drain failed and copies of the job may still run.
     undrained: AtomicBool,
     /// How long a failed drain waits for the copies ([`Job::owning_destinations`]).
@@ -268,8 +273,10 @@ pub(in crate::storage) struct Outcome {
 /// A job that failed: its error, and whether copies it issued may still run.
 #[derive(Debug)]
 pub(in crate::storage) struct Failed {
-    /// What failed. A drain's error (always an [`Error::Cuda`]) wins over every other: a
-    /// caller that decides by the variant stays on the safe side.
+    /// What failed. The error of a drain whose copies may still run or whose context is dead
+    /// (always an [`Error::Cuda`]) wins over every other: a caller that decides by the variant
+    /// stays on the safe side. A drain whose copies were found complete is the error only of
+    /// a job that nothing else failed.
     pub error: Error,
     /// No copy the job issued can run any more: each completed, or its context is dead
     /// (runs no more work). Always true for a job that waits ([`Patience::Wait`], the
@@ -362,6 +369,7 @@ impl<'a> Job<'a> {
             abort: AtomicBool::new(false),
             error: Mutex::new(None),
             drain_failed: AtomicBool::new(false),
+            complete_drain_error: Mutex::new(None),
             undrained: AtomicBool::new(false),
             patience: Patience::Wait,
             item_failed: (0..items).map(|_| AtomicBool::new(false)).collect(),
@@ -531,14 +539,24 @@ impl<'a> Job<'a> {
         self.tasks.get(i).map(|t| (i, *t))
     }
 
-    /// Fails the job after draining a stream of its copies failed with `e` (a CUDA error):
-    /// `e` replaces any earlier error but an earlier drain's (an Io-kind error, a failed
-    /// allocation, a panic), so that the caller sees that its copies could not be drained;
-    /// unless they are `quiet` (complete, or their context dead: see [`Settled::quiet`]) the
-    /// job ends undrained.
-    fn fail_drain(&self, e: Error, quiet: bool) {
+    /// Fails the job after draining a stream of its copies failed with `e` (a CUDA error)
+    /// and the settle found `s`. Copies that may still run ([`Settled::Pending`]) or whose
+    /// context is dead: `e` replaces any earlier error but an earlier such drain's (an Io-kind
+    /// error, a failed allocation, a panic), so that the caller sees that its copies could not
+    /// be drained, and every worker stops; pending copies leave the job undrained. Copies all
+    /// complete: the failure said nothing about them, so `e` replaces nothing and stops no
+    /// worker; it is the job's error only when nothing else failed (no job error, no item
+    /// error, no cancellation: see [`outcome`](Self::outcome)).
+    fn fail_drain(&self, e: Error, s: Settled) {
+        if s == Settled::Complete {
+            self.complete_drain_error
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .get_or_insert(e);
+            return;
+        }
         self.abort.store(true, Ordering::Relaxed);
-        if !quiet {
+        if !s.quiet() {
             self.undrained.store(true, Ordering::Relaxed);
         }
         let mut g = self.error.lock().unwrap_or_else(|p| p.into_inner());
@@ -558,7 +576,7 @@ impl<'a> Job<'a> {
             Err(e) => {
                 let s = settle(self.patience());
                 tracing::error!(%e, settled = ?s, "a storage job could not drain a stream of its copies");
-                self.fail_drain(e, s.quiet());
+                self.fail_drain(e, s);
                 s
             }
         }
@@ -580,7 +598,11 @@ impl<'a> Job<'a> {
     fn ran(&self, ran: pool::Ran) {
         if !ran.ok() {
             if let Some(e) = ran.dead() {
-                self.fail_drain(e, true);
+                let code = match &e {
+                    Error::Cuda { source, .. } => source.0,
+                    _ => sys::CUresult::CUDA_ERROR_UNKNOWN,
+                };
+                self.fail_drain(e, Settled::Dead(code));
             }
             self.fail(panicked());
         }
@@ -693,6 +715,19 @@ impl<'a> Job<'a> {
             items[k].error = Some(e);
         }
         let cancelled = self.cut.load(Ordering::Relaxed) && items.iter().any(|i| !i.complete);
+        let complete_drain = self
+            .complete_drain_error
+            .into_inner()
+            .unwrap_or_else(|p| p.into_inner());
+        if let Some(error) = complete_drain {
+            if !cancelled && items.iter().all(|i| i.error.is_none()) {
+                // Nothing else failed: the drain's error (its copies completed).
+                return Err(Failed {
+                    error,
+                    drained: true,
+                });
+            }
+        }
         Ok(Outcome {
             items,
             odirect: self.used_direct.load(Ordering::Relaxed),
@@ -1563,8 +1598,8 @@ pub(in crate::storage) mod fail_drain {
     /// and nothing writes freed memory even where the caller frees its buffers), and the first
     /// [`UNKNOWN_ANSWERS`] stream queries of the settle that follows answer
     /// `CUDA_ERROR_UNKNOWN` (a job that owns its destinations gives up at the first: its
-    /// copies stay undrained; one that waits gets the real answers next); the segment ring's engine leaks
-    /// its ring then, as on a real failure.
+    /// copies stay undrained; one that waits gets the real answers next); the segment ring's
+    /// engine leaks its ring then, as on a real failure.
     pub fn arm() {
         ARMED.set(true);
         HIT.set(None);
