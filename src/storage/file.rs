@@ -1598,6 +1598,105 @@ mod tests {
         assert!(bad.is_empty(), "{}", bad.join("\n"));
     }
 
+    /// Review of the drain branch (helper-32, finding 2): a transfer on a stream that is
+    /// capturing a CUDA graph is refused at once, with a typed error, before anything is
+    /// enqueued on the stream. Work enqueued there is captured, not run, and synchronizing or
+    /// querying the stream fails while the capture lasts; only the caller can end it, and the
+    /// caller is in the call. The capture is begun here and the call made on another thread;
+    /// after 5 s without an answer this thread ends the capture (so a call that waits for the
+    /// stream can return). Each call must answer within the 5 s with
+    /// [`Error::Unsupported`], leaving the buffer (a read) or the file (a write) as it was.
+    /// On the code before the fix the small transfers (one copy through a pinned buffer)
+    /// enqueue their copy, their synchronize fails, and the wait for the copy sees errors
+    /// until the capture is ended (it would abort the process after a minute): "returned only
+    /// ... once the capture was ended"; the 8 MiB read fails at once, but with a CUDA error
+    /// (cuEventSynchronize of the call's event, which the capture took).
+    #[test]
+    #[ignore = "needs a CUDA GPU"]
+    fn gpu_storage_transfers_on_a_capturing_stream_are_refused_at_once() {
+        use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
+        use std::time::{Duration, Instant};
+        let ctx = gpu();
+        let mut bad = Vec::new();
+        let small = 4096 + 13;
+        for (case, len) in [
+            ("read_to_device", small),
+            ("write_from_device", small),
+            ("read_to_new", small),
+            ("read_to_device", (8 << 20) + 13),
+        ] {
+            let what = format!("{case}, {len} B");
+            // A stale error an earlier case left in the context object (the code before the
+            // fix) would fail this case's setup: taken here.
+            let _ = ctx.check_err();
+            let stream = ctx.new_stream().unwrap();
+            let (p, data) = random_file(&format!("capturing-{case}-{len}"), len, 101);
+            let f = GpuFile::options()
+                .backend(Backend::Engine)
+                .write(true)
+                .open(&p)
+                .unwrap();
+            let other = crate::storage::testkit::random(len, 102);
+            let mut dev = stream.clone_htod(&other).unwrap();
+            stream.synchronize().unwrap();
+            stream
+                .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)
+                .unwrap();
+            let t0 = Instant::now();
+            let (tx, rx) = std::sync::mpsc::channel();
+            let (r, late) = std::thread::scope(|sc| {
+                let (f, dev, s) = (&f, &mut dev, &stream);
+                sc.spawn(move || {
+                    let r = match case {
+                        "read_to_device" => f.read_to_device(dev, 0).map(|r| r.bytes),
+                        "write_from_device" => f.write_from_device(&*dev, 0).map(|r| r.bytes),
+                        _ => f.read_to_new::<u8>(s, len).map(|(_, r)| r.bytes),
+                    };
+                    let _ = tx.send(r);
+                });
+                let early = rx.recv_timeout(Duration::from_secs(5));
+                // Ended by the thread that began it; a call waiting for the stream can return.
+                let _ = stream.end_capture(CUgraphInstantiate_flags(0));
+                match early {
+                    Ok(r) => (r, None),
+                    Err(_) => {
+                        let r = rx
+                            .recv_timeout(Duration::from_secs(120))
+                            .expect("no answer two minutes after the capture ended");
+                        (r, Some(t0.elapsed()))
+                    }
+                }
+            });
+            if let Some(t) = late {
+                bad.push(format!(
+                    "{what}: returned only {t:?} after the call, once the capture was ended: {r:?}"
+                ));
+            }
+            match &r {
+                Err(Error::Unsupported { .. }) => {}
+                r => bad.push(format!("{what}: not refused as unsupported: {r:?}")),
+            }
+            // Reported, not unwrapped: on the code before the fix the capture leaves errors
+            // behind, and every case's message should come out.
+            if let Err(e) = stream.synchronize() {
+                bad.push(format!("{what}: the stream after the capture: {e}"));
+            } else if case == "write_from_device" {
+                if std::fs::read(&p).unwrap() != data {
+                    bad.push(format!("{what}: the file changed"));
+                }
+            } else if case == "read_to_device" {
+                match stream.clone_dtoh(&dev) {
+                    Ok(back) if back == other => {}
+                    Ok(_) => bad.push(format!("{what}: the buffer changed")),
+                    Err(e) => bad.push(format!("{what}: reading the buffer back: {e}")),
+                }
+            }
+            drop(f);
+            std::fs::remove_file(&p).unwrap();
+        }
+        assert!(bad.is_empty(), "{}", bad.join("\n"));
+    }
+
     /// Review (drain, finding 3, small transfers): a small read into the caller's buffer, or a
     /// small write from it (one copy through a pinned buffer, `engine::small`), whose
     /// synchronize fails (a hook, after the real one) must not return while the copy may still
