@@ -289,6 +289,25 @@ pub fn device_attribute(ordinal: usize, attr: sys::CUdevice_attribute) -> Result
     result::device::attribute(result::device::get(ordinal)?, attr)
 }
 
+/// Refuses `stream` while it is capturing a CUDA graph (`cuStreamIsCapturing`):
+/// [`Error::Unsupported`] naming `what`. Work enqueued on a capturing stream is captured into
+/// the graph, not run, and synchronizing or querying the stream fails until the capture ends,
+/// which only its owner (the caller) can do: a call that enqueues work there and waits for it
+/// would wait for itself. Checked before anything is enqueued.
+pub(crate) fn refuse_capturing(stream: &CudaStream, what: &str) -> Result<()> {
+    // SAFETY: the stream is alive (borrowed).
+    if unsafe { result::stream::is_capturing(stream.cu_stream()) }? {
+        return Err(Error::Unsupported {
+            what: format!("{what} on a stream that is capturing a CUDA graph"),
+            cause: crate::Cause::Other {
+                message: "the transfer waits for its own work on the stream, which a capture does not run".into(),
+                fix: "make the call before cuStreamBeginCapture or after cuStreamEndCapture, or on another stream".into(),
+            },
+        });
+    }
+    Ok(())
+}
+
 /// Held by the unit tests that hold a stream with a host function (`cuLaunchHostFunc`) and
 /// judge ordering by what completes meanwhile: CUDA may run every host function of the process
 /// on one thread, so two such tests running at once can distort each other's timing.

@@ -570,7 +570,8 @@ impl GpuFile {
     /// the bytes are in device memory.
     /// Errors: [`Error::FallbackRefused`] (policy `Deny` and no direct path; nothing moved),
     /// [`Error::InvalidArgument`] (offset overflow, buffer of another device than
-    /// [`GpuFileOptions::device`]), [`Error::Io`], [`Error::Cuda`], cuFile errors.
+    /// [`GpuFileOptions::device`]), [`Error::Unsupported`] (`dst`'s stream is capturing a
+    /// CUDA graph; nothing is enqueued), [`Error::Io`], [`Error::Cuda`], cuFile errors.
     pub fn read_to_device<D: DeviceDst + ?Sized>(
         &self,
         dst: &mut D,
@@ -613,6 +614,7 @@ impl GpuFile {
         let ctx = stream.context().clone();
         self.check_device(ctx.ordinal())?;
         self.check_policy()?;
+        crate::cuda::refuse_capturing(&stream, "a read into device memory")?;
         ctl.start(len)?;
         if let Some(cf) = &self.cufile {
             let Some(n) = self.readable_whole(file_offset, len, esz)? else {
@@ -760,7 +762,8 @@ impl GpuFile {
     /// Orders after the work pending on `src` (see [Ordering](Self#ordering)); returns when
     /// the bytes are in the file (and on stable storage with [`GpuFileOptions::durable`]). On
     /// error the range's contents are unspecified (the file may already be extended to its
-    /// end).
+    /// end). A stream that is capturing a CUDA graph is refused ([`Error::Unsupported`]) before
+    /// anything is enqueued or written.
     pub fn write_from_device<S: DeviceSrc + ?Sized>(
         &self,
         src: &S,
@@ -786,6 +789,7 @@ impl GpuFile {
         let ctx = stream.context().clone();
         self.check_device(ctx.ordinal())?;
         self.check_policy()?;
+        crate::cuda::refuse_capturing(&stream, "a write from device memory")?;
         ctl.start(len)?;
         let (bytes, path, odirect) = if let Some(cf) = &self.cufile {
             let bytes = if len == 0 {
@@ -867,6 +871,8 @@ impl GpuFile {
     ) -> Result<(CudaSlice<T>, IoReport)> {
         let ctl = Ctl::now();
         let n = len / elem_size::<T>()?;
+        // Before the allocation, which a capture would take too.
+        crate::cuda::refuse_capturing(stream, "a read into new device memory")?;
         let seg = self
             .seg_params()
             .filter(|_| self.cufile.is_none() && len > small::SMALL_MAX.min(self.cfg.piece_size()));
