@@ -347,6 +347,24 @@ pub(crate) mod stream {
         // SAFETY: the caller's contract.
         unsafe { sys::cuStreamQuery(stream) }
     }
+
+    /// `cuLaunchHostFunc`: `f(data)` runs on a driver thread once the work before it on
+    /// `stream` completed (tests hold or feed streams with it).
+    ///
+    /// # Safety
+    /// `stream` must be a live stream of the current context; `f` must make no CUDA call,
+    /// and `data` must stay valid for it until it ran.
+    #[cfg(test)]
+    pub(crate) unsafe fn launch_host_func(
+        stream: sys::CUstream,
+        f: unsafe extern "C" fn(*mut c_void),
+        data: *mut c_void,
+    ) -> Result<()> {
+        // SAFETY: the caller's contract.
+        check("cuLaunchHostFunc", unsafe {
+            sys::cuLaunchHostFunc(stream, Some(f), data)
+        })
+    }
 }
 
 /// Linear device memory (`cuMemAlloc`), host registration, copies, dma-buf export.

@@ -1770,6 +1770,123 @@ mod tests {
         assert!(bad.is_empty(), "{}", bad.join("\n"));
     }
 
+    /// Work queued on the test's fed stream ([`feed`]) that has not run yet.
+    static FED: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+    /// A host function that naps 20 ms (no CUDA call).
+    unsafe extern "C" fn nap(_: *mut std::ffi::c_void) {
+        std::thread::sleep(std::time::Duration::from_millis(20));
+        FED.fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
+    }
+
+    /// Keeps `stream` busy, as another thread feeding it work would: three 20 ms host
+    /// functions queued at all times, until `stop` or for 10 s (then it waits for them).
+    fn feed(stream: &CudaStream, stop: &std::sync::atomic::AtomicBool) {
+        use std::sync::atomic::Ordering::SeqCst;
+        stream.context().bind_to_thread().unwrap();
+        let t0 = std::time::Instant::now();
+        while !stop.load(SeqCst) && t0.elapsed() < std::time::Duration::from_secs(10) {
+            if FED.load(SeqCst) < 3 {
+                FED.fetch_add(1, SeqCst);
+                // SAFETY: the stream is alive (borrowed until this returns, after its work
+                // ran); `nap` makes no CUDA call and takes no data.
+                unsafe {
+                    crate::cuda::result::stream::launch_host_func(
+                        stream.cu_stream(),
+                        nap,
+                        std::ptr::null_mut(),
+                    )
+                }
+                .unwrap();
+            }
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
+        stream.synchronize().unwrap();
+    }
+
+    /// Review of the drain branch (helper-32, finding 3): a small transfer whose synchronize
+    /// failed waits for its own copy, not for whatever else the caller's stream is fed: its
+    /// stream is the caller's, and another thread may keep queueing work there. The stream is
+    /// fed here (three 20 ms host functions queued at all times, from another thread) while
+    /// a small read, then a small write, runs whose synchronize a hook fails (after the real
+    /// one); each must return within 3 s, while the feeding goes on (for 10 s at most), with
+    /// the synchronize's CUDA error (a read leaves the bytes in the buffer). On the code
+    /// before the fix the wait queried the stream itself, which the feeding keeps busy: the
+    /// call returns only once the feeding stopped ("returned only after ..."). Hold the host
+    /// function gates' lock: CUDA may run every host function of the process on one thread.
+    #[test]
+    #[ignore = "needs a CUDA GPU"]
+    fn gpu_storage_small_transfer_waits_for_its_copy_not_for_a_fed_stream() {
+        use engine::faults::{self, Fault};
+        use std::sync::atomic::{AtomicBool, Ordering::SeqCst};
+        use std::time::{Duration, Instant};
+        let _gates = crate::cuda::HOST_FUNCTION_GATES
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        let ctx = gpu();
+        let stream = ctx.new_stream().unwrap();
+        let len = 4096 + 13;
+        let mut bad = Vec::new();
+        for write in [false, true] {
+            let what = if write {
+                "write_from_device"
+            } else {
+                "read_to_device"
+            };
+            let (p, data) = random_file(&format!("small-fed-{write}"), len, 103);
+            let f = GpuFile::options()
+                .backend(Backend::Engine)
+                .write(true)
+                .open(&p)
+                .unwrap();
+            let mut dev = stream.alloc_zeros::<u8>(len).unwrap();
+            if write {
+                stream.memcpy_htod(&data, &mut dev).unwrap();
+            }
+            stream.synchronize().unwrap();
+            faults::arm(&p, Fault::SmallSyncFails, &[]);
+            let stop = AtomicBool::new(false);
+            let (r, took, fed_on) = std::thread::scope(|sc| {
+                let feeder = sc.spawn(|| feed(&stream, &stop));
+                // Fed before the call starts.
+                while FED.load(SeqCst) < 3 {
+                    std::thread::sleep(Duration::from_millis(1));
+                }
+                let t0 = Instant::now();
+                let r = if write {
+                    f.write_from_device(&dev, 0).map(|r| r.bytes)
+                } else {
+                    f.read_to_device(&mut dev, 0).map(|r| r.bytes)
+                };
+                let took = t0.elapsed();
+                let fed_on = !feeder.is_finished();
+                stop.store(true, SeqCst);
+                feeder.join().unwrap();
+                (r, took, fed_on)
+            });
+            let (hit, _) = faults::disarm(&p);
+            assert!(
+                hit.is_some(),
+                "{what}: the fault did not fire (not a small transfer?)"
+            );
+            if took > Duration::from_secs(3) || !fed_on {
+                bad.push(format!(
+                    "{what}: returned only after {took:?} (the stream still fed: {fed_on}), waiting for work fed to its stream after its copy"
+                ));
+            }
+            match r {
+                Err(Error::Cuda { .. }) => {}
+                r => bad.push(format!("{what}: not the synchronize's CUDA error: {r:?}")),
+            }
+            if !write && stream.clone_dtoh(&dev).unwrap() != data {
+                bad.push(format!("{what}: the copied bytes are not in the buffer"));
+            }
+            drop(f);
+            std::fs::remove_file(&p).unwrap();
+        }
+        assert!(bad.is_empty(), "{}", bad.join("\n"));
+    }
+
     /// `read_to_new`'s destination is leaked, never freed, when the engine job fails
     /// undrained: the engine did not drain its copies then (the segment ring's engine leaks
     /// its ring), and cudarc's free (`cuMemFreeAsync` on the caller's stream, which does not
