@@ -367,6 +367,60 @@ pub(crate) mod stream {
     }
 }
 
+/// `CUevent`, raw: what the waits after a failed synchronize ([`crate::cuda::settle`]) need
+/// without cudarc's binding.
+pub(crate) mod event {
+    use super::*;
+
+    /// `cuEventCreate(CU_EVENT_DISABLE_TIMING)` in the current context, its code raw.
+    ///
+    /// # Safety
+    /// A context must be current on the calling thread.
+    pub(crate) unsafe fn create() -> Result<sys::CUevent, sys::CUresult> {
+        let mut e: sys::CUevent = std::ptr::null_mut();
+        // SAFETY: `e` is a valid out-pointer; a context is current (the caller's contract).
+        let rc = unsafe {
+            sys::cuEventCreate(
+                &mut e,
+                sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as std::ffi::c_uint,
+            )
+        };
+        if rc == sys::CUresult::CUDA_SUCCESS {
+            Ok(e)
+        } else {
+            Err(rc)
+        }
+    }
+
+    /// `cuEventRecord`, its code raw.
+    ///
+    /// # Safety
+    /// `event` and `stream` must be live, of the same (current) context.
+    pub(crate) unsafe fn record(event: sys::CUevent, stream: sys::CUstream) -> sys::CUresult {
+        // SAFETY: the caller's contract.
+        unsafe { sys::cuEventRecord(event, stream) }
+    }
+
+    /// `cuEventQuery`, its code raw (`CUDA_ERROR_NOT_READY`: the work before the record has
+    /// not completed).
+    ///
+    /// # Safety
+    /// `event` must be live.
+    pub(crate) unsafe fn query(event: sys::CUevent) -> sys::CUresult {
+        // SAFETY: the caller's contract.
+        unsafe { sys::cuEventQuery(event) }
+    }
+
+    /// `cuEventDestroy`, its code raw (the event's resources go once its work completed).
+    ///
+    /// # Safety
+    /// `event` must be live and not used again.
+    pub(crate) unsafe fn destroy(event: sys::CUevent) -> sys::CUresult {
+        // SAFETY: the caller's contract.
+        unsafe { sys::cuEventDestroy_v2(event) }
+    }
+}
+
 /// Linear device memory (`cuMemAlloc`), host registration, copies, dma-buf export.
 pub(crate) mod mem {
     use super::*;

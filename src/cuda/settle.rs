@@ -207,6 +207,79 @@ pub(crate) unsafe fn query_stream(ctx: sys::CUcontext, stream: sys::CUstream) ->
     unsafe { super::result::stream::query(stream) }
 }
 
+/// An event recorded on a stream after a failed synchronize, for a wait that must end with
+/// the work queued so far, not with the stream: a stream the caller shares may be fed more
+/// work by other threads for as long as they like, while the event completes once the work
+/// queued before it did ([`query`](Self::query)). Destroyed on drop.
+pub(crate) struct Mark {
+    ctx: sys::CUcontext,
+    stream: sys::CUstream,
+    event: Option<sys::CUevent>,
+    recorded: bool,
+}
+
+impl Mark {
+    /// A mark for `stream` of `ctx`, not recorded yet.
+    ///
+    /// # Safety
+    /// `stream` must be a live stream of the live context `ctx` (or null: its legacy default
+    /// stream), both alive until the mark is dropped.
+    pub(crate) unsafe fn new(ctx: sys::CUcontext, stream: sys::CUstream) -> Mark {
+        Mark {
+            ctx,
+            stream,
+            event: None,
+            recorded: false,
+        }
+    }
+
+    /// One answer for [`settle`]: records the event on the stream if it is not yet
+    /// (`cuEventCreate`, `cuEventRecord`), then asks it (`cuEventQuery`). A creation or record
+    /// that fails answers its own code (unknown, or dead when the context is: the next answer
+    /// tries again); the context is made current first, through the result layer.
+    pub(crate) fn query(&mut self) -> sys::CUresult {
+        // SAFETY: `ctx` is live (`new`'s contract).
+        let r = unsafe { make_current(self.ctx) };
+        if r != sys::CUresult::CUDA_SUCCESS {
+            return r;
+        }
+        if !self.recorded {
+            let e = match self.event {
+                Some(e) => e,
+                // SAFETY: `ctx` is current.
+                None => match unsafe { super::result::event::create() } {
+                    Ok(e) => *self.event.insert(e),
+                    Err(r) => return r,
+                },
+            };
+            // SAFETY: `e` and `stream` are live in the current context (`new`'s contract).
+            let r = unsafe { super::result::event::record(e, self.stream) };
+            if r != sys::CUresult::CUDA_SUCCESS {
+                return r;
+            }
+            self.recorded = true;
+        }
+        match self.event {
+            // SAFETY: the event is live (created above, destroyed only on drop).
+            Some(e) => unsafe { super::result::event::query(e) },
+            None => sys::CUresult::CUDA_ERROR_INVALID_HANDLE,
+        }
+    }
+}
+
+impl Drop for Mark {
+    fn drop(&mut self) {
+        if let Some(e) = self.event.take() {
+            // SAFETY: `ctx` is live (`new`'s contract); the event is live and not used again.
+            unsafe {
+                if make_current(self.ctx) == sys::CUresult::CUDA_SUCCESS {
+                    let _ = super::result::event::destroy(e);
+                }
+            }
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -11,7 +11,7 @@ use super::io::{self, Fds};
 use super::is_einval;
 use super::plan::{align_down, align_up};
 use crate::cuda::result::{mem, stream as cu_stream};
-use crate::cuda::settle::{query_stream, settle, Patience, Settled};
+use crate::cuda::settle::{settle, Mark, Patience, Settled};
 use crate::error::{Error, Result};
 use crate::storage::config::DIRECT_ALIGN;
 
@@ -186,13 +186,17 @@ pub(in crate::storage) unsafe fn read(
 /// After the synchronize of a small transfer's copy failed: waits until the copy completed or
 /// its context is dead ([`crate::cuda::settle::settle`], [`Patience::Wait`]: the device memory
 /// is the caller's, borrowed for the call), and says whether the pinned buffer may be reused
-/// (the copy completed; after a dead context it is leaked, never unregistered).
+/// (the copy completed; after a dead context it is leaked, never unregistered). It waits on
+/// an event recorded now ([`Mark`]), not on the stream: the stream is the caller's, which
+/// other threads may keep feeding.
 ///
 /// # Safety
 /// `stream` must be a live stream of `ctx` (or null: its legacy default stream).
 unsafe fn settled(fds: &Fds, ctx: &CudaContext, stream: sys::CUstream) -> bool {
     #[cfg(not(test))]
     let _ = fds;
+    // SAFETY: the caller's contract; both outlive the mark (dropped in this function).
+    let mut mark = unsafe { Mark::new(ctx.cu_ctx(), stream) };
     let s = settle(
         1,
         |_| {
@@ -200,8 +204,7 @@ unsafe fn settled(fds: &Fds, ctx: &CudaContext, stream: sys::CUstream) -> bool {
             if let Some(r) = super::faults::next_query_at(&fds.path) {
                 return r;
             }
-            // SAFETY: the caller's contract.
-            unsafe { query_stream(ctx.cu_ctx(), stream) }
+            mark.query()
         },
         Patience::Wait,
         "a small transfer's copy",
