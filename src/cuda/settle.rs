@@ -1,14 +1,17 @@
 //! After a synchronize failed: can the work queued on a stream still run?
 //!
 //! `cuStreamSynchronize` fails for reasons that say nothing about the work queued on the
-//! stream (the context could not be made current, an error an earlier call left in cudarc's
-//! context, a lying handle) as well as for the context's sticky errors, after which it runs no
-//! more work. A call that borrowed memory the queued work uses may return only once no piece of
+//! stream (the context could not be made current, a lying handle) as well as for the
+//! context's sticky errors, after which it runs no more work. ([`synchronize`] binds through
+//! the result layer, so an error an earlier call left in a cudarc context object is not one of
+//! them.) A call that borrowed memory the queued work uses may return only once no piece of
 //! that work can touch the memory any more (conventions, "Lessons"): [`settle`] asks
-//! `cuStreamQuery` until every stream is idle or the context is dead, and aborts the process
-//! when the answer stays unknown for [`UNKNOWN_BOUND`]. A caller that owns the memory (and
-//! leaks it when in doubt) waits as long as the work runs, but gives up at the first unknown
-//! answer ([`Patience::UntilUnknown`]).
+//! `cuStreamQuery` ([`query_stream`], for streams only gpudirect feeds) or `cuEventQuery` of
+//! an event recorded after the failure ([`Mark`], for a stream the caller shares) until the
+//! work is done or the context is dead, and aborts the process when the answer stays unknown
+//! for [`UNKNOWN_BOUND`]. A caller that owns the memory (and leaks it when in doubt) waits as
+//! long as the work runs, but gives up at the first unknown answer
+//! ([`Patience::UntilUnknown`]).
 
 use std::time::{Duration, Instant};
 

@@ -1088,9 +1088,11 @@ pub(super) fn seg_params_of(cfg: &StorageConfig) -> Option<SegParams> {
 ///
 /// Errors as [`GpuFile::open`] and [`GpuFile::read_to_device`]; a file whose length is not a
 /// multiple of `size_of::<T>()` is an [`Error::Io`] of kind `InvalidData` (nothing is read); a
-/// file that shrinks while it is read is an [`Error::Io`] of kind `UnexpectedEof`. On an
-/// [`Error::Cuda`] the buffer allocated for the read is leaked, never freed: the engine may not
-/// have been able to wait for its copies into it (the context is then most likely unusable).
+/// file that shrinks while it is read is an [`Error::Io`] of kind `UnexpectedEof`. The buffer
+/// allocated for the read is leaked, never freed, when copies into it may still be queued
+/// (the engine could not drain them and their state stayed unknown: the error is then an
+/// [`Error::Cuda`], and the context is most likely unusable); on every other error it is
+/// freed.
 pub fn read_to_gpu<T: AnyBitPattern>(
     path: impl AsRef<FsPath>,
     stream: &Arc<CudaStream>,

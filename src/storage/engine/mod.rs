@@ -1261,7 +1261,9 @@ impl Engine {
         // A failed synchronize says nothing for sure about the queued copies (a stale error in
         // cudarc's context, a binding that failed, or the context's sticky error): the job
         // settles them (waits until they completed or the context is dead, unless its caller
-        // owns and leaks the destinations).
+        // owns and leaks the destinations). The ring lock `g` is held meanwhile: the engine's
+        // other jobs wait for this one as they would for its copies (the settle takes no
+        // lock, so nothing waits in a circle).
         let settled = job.drained(end.drained, |p| {
             // SAFETY: the ring's streams are alive (the ring owns them) in its live context.
             res.settle(p, |c, st| unsafe { query(&job, c, st) })

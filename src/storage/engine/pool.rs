@@ -239,7 +239,10 @@ pub(in crate::storage) struct Pool {
 /// copy still uses its buffers (or the job's, which may be borrowed: waiting until the copies
 /// are known complete or their context dead, see [`WorkerState::quiesce`]), and keep it; when
 /// a context turns out dead, leak it (never unregister or free what its copies named) and
-/// return that error.
+/// return that error. It waits ([`Patience::Wait`]) also inside a job whose caller owns its
+/// destinations and could leak them instead: the pool does not know the job's patience, so
+/// there a panicked worker whose drain fails with unknown answers aborts the process after a
+/// minute where the job itself would have given up and leaked.
 pub(in crate::storage) fn recover_after_panic(ws: &mut WorkerState) -> Option<Error> {
     let e = ws.quiesce(Patience::Wait).err()?;
     // Leaked before the log line, which may unwind (a `tracing` layer) and drop `ws`.
