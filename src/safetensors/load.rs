@@ -667,7 +667,12 @@ impl TensorData {
     /// Lets go of the memory without freeing it (copies into it may still be queued).
     fn leak(self) {
         data_dispatch!(self, s => {
-            let _ = s.leak();
+            let _addr = s.leak();
+            #[cfg(test)]
+            LEAKED_TENSORS
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .push(_addr);
         })
     }
 
@@ -680,6 +685,10 @@ impl TensorData {
         })
     }
 }
+
+/// Test hook: the addresses of the tensors [`TensorData::leak`] leaked.
+#[cfg(test)]
+static LEAKED_TENSORS: std::sync::Mutex<Vec<sys::CUdeviceptr>> = std::sync::Mutex::new(Vec::new());
 
 fn elem_size<T>(_: &CudaSlice<T>) -> usize {
     std::mem::size_of::<T>()
@@ -1533,6 +1542,103 @@ fn load_owned(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Drain branch (task 3): an owned load (each tensor its own allocation, made while the
+    /// storage batch reads) leaks its tensors exactly when copies into them may still be
+    /// queued, as `read_to_new` does. Through the segment ring, with the storage engine's
+    /// fault hook: a worker fails with an Io-kind error after issuing copies, the ring's
+    /// drain then reports `CUDA_ERROR_UNKNOWN` (after the real drain) and the first stream
+    /// query answers `CUDA_ERROR_UNKNOWN` (so whether the copies completed stays unknown):
+    /// the tensor the copies wrote must be leaked; every worker fails with a CUDA error
+    /// (page-locking: out of memory) before any copy: no tensor may be leaked. On the code
+    /// before the fix every tensor of the batch is leaked on any `Error::Cuda`: "FailsBeforeCopy:
+    /// leaked N tensors although no copy was in flight".
+    #[test]
+    #[ignore = "needs a CUDA GPU"]
+    fn gpu_safetensors_owned_load_leaks_its_tensors_exactly_when_copies_may_be_queued() {
+        use crate::storage::faults::{self, Fault};
+        use crate::storage::{Backend, Pipeline};
+        use rand::{RngCore, SeedableRng};
+        let ctx = crate::cuda::context(0).unwrap_or_else(|e| {
+            panic!("this test needs a CUDA GPU ({e}): run it on a GPU machine, see CONTRIBUTING.md")
+        });
+        let stream = ctx.new_stream().unwrap();
+        let dir = std::env::var_os("GPUDIRECT_TEST_DIR")
+            .map(PathBuf::from)
+            .unwrap_or_else(std::env::temp_dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join(format!(
+            "gpudirect-owned-leak-{}.safetensors",
+            std::process::id()
+        ));
+        let lens = [(24 << 20) + 13, (16 << 20) + 4096 + 5, (8 << 20) + 1];
+        let mut rng = rand::rngs::StdRng::seed_from_u64(104);
+        let datas: Vec<Vec<u8>> = lens
+            .iter()
+            .map(|&n| {
+                let mut v = vec![0u8; n];
+                rng.fill_bytes(&mut v);
+                v
+            })
+            .collect();
+        let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = datas
+            .iter()
+            .enumerate()
+            .map(|(i, d)| {
+                (
+                    format!("t{i}"),
+                    safetensors::tensor::TensorView::new(safetensors::Dtype::U8, vec![d.len()], d)
+                        .unwrap(),
+                )
+            })
+            .collect();
+        safetensors::serialize_to_file(views, None, &path).unwrap();
+        let opts = LoadOptions::new().file_options(
+            GpuFile::options()
+                .backend(Backend::Engine)
+                .pipeline(Pipeline::Segments),
+        );
+        let mut bad = Vec::new();
+        for fault in [Fault::DrainFails, Fault::FailsBeforeCopy] {
+            LEAKED_TENSORS
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .clear();
+            faults::arm(&path, fault, &[sys::CUresult::CUDA_ERROR_UNKNOWN]);
+            let r = opts.load_owned(path.as_path(), &stream);
+            let (hit, _) = faults::disarm(&path);
+            let leaked =
+                std::mem::take(&mut *LEAKED_TENSORS.lock().unwrap_or_else(|p| p.into_inner()));
+            let hit = hit.unwrap_or_else(|| panic!("{fault:?}: the fault did not fire"));
+            match &r {
+                Ok(_) => bad.push(format!("{fault:?}: a load whose workers failed succeeded")),
+                Err(e) => eprintln!("{fault:?}: {e}"),
+            }
+            drop(r);
+            match fault {
+                Fault::DrainFails if !leaked.contains(&hit.dst) => bad.push(format!(
+                    "{fault:?}: the tensor at {:#x} was freed although copies into it may still be queued (leaked: {leaked:x?})",
+                    hit.dst
+                )),
+                Fault::FailsBeforeCopy if !leaked.is_empty() => bad.push(format!(
+                    "{fault:?}: leaked {} tensors although no copy was in flight",
+                    leaked.len()
+                )),
+                _ => {}
+            }
+            // Every copy did complete (the hooks fail after the real drain): give them back.
+            ctx.synchronize().unwrap();
+            for a in leaked {
+                // SAFETY: (test) `a` is a leaked pool allocation, now ours; nothing uses it
+                // (the context is synchronized).
+                unsafe { crate::cuda::result::mem_pool::free_async(a, stream.cu_stream()) }
+                    .unwrap();
+            }
+            stream.synchronize().unwrap();
+        }
+        std::fs::remove_file(&path).unwrap();
+        assert!(bad.is_empty(), "{}", bad.join("\n"));
+    }
 
     /// The owned load's batches: whole tensors, every one in exactly one batch, in order;
     /// about `step` bytes each; a tensor larger than the step alone; one batch without a step.

@@ -76,6 +76,10 @@ mod options;
 mod testkit;
 mod transfer;
 
+/// Test hook (the crate's tests only, not API): faults injected into storage jobs.
+#[cfg(test)]
+pub(crate) use engine::faults;
+
 pub use cufile::{CuFileStatus, IoReturn};
 
 pub use backend::Backend;

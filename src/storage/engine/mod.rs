@@ -1657,9 +1657,11 @@ pub(in crate::storage) mod fail_drain {
 }
 
 /// Test hook: faults injected into the device read of one file (keyed by the path of the job's
-/// first file: tests share the engine and run in parallel), and what the job did.
+/// first file: tests share the engine and run in parallel), and what the job did. Its
+/// `arm`/`disarm` are the crate's tests' (`crate::storage::faults`: the checkpoint room's tests
+/// fail storage jobs under a load); the rest is the engine's.
 #[cfg(test)]
-pub(in crate::storage) mod faults {
+pub(crate) mod faults {
     use std::path::{Path, PathBuf};
     use std::sync::{Arc, Mutex};
 
