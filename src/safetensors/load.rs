@@ -1481,8 +1481,8 @@ fn load_owned(
             };
             // SAFETY: alloc_k(k) returns tensor group[k]'s own fresh allocation of exactly its
             // registered length in `stream`'s context, its allocation completed (synchronized),
-            // kept in `data` (untouched until run_with returned); on a CUDA error every tensor
-            // is leaked below, never freed.
+            // kept in `data` (untouched until run_with returned); when it fails undrained every
+            // tensor is leaked below, never freed.
             let r = unsafe { batch.run_with(&mut alloc_k) };
             crate::storage::trace_mark(|| {
                 format!(
@@ -1498,16 +1498,17 @@ fn load_owned(
                     report.reads += group.len();
                     progress(bytes);
                 }
-                Err(e) => {
+                Err(f) => {
                     // Copies into this group's tensors may still be queued: never freed.
-                    if matches!(e, Error::Cuda { .. }) {
+                    // Otherwise no copy can run any more, and they go.
+                    if !f.drained {
                         for &i in group {
                             if let Some(d) = data[i].take() {
                                 d.leak();
                             }
                         }
                     }
-                    return Err(unbatch(e));
+                    return Err(unbatch(f.error));
                 }
             }
         }

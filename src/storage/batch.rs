@@ -296,6 +296,18 @@ struct ReadItem_ {
     dst_offset: usize,
 }
 
+/// A [`ReadBatch::run_with`] that failed: its error, and whether copies into the later
+/// destinations may still be queued.
+#[derive(Debug)]
+pub(crate) struct RunFailed {
+    /// What failed.
+    pub(crate) error: Error,
+    /// No copy the batch issued can run any more: the later destinations may be freed. False
+    /// only when a drain failed and the copies' state stayed unknown (the error is then the
+    /// drain's [`Error::Cuda`]): they must be leaked.
+    pub(crate) drained: bool,
+}
+
 /// Many reads into device buffers in one job.
 ///
 /// Register each destination buffer once with [`destination`](Self::destination) (it stays
@@ -532,7 +544,7 @@ impl<'a> ReadBatch<'a> {
     /// into it may still be queued (a batch whose destinations are all its own does not wait
     /// for copies it could not drain).
     pub(crate) fn run_allocating(self) -> Result<(BatchReport, Option<CudaSlice<u8>>)> {
-        self.run_inner(None)
+        self.run_inner(None, &mut true)
     }
 
     /// [`run`](Self::run) for a batch with [`later_destination`](Self::later_destination)s:
@@ -546,21 +558,28 @@ impl<'a> ReadBatch<'a> {
     /// The address `alloc(k)` returns must be `len` (as registered) bytes of device memory in
     /// the context of the destination's stream that nothing else reads or writes until this
     /// returns, and that work on any stream may use at once (a stream-ordered allocation must
-    /// have completed). It must stay allocated until this returns; when this returns
-    /// [`Error::Cuda`], copies into it may still be queued: it must never be freed (leak it).
-    /// (A batch with no borrowed destination does not wait for copies it could not drain;
-    /// the error is then the drain's, an [`Error::Cuda`]. Other CUDA errors leave no copy in
-    /// flight, but this contract does not tell them apart.)
+    /// have completed). It must stay allocated until this returns; when this fails with
+    /// [`RunFailed::drained`] false, copies into it may still be queued: it must never be
+    /// freed (leak it). (A batch with no borrowed destination does not wait for copies it
+    /// could not drain; the error is then the drain's, an [`Error::Cuda`]. Every other failure
+    /// leaves no copy in flight.)
     pub(crate) unsafe fn run_with(
         self,
         alloc: &mut dyn FnMut(usize) -> Result<sys::CUdeviceptr>,
-    ) -> Result<BatchReport> {
-        self.run_inner(Some(alloc)).map(|(r, _)| r)
+    ) -> std::result::Result<BatchReport, RunFailed> {
+        let mut drained = true;
+        self.run_inner(Some(alloc), &mut drained)
+            .map(|(r, _)| r)
+            .map_err(|error| RunFailed { error, drained })
     }
 
+    /// [`run_with`](Self::run_with)'s and [`run_allocating`](Self::run_allocating)'s body;
+    /// sets `drained` to false when it fails with copies into the destinations possibly still
+    /// queued ([`RunFailed::drained`]).
     fn run_inner(
         self,
         mut later_alloc: Option<&mut dyn FnMut(usize) -> Result<sys::CUdeviceptr>>,
+        drained: &mut bool,
     ) -> Result<(BatchReport, Option<CudaSlice<u8>>)> {
         let t0 = Instant::now();
         let ReadBatch {
@@ -1047,6 +1066,7 @@ impl<'a> ReadBatch<'a> {
                     // run_with's caller's to leak (the error is the drain's Error::Cuda).
                     // Otherwise no copy can run any more, and it goes.
                     if !f.drained {
+                        *drained = false;
                         for b in deferred_out.take().into_iter().chain(new_buf.take()) {
                             super::file::leak_dst(b);
                         }
