@@ -104,8 +104,9 @@ impl Settled {
 /// aborts the process.
 pub(crate) const UNKNOWN_BOUND: Duration = Duration::from_secs(60);
 
-/// Asks `query(i)` (a `cuStreamQuery` of stream `i`, see [`query_stream`]) for each of
-/// `streams` streams of one context until each is idle, or until one says the context is
+/// Asks `query(i)` (a `cuStreamQuery` of stream `i`, see [`query_stream`], or a
+/// `cuEventQuery` of its [`Mark`]) for each of `streams` streams of one context until each is
+/// idle, or until one says the context is
 /// dead. Busy answers are waited out however long they last (as `cuStreamSynchronize` would);
 /// unknown ones, with [`Patience::Wait`], for at most [`UNKNOWN_BOUND`] in a row, after which
 /// the process aborts with a message naming `what` and the last code: returning would let the
