@@ -15,14 +15,15 @@ use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use cudarc::driver::{
-    sys, CudaSlice, CudaStream, CudaView, CudaViewMut, DevicePtr, DevicePtrMut, DeviceSlice,
+    sys, CudaContext, CudaSlice, CudaStream, CudaView, CudaViewMut, DevicePtr, DevicePtrMut,
+    DeviceSlice,
 };
 use serde::Serialize;
 
 use super::backend::cufile_glue;
-use super::engine::io;
+use super::engine::io::{self, Fds};
 use super::engine::plan::{plan_item, Dir, Task};
-use super::engine::{self, Mem, Op};
+use super::engine::{self, Mem, Op, SegParams};
 use super::file::{
     dst_bytes, seg_params_of, src_bytes, DeviceDst, DeviceSrc, GpuFile, AUTO_DIRECT_MIN,
 };
@@ -692,167 +693,19 @@ impl<'a> ReadBatch<'a> {
             }
         }
         let ordinal = ctx.ordinal();
-        let first_item_of = |src: usize| items.iter().position(|it| it.src == src).unwrap_or(0);
-
-        // Open the files named by path, in parallel on the engine's workers.
-        let mut longest = vec![0usize; srcs.len()];
-        for it in &items {
-            longest[it.src] = longest[it.src].max(it.len);
-        }
-        let odirect_on = options.config_ref().odirect_read == ODirect::On;
-        let eng = engine::engine(Some(ordinal), options.config_ref().numa_pin)?;
-        let opened: Vec<OnceLock<Result<GpuFile>>> = srcs.iter().map(|_| OnceLock::new()).collect();
-        // Each opened file's size, from the `fstat` that checked its type on the worker that
-        // opened it (10k `fstat`s in parallel, not one after another below).
-        let open_sizes: Vec<OnceLock<Option<u64>>> = srcs.iter().map(|_| OnceLock::new()).collect();
-        let to_open: Vec<usize> = (0..srcs.len())
-            .filter(|&s| matches!(srcs[s], Source::Path(_)))
-            .collect();
-        if !to_open.is_empty() {
-            let want_direct = |s: usize| odirect_on || longest[s] >= AUTO_DIRECT_MIN;
-            let fds: usize = to_open
-                .iter()
-                .map(|&s| 1 + usize::from(want_direct(s)))
-                .sum();
-            let threads = engine::default_threads(Some(ordinal), options.config_ref().numa_pin);
-            let cfg = options.config_ref();
-            let total: usize = items.iter().map(|it| it.len).sum();
-            match seg_params_of(cfg) {
-                // Many files read through the segment ring: while the calling thread makes
-                // room in the descriptor table (an RCU grace period), the workers start and
-                // fault in and page-lock the ring the job will use, so its first segment is
-                // copied as soon as it is read. (For files that turn out to go through cuFile
-                // the locked ring is unused until `release_engines`.) Best effort: a
-                // ring that cannot be built or locked now fails no batch (see
-                // `prepare_best_effort`).
-                Some(p) if fds >= 64 => prepare_best_effort(
-                    |reserve| {
-                        eng.prepare_segments_beside(
-                            &ctx,
-                            cfg.piece_size(),
-                            p,
-                            total,
-                            threads,
-                            reserve,
-                        )
-                    },
-                    || io::reserve_fds(fds),
-                ),
-                _ => io::reserve_fds(fds),
-            }
-            let ok = eng.for_each(to_open.len(), threads, &|k| {
-                let s = to_open[k];
-                if let Source::Path(p) = &srcs[s] {
-                    let f = options.clone().open_with(p, want_direct(s));
-                    if let Some(size) = f.as_ref().ok().and_then(|f| f.known_size_at_open().ok()) {
-                        let _ = open_sizes[s].set(size);
-                    }
-                    let _ = opened[s].set(f);
-                }
-            });
-            if !ok {
-                return Err(panicked());
-            }
-        }
-        let mut files: Vec<&GpuFile> = Vec::with_capacity(srcs.len());
-        for (s, src) in srcs.iter().enumerate() {
-            match src {
-                Source::File(f) => files.push(f),
-                Source::Path(_) => match opened[s].get() {
-                    Some(Ok(f)) => files.push(f),
-                    Some(Err(e)) => return Err(refuse(first_item_of(s), clone_open_error(e))),
-                    None => return Err(refuse(first_item_of(s), panicked())),
-                },
-            }
-        }
-        for (s, f) in files.iter().enumerate() {
-            f.check_device(ordinal)
-                .map_err(|e| refuse(first_item_of(s), e))?;
-        }
-
+        let numa_pin = options.config_ref().numa_pin;
+        let eng = engine::engine(Some(ordinal), numa_pin)?;
+        let threads = engine::default_threads(Some(ordinal), numa_pin);
+        let ring = seg_params_of(options.config_ref()).map(|p| RingPrep {
+            ctx: &ctx,
+            piece: options.config_ref().piece_size(),
+            p,
+            total: items.iter().map(|it| it.len).sum(),
+        });
+        let sources = Sources::prepare(&srcs, &items, &options, &eng, threads, ring)?;
         // Check every item before any byte moves.
-        let mut sizes: Vec<Option<Option<u64>>> =
-            open_sizes.iter().map(|s| s.get().copied()).collect();
-        for (i, it) in items.iter().enumerate() {
-            check_range(it.file_offset, it.len).map_err(|e| refuse(i, e))?;
-            let room = dst_len[it.dst];
-            if it
-                .dst_offset
-                .checked_add(it.len)
-                .is_none_or(|end| end > room)
-            {
-                return Err(refuse(
-                    i,
-                    Error::InvalidArgument(format!(
-                        "{} bytes at destination offset {} do not fit its {room}-byte destination: use a larger buffer or a smaller offset",
-                        it.len, it.dst_offset
-                    )),
-                ));
-            }
-            let f = files[it.src];
-            let size = match sizes[it.src] {
-                Some(s) => s,
-                None => {
-                    let s = f.known_size().map_err(|e| refuse(i, e))?;
-                    sizes[it.src] = Some(s);
-                    s
-                }
-            };
-            let Some(size) = size else {
-                return Err(refuse(
-                    i,
-                    f.fds.err(
-                        "fstat",
-                        std::io::Error::new(
-                            std::io::ErrorKind::InvalidData,
-                            format!(
-                                "the file's size is unknown (fstat says 0 but it has content, as files on {} do): read it with GpuFile::read_to_device, which reads to end of file",
-                                crate::storage::cufile::filesystem_type(f.path())
-                                    .unwrap_or_else(|| "this filesystem".into())
-                            ),
-                        ),
-                    ),
-                ));
-            };
-            if it.file_offset + it.len as u64 > size {
-                return Err(refuse(
-                    i,
-                    f.eof(
-                        it.file_offset,
-                        it.len,
-                        size.saturating_sub(it.file_offset) as usize,
-                    ),
-                ));
-            }
-        }
-        let spans = items
-            .iter()
-            .enumerate()
-            .map(|(i, it)| {
-                (
-                    it.dst,
-                    it.dst_offset as u64,
-                    (it.dst_offset + it.len) as u64,
-                    i,
-                )
-            })
-            .collect();
-        if let Some((later, earlier)) = first_overlap(spans) {
-            return Err(refuse(
-                later,
-                Error::InvalidArgument(format!(
-                    "its destination range overlaps item {earlier}'s: give every item its own bytes"
-                )),
-            ));
-        }
-        // The fallback policy, once per distinct path (a file opened by path warns once).
-        let mut checked: Vec<&PathReport> = Vec::new();
-        for (s, f) in files.iter().enumerate() {
-            if !checked.contains(&f.path_report()) {
-                f.check_policy().map_err(|e| refuse(first_item_of(s), e))?;
-                checked.push(f.path_report());
-            }
-        }
+        check_items(&items, &sources, &dst_len, ordinal)?;
+        let files: Vec<&GpuFile> = (0..srcs.len()).map(|s| sources.file(s)).collect();
 
         // Move the bytes.
         let total: usize = items.iter().map(|it| it.len).sum();
@@ -915,37 +768,11 @@ impl<'a> ReadBatch<'a> {
         let mut odirect = false;
         let mut copies = 0;
         if !engine_items.is_empty() {
-            // Job files: the engine's files, in first-use order.
-            let mut job_file = vec![u32::MAX; files.len()];
-            let mut job_files = Vec::new();
-            let mut tasks: Vec<Task> = Vec::with_capacity(engine_items.len());
-            let mut any_direct = false;
-            let direct_of = direct_decisions(&items, &files, &engine_items);
-            for &i in &engine_items {
-                let it = &items[i];
-                if job_file[it.src] == u32::MAX {
-                    job_file[it.src] = job_files.len() as u32;
-                    job_files.push(&*files[it.src].fds);
-                }
-                let direct = direct_of[i];
-                any_direct |= direct;
-                let at = Task {
-                    file: job_file[it.src],
-                    buf: it.dst as u32,
-                    item: i as u32,
-                    buf_off: it.dst_offset,
-                    ..Task::default()
-                };
-                plan_item(
-                    &mut tasks,
-                    at,
-                    it.file_offset,
-                    it.len,
-                    piece,
-                    Dir::Read,
-                    direct,
-                );
-            }
+            let EnginePlan {
+                files: job_files,
+                tasks,
+                any_direct,
+            } = plan_engine_job(&items, &files, &engine_items, piece);
             let threads = first.threads_for(Some(ordinal), any_direct);
             let streams = &dst_stream;
             // The job's gates: one per destination allocated while it reads, in the order the
@@ -1079,24 +906,15 @@ impl<'a> ReadBatch<'a> {
             odirect = out.odirect;
             copies = out.copies;
             cut = out.cancelled;
-            for (k, o) in out.items.into_iter().enumerate() {
-                if files[items[k].src].cufile.is_some() || items[k].len == 0 {
-                    continue;
-                }
-                moved[k] = o.moved;
-                complete[k] = o.error.is_none() && o.complete && o.prefix == items[k].len;
-                if cut && o.error.is_none() {
-                    continue;
-                }
-                match o.error {
-                    Some(e) => failed.push((k, e)),
-                    None if !o.complete || o.prefix < items[k].len => {
-                        let f = files[items[k].src];
-                        failed.push((k, f.eof(items[k].file_offset, items[k].len, o.prefix)));
-                    }
-                    None => {}
-                }
-            }
+            engine_results(
+                out.items,
+                &items,
+                &files,
+                cut,
+                &mut moved,
+                &mut complete,
+                &mut failed,
+            );
         }
         for (i, it) in items.iter().enumerate() {
             let f = files[it.src];
@@ -1135,23 +953,7 @@ impl<'a> ReadBatch<'a> {
         let nfiles = files.len();
         drop(files);
         // Close what the batch opened, in parallel.
-        let slots: Vec<Mutex<Option<GpuFile>>> = opened
-            .into_iter()
-            .map(|o| Mutex::new(o.into_inner().and_then(|r| r.ok())))
-            .collect();
-        if !to_open.is_empty() {
-            let threads = engine::default_threads(Some(ordinal), options.config_ref().numa_pin);
-            let closed = eng.for_each(slots.len(), threads, &|k| {
-                drop(slots[k].lock().unwrap_or_else(|p| p.into_inner()).take());
-            });
-            if !closed {
-                // The bytes are in place; a close that panicked (a bug) is reported, not
-                // turned into a failed read.
-                tracing::error!(
-                    "closing a batch's files panicked (a bug in gpudirect: please report it); the batch's items are in place"
-                );
-            }
-        }
+        sources.close(&eng, threads);
         if cut {
             return Err(cancelled(&items, &moved, &complete, |it| it.len, total));
         }
@@ -1172,6 +974,335 @@ impl<'a> ReadBatch<'a> {
         r.odirect = odirect;
         r.copies = copies;
         Ok((r, new_buf.or(deferred_out)))
+    }
+}
+
+/// The segment ring a batch prepares beside opening its files (see [`Sources::prepare`]).
+struct RingPrep<'c> {
+    ctx: &'c Arc<CudaContext>,
+    piece: usize,
+    p: SegParams,
+    /// The batch's bytes (how many slots its first pass fills).
+    total: usize,
+}
+
+/// A batch's sources, ready for the checks and the engine job: the files named by path opened
+/// (each checked at its open: a regular file), with the size each open's `fstat` gave.
+struct Sources<'s, 'a> {
+    srcs: &'s [Source<'a>],
+    opened: Vec<OnceLock<Result<GpuFile>>>,
+    /// Each opened file's size, from the `fstat` that checked its type on the worker that
+    /// opened it (10k `fstat`s in parallel, not one after another in the checks).
+    open_sizes: Vec<OnceLock<Option<u64>>>,
+    /// Sources opened here.
+    to_open: usize,
+}
+
+impl<'s, 'a> Sources<'s, 'a> {
+    /// Opens the files named by path, in parallel on `threads` workers of `eng` and the calling
+    /// thread; with `ring`, while the engine prepares the segment ring beside making room in
+    /// the descriptor table. A path that does not open (or is not a regular file) refuses the
+    /// batch at its first item.
+    fn prepare(
+        srcs: &'s [Source<'a>],
+        items: &[ReadItem_],
+        options: &GpuFileOptions,
+        eng: &engine::Engine,
+        threads: usize,
+        ring: Option<RingPrep<'_>>,
+    ) -> Result<Self> {
+        let mut longest = vec![0usize; srcs.len()];
+        for it in items {
+            longest[it.src] = longest[it.src].max(it.len);
+        }
+        let odirect_on = options.config_ref().odirect_read == ODirect::On;
+        let opened: Vec<OnceLock<Result<GpuFile>>> = srcs.iter().map(|_| OnceLock::new()).collect();
+        let open_sizes: Vec<OnceLock<Option<u64>>> = srcs.iter().map(|_| OnceLock::new()).collect();
+        let to_open: Vec<usize> = (0..srcs.len())
+            .filter(|&s| matches!(srcs[s], Source::Path(_)))
+            .collect();
+        if !to_open.is_empty() {
+            let want_direct = |s: usize| odirect_on || longest[s] >= AUTO_DIRECT_MIN;
+            let fds: usize = to_open
+                .iter()
+                .map(|&s| 1 + usize::from(want_direct(s)))
+                .sum();
+            match ring {
+                // Many files read through the segment ring: while the calling thread makes
+                // room in the descriptor table (an RCU grace period), the workers start and
+                // fault in and page-lock the ring the job will use, so its first segment is
+                // copied as soon as it is read. (For files that turn out to go through cuFile
+                // the locked ring is unused until `release_engines`.) Best effort: a
+                // ring that cannot be built or locked now fails no batch (see
+                // `prepare_best_effort`).
+                Some(r) if fds >= 64 => prepare_best_effort(
+                    |reserve| {
+                        eng.prepare_segments_beside(r.ctx, r.piece, r.p, r.total, threads, reserve)
+                    },
+                    || io::reserve_fds(fds),
+                ),
+                _ => io::reserve_fds(fds),
+            }
+            let ok = eng.for_each(to_open.len(), threads, &|k| {
+                let s = to_open[k];
+                if let Source::Path(p) = &srcs[s] {
+                    let f = options.clone().open_with(p, want_direct(s));
+                    if let Some(size) = f.as_ref().ok().and_then(|f| f.known_size_at_open().ok()) {
+                        let _ = open_sizes[s].set(size);
+                    }
+                    let _ = opened[s].set(f);
+                }
+            });
+            if !ok {
+                return Err(panicked());
+            }
+        }
+        let first_item_of = |src: usize| items.iter().position(|it| it.src == src).unwrap_or(0);
+        for (s, src) in srcs.iter().enumerate() {
+            if let Source::Path(_) = src {
+                match opened[s].get() {
+                    Some(Ok(_)) => {}
+                    Some(Err(e)) => return Err(refuse(first_item_of(s), clone_open_error(e))),
+                    None => return Err(refuse(first_item_of(s), panicked())),
+                }
+            }
+        }
+        Ok(Sources {
+            srcs,
+            opened,
+            open_sizes,
+            to_open: to_open.len(),
+        })
+    }
+
+    /// Source `s`'s file.
+    fn file(&self, s: usize) -> &GpuFile {
+        match &self.srcs[s] {
+            Source::File(f) => f,
+            Source::Path(_) => match self.opened[s].get() {
+                Some(Ok(f)) => f,
+                // `prepare` refused the batch for any other outcome.
+                _ => unreachable!("a source that did not open past Sources::prepare"),
+            },
+        }
+    }
+
+    /// The size the open of source `s` found (`None` when not opened here, or when its size
+    /// is not known: see `GpuFile::known_size`).
+    fn open_size(&self, s: usize) -> Option<Option<u64>> {
+        self.open_sizes[s].get().copied()
+    }
+
+    /// Closes what [`prepare`](Self::prepare) opened, in parallel on `threads` workers of
+    /// `eng`. A close that panicked (a bug) is logged: the batch's items are in place by then.
+    fn close(self, eng: &engine::Engine, threads: usize) {
+        let slots: Vec<Mutex<Option<GpuFile>>> = self
+            .opened
+            .into_iter()
+            .map(|o| Mutex::new(o.into_inner().and_then(|r| r.ok())))
+            .collect();
+        if self.to_open > 0 {
+            let closed = eng.for_each(slots.len(), threads, &|k| {
+                drop(slots[k].lock().unwrap_or_else(|p| p.into_inner()).take());
+            });
+            if !closed {
+                // The bytes are in place; a close that panicked (a bug) is reported, not
+                // turned into a failed read.
+                tracing::error!(
+                    "closing a batch's files panicked (a bug in gpudirect: please report it); the batch's items are in place"
+                );
+            }
+        }
+    }
+}
+
+/// The checks a batch makes before any byte moves, in this order: each source's device, then
+/// per item its file range, its destination range, its file's size (past end of file, size
+/// unknown), then overlapping destinations, then the fallback policy once per distinct path.
+/// The first bad item refuses the batch ([`Error::BatchRefused`]).
+fn check_items(
+    items: &[ReadItem_],
+    sources: &Sources<'_, '_>,
+    dst_len: &[usize],
+    ordinal: usize,
+) -> Result<()> {
+    let nsrc = sources.srcs.len();
+    let first_item_of = |src: usize| items.iter().position(|it| it.src == src).unwrap_or(0);
+    for s in 0..nsrc {
+        sources
+            .file(s)
+            .check_device(ordinal)
+            .map_err(|e| refuse(first_item_of(s), e))?;
+    }
+    let mut sizes: Vec<Option<Option<u64>>> = (0..nsrc).map(|s| sources.open_size(s)).collect();
+    for (i, it) in items.iter().enumerate() {
+        check_range(it.file_offset, it.len).map_err(|e| refuse(i, e))?;
+        let room = dst_len[it.dst];
+        if it
+            .dst_offset
+            .checked_add(it.len)
+            .is_none_or(|end| end > room)
+        {
+            return Err(refuse(
+                i,
+                Error::InvalidArgument(format!(
+                    "{} bytes at destination offset {} do not fit its {room}-byte destination: use a larger buffer or a smaller offset",
+                    it.len, it.dst_offset
+                )),
+            ));
+        }
+        let f = sources.file(it.src);
+        let size = match sizes[it.src] {
+            Some(s) => s,
+            None => {
+                let s = f.known_size().map_err(|e| refuse(i, e))?;
+                sizes[it.src] = Some(s);
+                s
+            }
+        };
+        let Some(size) = size else {
+            return Err(refuse(
+                i,
+                f.fds.err(
+                    "fstat",
+                    std::io::Error::new(
+                        std::io::ErrorKind::InvalidData,
+                        format!(
+                            "the file's size is unknown (fstat says 0 but it has content, as files on {} do): read it with GpuFile::read_to_device, which reads to end of file",
+                            crate::storage::cufile::filesystem_type(f.path())
+                                .unwrap_or_else(|| "this filesystem".into())
+                        ),
+                    ),
+                ),
+            ));
+        };
+        if it.file_offset + it.len as u64 > size {
+            return Err(refuse(
+                i,
+                f.eof(
+                    it.file_offset,
+                    it.len,
+                    size.saturating_sub(it.file_offset) as usize,
+                ),
+            ));
+        }
+    }
+    let spans = items
+        .iter()
+        .enumerate()
+        .map(|(i, it)| {
+            (
+                it.dst,
+                it.dst_offset as u64,
+                (it.dst_offset + it.len) as u64,
+                i,
+            )
+        })
+        .collect();
+    if let Some((later, earlier)) = first_overlap(spans) {
+        return Err(refuse(
+            later,
+            Error::InvalidArgument(format!(
+                "its destination range overlaps item {earlier}'s: give every item its own bytes"
+            )),
+        ));
+    }
+    // The fallback policy, once per distinct path (a file opened by path warns once).
+    let mut checked: Vec<&PathReport> = Vec::new();
+    for s in 0..nsrc {
+        let f = sources.file(s);
+        if !checked.contains(&f.path_report()) {
+            f.check_policy().map_err(|e| refuse(first_item_of(s), e))?;
+            checked.push(f.path_report());
+        }
+    }
+    Ok(())
+}
+
+/// A batch's engine job, planned: its files (the engine's, in first-use order), its tasks, and
+/// whether any task reads with O_DIRECT.
+struct EnginePlan<'f> {
+    files: Vec<&'f Fds>,
+    tasks: Vec<Task>,
+    any_direct: bool,
+}
+
+/// Plans the engine's part of a batch: each of `engine_items` cut into pieces of `piece`
+/// bytes ([`plan_item`]), in the order added, reading with O_DIRECT as [`direct_decisions`]
+/// says.
+fn plan_engine_job<'f>(
+    items: &[ReadItem_],
+    files: &[&'f GpuFile],
+    engine_items: &[usize],
+    piece: usize,
+) -> EnginePlan<'f> {
+    let mut job_file = vec![u32::MAX; files.len()];
+    let mut job_files = Vec::new();
+    let mut tasks: Vec<Task> = Vec::with_capacity(engine_items.len());
+    let mut any_direct = false;
+    let direct_of = direct_decisions(items, files, engine_items);
+    for &i in engine_items {
+        let it = &items[i];
+        if job_file[it.src] == u32::MAX {
+            job_file[it.src] = job_files.len() as u32;
+            job_files.push(&*files[it.src].fds);
+        }
+        let direct = direct_of[i];
+        any_direct |= direct;
+        let at = Task {
+            file: job_file[it.src],
+            buf: it.dst as u32,
+            item: i as u32,
+            buf_off: it.dst_offset,
+            ..Task::default()
+        };
+        plan_item(
+            &mut tasks,
+            at,
+            it.file_offset,
+            it.len,
+            piece,
+            Dir::Read,
+            direct,
+        );
+    }
+    EnginePlan {
+        files: job_files,
+        tasks,
+        any_direct,
+    }
+}
+
+/// Records what the engine job did for each of its items (the others, cuFile's and empty
+/// ones, are left alone): bytes moved, whether complete, and the failed ones with their error
+/// (a file error, or a short read: end of file); with `cut` (cancelled), an item without an
+/// error is not a failure.
+fn engine_results(
+    outcomes: Vec<engine::ItemOutcome>,
+    items: &[ReadItem_],
+    files: &[&GpuFile],
+    cut: bool,
+    moved: &mut [usize],
+    complete: &mut [bool],
+    failed: &mut Vec<(usize, Error)>,
+) {
+    for (k, o) in outcomes.into_iter().enumerate() {
+        if files[items[k].src].cufile.is_some() || items[k].len == 0 {
+            continue;
+        }
+        moved[k] = o.moved;
+        complete[k] = o.error.is_none() && o.complete && o.prefix == items[k].len;
+        if cut && o.error.is_none() {
+            continue;
+        }
+        match o.error {
+            Some(e) => failed.push((k, e)),
+            None if !o.complete || o.prefix < items[k].len => {
+                let f = files[items[k].src];
+                failed.push((k, f.eof(items[k].file_offset, items[k].len, o.prefix)));
+            }
+            None => {}
+        }
     }
 }
 
