@@ -1854,6 +1854,233 @@ impl<'a> WriteBatch<'a> {
 mod tests {
     use super::*;
 
+    /// The batch's host seam: what `ReadBatch::run` does for the items the engine reads, with
+    /// host destinations instead of device ones. The sources are prepared and checked by the
+    /// batch's own functions, the job planned by its planner and run by the engine (its host
+    /// read path, on the host engine's workers), and the outcomes mapped as the batch maps
+    /// them: `Ok` only when every item is in place. `items`: (path, file offset, length,
+    /// destination, destination offset).
+    fn host_batch(
+        options: GpuFileOptions,
+        items: &[(&FsPath, u64, usize, usize, usize)],
+        dsts: &mut [Vec<u8>],
+    ) -> Result<()> {
+        let mut srcs: Vec<Source<'_>> = Vec::new();
+        let mut by_path: HashMap<PathBuf, usize> = HashMap::new();
+        let items: Vec<ReadItem_> = items
+            .iter()
+            .map(|&(p, file_offset, len, dst, dst_offset)| {
+                let src = *by_path.entry(p.to_path_buf()).or_insert_with(|| {
+                    srcs.push(Source::Path(p.to_path_buf()));
+                    srcs.len() - 1
+                });
+                ReadItem_ {
+                    src,
+                    file_offset,
+                    len,
+                    dst,
+                    dst_offset,
+                }
+            })
+            .collect();
+        let eng = engine::engine(None, false)?;
+        let threads = engine::default_threads(None, false);
+        let sources = Sources::prepare(&srcs, &items, &options, &eng, threads, None)?;
+        let dst_len: Vec<usize> = dsts.iter().map(|d| d.len()).collect();
+        check_items(&items, &sources, &dst_len, 0)?;
+        let files: Vec<&GpuFile> = (0..srcs.len()).map(|s| sources.file(s)).collect();
+        let engine_items: Vec<usize> = (0..items.len())
+            .filter(|&i| files[items[i].src].cufile.is_none())
+            .collect();
+        assert_eq!(
+            engine_items.len(),
+            items.len(),
+            "a file went through cuFile"
+        );
+        let piece = files[items[0].src].cfg.piece_size();
+        let plan = plan_engine_job(&items, &files, &engine_items, piece);
+        let bufs = dsts.iter_mut().map(|d| Mem::Host(d.as_mut_ptr())).collect();
+        // SAFETY: each buffer is a `dsts` vector, borrowed mutably until the job returned;
+        // every task lies inside its item's destination range, which check_items checked to fit
+        // its buffer and to overlap no other item's.
+        let job = unsafe {
+            engine::Job::batch(
+                plan.files,
+                bufs,
+                items.len(),
+                plan.tasks,
+                piece,
+                Op::Read,
+                None,
+            )
+        };
+        let out = eng.run(job, threads)?;
+        let (mut moved, mut complete, mut failed) =
+            (vec![0; items.len()], vec![false; items.len()], Vec::new());
+        engine_results(
+            out.items,
+            &items,
+            &files,
+            false,
+            &mut moved,
+            &mut complete,
+            &mut failed,
+        );
+        drop(files);
+        sources.close(&eng, threads);
+        if !failed.is_empty() {
+            failed.sort_by_key(|f| f.0);
+            return Err(Error::BatchFailed {
+                total: items.len(),
+                failed,
+            });
+        }
+        Ok(())
+    }
+
+    /// Descriptors this process holds now (`/proc/self/fd`, less the one that lists them);
+    /// `None` when the listing cannot be opened (no descriptor left).
+    fn open_descriptors() -> Option<usize> {
+        Some(std::fs::read_dir("/proc/self/fd").ok()?.count() - 1)
+    }
+
+    /// Set (to the soft `RLIMIT_NOFILE` to lower to) in the child process that
+    /// `a_batch_reads_more_files_than_the_process_may_hold_open` starts.
+    const FD_LIMIT_CHILD: &str = "GPUDIRECT_TEST_BATCH_FD_LIMIT";
+
+    /// 2000 files of random sizes (1 byte to 24 KiB, pieces of 8 KiB: most files are read in
+    /// several pieces, and every 50th file also as three items) through the batch's host seam,
+    /// every byte checked, while a thread counts the descriptors the process holds. Run as it
+    /// is, it checks the batch; in the child process of
+    /// `a_batch_reads_more_files_than_the_process_may_hold_open` it first lowers the soft
+    /// `RLIMIT_NOFILE` to the value of `FD_LIMIT_CHILD` (the test runs alone there).
+    #[test]
+    fn many_files_through_the_batch_seam_under_the_descriptor_limit() {
+        use rand::{Rng, SeedableRng};
+        let limit: Option<u64> = std::env::var(FD_LIMIT_CHILD)
+            .ok()
+            .map(|v| v.parse().unwrap());
+        if let Some(n) = limit {
+            let mut lim = libc::rlimit {
+                rlim_cur: 0,
+                rlim_max: 0,
+            };
+            // SAFETY: valid out- and in-pointers; this child process runs this test alone.
+            unsafe {
+                assert_eq!(libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim), 0);
+                lim.rlim_cur = n;
+                assert_eq!(libc::setrlimit(libc::RLIMIT_NOFILE, &lim), 0);
+            }
+        }
+        let dir = crate::storage::testkit::scratch("batch-fdlimit");
+        std::fs::create_dir_all(&dir).unwrap();
+        let mut rng = rand::rngs::StdRng::seed_from_u64(34);
+        let n = 2000;
+        let mut files = Vec::new();
+        for k in 0..n {
+            let p = dir.join(format!("f{k}"));
+            let data = crate::storage::testkit::random(rng.random_range(1..=24 << 10), k as u64);
+            std::fs::write(&p, &data).unwrap();
+            files.push((p, data));
+        }
+        // (file, offset, len) per item, into one destination back to back (a gap of 1 to 99
+        // bytes after every 7th).
+        let mut want: Vec<(usize, u64, usize, usize)> = Vec::new();
+        let mut end = 0usize;
+        for (k, (_, data)) in files.iter().enumerate() {
+            let cuts = if k.is_multiple_of(50) && data.len() >= 3 {
+                let a = rng.random_range(1..data.len() - 1);
+                let b = rng.random_range(a + 1..data.len());
+                vec![(0, a), (a, b - a), (b, data.len() - b)]
+            } else {
+                vec![(0, data.len())]
+            };
+            for (off, len) in cuts {
+                want.push((k, off as u64, len, end));
+                end += len
+                    + if want.len().is_multiple_of(7) {
+                        rng.random_range(1..100)
+                    } else {
+                        0
+                    };
+            }
+        }
+        let mut dsts = vec![vec![0xA5u8; end]];
+        let items: Vec<(&FsPath, u64, usize, usize, usize)> = want
+            .iter()
+            .map(|&(k, off, len, at)| (files[k].0.as_path(), off, len, 0, at))
+            .collect();
+        let before = open_descriptors().unwrap();
+        let stop = std::sync::atomic::AtomicBool::new(false);
+        // The most descriptors seen open during the batch (`None`: none left to count with).
+        let most = std::thread::scope(|s| {
+            let counter = s.spawn(|| {
+                let mut most = Some(0);
+                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                    most = most.zip(open_descriptors()).map(|(a, b)| a.max(b));
+                }
+                most
+            });
+            let r = host_batch(
+                GpuFile::options()
+                    .task_size(8 << 10)
+                    .bounce_size(8 << 10)
+                    .fallback(crate::path::FallbackPolicy::Allow),
+                &items,
+                &mut dsts,
+            );
+            stop.store(true, std::sync::atomic::Ordering::Relaxed);
+            let most = counter.join().unwrap();
+            if let Err(e) = r {
+                std::fs::remove_dir_all(&dir).unwrap();
+                panic!(
+                    "the batch of {n} files failed (soft RLIMIT_NOFILE {limit:?}, {before} descriptors open before, at most {most:?} during): {e}"
+                );
+            }
+            most
+        });
+        let mut expect = vec![0xA5u8; end];
+        for &(k, off, len, at) in &want {
+            expect[at..at + len].copy_from_slice(&files[k].1[off as usize..off as usize + len]);
+        }
+        if let Some(i) = (0..end).find(|&i| dsts[0][i] != expect[i]) {
+            panic!("destination byte {i} differs from the files");
+        }
+        std::fs::remove_dir_all(&dir).unwrap();
+        println!(
+            "read {n} files ({} items, {end} bytes), soft RLIMIT_NOFILE {limit:?}: {before} descriptors open before, at most {most:?} during",
+            want.len()
+        );
+    }
+
+    /// A batch of more files than the process may hold open at once (2000 files, soft
+    /// `RLIMIT_NOFILE` lowered to 256 in a child process, which runs
+    /// `many_files_through_the_batch_seam_under_the_descriptor_limit` alone): every byte in
+    /// place.
+    #[test]
+    fn a_batch_reads_more_files_than_the_process_may_hold_open() {
+        let out = std::process::Command::new(std::env::current_exe().unwrap())
+            .args([
+                "--exact",
+                "storage::batch::tests::many_files_through_the_batch_seam_under_the_descriptor_limit",
+                "--test-threads=1",
+                "--nocapture",
+            ])
+            .env(FD_LIMIT_CHILD, "256")
+            .output()
+            .unwrap();
+        let text = format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(out.status.success(), "the child failed:\n{text}");
+        assert!(
+            text.contains("read 2000 files") && text.contains("1 passed"),
+            "the child did not run the test:\n{text}"
+        );
+    }
+
     /// `direct_decisions` (items grouped by one sort, sources of one item or of an answer that
     /// needs no sample decided without allocating) answers exactly as asking each source's
     /// file for all its items' ranges at once: random items over files opened with O_DIRECT
