@@ -123,17 +123,23 @@ fn fs_magic(f: &std::fs::File) -> Option<i64> {
 
 /// The verdict for an open file (cached per device and filesystem).
 pub(in crate::storage) fn verdict(fds: &Fds) -> Verdict {
-    let Some(magic) = fs_magic(&fds.buffered) else {
+    verdict_for(fds.dev, fs_magic(&fds.buffered))
+}
+
+/// The verdict for a file on device `dev` (`st_dev`) of the filesystem type `magic` (`None`:
+/// unknown), cached per device and filesystem.
+pub(in crate::storage) fn verdict_for(dev: u64, magic: Option<i64>) -> Verdict {
+    let Some(magic) = magic else {
         // Facts unavailable: let cuFile answer.
         return Verdict::Probe;
     };
-    let key = (fds.dev, magic);
+    let key = (dev, magic);
     let mut cache = verdicts().lock().unwrap_or_else(|p| p.into_inner());
     if let Some((_, v)) = cache.iter().find(|(k, _)| *k == key) {
         return v.clone();
     }
     let fs = crate::storage::cufile::file_handle::fs_name(magic);
-    let v = cheap_verdict(&fs, fds.dev, host_has_dma_path());
+    let v = cheap_verdict(&fs, dev, host_has_dma_path());
     if cache.len() < VERDICTS_MAX {
         cache.push((key, v.clone()));
     }

@@ -318,13 +318,7 @@ impl GpuFile {
     }
 
     pub(super) fn check_device(&self, ordinal: usize) -> Result<()> {
-        match self.device {
-            Some(d) if d != ordinal => Err(Error::InvalidArgument(format!(
-                "the buffer is on GPU {ordinal} but {} was opened for GPU {d}: pass a buffer of GPU {d} or open without GpuFileOptions::device",
-                self.fds.path.display()
-            ))),
-            _ => Ok(()),
-        }
+        check_device(self.device, &self.fds.path, ordinal)
     }
 
     pub(super) fn check_writable(&self) -> Result<()> {
@@ -347,43 +341,13 @@ impl GpuFile {
     /// page-cache sample (no O_DIRECT descriptor, `ODirect::Off` or `On`, or a range below
     /// `AUTO_DIRECT_MIN`), with no allocation: every 4 KiB read asks.
     pub(super) fn direct_unsampled(&self, n: usize) -> Option<bool> {
-        if self.fds.direct().is_none() {
-            return Some(false);
-        }
-        match self.cfg.odirect_read {
-            ODirect::Off => Some(false),
-            ODirect::On => Some(true),
-            ODirect::Auto if n < AUTO_DIRECT_MIN => Some(false),
-            ODirect::Auto => None,
-        }
+        direct_unsampled(&self.fds, self.cfg.odirect_read, n)
     }
 
     /// [`read_direct`](Self::read_direct) of each `(offset, len)` range, the page cache
     /// sampled through one mapping for all of them.
     pub(super) fn read_direct_many(&self, ranges: &[(u64, usize)]) -> Vec<bool> {
-        let Some(d) = self.fds.direct() else {
-            return vec![false; ranges.len()];
-        };
-        match self.cfg.odirect_read {
-            ODirect::Off => vec![false; ranges.len()],
-            ODirect::On => vec![true; ranges.len()],
-            // Small reads (every 4 KiB read) decide without building the sample.
-            ODirect::Auto if ranges.iter().all(|r| r.1 < AUTO_DIRECT_MIN) => {
-                vec![false; ranges.len()]
-            }
-            ODirect::Auto => {
-                // Only ranges of AUTO_DIRECT_MIN or more are sampled (0: not asked).
-                let asked: Vec<(u64, u64)> = ranges
-                    .iter()
-                    .map(|&(off, n)| (off, if n >= AUTO_DIRECT_MIN { n as u64 } else { 0 }))
-                    .collect();
-                io::cached_fractions(d, &asked, RESIDENCY_SAMPLES)
-                    .into_iter()
-                    .zip(&asked)
-                    .map(|(f, &(_, n))| n > 0 && f.is_some_and(|f| f < 0.5))
-                    .collect()
-            }
-        }
+        read_direct_many(&self.fds, self.cfg.odirect_read, ranges)
     }
 
     /// The segment pipeline's shape, when this file's reads to the GPU use it.
@@ -422,12 +386,7 @@ impl GpuFile {
     /// Worker threads for a job: the configured count, else the default (at least
     /// [`engine::MIN_DIRECT_THREADS`] for O_DIRECT jobs, which wait on the disk).
     pub(super) fn threads_for(&self, device: Option<usize>, direct: bool) -> usize {
-        let pin = self.cfg.numa_pin && device.is_some();
-        match (self.cfg.threads, direct) {
-            (Some(n), _) => n.clamp(1, engine::MAX_THREADS),
-            (None, true) => engine::default_threads(device, pin).max(engine::MIN_DIRECT_THREADS),
-            (None, false) => engine::default_threads(device, pin),
-        }
+        threads_for(&self.cfg, device, direct)
     }
 
     /// Workers for a write from device memory (a gather write): the configured count, else
@@ -748,13 +707,7 @@ impl GpuFile {
     }
 
     pub(super) fn eof(&self, off: u64, want: usize, got: usize) -> Error {
-        self.fds.err(
-            "read_exact",
-            std::io::Error::new(
-                std::io::ErrorKind::UnexpectedEof,
-                format!("wanted {want} bytes at offset {off}, the file ends after {got}: read less or at a smaller offset"),
-            ),
-        )
+        eof_error(&self.fds.path, off, want, got)
     }
 
     /// Writes all of `src` at `file_offset`, extending the file as needed.
@@ -1056,6 +1009,82 @@ impl GpuFile {
 }
 
 /// The segment pipeline's shape under `cfg`, when reads to the GPU use it.
+/// Whether a read of `n` bytes of `fds` goes through O_DIRECT under `mode`, when that needs no
+/// page-cache sample (`None`: it does; see [`read_direct_many`]).
+pub(super) fn direct_unsampled(fds: &Fds, mode: ODirect, n: usize) -> Option<bool> {
+    if fds.direct().is_none() {
+        return Some(false);
+    }
+    match mode {
+        ODirect::Off => Some(false),
+        ODirect::On => Some(true),
+        ODirect::Auto if n < AUTO_DIRECT_MIN => Some(false),
+        ODirect::Auto => None,
+    }
+}
+
+/// Whether each `(offset, len)` read of `fds` goes through O_DIRECT under `mode`: never without
+/// an O_DIRECT descriptor; `Auto`: ranges of `AUTO_DIRECT_MIN` or more whose pages are mostly
+/// not cached (the page cache sampled through one mapping for all of them).
+pub(super) fn read_direct_many(fds: &Fds, mode: ODirect, ranges: &[(u64, usize)]) -> Vec<bool> {
+    let Some(d) = fds.direct() else {
+        return vec![false; ranges.len()];
+    };
+    match mode {
+        ODirect::Off => vec![false; ranges.len()],
+        ODirect::On => vec![true; ranges.len()],
+        // Small reads (every 4 KiB read) decide without building the sample.
+        ODirect::Auto if ranges.iter().all(|r| r.1 < AUTO_DIRECT_MIN) => {
+            vec![false; ranges.len()]
+        }
+        ODirect::Auto => {
+            // Only ranges of AUTO_DIRECT_MIN or more are sampled (0: not asked).
+            let asked: Vec<(u64, u64)> = ranges
+                .iter()
+                .map(|&(off, n)| (off, if n >= AUTO_DIRECT_MIN { n as u64 } else { 0 }))
+                .collect();
+            io::cached_fractions(d, &asked, RESIDENCY_SAMPLES)
+                .into_iter()
+                .zip(&asked)
+                .map(|(f, &(_, n))| n > 0 && f.is_some_and(|f| f < 0.5))
+                .collect()
+        }
+    }
+}
+
+/// [`GpuFile::check_device`] for a file at `path` opened for `device`.
+pub(super) fn check_device(device: Option<usize>, path: &FsPath, ordinal: usize) -> Result<()> {
+    match device {
+        Some(d) if d != ordinal => Err(Error::InvalidArgument(format!(
+            "the buffer is on GPU {ordinal} but {} was opened for GPU {d}: pass a buffer of GPU {d} or open without GpuFileOptions::device",
+            path.display()
+        ))),
+        _ => Ok(()),
+    }
+}
+
+/// [`GpuFile::threads_for`] under the settings `cfg`.
+pub(super) fn threads_for(cfg: &StorageConfig, device: Option<usize>, direct: bool) -> usize {
+    let pin = cfg.numa_pin && device.is_some();
+    match (cfg.threads, direct) {
+        (Some(n), _) => n.clamp(1, engine::MAX_THREADS),
+        (None, true) => engine::default_threads(device, pin).max(engine::MIN_DIRECT_THREADS),
+        (None, false) => engine::default_threads(device, pin),
+    }
+}
+
+/// [`GpuFile::eof`] for the file at `path`.
+pub(super) fn eof_error(path: &FsPath, off: u64, want: usize, got: usize) -> Error {
+    Error::io(
+        "read_exact",
+        Some(path.to_path_buf()),
+        std::io::Error::new(
+            std::io::ErrorKind::UnexpectedEof,
+            format!("wanted {want} bytes at offset {off}, the file ends after {got}: read less or at a smaller offset"),
+        ),
+    )
+}
+
 pub(super) fn seg_params_of(cfg: &StorageConfig) -> Option<SegParams> {
     (cfg.pipeline == Pipeline::Segments).then_some(SegParams {
         segment_size: cfg.segment_size,

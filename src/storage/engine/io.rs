@@ -67,19 +67,7 @@ impl Fds {
         let meta = buffered
             .metadata()
             .map_err(|e| Error::io("fstat", Some(path.to_path_buf()), e))?;
-        let ft = meta.file_type();
-        if !ft.is_file() {
-            let what = if ft.is_dir() {
-                "a directory"
-            } else if ft.is_fifo() {
-                "a FIFO"
-            } else if ft.is_socket() {
-                "a socket"
-            } else if ft.is_block_device() || ft.is_char_device() {
-                "a device node"
-            } else {
-                "not a regular file"
-            };
+        if let Some(what) = not_a_file(meta.file_type()) {
             return Err(not_regular(path, what));
         }
         clear_nonblock(&buffered, path)?;
@@ -125,6 +113,24 @@ impl Fds {
 
     pub fn err(&self, op: &'static str, e: io::Error) -> Error {
         Error::io(op, Some(self.path.clone()), e)
+    }
+}
+
+/// What a file of type `ft` is when it is not a regular file (`None` for a regular file), as
+/// the errors name it.
+fn not_a_file(ft: std::fs::FileType) -> Option<&'static str> {
+    if ft.is_file() {
+        None
+    } else if ft.is_dir() {
+        Some("a directory")
+    } else if ft.is_fifo() {
+        Some("a FIFO")
+    } else if ft.is_socket() {
+        Some("a socket")
+    } else if ft.is_block_device() || ft.is_char_device() {
+        Some("a device node")
+    } else {
+        Some("not a regular file")
     }
 }
 
@@ -186,38 +192,56 @@ pub(in crate::storage) fn reserve_fds(extra: usize) {
     if extra < 64 {
         return;
     }
-    // A descriptor of our own to duplicate (0, 1, 2 may be closed).
-    // SAFETY: a NUL-terminated path; O_PATH opens nothing for IO.
-    let src = unsafe { libc::open(c"/".as_ptr(), libc::O_PATH | libc::O_CLOEXEC) };
-    if src < 0 {
+    let Some(low) = lowest_free_fd() else {
         return;
+    };
+    // Room for what is open now (about the lowest free descriptor), the batch, and a margin.
+    grow_fd_table(low.saturating_add(extra).saturating_add(64), extra);
+}
+
+/// The lowest free descriptor number (`None` when it cannot be found): the one an `open`
+/// gets, given back at once.
+fn lowest_free_fd() -> Option<usize> {
+    // SAFETY: a NUL-terminated path; O_PATH opens nothing for IO.
+    let fd = unsafe { libc::open(c"/".as_ptr(), libc::O_PATH | libc::O_CLOEXEC) };
+    if fd < 0 {
+        return None;
     }
-    // SAFETY: fcntl on our descriptor, no pointers.
-    let low = unsafe { libc::fcntl(src, libc::F_DUPFD_CLOEXEC, 0) };
-    if low >= 0 {
-        // SAFETY: closing the descriptor just made.
-        unsafe { libc::close(low) };
-    }
+    // SAFETY: closing the descriptor just made.
+    unsafe { libc::close(fd) };
+    Some(fd as usize)
+}
+
+/// The soft `RLIMIT_NOFILE` (`usize::MAX` when unknown or unlimited).
+fn soft_fd_limit() -> usize {
     let mut lim = libc::rlimit {
         rlim_cur: 0,
         rlim_max: 0,
     };
     // SAFETY: a valid out-pointer.
-    let cap = if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) } == 0 {
+    if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) } == 0 {
         usize::try_from(lim.rlim_cur).unwrap_or(usize::MAX)
     } else {
         usize::MAX
-    };
-    // Room for what is open now (about the lowest free descriptor), the batch, and a margin.
-    let target = (low.max(0) as usize)
-        .saturating_add(extra)
-        .saturating_add(64)
-        .min(cap.saturating_sub(1))
+    }
+}
+
+/// Grows the descriptor table in one step so that it holds descriptor `target` (capped below
+/// the soft `RLIMIT_NOFILE`): best effort, errors ignored; a no-op when it is that large
+/// already. `files` is for the trace line only.
+fn grow_fd_table(target: usize, files: usize) {
+    let target = target
+        .min(soft_fd_limit().saturating_sub(1))
         .min(i32::MAX as usize);
-    if target > low.max(0) as usize {
+    // SAFETY: a NUL-terminated path; O_PATH opens nothing for IO.
+    let src = unsafe { libc::open(c"/".as_ptr(), libc::O_PATH | libc::O_CLOEXEC) };
+    if src < 0 {
+        return;
+    }
+    if target > src as usize {
         let t0 = super::trace::now_us();
-        // SAFETY: as above; the kernel allocates the lowest free descriptor >= target, growing
-        // the table to hold it, and closes nothing.
+        // SAFETY: fcntl on our descriptor, no pointers; the kernel allocates the lowest free
+        // descriptor >= target, growing the table to hold it, and closes nothing.
         let high = unsafe { libc::fcntl(src, libc::F_DUPFD_CLOEXEC, target as libc::c_int) };
         if high >= 0 {
             // SAFETY: closing the descriptor just made.
@@ -225,7 +249,7 @@ pub(in crate::storage) fn reserve_fds(extra: usize) {
         }
         super::trace::mark(|| {
             format!(
-                "descriptor table: room for {target} made in {:.3} ms ({extra} files to open)",
+                "descriptor table: room for {target} made in {:.3} ms ({files} files to open)",
                 (super::trace::now_us() - t0) as f64 / 1e3
             )
         });
