@@ -563,3 +563,96 @@ fn gpu_storage_typed_zero_size_files_with_content_reach_the_gpu() {
     assert!(got[..expect.len() - 1] == expect[1..]);
     assert!(got[expect.len() - 1..].iter().all(|&b| b == 0));
 }
+
+/// Set in the child process of `gpu_storage_batch_reads_more_files_than_the_process_may_hold_open`.
+const FD_LIMIT_CHILD: &str = "GPUDIRECT_TEST_BATCH_FD_CHILD";
+
+/// A `ReadBatch` of 3000 files by path (1 byte to 160 KiB, random gaps between them in one
+/// buffer) in a process whose soft `RLIMIT_NOFILE` is 256: every byte in place, every gap byte
+/// untouched, one report naming the POSIX path, under the segment and lane pipelines. The test
+/// runs itself in a child process with the lowered limit (so no other test shares it); run
+/// without a GPU, the child fails with the setup hint and so does this test. Before the
+/// descriptor window the batch opened every file first and was refused with `EMFILE` (the host
+/// test `storage::batch::tests::a_batch_reads_more_files_than_the_process_may_hold_open`
+/// showed that on the batch's own code).
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gpu_storage_batch_reads_more_files_than_the_process_may_hold_open() {
+    if std::env::var_os(FD_LIMIT_CHILD).is_none() {
+        let out = std::process::Command::new(std::env::current_exe().unwrap())
+            .args([
+                "--exact",
+                "gpu_storage_batch_reads_more_files_than_the_process_may_hold_open",
+                "--include-ignored",
+                "--test-threads=1",
+                "--nocapture",
+            ])
+            .env(FD_LIMIT_CHILD, "1")
+            .output()
+            .unwrap();
+        let text = format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(out.status.success(), "the child failed:\n{text}");
+        assert!(text.contains("child: 3000 files"), "{text}");
+        eprintln!("{text}");
+        return;
+    }
+    let (_ctx, stream) = gpu();
+    let mut lim = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: valid pointers; this child process runs this test alone.
+    unsafe {
+        assert_eq!(libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim), 0);
+        lim.rlim_cur = 256;
+        assert_eq!(libc::setrlimit(libc::RLIMIT_NOFILE, &lim), 0);
+    }
+    let d = scratch("fdlimit");
+    let mut rng = rand::rngs::StdRng::seed_from_u64(256);
+    let n = 3000;
+    let mut files = Vec::new();
+    let mut offsets = Vec::new();
+    let mut at = 0usize;
+    for i in 0..n {
+        let p = d.join(format!("f{i}"));
+        let data = random(rng.random_range(1..=160 << 10), 7000 + i as u64);
+        std::fs::write(&p, &data).unwrap();
+        at += if i % 2 == 0 {
+            0
+        } else {
+            rng.random_range(1..64)
+        };
+        offsets.push(at);
+        at += data.len();
+        files.push((p, data));
+    }
+    for (opts, name) in [
+        (GpuFile::options(), "segments"),
+        (GpuFile::options().pipeline(Pipeline::Lanes), "lanes"),
+    ] {
+        let mut dst = sentinel_buf(&stream, at + 9);
+        let mut b = ReadBatch::with_options(opts);
+        let h = b.destination(&mut dst);
+        for (i, (p, data)) in files.iter().enumerate() {
+            b.read(p, 0, data.len(), h, offsets[i]);
+        }
+        let r = b.run().unwrap_or_else(|e| panic!("{name}: {e}"));
+        assert_eq!((r.items, r.files), (n, n), "{name}");
+        assert_eq!(r.path.path, TransferPath::Posix, "{name}: {}", r.path);
+        let got = stream.clone_dtoh(&dst).unwrap();
+        let mut model = vec![SENTINEL; at + 9];
+        for (i, (_, data)) in files.iter().enumerate() {
+            model[offsets[i]..offsets[i] + data.len()].copy_from_slice(data);
+        }
+        if got != model {
+            let k = got.iter().zip(&model).position(|(a, b)| a != b).unwrap();
+            panic!("{name}: byte {k} differs");
+        }
+        eprintln!("child: {n} files under a soft RLIMIT_NOFILE of 256, {name}: {r}");
+    }
+    std::fs::remove_dir_all(&d).unwrap();
+}

@@ -121,6 +121,19 @@ fn fs_magic(f: &std::fs::File) -> Option<i64> {
     Some(st.f_type as i64)
 }
 
+/// The filesystem type (`statfs` magic) of the file at `path`.
+pub(in crate::storage) fn fs_magic_of_path(path: &Path) -> Option<i64> {
+    use std::os::unix::ffi::OsStrExt;
+    let c = std::ffi::CString::new(path.as_os_str().as_bytes()).ok()?;
+    // SAFETY: all-zero is a valid statfs.
+    let mut st: libc::statfs = unsafe { std::mem::zeroed() };
+    // SAFETY: a NUL-terminated path and a valid out-pointer.
+    if unsafe { libc::statfs(c.as_ptr(), &mut st) } != 0 {
+        return None;
+    }
+    Some(st.f_type as i64)
+}
+
 /// The verdict for an open file (cached per device and filesystem).
 pub(in crate::storage) fn verdict(fds: &Fds) -> Verdict {
     verdict_for(fds.dev, fs_magic(&fds.buffered))
@@ -181,6 +194,28 @@ fn mode_setting(cfg: &StorageConfig) -> String {
             cfg.compat_mode
         )
     })
+}
+
+/// The path report of a file that `backend` and `cfg` send to the engine without opening it:
+/// [`Backend::Engine`], [`CompatMode::PosixOnly`], or [`CompatMode::Auto`] on a filesystem
+/// (`dev`, `magic`: see [`verdict_for`]) whose cheap facts rule cuFile DMA out; the same report
+/// [`decide_backend`] gives such a file once open. `None` when only opening the file (and
+/// registering it with cuFile) can tell.
+pub(in crate::storage) fn engine_report_unopened(
+    backend: Backend,
+    cfg: &StorageConfig,
+    dev: u64,
+    magic: Option<i64>,
+) -> Option<PathReport> {
+    match (backend, cfg.compat_mode) {
+        (Backend::Engine, _) => Some(forced("Backend::Engine".into())),
+        (Backend::CuFile, _) | (Backend::Auto, CompatMode::CuFileRequired) => None,
+        (Backend::Auto, CompatMode::PosixOnly) => Some(forced(mode_setting(cfg))),
+        (Backend::Auto, CompatMode::Auto) => match verdict_for(dev, magic) {
+            Verdict::Engine(cause) => Some(PathReport::fallback(TransferPath::Posix, cause)),
+            Verdict::Probe => None,
+        },
+    }
 }
 
 /// Chooses cuFile or the engine for device transfers (see [`Backend`]). cuFile registers a

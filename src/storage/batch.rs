@@ -2,15 +2,20 @@
 //! buffers and host bytes → one file), and the sugar [`read_many`] and
 //! [`GpuFile::read_ranges`].
 //!
-//! A batch is one engine job: the files it opens by path are opened in parallel on the engine's
-//! workers, every item's pieces are spread over the workers, reads are packed into the pinned
-//! segments so that pieces contiguous in one destination share one host→device copy, and the
-//! call returns once, with one [`BatchReport`].
+//! A batch is one engine job: the files it reads by path are checked by path in parallel on the
+//! engine's workers (no descriptor held), then opened by the workers as the job reaches them and
+//! closed after their last piece, a bounded window of them at once (so 100,000 files read
+//! under the usual `RLIMIT_NOFILE` of 1024, and the descriptor table never grows for them);
+//! every item's pieces are spread over the workers, reads are packed into the pinned segments so
+//! that pieces contiguous in one destination share one host→device copy, and the call returns
+//! once, with one [`BatchReport`].
 //!
 //! See [`ReadBatch`] for what a batch refuses and what it reports.
 
 use std::collections::HashMap;
+use std::panic::AssertUnwindSafe;
 use std::path::{Path as FsPath, PathBuf};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
@@ -20,14 +25,19 @@ use cudarc::driver::{
 };
 use serde::Serialize;
 
+use super::backend;
 use super::backend::cufile_glue;
+use super::config::StorageConfig;
+use super::cufile::CuFileHandle;
 use super::engine::io::{self, Fds};
 use super::engine::plan::{plan_item, Dir, Task};
-use super::engine::{self, Mem, Op, SegParams};
+use super::engine::window::{FdWindow, LazyFile};
+use super::engine::{self, JobFile, Mem, Op, SegParams};
 use super::file::{
-    dst_bytes, seg_params_of, src_bytes, DeviceDst, DeviceSrc, GpuFile, AUTO_DIRECT_MIN,
+    check_device, dst_bytes, eof_error, read_direct_many, seg_params_of, src_bytes, threads_for,
+    DeviceDst, DeviceSrc, GpuFile, AUTO_DIRECT_MIN,
 };
-use super::options::GpuFileOptions;
+use super::options::{GpuFileOptions, Unopened};
 use super::transfer::{Ctl, TransferControl};
 use super::ODirect;
 use crate::cuda::AnyBitPattern;
@@ -130,7 +140,8 @@ impl std::fmt::Display for BatchReport {
 /// Runs `prepare` (a preparation of the segment ring, which runs the `reserve` it is given
 /// beside its own work) as best effort: an error is traced and logged, never returned, since
 /// files that go through cuFile never use the ring and a job that does use it builds and locks
-/// it itself and reports its own error. `reserve` (making room in the descriptor table) runs
+/// it itself and reports its own error. `reserve` (the caller's work beside it: checking the
+/// batch's files, or making room in the descriptor table for files opened up front) runs
 /// exactly once either way, also when `prepare` failed before running it.
 fn prepare_best_effort(
     prepare: impl FnOnce(&mut dyn FnMut()) -> Result<()>,
@@ -313,26 +324,48 @@ pub(crate) struct RunFailed {
 ///
 /// Register each destination buffer once with [`destination`](Self::destination) (it stays
 /// mutably borrowed until the batch is run or dropped), then add items: `len` bytes at
-/// `file_offset` of a file into `dst` at byte `dst_offset`. Files named by path are opened by
-/// the batch (in parallel, with [`with_options`](Self::with_options)'s settings);
-/// [`read_file`](Self::read_file) takes an open [`GpuFile`]. Items may share a file and a
-/// destination; their destination ranges must not overlap. Destinations must be on one GPU.
+/// `file_offset` of a file into `dst` at byte `dst_offset`. Files named by path are read by the
+/// batch with [`with_options`](Self::with_options)'s settings: checked by path before the job
+/// (in parallel), then each opened (as [`GpuFile::open`] opens a file) when the job is about to
+/// read its first piece and closed after its last, at most a few dozen at once (twice the
+/// engine's workers, fewer when the process's descriptor table or `RLIMIT_NOFILE` has less
+/// room), so a batch of any number of files holds about as many descriptors as a loader with
+/// one file open per thread; [`read_file`](Self::read_file) takes an open [`GpuFile`], used as
+/// it is. Items may share a file and a destination; their destination ranges must not overlap.
+/// Destinations must be on one GPU.
+///
+/// Files that cuFile may move by DMA (their filesystem's cheap facts allow it: nvidia-fs or
+/// P2PDMA, udev data, a supported filesystem; or [`Backend::CuFile`](super::Backend::CuFile),
+/// [`CompatMode::CuFileRequired`](super::CompatMode::CuFileRequired)) and every file of a batch
+/// whose options write are opened up front instead and held through the job, as before (on a
+/// filesystem cuFile then turns down, only its first file is: the rest go through the window).
+/// That path has not run on a machine with nvidia-fs.
 ///
 /// # What a batch refuses, and what it reports
 /// Before any byte moves, every item is checked; the **whole batch is refused** with
 /// [`Error::BatchRefused`] naming the first bad item when one is bad: a path that does not
-/// open or is not a regular file (directory, FIFO, socket, device), an item past end of file,
+/// exist (the `stat`'s error), is not a regular file (directory, FIFO, socket, device) or that
+/// this process may not read (the permission `open` would refuse), an item past end of file,
 /// a file whose size is unknown (`fstat` says 0 but it has content, as on `/proc`), a
 /// destination (or source) range outside its buffer, two items whose destination ranges overlap
 /// (reads) or whose file ranges overlap (writes), offsets past the largest file offset,
 /// destinations on different GPUs, a fallback refused by the policy. Nothing is moved then.
 ///
-/// While the batch runs, a file error (an IO error, a file that shrank or was truncated since
-/// the check) fails **its item only**: the others are completed, and the call returns
-/// [`Error::BatchFailed`] listing the failed items; their destination ranges are unspecified,
-/// every other item is complete. A CUDA error fails the whole job ([`Error::Cuda`]). `Ok` means
-/// every byte of every item is in place. A file deleted after it was opened stays readable (the
-/// batch holds it open); one deleted before `run` does not open and refuses the batch.
+/// While the batch runs, a file error fails **its items only**: an IO error, a file that shrank
+/// or was truncated since the check, or a file named by path that changed between the check and
+/// the job's open of it (deleted, replaced by another file, no longer a regular file: an
+/// [`Error::Io`] of `open` naming it; a FIFO put in its place does not block the open). The
+/// others are completed, and the call returns [`Error::BatchFailed`] listing the failed items;
+/// their destination ranges are unspecified, every other item is complete. A CUDA error fails
+/// the whole job ([`Error::Cuda`]). `Ok` means every byte of every item is in place.
+///
+/// A file deleted before `run` refuses the batch (its check finds it missing). A file named by
+/// path that is deleted while the batch runs fails its items when the job had not opened it
+/// yet, and is read whole when it had (it stays open until its last piece), unless the window
+/// closed it meanwhile to make room: the items of a file added far apart in a batch of more
+/// files than the window holds may find it closed and open it again (the same checks apply).
+/// A file passed open ([`read_file`](Self::read_file)) stays readable whatever happens to its
+/// path.
 ///
 /// ```no_run
 /// # fn main() -> gpudirect::Result<()> {
@@ -532,10 +565,11 @@ impl<'a> ReadBatch<'a> {
     /// Runs the batch: returns when every item is in place (`Ok`), or when the batch was
     /// refused (nothing moved) or some items failed (see [`ReadBatch`]).
     ///
-    /// The files named by path are opened in parallel on the engine's workers and the calling
-    /// thread; a panic while opening one (a bug) is the same `Err` whichever thread took the
-    /// file, never an unwind out of `run`. A panic while closing them at the end is logged
-    /// and leaves the result alone (the items are in place by then).
+    /// The files named by path are checked in parallel on the engine's workers and the calling
+    /// thread, and opened and closed by the workers as the job reads them; a panic while
+    /// checking or opening one (a bug) is the same `Err` whichever thread took the file, never
+    /// an unwind out of `run`. A panic while closing the files opened up front at the end is
+    /// logged and leaves the result alone (the items are in place by then).
     pub fn run(self) -> Result<BatchReport> {
         self.run_allocating().map(|(r, _)| r)
     }
@@ -705,32 +739,33 @@ impl<'a> ReadBatch<'a> {
         let sources = Sources::prepare(&srcs, &items, &options, &eng, threads, ring)?;
         // Check every item before any byte moves.
         check_items(&items, &sources, &dst_len, ordinal)?;
-        let files: Vec<&GpuFile> = (0..srcs.len()).map(|s| sources.file(s)).collect();
+        let files: Vec<Src<'_>> = (0..srcs.len()).map(|s| sources.src(s)).collect();
 
         // Move the bytes.
         let total: usize = items.iter().map(|it| it.len).sum();
         ctl.start(total)?;
         engine::trace::mark(|| "ReadBatch: every item checked".into());
         let first = files[items[0].src];
-        let piece = first.cfg.piece_size();
+        let piece = first.cfg().piece_size();
+        let seg_params = seg_params_of(first.cfg());
         let engine_items: Vec<usize> = (0..items.len())
-            .filter(|&i| files[items[i].src].cufile.is_none())
+            .filter(|&i| files[items[i].src].cufile().is_none())
             .collect();
         // The new destination is allocated while the engine reads when the engine's segment
         // ring moves every item into it; otherwise now.
         let defer = new_dst.filter(|&k| {
-            first.seg_params().is_some()
+            seg_params.is_some()
                 && items
                     .iter()
-                    .all(|it| it.dst != k || files[it.src].cufile.is_none())
+                    .all(|it| it.dst != k || files[it.src].cufile().is_none())
                 && engine_items.iter().any(|&i| items[i].dst == k)
         });
         if let (None, Some(k)) = (defer, new_dst) {
             new_buf = Some(alloc_new(&dst_stream[k], dst_len[k])?);
         }
-        if let Some(i) = (0..items.len())
-            .find(|&i| later_of[items[i].dst] != usize::MAX && files[items[i].src].cufile.is_some())
-        {
+        if let Some(i) = (0..items.len()).find(|&i| {
+            later_of[items[i].dst] != usize::MAX && files[items[i].src].cufile().is_some()
+        }) {
             return Err(refuse(
                 i,
                 Error::InvalidArgument(
@@ -740,8 +775,7 @@ impl<'a> ReadBatch<'a> {
         }
         // The later destinations are allocated while the engine's segment ring reads (every
         // item into them is the engine's, checked above); otherwise now.
-        let defer_later =
-            !later.is_empty() && first.seg_params().is_some() && !engine_items.is_empty();
+        let defer_later = !later.is_empty() && seg_params.is_some() && !engine_items.is_empty();
         let later_now = if defer_later {
             Vec::new()
         } else {
@@ -768,12 +802,10 @@ impl<'a> ReadBatch<'a> {
         let mut odirect = false;
         let mut copies = 0;
         if !engine_items.is_empty() {
-            let EnginePlan {
-                files: job_files,
-                tasks,
-                any_direct,
-            } = plan_engine_job(&items, &files, &engine_items, piece);
-            let threads = first.threads_for(Some(ordinal), any_direct);
+            let mut plan = plan_engine_job(&items, &files, &engine_items, piece);
+            let threads = threads_for(first.cfg(), Some(ordinal), plan.any_direct);
+            // The files named by path, opened as the job reads them (see Sources).
+            let window = window_for(&mut plan, threads);
             let streams = &dst_stream;
             // The job's gates: one per destination allocated while it reads, in the order the
             // tasks first write them (the first copies wait least), unwritten ones last.
@@ -833,20 +865,21 @@ impl<'a> ReadBatch<'a> {
             // run_deferred_each's allocation of its `dst_len` bytes in `ctx` (the new one's is
             // kept in `deferred_out` until run_deferred_each returned; the later ones' are the
             // caller's, under run_with's contract); the later ones allocated now are
-            // run_with's contract too.
+            // run_with's contract too. The window outlives the job.
             let mut job = unsafe {
-                engine::Job::batch(
-                    job_files,
+                engine::Job::batch_windowed(
+                    plan.files,
+                    window.as_ref(),
                     bufs,
                     items.len(),
-                    tasks,
+                    plan.tasks,
                     piece,
                     Op::Read,
                     Some(ctx.clone()),
                 )
             }
             .with_control(ctl.engine(&after));
-            if let Some(p) = first.seg_params() {
+            if let Some(p) = seg_params {
                 job = job.with_segments(p);
             }
             let gates: Vec<engine::DstGate> =
@@ -903,6 +936,9 @@ impl<'a> ReadBatch<'a> {
             };
             drop(guards);
             engine::trace::mark(|| "ReadBatch: the engine job returned".into());
+            if let Some(w) = &window {
+                trace_window(w);
+            }
             odirect = out.odirect;
             copies = out.copies;
             cut = out.cancelled;
@@ -918,7 +954,7 @@ impl<'a> ReadBatch<'a> {
         }
         for (i, it) in items.iter().enumerate() {
             let f = files[it.src];
-            let Some(cf) = &f.cufile else { continue };
+            let Some(cf) = f.cufile() else { continue };
             if it.len == 0 {
                 continue;
             }
@@ -948,7 +984,7 @@ impl<'a> ReadBatch<'a> {
 
         let mut paths = Vec::new();
         for it in &items {
-            share(&mut paths, files[it.src].path_report(), it.len);
+            share(&mut paths, files[it.src].report(), it.len);
         }
         let nfiles = files.len();
         drop(files);
@@ -977,7 +1013,7 @@ impl<'a> ReadBatch<'a> {
     }
 }
 
-/// The segment ring a batch prepares beside opening its files (see [`Sources::prepare`]).
+/// The segment ring a batch prepares beside checking its files (see [`Sources::prepare`]).
 struct RingPrep<'c> {
     ctx: &'c Arc<CudaContext>,
     piece: usize,
@@ -986,23 +1022,206 @@ struct RingPrep<'c> {
     total: usize,
 }
 
-/// A batch's sources, ready for the checks and the engine job: the files named by path opened
-/// (each checked at its open: a regular file), with the size each open's `fstat` gave.
+/// A file named by path that the batch checked and the engine's window opens when the first
+/// piece of it is about to be read (see [`Sources::prepare`]).
+struct LazySrc {
+    path: PathBuf,
+    /// `st_dev`, `st_ino` at the check: the window's opens must find this file.
+    id: (u64, u64),
+    /// Its size at the check, `None` when unknown (see `GpuFile::known_size`).
+    size: Option<u64>,
+    /// Opened with an O_DIRECT descriptor too (as `GpuFile::open` would for this batch).
+    want_direct: bool,
+    /// Whether each of its items (in the order added) reads with O_DIRECT, when deciding
+    /// needed the file open (`ODirect::On`, or `Auto` for items of `AUTO_DIRECT_MIN` or more: the
+    /// check opened it for a moment); `None`: none does.
+    direct: Option<Vec<bool>>,
+    /// The path its device reads take, and why (the engine's: decided from its filesystem).
+    report: PathReport,
+}
+
+/// What the check of one file by path found.
+struct Checked {
+    stat: io::PathStat,
+    size: Option<u64>,
+    direct: Option<Vec<bool>>,
+    /// The check opened it (for its size or its O_DIRECT decision).
+    opened: bool,
+}
+
+/// Checks the file at `path` for a batch without holding it open: `stat` and `faccessat`
+/// ([`io::stat_readable`]: a missing or unreadable file is the errno `open` would give, from
+/// the call that found it; not a regular file, the error `open` gives); a file whose size is 0 (it may
+/// have content all the same, as `/proc` files do) or whose O_DIRECT decision needs its
+/// descriptor (`ranges`: its items' ranges, asked under `mode`) is opened as `GpuFile::open`
+/// opens it, asked, and closed.
+fn check_path(
+    path: &FsPath,
+    want_direct: bool,
+    mode: ODirect,
+    ranges: Option<&[(u64, usize)]>,
+) -> Result<Checked> {
+    let stat = io::stat_readable(path)?;
+    if stat.len > 0 && ranges.is_none() {
+        return Ok(Checked {
+            stat,
+            size: Some(stat.len),
+            direct: None,
+            opened: false,
+        });
+    }
+    let read = io::OpenMode {
+        write: false,
+        create: false,
+        truncate: false,
+    };
+    let fds = Fds::open_with(path, read, want_direct)?;
+    if (fds.dev, fds.ino) != (stat.dev, stat.ino) {
+        return Err(Error::io(
+            "open",
+            Some(path.to_path_buf()),
+            std::io::Error::other(
+                "the path named another file by the time it was opened (replaced while the batch checked it): run the batch again",
+            ),
+        ));
+    }
+    let size = match fds.len_at_open {
+        0 => {
+            let mut probe = 0u8;
+            // SAFETY: one byte of our stack.
+            let got = unsafe { io::pread_full(&fds.buffered, &mut probe, 1, 0) }
+                .map_err(|e| fds.err("pread", e))?;
+            (got == 0).then_some(0)
+        }
+        n => Some(n),
+    };
+    let direct = ranges.map(|r| read_direct_many(&fds, mode, r));
+    Ok(Checked {
+        stat: io::PathStat {
+            len: fds.len_at_open,
+            ..stat
+        },
+        size,
+        direct,
+        opened: true,
+    })
+}
+
+/// A batch's source as the checks and the plan see it.
+#[derive(Clone, Copy)]
+enum Src<'f> {
+    /// An open file: the caller's ([`ReadBatch::read_file`]) or one the batch opened up front
+    /// (cuFile may move it by DMA, or the options write).
+    Open(&'f GpuFile),
+    /// A file by path the engine's window opens, and the batch's settings for it.
+    Lazy(&'f LazySrc, &'f Unopened),
+}
+
+impl<'f> Src<'f> {
+    fn path(self) -> &'f FsPath {
+        match self {
+            Src::Open(f) => f.path(),
+            Src::Lazy(l, _) => &l.path,
+        }
+    }
+
+    fn report(self) -> &'f PathReport {
+        match self {
+            Src::Open(f) => f.path_report(),
+            Src::Lazy(l, _) => &l.report,
+        }
+    }
+
+    /// The cuFile handle its device reads go through (`None`: the engine reads it).
+    fn cufile(self) -> Option<&'f CuFileHandle> {
+        match self {
+            Src::Open(f) => f.cufile.as_ref(),
+            Src::Lazy(..) => None,
+        }
+    }
+
+    fn cfg(self) -> &'f StorageConfig {
+        match self {
+            Src::Open(f) => &f.cfg,
+            Src::Lazy(_, u) => &u.cfg,
+        }
+    }
+
+    fn check_device(self, ordinal: usize) -> Result<()> {
+        match self {
+            Src::Open(f) => f.check_device(ordinal),
+            Src::Lazy(l, u) => check_device(u.device, &l.path, ordinal),
+        }
+    }
+
+    fn check_policy(self) -> Result<()> {
+        match self {
+            Src::Open(f) => f.check_policy(),
+            Src::Lazy(l, u) => u.policy.check(&l.report),
+        }
+    }
+
+    /// Its size as the checks use it (`None`: unknown).
+    fn known_size(self) -> Result<Option<u64>> {
+        match self {
+            Src::Open(f) => f.known_size(),
+            Src::Lazy(l, _) => Ok(l.size),
+        }
+    }
+
+    fn eof(self, off: u64, want: usize, got: usize) -> Error {
+        eof_error(self.path(), off, want, got)
+    }
+
+    /// The refusal of a file whose size is unknown.
+    fn unknown_size(self) -> Error {
+        Error::io(
+            "fstat",
+            Some(self.path().to_path_buf()),
+            std::io::Error::new(
+                std::io::ErrorKind::InvalidData,
+                format!(
+                    "the file's size is unknown (fstat says 0 but it has content, as files on {} do): read it with GpuFile::read_to_device, which reads to end of file",
+                    crate::storage::cufile::filesystem_type(self.path())
+                        .unwrap_or_else(|| "this filesystem".into())
+                ),
+            ),
+        )
+    }
+}
+
+/// A batch's sources, ready for the checks and the engine job.
+///
+/// The files named by path are **checked by path, not opened** ([`check_path`], in parallel on
+/// the engine's workers and the calling thread): a batch of 10,000 files holds no descriptor
+/// until its job reads, and then at most its window's (`engine::window`): the table never
+/// grows for them (an RCU grace period in a multi-threaded process) and `RLIMIT_NOFILE` is no
+/// limit on the batch. Their path report comes from their filesystem's verdict
+/// (`backend::engine_report_unopened`, one `statfs` per filesystem). Opened up front, as
+/// `GpuFile::open` and held through the job, are only the files whose backend that cannot
+/// decide (cuFile may move them by DMA: the first file of such a filesystem, and all of them
+/// when cuFile registered it; `Backend::CuFile`; `CompatMode::CuFileRequired`), and every file
+/// when the options write, create or truncate.
 struct Sources<'s, 'a> {
     srcs: &'s [Source<'a>],
+    /// The files opened up front.
     opened: Vec<OnceLock<Result<GpuFile>>>,
-    /// Each opened file's size, from the `fstat` that checked its type on the worker that
-    /// opened it (10k `fstat`s in parallel, not one after another in the checks).
+    /// Each file opened up front's size, from the `fstat` that checked its type on the worker
+    /// that opened it (in parallel, not one after another in the checks).
     open_sizes: Vec<OnceLock<Option<u64>>>,
-    /// Sources opened here.
-    to_open: usize,
+    /// The files the window opens.
+    lazy: Vec<Option<LazySrc>>,
+    /// The settings of the files the window opens.
+    settings: Option<Unopened>,
+    /// Files opened up front.
+    up_front: usize,
 }
 
 impl<'s, 'a> Sources<'s, 'a> {
-    /// Opens the files named by path, in parallel on `threads` workers of `eng` and the calling
-    /// thread; with `ring`, while the engine prepares the segment ring beside making room in
-    /// the descriptor table. A path that does not open (or is not a regular file) refuses the
-    /// batch at its first item.
+    /// Checks (or opens, see [`Sources`]) the files named by path, in parallel on `threads`
+    /// workers of `eng` and the calling thread; with `ring` (64 files or more), while the
+    /// engine prepares the segment ring: the workers fault it in first, then take files too.
+    /// The first bad file (in the order added) refuses the batch at its first item.
     fn prepare(
         srcs: &'s [Source<'a>],
         items: &[ReadItem_],
@@ -1011,97 +1230,270 @@ impl<'s, 'a> Sources<'s, 'a> {
         threads: usize,
         ring: Option<RingPrep<'_>>,
     ) -> Result<Self> {
+        let t0 = engine::trace::now_us();
+        let first_item_of = |src: usize| items.iter().position(|it| it.src == src).unwrap_or(0);
         let mut longest = vec![0usize; srcs.len()];
         for it in items {
             longest[it.src] = longest[it.src].max(it.len);
         }
-        let odirect_on = options.config_ref().odirect_read == ODirect::On;
-        let opened: Vec<OnceLock<Result<GpuFile>>> = srcs.iter().map(|_| OnceLock::new()).collect();
-        let open_sizes: Vec<OnceLock<Option<u64>>> = srcs.iter().map(|_| OnceLock::new()).collect();
-        let to_open: Vec<usize> = (0..srcs.len())
+        let mode = options.config_ref().odirect_read;
+        let want_direct = |s: usize| mode == ODirect::On || longest[s] >= AUTO_DIRECT_MIN;
+        let mut me = Sources {
+            srcs,
+            opened: srcs.iter().map(|_| OnceLock::new()).collect(),
+            open_sizes: srcs.iter().map(|_| OnceLock::new()).collect(),
+            lazy: srcs.iter().map(|_| None).collect(),
+            settings: None,
+            up_front: 0,
+        };
+        let paths: Vec<usize> = (0..srcs.len())
             .filter(|&s| matches!(srcs[s], Source::Path(_)))
             .collect();
-        if !to_open.is_empty() {
-            let want_direct = |s: usize| odirect_on || longest[s] >= AUTO_DIRECT_MIN;
-            let fds: usize = to_open
-                .iter()
-                .map(|&s| 1 + usize::from(want_direct(s)))
-                .sum();
-            match ring {
-                // Many files read through the segment ring: while the calling thread makes
-                // room in the descriptor table (an RCU grace period), the workers start and
-                // fault in and page-lock the ring the job will use, so its first segment is
-                // copied as soon as it is read. (For files that turn out to go through cuFile
-                // the locked ring is unused until `release_engines`.) Best effort: a
-                // ring that cannot be built or locked now fails no batch (see
-                // `prepare_best_effort`).
-                Some(r) if fds >= 64 => prepare_best_effort(
-                    |reserve| {
-                        eng.prepare_segments_beside(r.ctx, r.piece, r.p, r.total, threads, reserve)
+        let Some(&first_path) = paths.first() else {
+            return Ok(me);
+        };
+        let path_of = |s: usize| match &srcs[s] {
+            Source::Path(p) => p.as_path(),
+            Source::File(f) => f.path(),
+        };
+        let Some(u) = options
+            .unopened()
+            .map_err(|e| refuse(first_item_of(first_path), e))?
+        else {
+            // The options write: every file is opened up front, as GpuFile::open.
+            me.open_up_front(&paths, items, options, eng, threads, ring, &want_direct)?;
+            return Ok(me);
+        };
+        // The ranges whose O_DIRECT decision needs the file open, per source.
+        let sampled = |s: usize| {
+            want_direct(s)
+                && match mode {
+                    ODirect::Off => false,
+                    ODirect::On => true,
+                    ODirect::Auto => longest[s] >= AUTO_DIRECT_MIN,
+                }
+        };
+        let mut ranges: Vec<Vec<(u64, usize)>> = srcs.iter().map(|_| Vec::new()).collect();
+        for it in items {
+            if sampled(it.src) {
+                ranges[it.src].push((it.file_offset, it.len));
+            }
+        }
+        let checked: Vec<OnceLock<Result<Checked>>> =
+            paths.iter().map(|_| OnceLock::new()).collect();
+        let next = AtomicUsize::new(0);
+        let take = || loop {
+            let k = next.fetch_add(1, Ordering::Relaxed);
+            if k >= paths.len() {
+                break;
+            }
+            let s = paths[k];
+            let r = check_path(
+                path_of(s),
+                want_direct(s),
+                mode,
+                sampled(s).then(|| ranges[s].as_slice()),
+            );
+            let _ = checked[k].set(r);
+        };
+        let beside_ring = match ring {
+            // Many files read through the segment ring: while the files are checked, the
+            // workers start and fault in and page-lock the ring the job will use (and take
+            // files once they are done), so its first segment is copied as soon as it is read.
+            // (For files that turn out to go through cuFile the locked ring is unused until
+            // `release_engines`.) Best effort: a ring that cannot be built or locked now fails
+            // no batch (see `prepare_best_effort`). A panic checking a file leaves its result
+            // unset: the batch is refused below, never unwound.
+            Some(r) if paths.len() >= 64 => {
+                prepare_best_effort(
+                    |caller| {
+                        eng.prepare_segments_beside(
+                            r.ctx,
+                            r.piece,
+                            r.p,
+                            r.total,
+                            threads,
+                            caller,
+                            &|| {
+                                let _ = std::panic::catch_unwind(AssertUnwindSafe(&take));
+                            },
+                        )
                     },
-                    || io::reserve_fds(fds),
-                ),
-                _ => io::reserve_fds(fds),
+                    || {
+                        let _ = std::panic::catch_unwind(AssertUnwindSafe(&take));
+                    },
+                );
+                true
             }
-            let ok = eng.for_each(to_open.len(), threads, &|k| {
-                let s = to_open[k];
-                if let Source::Path(p) = &srcs[s] {
-                    let f = options.clone().open_with(p, want_direct(s));
-                    if let Some(size) = f.as_ref().ok().and_then(|f| f.known_size_at_open().ok()) {
-                        let _ = open_sizes[s].set(size);
+            _ => false,
+        };
+        // The files left (all of them without the ring), on the workers and the caller.
+        if !eng.for_each(threads, threads, &|_| take()) {
+            return Err(panicked());
+        }
+        let t_checked = engine::trace::now_us();
+        let mut briefly = 0;
+        let mut stats: Vec<Option<Checked>> = srcs.iter().map(|_| None).collect();
+        for (k, c) in checked.into_iter().enumerate() {
+            let s = paths[k];
+            match c.into_inner() {
+                Some(Ok(c)) => {
+                    briefly += usize::from(c.opened);
+                    stats[s] = Some(c);
+                }
+                Some(Err(e)) => return Err(refuse(first_item_of(s), e)),
+                None => return Err(refuse(first_item_of(s), panicked())),
+            }
+        }
+        // Each filesystem's path report, from one `statfs`; `None`: cuFile must be asked, by
+        // opening (and registering) its first file here. When that file goes to the engine,
+        // the verdict is cached for its filesystem and the others need not open.
+        let mut by_dev: Vec<(u64, Option<PathReport>)> = Vec::new();
+        let mut up = Vec::new();
+        for &s in &paths {
+            let dev = stats[s].as_ref().map_or(0, |c| c.stat.dev);
+            let report = match by_dev.iter().find(|(d, _)| *d == dev) {
+                Some((_, r)) => r.clone(),
+                None => {
+                    let magic = backend::fs_magic_of_path(path_of(s));
+                    let mut r = backend::engine_report_unopened(u.backend, &u.cfg, dev, magic);
+                    if r.is_none() {
+                        me.open_up_front(&[s], items, options, eng, threads, None, &want_direct)?;
+                        r = backend::engine_report_unopened(u.backend, &u.cfg, dev, magic);
                     }
-                    let _ = opened[s].set(f);
+                    by_dev.push((dev, r.clone()));
+                    if me.opened[s].get().is_some() {
+                        continue;
+                    }
+                    r
                 }
-            });
-            if !ok {
-                return Err(panicked());
+            };
+            match report {
+                Some(report) => {
+                    let c = stats[s].take().expect("checked above");
+                    me.lazy[s] = Some(LazySrc {
+                        path: path_of(s).to_path_buf(),
+                        id: (c.stat.dev, c.stat.ino),
+                        size: c.size,
+                        want_direct: want_direct(s),
+                        direct: c.direct,
+                        report,
+                    });
+                }
+                None => up.push(s),
             }
         }
-        let first_item_of = |src: usize| items.iter().position(|it| it.src == src).unwrap_or(0);
-        for (s, src) in srcs.iter().enumerate() {
-            if let Source::Path(_) = src {
-                match opened[s].get() {
-                    Some(Ok(_)) => {}
-                    Some(Err(e)) => return Err(refuse(first_item_of(s), clone_open_error(e))),
-                    None => return Err(refuse(first_item_of(s), panicked())),
-                }
-            }
-        }
-        Ok(Sources {
-            srcs,
-            opened,
-            open_sizes,
-            to_open: to_open.len(),
-        })
+        me.open_up_front(&up, items, options, eng, threads, None, &want_direct)?;
+        me.settings = Some(u);
+        engine::trace::mark(|| {
+            format!(
+                "ReadBatch: {} files checked by path in {:.3} ms on {threads} workers and the caller{} ({briefly} opened for a moment for their size or O_DIRECT decision); {} opened up front for cuFile in {:.3} ms; {} left to the job's descriptor window",
+                paths.len(),
+                (t_checked - t0) as f64 / 1e3,
+                if beside_ring { ", beside the ring's preparation" } else { "" },
+                me.up_front,
+                (engine::trace::now_us() - t_checked) as f64 / 1e3,
+                paths.len() - me.up_front,
+            )
+        });
+        Ok(me)
     }
 
-    /// Source `s`'s file.
-    fn file(&self, s: usize) -> &GpuFile {
+    /// Opens sources `which` as `GpuFile::open` does, in parallel on `threads` workers of `eng`
+    /// and the calling thread, after making room for them in the descriptor table (with
+    /// `ring`, beside the ring's preparation); they are held through the job. The first that
+    /// does not open refuses the batch at its first item.
+    #[allow(clippy::too_many_arguments)]
+    fn open_up_front(
+        &mut self,
+        which: &[usize],
+        items: &[ReadItem_],
+        options: &GpuFileOptions,
+        eng: &engine::Engine,
+        threads: usize,
+        ring: Option<RingPrep<'_>>,
+        want_direct: &(dyn Fn(usize) -> bool + Sync),
+    ) -> Result<()> {
+        if which.is_empty() {
+            return Ok(());
+        }
+        let srcs = self.srcs;
+        let fds: usize = which.iter().map(|&s| 1 + usize::from(want_direct(s))).sum();
+        match ring {
+            Some(r) if fds >= 64 => prepare_best_effort(
+                |reserve| {
+                    eng.prepare_segments_beside(
+                        r.ctx,
+                        r.piece,
+                        r.p,
+                        r.total,
+                        threads,
+                        reserve,
+                        &|| {},
+                    )
+                },
+                || io::reserve_fds(fds),
+            ),
+            _ => io::reserve_fds(fds),
+        }
+        let (opened, open_sizes) = (&self.opened, &self.open_sizes);
+        let ok = eng.for_each(which.len(), threads, &|k| {
+            let s = which[k];
+            if let Source::Path(p) = &srcs[s] {
+                let f = options.clone().open_with(p, want_direct(s));
+                if let Some(size) = f.as_ref().ok().and_then(|f| f.known_size_at_open().ok()) {
+                    let _ = open_sizes[s].set(size);
+                }
+                let _ = opened[s].set(f);
+            }
+        });
+        if !ok {
+            return Err(panicked());
+        }
+        self.up_front += which.len();
+        let first_item_of = |src: usize| items.iter().position(|it| it.src == src).unwrap_or(0);
+        for &s in which {
+            match self.opened[s].get() {
+                Some(Ok(_)) => {}
+                Some(Err(e)) => return Err(refuse(first_item_of(s), clone_open_error(e))),
+                None => return Err(refuse(first_item_of(s), panicked())),
+            }
+        }
+        Ok(())
+    }
+
+    /// Source `s`.
+    fn src(&self, s: usize) -> Src<'_> {
         match &self.srcs[s] {
-            Source::File(f) => f,
-            Source::Path(_) => match self.opened[s].get() {
-                Some(Ok(f)) => f,
+            Source::File(f) => Src::Open(f),
+            Source::Path(_) => match (&self.lazy[s], &self.settings, self.opened[s].get()) {
+                (Some(l), Some(u), _) => Src::Lazy(l, u),
+                (None, _, Some(Ok(f))) => Src::Open(f),
                 // `prepare` refused the batch for any other outcome.
-                _ => unreachable!("a source that did not open past Sources::prepare"),
+                _ => unreachable!("a source neither checked nor opened past Sources::prepare"),
             },
         }
     }
 
-    /// The size the open of source `s` found (`None` when not opened here, or when its size
-    /// is not known: see `GpuFile::known_size`).
-    fn open_size(&self, s: usize) -> Option<Option<u64>> {
-        self.open_sizes[s].get().copied()
+    /// Source `s`'s size as its check or its open up front found it (`None` when neither
+    /// did: the caller's files; `Some(None)`: not known, see `GpuFile::known_size`).
+    fn checked_size(&self, s: usize) -> Option<Option<u64>> {
+        match &self.lazy[s] {
+            Some(l) => Some(l.size),
+            None => self.open_sizes[s].get().copied(),
+        }
     }
 
-    /// Closes what [`prepare`](Self::prepare) opened, in parallel on `threads` workers of
-    /// `eng`. A close that panicked (a bug) is logged: the batch's items are in place by then.
+    /// Closes what [`prepare`](Self::prepare) opened up front, in parallel on `threads`
+    /// workers of `eng`. A close that panicked (a bug) is logged: the batch's items are in
+    /// place by then.
     fn close(self, eng: &engine::Engine, threads: usize) {
         let slots: Vec<Mutex<Option<GpuFile>>> = self
             .opened
             .into_iter()
             .map(|o| Mutex::new(o.into_inner().and_then(|r| r.ok())))
             .collect();
-        if self.to_open > 0 {
+        if self.up_front > 0 {
             let closed = eng.for_each(slots.len(), threads, &|k| {
                 drop(slots[k].lock().unwrap_or_else(|p| p.into_inner()).take());
             });
@@ -1130,11 +1522,11 @@ fn check_items(
     let first_item_of = |src: usize| items.iter().position(|it| it.src == src).unwrap_or(0);
     for s in 0..nsrc {
         sources
-            .file(s)
+            .src(s)
             .check_device(ordinal)
             .map_err(|e| refuse(first_item_of(s), e))?;
     }
-    let mut sizes: Vec<Option<Option<u64>>> = (0..nsrc).map(|s| sources.open_size(s)).collect();
+    let mut sizes: Vec<Option<Option<u64>>> = (0..nsrc).map(|s| sources.checked_size(s)).collect();
     for (i, it) in items.iter().enumerate() {
         check_range(it.file_offset, it.len).map_err(|e| refuse(i, e))?;
         let room = dst_len[it.dst];
@@ -1151,7 +1543,7 @@ fn check_items(
                 )),
             ));
         }
-        let f = sources.file(it.src);
+        let f = sources.src(it.src);
         let size = match sizes[it.src] {
             Some(s) => s,
             None => {
@@ -1161,20 +1553,7 @@ fn check_items(
             }
         };
         let Some(size) = size else {
-            return Err(refuse(
-                i,
-                f.fds.err(
-                    "fstat",
-                    std::io::Error::new(
-                        std::io::ErrorKind::InvalidData,
-                        format!(
-                            "the file's size is unknown (fstat says 0 but it has content, as files on {} do): read it with GpuFile::read_to_device, which reads to end of file",
-                            crate::storage::cufile::filesystem_type(f.path())
-                                .unwrap_or_else(|| "this filesystem".into())
-                        ),
-                    ),
-                ),
-            ));
+            return Err(refuse(i, f.unknown_size()));
         };
         if it.file_offset + it.len as u64 > size {
             return Err(refuse(
@@ -1210,19 +1589,22 @@ fn check_items(
     // The fallback policy, once per distinct path (a file opened by path warns once).
     let mut checked: Vec<&PathReport> = Vec::new();
     for s in 0..nsrc {
-        let f = sources.file(s);
-        if !checked.contains(&f.path_report()) {
+        let f = sources.src(s);
+        if !checked.contains(&f.report()) {
             f.check_policy().map_err(|e| refuse(first_item_of(s), e))?;
-            checked.push(f.path_report());
+            checked.push(f.report());
         }
     }
     Ok(())
 }
 
-/// A batch's engine job, planned: its files (the engine's, in first-use order), its tasks, and
-/// whether any task reads with O_DIRECT.
+/// A batch's engine job, planned: its files (the engine's, in first-use order: open ones, and
+/// the window's, `lazy`, with the pieces that read each), its tasks, and whether any task
+/// reads with O_DIRECT.
 struct EnginePlan<'f> {
-    files: Vec<&'f Fds>,
+    files: Vec<JobFile<'f>>,
+    lazy: Vec<LazyFile>,
+    pieces: Vec<usize>,
     tasks: Vec<Task>,
     any_direct: bool,
 }
@@ -1232,23 +1614,38 @@ struct EnginePlan<'f> {
 /// says.
 fn plan_engine_job<'f>(
     items: &[ReadItem_],
-    files: &[&'f GpuFile],
+    files: &[Src<'f>],
     engine_items: &[usize],
     piece: usize,
 ) -> EnginePlan<'f> {
     let mut job_file = vec![u32::MAX; files.len()];
-    let mut job_files = Vec::new();
-    let mut tasks: Vec<Task> = Vec::with_capacity(engine_items.len());
-    let mut any_direct = false;
+    let mut plan = EnginePlan {
+        files: Vec::new(),
+        lazy: Vec::new(),
+        pieces: Vec::new(),
+        tasks: Vec::with_capacity(engine_items.len()),
+        any_direct: false,
+    };
     let direct_of = direct_decisions(items, files, engine_items);
     for &i in engine_items {
         let it = &items[i];
         if job_file[it.src] == u32::MAX {
-            job_file[it.src] = job_files.len() as u32;
-            job_files.push(&*files[it.src].fds);
+            job_file[it.src] = plan.files.len() as u32;
+            plan.files.push(match files[it.src] {
+                Src::Open(f) => JobFile::Open(&f.fds),
+                Src::Lazy(l, _) => {
+                    plan.lazy.push(LazyFile {
+                        path: l.path.clone(),
+                        want_direct: l.want_direct,
+                        id: l.id,
+                    });
+                    plan.pieces.push(0);
+                    JobFile::Lazy(plan.lazy.len() - 1)
+                }
+            });
         }
         let direct = direct_of[i];
-        any_direct |= direct;
+        plan.any_direct |= direct;
         let at = Task {
             file: job_file[it.src],
             buf: it.dst as u32,
@@ -1256,8 +1653,9 @@ fn plan_engine_job<'f>(
             buf_off: it.dst_offset,
             ..Task::default()
         };
+        let before = plan.tasks.len();
         plan_item(
-            &mut tasks,
+            &mut plan.tasks,
             at,
             it.file_offset,
             it.len,
@@ -1265,12 +1663,59 @@ fn plan_engine_job<'f>(
             Dir::Read,
             direct,
         );
+        if let JobFile::Lazy(k) = plan.files[job_file[it.src] as usize] {
+            plan.pieces[k] += plan.tasks.len() - before;
+        }
     }
-    EnginePlan {
-        files: job_files,
-        tasks,
-        any_direct,
+    plan
+}
+
+/// The window the engine job of `plan` opens its lazy files through, for `threads` workers
+/// (`None` when it has none): as large as `io::window_size` allows in the descriptor table as
+/// it is now (growing it once only when it has no room for one file per worker).
+fn window_for(plan: &mut EnginePlan<'_>, threads: usize) -> Option<FdWindow> {
+    if plan.lazy.is_empty() {
+        return None;
     }
+    let per_file = 1 + usize::from(plan.lazy.iter().any(|f| f.want_direct));
+    let room = io::fd_room();
+    let (limit, grow) = io::window_size(threads, per_file, room);
+    if grow {
+        io::grow_for_window(limit, per_file, room);
+    }
+    engine::trace::mark(|| {
+        format!(
+            "ReadBatch: descriptor window of {limit} files ({per_file} descriptors each) for {threads} workers and {} files; table {} slots, {} open, soft limit {}{}",
+            plan.lazy.len(),
+            room.table.map_or("?".to_string(), |t| t.to_string()),
+            room.open,
+            room.limit,
+            if grow { "; the table grows once for it" } else { "" }
+        )
+    });
+    Some(FdWindow::new(
+        std::mem::take(&mut plan.lazy),
+        std::mem::take(&mut plan.pieces),
+        limit,
+    ))
+}
+
+/// Traces what a job's window did.
+fn trace_window(w: &FdWindow) {
+    engine::trace::mark(|| {
+        let s = w.stats();
+        format!(
+            "ReadBatch: window of {} files: {} opens ({} reopens after their file was closed for room), at most {} open at once, {} waits for room, {} retries after EMFILE; opens {:.3} ms and closes {:.3} ms in all, on the workers",
+            w.limit(),
+            s.opens,
+            s.reopens,
+            s.peak,
+            s.waits,
+            s.retries,
+            s.open_us as f64 / 1e3,
+            s.close_us as f64 / 1e3
+        )
+    });
 }
 
 /// Records what the engine job did for each of its items (the others, cuFile's and empty
@@ -1280,14 +1725,14 @@ fn plan_engine_job<'f>(
 fn engine_results(
     outcomes: Vec<engine::ItemOutcome>,
     items: &[ReadItem_],
-    files: &[&GpuFile],
+    files: &[Src<'_>],
     cut: bool,
     moved: &mut [usize],
     complete: &mut [bool],
     failed: &mut Vec<(usize, Error)>,
 ) {
     for (k, o) in outcomes.into_iter().enumerate() {
-        if files[items[k].src].cufile.is_some() || items[k].len == 0 {
+        if files[items[k].src].cufile().is_some() || items[k].len == 0 {
             continue;
         }
         moved[k] = o.moved;
@@ -1312,8 +1757,8 @@ fn engine_results(
 /// range below `AUTO_DIRECT_MIN`, as 10k small files; O_DIRECT off, on or unavailable)
 /// decides without allocating. With a list and two vectors per file, 6,000 one-item sources
 /// took 1.1–1.5 ms on a 2-core build machine; this way 0.46–0.50 ms (not measured on a GPU
-/// machine).
-fn direct_decisions(items: &[ReadItem_], files: &[&GpuFile], engine_items: &[usize]) -> Vec<bool> {
+/// machine). A file the window opens was decided when it was checked ([`LazySrc::direct`]).
+fn direct_decisions(items: &[ReadItem_], files: &[Src<'_>], engine_items: &[usize]) -> Vec<bool> {
     let mut direct_of = vec![false; items.len()];
     let mut order = engine_items.to_vec();
     // Stable: a source's items stay in their order.
@@ -1326,22 +1771,34 @@ fn direct_decisions(items: &[ReadItem_], files: &[&GpuFile], engine_items: &[usi
             .iter()
             .take_while(|&&i| items[i].src == src)
             .count();
-        let (f, mine) = (files[src], &order[k..e]);
-        let longest = mine.iter().map(|&i| items[i].len).max().unwrap_or(0);
-        match f.direct_unsampled(longest) {
-            // No sample for the longest range: none for the shorter ones either, and the same
-            // answer (no O_DIRECT descriptor, `Off` or `On`: whatever the length; `Auto`:
-            // every range is below the threshold).
-            Some(d) => {
-                for &i in mine {
-                    direct_of[i] = d;
+        let mine = &order[k..e];
+        match files[src] {
+            Src::Lazy(l, _) => {
+                // Every item of a lazy source is the engine's: its decisions, in item order.
+                if let Some(d) = &l.direct {
+                    for (&i, &d) in mine.iter().zip(d) {
+                        direct_of[i] = d;
+                    }
                 }
             }
-            None => {
-                ranges.clear();
-                ranges.extend(mine.iter().map(|&i| (items[i].file_offset, items[i].len)));
-                for (&i, d) in mine.iter().zip(f.read_direct_many(&ranges)) {
-                    direct_of[i] = d;
+            Src::Open(f) => {
+                let longest = mine.iter().map(|&i| items[i].len).max().unwrap_or(0);
+                match f.direct_unsampled(longest) {
+                    // No sample for the longest range: none for the shorter ones either, and
+                    // the same answer (no O_DIRECT descriptor, `Off` or `On`: whatever the
+                    // length; `Auto`: every range is below the threshold).
+                    Some(d) => {
+                        for &i in mine {
+                            direct_of[i] = d;
+                        }
+                    }
+                    None => {
+                        ranges.clear();
+                        ranges.extend(mine.iter().map(|&i| (items[i].file_offset, items[i].len)));
+                        for (&i, d) in mine.iter().zip(f.read_direct_many(&ranges)) {
+                            direct_of[i] = d;
+                        }
+                    }
                 }
             }
         }
@@ -1865,6 +2322,19 @@ mod tests {
         items: &[(&FsPath, u64, usize, usize, usize)],
         dsts: &mut [Vec<u8>],
     ) -> Result<()> {
+        host_batch_with(options, items, dsts, |_| {}, |_| {})
+    }
+
+    /// [`host_batch`], calling `checked` after the checks (before the job) and `window`
+    /// with the job's window once it exists (a test installs its hooks there); the window's
+    /// limit and what it did are left in `LAST_WINDOW`.
+    fn host_batch_with(
+        options: GpuFileOptions,
+        items: &[(&FsPath, u64, usize, usize, usize)],
+        dsts: &mut [Vec<u8>],
+        checked: impl FnOnce(&Sources<'_, '_>),
+        window: impl FnOnce(&mut FdWindow),
+    ) -> Result<()> {
         let mut srcs: Vec<Source<'_>> = Vec::new();
         let mut by_path: HashMap<PathBuf, usize> = HashMap::new();
         let items: Vec<ReadItem_> = items
@@ -1888,24 +2358,32 @@ mod tests {
         let sources = Sources::prepare(&srcs, &items, &options, &eng, threads, None)?;
         let dst_len: Vec<usize> = dsts.iter().map(|d| d.len()).collect();
         check_items(&items, &sources, &dst_len, 0)?;
-        let files: Vec<&GpuFile> = (0..srcs.len()).map(|s| sources.file(s)).collect();
+        checked(&sources);
+        let files: Vec<Src<'_>> = (0..srcs.len()).map(|s| sources.src(s)).collect();
         let engine_items: Vec<usize> = (0..items.len())
-            .filter(|&i| files[items[i].src].cufile.is_none())
+            .filter(|&i| files[items[i].src].cufile().is_none())
             .collect();
         assert_eq!(
             engine_items.len(),
             items.len(),
             "a file went through cuFile"
         );
-        let piece = files[items[0].src].cfg.piece_size();
-        let plan = plan_engine_job(&items, &files, &engine_items, piece);
+        let first = files[items[0].src];
+        let piece = first.cfg().piece_size();
+        let mut plan = plan_engine_job(&items, &files, &engine_items, piece);
+        let threads = threads_for(first.cfg(), None, plan.any_direct);
+        let mut win = window_for(&mut plan, threads);
+        if let Some(w) = win.as_mut() {
+            window(w);
+        }
         let bufs = dsts.iter_mut().map(|d| Mem::Host(d.as_mut_ptr())).collect();
         // SAFETY: each buffer is a `dsts` vector, borrowed mutably until the job returned;
         // every task lies inside its item's destination range, which check_items checked to fit
-        // its buffer and to overlap no other item's.
+        // its buffer and to overlap no other item's. The window outlives the job.
         let job = unsafe {
-            engine::Job::batch(
+            engine::Job::batch_windowed(
                 plan.files,
+                win.as_ref(),
                 bufs,
                 items.len(),
                 plan.tasks,
@@ -1915,6 +2393,10 @@ mod tests {
             )
         };
         let out = eng.run(job, threads)?;
+        if let Some(w) = &win {
+            LAST_WINDOW.with(|l| l.set(Some((w.limit(), w.stats()))));
+        }
+        drop(win);
         let (mut moved, mut complete, mut failed) =
             (vec![0; items.len()], vec![false; items.len()], Vec::new());
         engine_results(
@@ -1936,6 +2418,13 @@ mod tests {
             });
         }
         Ok(())
+    }
+
+    thread_local! {
+        /// The window of this thread's last `host_batch` job that had one: its limit and
+        /// what it did.
+        static LAST_WINDOW: std::cell::Cell<Option<(usize, engine::window::WindowStats)>> =
+            const { std::cell::Cell::new(None) };
     }
 
     /// Descriptors this process holds now (`/proc/self/fd`, less the one that lists them);
@@ -2047,10 +2536,216 @@ mod tests {
             panic!("destination byte {i} differs from the files");
         }
         std::fs::remove_dir_all(&dir).unwrap();
+        // Every file was opened when the job reached it, once (its pieces come one after
+        // another: none is closed for room), and never more at once than the window holds.
+        let (window, stats) = LAST_WINDOW
+            .with(|l| l.get())
+            .expect("the batch's files went through a window");
+        assert!(stats.peak <= window, "{stats:?} in a window of {window}");
+        assert_eq!((stats.opens, stats.reopens), (n, 0), "{stats:?}");
+        if limit.is_some() {
+            // Alone in this process: the descriptors it held are the window's (one per file).
+            let most = most.expect("descriptors ran out during the batch");
+            assert!(
+                most <= before + window,
+                "{most} descriptors open during the batch, {before} before, in a window of {window}"
+            );
+        }
         println!(
-            "read {n} files ({} items, {end} bytes), soft RLIMIT_NOFILE {limit:?}: {before} descriptors open before, at most {most:?} during",
+            "read {n} files ({} items, {end} bytes), soft RLIMIT_NOFILE {limit:?}: {before} descriptors open before, at most {most:?} during, window of {window}: {stats:?}",
             want.len()
         );
+    }
+
+    /// A batch whose files include a directory, a FIFO, a missing file, an unreadable one, a
+    /// `/proc` file (size unknown) or an item past end of file is refused at the first bad
+    /// item (in the order added) before any byte moves, with the errno `open` would give (from
+    /// `stat` and `faccessat`: no file is held open), the file named; an empty file's empty
+    /// item is fine. (Run as root, the unreadable file is readable: then the batch reads it.)
+    #[test]
+    fn a_batch_with_a_bad_file_among_its_files_is_refused_and_moves_nothing() {
+        let dir = crate::storage::testkit::scratch("batch-bad");
+        std::fs::create_dir_all(&dir).unwrap();
+        let mut good = Vec::new();
+        for k in 0..6 {
+            let p = dir.join(format!("g{k}"));
+            std::fs::write(&p, crate::storage::testkit::random(1000 + k, k as u64)).unwrap();
+            good.push(p);
+        }
+        let fifo = dir.join("fifo");
+        let c = std::ffi::CString::new(fifo.as_os_str().as_encoded_bytes()).unwrap();
+        // SAFETY: a NUL-terminated path.
+        assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+        let sub = dir.join("sub");
+        std::fs::create_dir(&sub).unwrap();
+        let locked = dir.join("locked");
+        std::fs::write(&locked, b"no reading").unwrap();
+        std::fs::set_permissions(&locked, std::os::unix::fs::PermissionsExt::from_mode(0o000))
+            .unwrap();
+        let readable_anyway = std::fs::File::open(&locked).is_ok();
+        let empty = dir.join("empty");
+        std::fs::write(&empty, b"").unwrap();
+        let missing = dir.join("missing");
+        let proc_file = FsPath::new("/proc/version");
+        let options = || GpuFile::options().fallback(crate::path::FallbackPolicy::Allow);
+        // (what, the bad file, its item's offset and length, what the refusal says)
+        let cases: [(&str, &FsPath, u64, usize, &str); 6] = [
+            (
+                "a directory",
+                &sub,
+                0,
+                10,
+                "is a directory, not a regular file",
+            ),
+            ("a FIFO", &fifo, 0, 10, "is a FIFO, not a regular file"),
+            ("a missing file", &missing, 0, 10, "stat on"),
+            ("an unreadable file", &locked, 0, 10, "faccessat on"),
+            (
+                "a file of unknown size",
+                proc_file,
+                0,
+                10,
+                "size is unknown",
+            ),
+            (
+                "an item past end of file",
+                &good[5],
+                1000,
+                10,
+                "the file ends after 5",
+            ),
+        ];
+        for (what, bad, off, len, says) in cases {
+            // Three good files, the bad one as item 3, two more good ones, an empty item.
+            let mut items: Vec<(&FsPath, u64, usize, usize, usize)> = good[..3]
+                .iter()
+                .enumerate()
+                .map(|(k, p)| (p.as_path(), 0, 1000, 0, k * 1000))
+                .collect();
+            items.push((bad, off, len, 0, 3000));
+            items.extend(
+                good[3..5]
+                    .iter()
+                    .enumerate()
+                    .map(|(k, p)| (p.as_path(), 0, 1000, 0, 4000 + k * 1000)),
+            );
+            items.push((&empty, 0, 0, 0, 6000));
+            let mut dsts = vec![vec![0xA5u8; 7000]];
+            let r = host_batch(options(), &items, &mut dsts);
+            if what == "an unreadable file" && readable_anyway {
+                r.unwrap_or_else(|e| panic!("{what}, readable by this process: {e}"));
+                continue;
+            }
+            match r {
+                Err(Error::BatchRefused { index: 3, source }) => {
+                    let msg = source.to_string();
+                    assert!(msg.contains(says), "{what}: {msg}");
+                    assert!(
+                        msg.contains(&bad.display().to_string()),
+                        "{what}: the error does not name the file: {msg}"
+                    );
+                }
+                other => panic!("{what}: {other:?}"),
+            }
+            assert!(
+                dsts[0].iter().all(|&b| b == 0xA5),
+                "{what}: a refused batch moved bytes"
+            );
+        }
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// Files that change between the batch's check and the job's read fail their items only,
+    /// each with an error naming the file (deleted: `open`'s NotFound; replaced by another
+    /// file; replaced by a FIFO, without blocking; truncated: end of file), every other item
+    /// complete, every one of its bytes checked; a file split into pieces among them.
+    #[test]
+    fn files_changed_between_the_check_and_the_read_fail_their_items_only() {
+        let dir = crate::storage::testkit::scratch("batch-changed");
+        std::fs::create_dir_all(&dir).unwrap();
+        let n = 12;
+        let files: Vec<(PathBuf, Vec<u8>)> = (0..n)
+            .map(|k| {
+                let p = dir.join(format!("f{k}"));
+                let data = crate::storage::testkit::random(20_000 + 37 * k, 90 + k as u64);
+                std::fs::write(&p, &data).unwrap();
+                (p, data)
+            })
+            .collect();
+        let mut at = 0;
+        let mut want = Vec::new();
+        for (k, (_, data)) in files.iter().enumerate() {
+            want.push((k, at));
+            at += data.len();
+        }
+        let items: Vec<(&FsPath, u64, usize, usize, usize)> = want
+            .iter()
+            .map(|&(k, at)| (files[k].0.as_path(), 0, files[k].1.len(), 0, at))
+            .collect();
+        let mut dsts = vec![vec![0xA5u8; at]];
+        let (deleted, replaced, fifo, truncated) = (2, 5, 7, 9);
+        let r = host_batch_with(
+            GpuFile::options()
+                .task_size(4096)
+                .bounce_size(4096)
+                .fallback(crate::path::FallbackPolicy::Allow),
+            &items,
+            &mut dsts,
+            |_| {
+                std::fs::remove_file(&files[deleted].0).unwrap();
+                let other = dir.join("other");
+                std::fs::write(&other, &files[replaced].1).unwrap();
+                std::fs::rename(&other, &files[replaced].0).unwrap();
+                std::fs::remove_file(&files[fifo].0).unwrap();
+                let c =
+                    std::ffi::CString::new(files[fifo].0.as_os_str().as_encoded_bytes()).unwrap();
+                // SAFETY: a NUL-terminated path.
+                assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+                std::fs::OpenOptions::new()
+                    .write(true)
+                    .open(&files[truncated].0)
+                    .unwrap()
+                    .set_len(5000)
+                    .unwrap();
+            },
+            |_| {},
+        );
+        let Err(Error::BatchFailed { total, failed }) = r else {
+            panic!("not a failed batch: {r:?}");
+        };
+        assert_eq!(total, n);
+        let which: Vec<usize> = failed.iter().map(|f| f.0).collect();
+        assert_eq!(
+            which,
+            vec![deleted, replaced, fifo, truncated],
+            "{failed:?}"
+        );
+        for (i, e) in &failed {
+            let Error::Io { op, path, source } = e else {
+                panic!("item {i}: not an Error::Io: {e}");
+            };
+            assert_eq!(
+                path.as_deref(),
+                Some(files[*i].0.as_path()),
+                "item {i}: {e}"
+            );
+            let kind = source.kind();
+            match *i {
+                i if i == deleted => {
+                    assert_eq!((*op, kind), ("open", std::io::ErrorKind::NotFound), "{e}")
+                }
+                i if i == replaced => assert!(e.to_string().contains("another file"), "{e}"),
+                i if i == fifo => assert!(e.to_string().contains("a FIFO"), "{e}"),
+                _ => assert_eq!(kind, std::io::ErrorKind::UnexpectedEof, "{e}"),
+            }
+        }
+        for &(k, at) in &want {
+            if !which.contains(&k) {
+                let len = files[k].1.len();
+                assert!(dsts[0][at..at + len] == files[k].1[..], "item {k} differs");
+            }
+        }
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     /// A batch of more files than the process may hold open at once (2000 files, soft
@@ -2102,6 +2797,7 @@ mod tests {
             files.push(f);
         }
         let files: Vec<&GpuFile> = files.iter().collect();
+        let srcs: Vec<Src<'_>> = files.iter().map(|f| Src::Open(f)).collect();
         for round in 0..20 {
             let items: Vec<ReadItem_> = (0..rng.random_range(1..60))
                 .map(|_| {
@@ -2135,7 +2831,7 @@ mod tests {
                 }
             }
             assert_eq!(
-                direct_decisions(&items, &files, &engine_items),
+                direct_decisions(&items, &srcs, &engine_items),
                 want,
                 "round {round}"
             );

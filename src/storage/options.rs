@@ -32,6 +32,15 @@ pub struct GpuFileOptions {
     durable: bool,
 }
 
+/// What [`GpuFileOptions::unopened`] gives.
+#[derive(Debug, Clone)]
+pub(super) struct Unopened {
+    pub backend: Backend,
+    pub cfg: StorageConfig,
+    pub policy: FallbackPolicy,
+    pub device: Option<usize>,
+}
+
 impl Default for GpuFileOptions {
     /// As [`GpuFile::options`].
     fn default() -> Self {
@@ -184,6 +193,34 @@ impl GpuFileOptions {
     /// The settings so far (not yet checked).
     pub(super) fn config_ref(&self) -> &StorageConfig {
         &self.config
+    }
+
+    /// What [`open`](Self::open) would decide before opening any file, for a batch that reads
+    /// files by path without opening them up front: the backend, the checked settings and the
+    /// fallback policy (their errors are `open`'s), and the device. `Ok(None)` when `open`
+    /// would write, create or truncate (such a batch opens its files up front, as `open`).
+    pub(super) fn unopened(&self) -> Result<Option<Unopened>> {
+        if self.write || self.create || self.truncate {
+            return Ok(None);
+        }
+        if self.env_invalid {
+            StorageConfig::from_env()?;
+        }
+        let cfg = self
+            .config
+            .clone()
+            .checked()
+            .map_err(super::config::OutOfRange::api_error)?;
+        let policy = match self.fallback {
+            Some(p) => p,
+            None => FallbackPolicy::global()?,
+        };
+        Ok(Some(Unopened {
+            backend: self.backend,
+            cfg,
+            policy,
+            device: self.device,
+        }))
     }
 
     /// Opens `path` and decides the backend for device transfers.

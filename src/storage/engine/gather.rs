@@ -287,7 +287,8 @@ impl GatherJob {
                 for i in seg.tasks.clone() {
                     let item = job.tasks[i].item;
                     let err = first.take().unwrap_or_else(|| {
-                        job.fds(&whole).err(
+                        job.file_err(
+                            &whole,
                             "pwrite",
                             std::io::Error::new(
                                 kind,

@@ -34,6 +34,8 @@ pub(in crate::storage) struct Fds {
     pub len_at_open: u64,
     /// The device of its filesystem (`st_dev`, fixed for an open file).
     pub dev: u64,
+    /// Its inode number (`st_ino`): with `dev`, which file it is.
+    pub ino: u64,
 }
 
 impl Fds {
@@ -91,6 +93,7 @@ impl Fds {
             writable: mode.write,
             len_at_open: meta.len(),
             dev: std::os::unix::fs::MetadataExt::dev(&meta),
+            ino: std::os::unix::fs::MetadataExt::ino(&meta),
         })
     }
 
@@ -132,6 +135,51 @@ fn not_a_file(ft: std::fs::FileType) -> Option<&'static str> {
     } else {
         Some("not a regular file")
     }
+}
+
+/// What the check of a file by path found (see [`stat_readable`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(in crate::storage) struct PathStat {
+    /// `st_size`.
+    pub len: u64,
+    /// `st_dev`, `st_ino`: which file it is.
+    pub dev: u64,
+    pub ino: u64,
+}
+
+/// Checks `path` for reading without opening it: `stat` (following links, as `open` does), a
+/// regular file (else the [`Error::InvalidArgument`] [`Fds::open_with`] gives), readable by this
+/// process (`faccessat` with the effective ids, `R_OK`: the permission check `open` would
+/// make). A path that does not exist is the `stat`'s [`Error::Io`], one that is not readable
+/// the `faccessat`'s (the errno `open` would give).
+pub(in crate::storage) fn stat_readable(path: &FsPath) -> Result<PathStat> {
+    use std::os::unix::ffi::OsStrExt;
+    use std::os::unix::fs::MetadataExt;
+    let meta =
+        std::fs::metadata(path).map_err(|e| Error::io("stat", Some(path.to_path_buf()), e))?;
+    if let Some(what) = not_a_file(meta.file_type()) {
+        return Err(not_regular(path, what));
+    }
+    let c = std::ffi::CString::new(path.as_os_str().as_bytes()).map_err(|_| {
+        Error::io(
+            "open",
+            Some(path.to_path_buf()),
+            io::Error::new(io::ErrorKind::InvalidInput, "the path holds a NUL byte"),
+        )
+    })?;
+    // SAFETY: a NUL-terminated path; no other pointer.
+    if unsafe { libc::faccessat(libc::AT_FDCWD, c.as_ptr(), libc::R_OK, libc::AT_EACCESS) } != 0 {
+        return Err(Error::io(
+            "faccessat",
+            Some(path.to_path_buf()),
+            io::Error::last_os_error(),
+        ));
+    }
+    Ok(PathStat {
+        len: meta.len(),
+        dev: meta.dev(),
+        ino: meta.ino(),
+    })
 }
 
 fn not_regular(path: &FsPath, what: &str) -> Error {
@@ -256,6 +304,75 @@ fn grow_fd_table(target: usize, files: usize) {
     }
     // SAFETY: closing our own descriptor.
     unsafe { libc::close(src) };
+}
+
+/// This process's descriptor table now, as far as a batch's window needs it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(in crate::storage) struct FdRoom {
+    /// Descriptor slots the table has (`FDSize` in `/proc/self/status`; `None` when unknown).
+    pub table: Option<usize>,
+    /// Descriptors open (`/proc/self/fd`; else the lowest free descriptor).
+    pub open: usize,
+    /// The soft `RLIMIT_NOFILE` (`usize::MAX`: unlimited or unknown).
+    pub limit: usize,
+}
+
+/// The process's descriptor table: its size, what is open, the soft limit (about 50 µs: two
+/// small `/proc` reads).
+pub(in crate::storage) fn fd_room() -> FdRoom {
+    let table = std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find_map(|l| l.strip_prefix("FDSize:"))
+                .and_then(|v| v.trim().parse().ok())
+        });
+    let open = match std::fs::read_dir("/proc/self/fd") {
+        // Less the descriptor that lists them.
+        Ok(d) => d.count().saturating_sub(1),
+        Err(_) => lowest_free_fd().unwrap_or(64),
+    };
+    FdRoom {
+        table,
+        open,
+        limit: soft_fd_limit(),
+    }
+}
+
+/// Descriptors kept free beside a batch's window, for the rest of the process.
+const FD_MARGIN: usize = 8;
+
+/// How many files a job's window holds open at once, `per_file` descriptors each, for
+/// `threads` workers, in a process whose table is `room`: twice the workers while the free
+/// slots of the table allow it (no growth), at least one per worker when the table must grow
+/// for that (then it grows once, here: `grow`), and fewer only when `RLIMIT_NOFILE` allows no
+/// more (at least 1). Returns the window and whether the table must grow to hold it.
+pub(in crate::storage) fn window_size(
+    threads: usize,
+    per_file: usize,
+    room: FdRoom,
+) -> (usize, bool) {
+    let per = per_file.max(1);
+    let threads = threads.max(1);
+    let want = 2 * threads;
+    let under_limit = room.limit.saturating_sub(room.open + FD_MARGIN) / per;
+    // Without a known table size, assume the smallest the kernel keeps (64 slots).
+    let table = room.table.unwrap_or(64);
+    let in_table = table.saturating_sub(room.open + FD_MARGIN) / per;
+    let fits = in_table.min(under_limit);
+    if fits >= threads {
+        (want.min(fits), false)
+    } else if under_limit >= threads {
+        (want.min(under_limit), true)
+    } else {
+        (under_limit.max(1), false)
+    }
+}
+
+/// Grows the table (once) to hold a window of `files` files of `per_file` descriptors beside
+/// what is open now.
+pub(in crate::storage) fn grow_for_window(files: usize, per_file: usize, room: FdRoom) {
+    grow_fd_table(room.open + files * per_file.max(1) + FD_MARGIN, files);
 }
 
 /// One positional read (`pread(2)`), the seam the read loops are tested through.

@@ -65,6 +65,7 @@ pub(in crate::storage) mod pool;
 pub(in crate::storage) mod segment;
 pub(in crate::storage) mod small;
 pub(in crate::storage) mod trace;
+pub(in crate::storage) mod window;
 pub(in crate::storage) mod worker;
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
@@ -81,6 +82,7 @@ use crate::storage::config::DIRECT_ALIGN;
 use io::Fds;
 use plan::{direct_read_span, Task};
 use pool::{Pool, PoolConfig};
+use window::FdWindow;
 use worker::WorkerState;
 
 /// The most workers one engine runs (the cap of `GPUDIRECT_NTHREADS` and
@@ -179,9 +181,37 @@ pub(in crate::storage) enum Target {
     },
 }
 
+/// A file of a job.
+#[derive(Debug, Clone, Copy)]
+pub(in crate::storage) enum JobFile<'a> {
+    /// Open for the whole job.
+    Open(&'a Fds),
+    /// File `k` of the job's [`FdWindow`]: opened when a piece of it is read (see
+    /// [`window`]).
+    Lazy(usize),
+}
+
+/// A task's file, open while the task holds it.
+pub(in crate::storage) enum FileRef<'j> {
+    Open(&'j Fds),
+    Held(window::Held<'j>),
+}
+
+impl std::ops::Deref for FileRef<'_> {
+    type Target = Fds;
+    fn deref(&self) -> &Fds {
+        match self {
+            FileRef::Open(f) => f,
+            FileRef::Held(h) => h,
+        }
+    }
+}
+
 /// One transfer in flight: the files, the buffers, the plan and the results per task and item.
 pub(in crate::storage) struct Job<'a> {
-    files: Vec<&'a Fds>,
+    files: Vec<JobFile<'a>>,
+    /// Where the [`JobFile::Lazy`] files are opened.
+    window: Option<&'a FdWindow>,
     tasks: Vec<Task>,
     piece: usize,
     op: Op,
@@ -354,12 +384,38 @@ impl<'a> Job<'a> {
         op: Op,
         ctx: Option<Arc<CudaContext>>,
     ) -> Self {
+        let files = files.into_iter().map(JobFile::Open).collect();
+        // SAFETY: forwarded contract.
+        unsafe { Self::batch_windowed(files, None, bufs, items, tasks, piece, op, ctx) }
+    }
+
+    /// [`batch`](Self::batch) over files of which the [`JobFile::Lazy`] ones are opened by
+    /// `window` as the job reads them (read jobs only: a write job's files are all open).
+    ///
+    /// # Safety
+    /// As [`batch`](Self::batch).
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn batch_windowed(
+        files: Vec<JobFile<'a>>,
+        window: Option<&'a FdWindow>,
+        bufs: Vec<Mem>,
+        items: usize,
+        tasks: Vec<Task>,
+        piece: usize,
+        op: Op,
+        ctx: Option<Arc<CudaContext>>,
+    ) -> Self {
         debug_assert!(tasks.iter().all(|t| (t.file as usize) < files.len()
             && (t.buf as usize) < bufs.len()
             && (t.item as usize) < items));
+        debug_assert!(files.iter().all(|f| match f {
+            JobFile::Open(_) => true,
+            JobFile::Lazy(k) => op == Op::Read && window.is_some_and(|w| *k < w.len()),
+        }));
         let done = tasks.iter().map(|_| AtomicUsize::new(0)).collect();
         Job {
             files,
+            window,
             tasks,
             piece,
             op,
@@ -627,8 +683,43 @@ impl<'a> Job<'a> {
         Ok(())
     }
 
-    fn fds(&self, t: &Task) -> &Fds {
-        self.files[t.file as usize]
+    /// Task `t`'s file, for the task to read: opened by the job's window when it is lazy
+    /// (an [`Error::Io`] naming it when it does not open: a file error of the task's item).
+    /// Every task that is taken either holds this while it reads or calls
+    /// [`skip_file`](Self::skip_file), so that the window closes each file after its last
+    /// piece.
+    fn file(&self, t: &Task) -> Result<FileRef<'_>> {
+        match self.files[t.file as usize] {
+            JobFile::Open(f) => Ok(FileRef::Open(f)),
+            JobFile::Lazy(k) => match self.window {
+                Some(w) => w.acquire(k).map(FileRef::Held),
+                None => Err(internal("a lazily opened file without its window")),
+            },
+        }
+    }
+
+    /// Task `t` is taken but not read (its item failed already).
+    fn skip_file(&self, t: &Task) {
+        if let (JobFile::Lazy(k), Some(w)) = (self.files[t.file as usize], self.window) {
+            w.skip(k);
+        }
+    }
+
+    /// Task `t`'s file when it is open for the whole job (every file of a write job).
+    fn open_fds(&self, t: &Task) -> Result<&Fds> {
+        match self.files[t.file as usize] {
+            JobFile::Open(f) => Ok(f),
+            JobFile::Lazy(_) => Err(internal("a write to a lazily opened file")),
+        }
+    }
+
+    /// An [`Error::Io`] of `op` on task `t`'s file.
+    fn file_err(&self, t: &Task, op: &'static str, e: std::io::Error) -> Error {
+        match (self.files[t.file as usize], self.window) {
+            (JobFile::Open(f), _) => f.err(op, e),
+            (JobFile::Lazy(k), Some(w)) => Error::io(op, Some(w.path(k).to_path_buf()), e),
+            (JobFile::Lazy(_), None) => Error::io(op, None, e),
+        }
     }
 
     fn dev_ptr(&self, buf: u32, off: usize) -> Result<sys::CUdeviceptr> {
@@ -642,16 +733,16 @@ impl<'a> Job<'a> {
         }
     }
 
-    /// Reads task `t` into the span that starts at `span` (an O_DIRECT task: its aligned
-    /// over-read span, `span` aligned; a buffered one: its payload). Returns the payload bytes,
-    /// which start at `span + head` for tasks planned direct (also when they fall back to
-    /// buffered IO) and at `span` otherwise; short only at end of file.
+    /// Reads task `t` of file `fds` (its [`file`](Self::file)) into the span that starts at
+    /// `span` (an O_DIRECT task: its aligned over-read span, `span` aligned; a buffered one:
+    /// its payload). Returns the payload bytes, which start at `span + head` for tasks planned
+    /// direct (also when they fall back to buffered IO) and at `span` otherwise; short only at
+    /// end of file.
     ///
     /// # Safety
     /// `span` must be writable for the task's span length ([`direct_read_span`] for direct
     /// tasks, `t.len` otherwise) and not be touched by anyone else during the call.
-    unsafe fn read_span(&self, t: &Task, span: *mut u8) -> Result<usize> {
-        let fds = self.fds(t);
+    unsafe fn read_span(&self, fds: &Fds, t: &Task, span: *mut u8) -> Result<usize> {
         if !t.direct {
             // SAFETY: span holds t.len bytes (contract).
             return unsafe { io::pread_full(&fds.buffered, span, t.len, t.file_off) }
@@ -1149,14 +1240,16 @@ impl Engine {
 
     /// Builds (or reuses) the segment ring for `ctx` and faults in and page-locks, whole, as
     /// many of its first slots as `bytes` fill (at most the ring's), on up to `threads`
-    /// workers, while the calling thread runs `caller` (a batch makes room in its descriptor
-    /// table meanwhile: an RCU grace period the workers need not wait for). Starts the workers
-    /// too. The job that follows finds those slots locked and copies a segment as soon as it is
-    /// read. `caller` runs exactly once whatever this returns (on an error before the workers
+    /// workers, while the calling thread runs `caller` and each worker, once it has faulted
+    /// in its share, runs `beside` (a batch checks its files by path on both meanwhile).
+    /// Starts the workers too; `beside` is not run when this fails before they start. The job
+    /// that follows finds those slots locked and copies a segment as soon as it is read.
+    /// `caller` runs exactly once whatever this returns (on an error before the workers
     /// start, on the calling thread before returning). A caller panic propagates (after the
     /// workers are done); a worker panic is an `Err`. An error leaves the ring unbuilt or
     /// partly locked: the job that follows builds and locks what it needs and reports its own
     /// error, so a caller may treat this as best effort.
+    #[allow(clippy::too_many_arguments)]
     pub fn prepare_segments_beside(
         &self,
         ctx: &Arc<CudaContext>,
@@ -1165,6 +1258,7 @@ impl Engine {
         bytes: usize,
         threads: usize,
         caller: impl FnOnce(),
+        beside: &(dyn Fn() + Sync),
     ) -> Result<()> {
         let t0 = trace::now_us();
         let seg_bytes = segment::tasks_per_segment(p.segment_size, piece) * piece;
@@ -1175,7 +1269,7 @@ impl Engine {
             Ok((current, res))
         });
         let r = match built {
-            Ok((_current, res)) => res.pin_first(&self.pool, threads, slots, caller),
+            Ok((_current, res)) => res.pin_first(&self.pool, threads, slots, caller, beside),
             Err(e) => {
                 caller();
                 Err(e)
@@ -1467,7 +1561,7 @@ fn is_einval(e: &std::io::Error) -> bool {
 
 /// Writes task `t` from `buf` (`t.len` bytes; aligned when `t.direct`).
 fn write_task(job: &Job<'_>, t: &Task, buf: *const u8) -> Result<()> {
-    let fds = job.fds(t);
+    let fds = job.open_fds(t)?;
     if t.direct && (buf as usize).is_multiple_of(DIRECT_ALIGN) {
         if let Some(d) = fds.direct() {
             // SAFETY: buf is readable for t.len bytes (caller).
@@ -1500,11 +1594,18 @@ fn host_ptr(job: &Job<'_>, t: &Task) -> Result<*mut u8> {
 fn host_read(ws: &mut WorkerState, job: &Job<'_>) -> Result<()> {
     while let Some((i, t)) = job.next() {
         if job.item_failed(t.item) {
+            job.skip_file(&t);
             continue;
         }
         let user = host_ptr(job, &t)?;
-        let fds = job.fds(&t);
         let t0 = job.t_now();
+        let fds = match job.file(&t) {
+            Ok(f) => f,
+            Err(e) => {
+                job.fail_item(t.item, e)?;
+                continue;
+            }
+        };
         let straight = !t.direct
             || fds.direct().is_none()
             || (plan::is_aligned(t.file_off)
@@ -1517,18 +1618,19 @@ fn host_read(ws: &mut WorkerState, job: &Job<'_>) -> Result<()> {
         } else if straight {
             // Aligned: O_DIRECT straight into the caller's memory (the span is the task).
             // SAFETY: the span is exactly [user, user + t.len), writable.
-            unsafe { job.read_span(&t, user) }
+            unsafe { job.read_span(&fds, &t, user) }
         } else {
             ws.ensure_slot(0, job.piece, false)?;
             let b = ws.slot_ptr(0);
             let head = direct_read_span(&t).2;
             // SAFETY: b holds piece >= the span's bytes; only this worker uses it.
-            unsafe { job.read_span(&t, b) }.inspect(|&n| {
+            unsafe { job.read_span(&fds, &t, b) }.inspect(|&n| {
                 // SAFETY: b[head..head+n] was just filled; user has room for t.len >= n
                 // bytes; the bounce buffer and the caller's memory do not overlap.
                 unsafe { std::ptr::copy_nonoverlapping(b.add(head), user, n) };
             })
         };
+        drop(fds);
         if let Some(tr) = job.trace() {
             tr.io(ws.id, i, t0);
         }
@@ -1562,7 +1664,10 @@ fn host_write(ws: &mut WorkerState, job: &Job<'_>) -> Result<()> {
 /// aligned address the caller's memory does not have).
 fn write_host_task(ws: &mut WorkerState, job: &Job<'_>, t: &Task) -> Result<()> {
     let user = host_ptr(job, t)?.cast_const();
-    if t.direct && job.fds(t).direct().is_some() && !(user as usize).is_multiple_of(DIRECT_ALIGN) {
+    if t.direct
+        && job.open_fds(t)?.direct().is_some()
+        && !(user as usize).is_multiple_of(DIRECT_ALIGN)
+    {
         ws.ensure_slot(0, job.piece, false)?;
         let b = ws.slot_ptr(0);
         // SAFETY: user is readable for t.len bytes; b holds piece >= t.len bytes.
@@ -1876,6 +1981,7 @@ fn dev_read(ws: &mut WorkerState, job: &Job<'_>, ctx: &Arc<CudaContext>) -> Resu
     let r = (|| -> Result<()> {
         while let Some((i, t)) = job.next() {
             if job.item_failed(t.item) {
+                job.skip_file(&t);
                 continue;
             }
             let t0 = job.t_now();
@@ -1886,7 +1992,9 @@ fn dev_read(ws: &mut WorkerState, job: &Job<'_>, ctx: &Arc<CudaContext>) -> Resu
             let t0 = job.t_now();
             // SAFETY: the bounce buffer holds piece >= the task's span bytes and is free of
             // copies (wait_slot); only this worker uses it.
-            let got = unsafe { job.read_span(&t, bufs[s]) };
+            let got = job
+                .file(&t)
+                .and_then(|f| unsafe { job.read_span(&f, &t, bufs[s]) });
             if let Some(tr) = job.trace() {
                 tr.io(w, i, t0);
             }

@@ -47,7 +47,7 @@
 //! with nothing better to do may lock the ring beforehand, with no job running
 //! ([`Engine::prepare_segments`](super::Engine::prepare_segments) for `GpuFile::warm_up`,
 //! [`Engine::prepare_segments_beside`](super::Engine::prepare_segments_beside) while a batch
-//! makes room in its descriptor table); those lockings run on several workers at once
+//! checks its files); those lockings run on several workers at once
 //! ([`SegRes::pin_first`]), as there is no job for them to slow down.
 //!
 //! **Ring size**: a larger ring is slower in steady state, so a job never grows the ring beyond
@@ -545,13 +545,15 @@ impl SegRes {
     /// Faults in and page-locks every slot now, on `threads` workers of `pool` (for
     /// `GpuFile::warm_up`; jobs do it lazily otherwise).
     pub fn pin_all(&self, pool: &super::pool::Pool, threads: usize) -> Result<()> {
-        self.pin_first(pool, threads, self.nseg, || {})
+        self.pin_first(pool, threads, self.nseg, || {}, &|| {})
     }
 
     /// Faults in (in parallel, on `threads` workers of `pool`) and page-locks the first
     /// `slots` slots whole, while the calling thread runs `caller` (beside the faulting; it
-    /// must not wait for the workers; it runs whatever this returns). No job runs (the caller
-    /// holds the engine's ring lock). Unlike a job's lockings (one at a time), these run on up
+    /// must not wait for the workers; it runs whatever this returns). Each worker runs
+    /// `beside` once it has no more memory to fault in (work it shares with `caller`, such as
+    /// a batch's checks of its files; it must not wait for the calling thread). No job runs
+    /// (the caller holds the engine's ring lock). Unlike a job's lockings (one at a time), these run on up
     /// to `threads.min(slots)` workers at once: nothing waits for them but the caller, which
     /// has its own work beside them. An error (a failed bind or `cuMemHostRegister`, a worker
     /// that panicked) leaves the slots it did not lock for the next job to lock lazily.
@@ -561,6 +563,7 @@ impl SegRes {
         threads: usize,
         slots: usize,
         caller: impl FnOnce(),
+        beside: &(dyn Fn() + Sync),
     ) -> Result<()> {
         const CHUNK: usize = 8 << 20;
         let slots = slots.min(self.nseg);
@@ -581,6 +584,7 @@ impl SegRes {
                     unsafe { self.mem.base.add(off).write_volatile(0) };
                 }
             }
+            beside();
         };
         // A worker that panicked faulting or locking fails the preparation (the job that
         // follows locks what is left itself); it never counts as done.
@@ -1165,13 +1169,16 @@ impl<'r, R: Ring + ?Sized> SegJob<'r, R> {
                 }
             }
             let n = if job.item_failed(t.item) {
+                job.skip_file(&t);
                 0
             } else {
                 let t0 = job.t_now();
                 // SAFETY: the task's span [io_off, io_off + io_len) lies inside the slot
                 // (layout; checked by the planning tests) and no other task of this segment
                 // overlaps it; the slot is free of earlier copies (wait above).
-                let got = unsafe { job.read_span(&t, self.res.slot_ptr(r).add(p.io_off)) };
+                let got = job.file(&t).and_then(|f| unsafe {
+                    job.read_span(&f, &t, self.res.slot_ptr(r).add(p.io_off))
+                });
                 if let Some(tr) = job.trace() {
                     tr.io(w, i, t0);
                 }
