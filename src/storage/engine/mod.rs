@@ -270,7 +270,8 @@ pub(in crate::storage) struct SegParams {
 // SAFETY: the raw pointers in `bufs` address the caller's buffers, which outlive the job (the
 // caller blocks in `Engine::run`); tasks cover disjoint ranges of them and each task is taken
 // by exactly one worker (atomic counter), so no two threads touch the same bytes. The files are
-// shared read-only (`pread`/`pwrite` take `&File`).
+// shared read-only (`pread`/`pwrite` take `&File`); the window that opens the lazy ones is
+// `Sync` itself (its state is behind a mutex, its files behind `Arc`s).
 unsafe impl Sync for Job<'_> {}
 
 /// What a job did, per item.

@@ -142,6 +142,12 @@ pub(in crate::storage) struct FdWindow {
     pub before_open: Option<Box<dyn Fn(usize) + Send + Sync>>,
 }
 
+// A job shares its window among its workers (the job's `Sync` relies on this).
+const _: fn() = || {
+    fn sync<T: Sync + Send>() {}
+    sync::<FdWindow>();
+};
+
 /// How many times an open that ran out of descriptors is tried again before its piece fails.
 const EMFILE_TRIES: usize = 200;
 
