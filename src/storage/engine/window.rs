@@ -103,6 +103,9 @@ struct State {
     /// Files that were open with no reader when last seen (candidates to close for room;
     /// stale entries are skipped).
     idle: VecDeque<usize>,
+    /// Workers waiting on the condition variable (a notification is a `futex` call: made only
+    /// when someone waits).
+    waiting: usize,
 }
 
 /// What a window did (for the timing trace and the tests).
@@ -170,6 +173,7 @@ impl FdWindow {
                 left: pieces,
                 open: 0,
                 idle: VecDeque::new(),
+                waiting: 0,
             }),
             cv: Condvar::new(),
             peak: AtomicUsize::new(0),
@@ -215,8 +219,31 @@ impl FdWindow {
         self.st.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    fn wait<'g>(&self, g: MutexGuard<'g, State>) -> MutexGuard<'g, State> {
-        self.cv.wait(g).unwrap_or_else(|p| p.into_inner())
+    /// Waits for a change of the state (at most `timeout`, when given).
+    fn wait<'g>(
+        &self,
+        mut g: MutexGuard<'g, State>,
+        timeout: Option<Duration>,
+    ) -> MutexGuard<'g, State> {
+        g.waiting += 1;
+        let mut g = match timeout {
+            None => self.cv.wait(g).unwrap_or_else(|p| p.into_inner()),
+            Some(t) => {
+                self.cv
+                    .wait_timeout(g, t)
+                    .unwrap_or_else(|p| p.into_inner())
+                    .0
+            }
+        };
+        g.waiting -= 1;
+        g
+    }
+
+    /// Wakes the waiters, if any (the state changed under `g`).
+    fn notify(&self, g: &State) {
+        if g.waiting > 0 {
+            self.cv.notify_all();
+        }
     }
 
     /// Closes `fds` (outside the lock), timing it when tracing.
@@ -310,7 +337,7 @@ impl FdWindow {
                         ),
                     ))
                 }
-                Slot::Opening => st = self.wait(st),
+                Slot::Opening => st = self.wait(st, None),
                 Slot::Closed { opened_before } => {
                     let again = *opened_before;
                     if st.open >= self.limit {
@@ -322,7 +349,7 @@ impl FdWindow {
                             }
                             None => {
                                 self.waits.fetch_add(1, Ordering::Relaxed);
-                                st = self.wait(st);
+                                st = self.wait(st, None);
                             }
                         }
                         continue;
@@ -344,7 +371,7 @@ impl FdWindow {
                                 fds: fds.clone(),
                                 users: 1,
                             };
-                            self.cv.notify_all();
+                            self.notify(&st);
                             return Ok(Held {
                                 window: self,
                                 k,
@@ -360,7 +387,7 @@ impl FdWindow {
                                 opened_before: again,
                             };
                             st.open -= 1;
-                            self.cv.notify_all();
+                            self.notify(&st);
                             match Self::evict(&mut st) {
                                 Some(f) => {
                                     drop(st);
@@ -368,11 +395,7 @@ impl FdWindow {
                                     st = self.lock();
                                 }
                                 None if st.open > 0 => {
-                                    st = self
-                                        .cv
-                                        .wait_timeout(st, Duration::from_millis(5))
-                                        .unwrap_or_else(|p| p.into_inner())
-                                        .0;
+                                    st = self.wait(st, Some(Duration::from_millis(5)));
                                 }
                                 None => {
                                     drop(st);
@@ -385,7 +408,7 @@ impl FdWindow {
                             st.open -= 1;
                             st.slots[k] = Slot::Failed(FailedOpen::of(&e));
                             let close = Self::piece_done(&mut st, k);
-                            self.cv.notify_all();
+                            self.notify(&st);
                             drop(st);
                             self.close(close);
                             return Err(e);
@@ -400,9 +423,7 @@ impl FdWindow {
     pub fn skip(&self, k: usize) {
         let mut st = self.lock();
         let close = Self::piece_done(&mut st, k);
-        if close.is_some() {
-            self.cv.notify_all();
-        }
+        self.notify(&st);
         drop(st);
         self.close(close);
     }
@@ -414,7 +435,7 @@ impl FdWindow {
         }
         drop(fds);
         let close = Self::piece_done(&mut st, k);
-        self.cv.notify_all();
+        self.notify(&st);
         drop(st);
         self.close(close);
     }
