@@ -2748,6 +2748,52 @@ mod tests {
         std::fs::remove_dir_all(&dir).unwrap();
     }
 
+    /// A file the batch checks by path (and leaves to the window) gets the path report
+    /// `GpuFile::open` gives it with the same options: the default (`CompatMode` from the
+    /// environment), `Backend::Engine`, `CompatMode::PosixOnly`; and its size and identity
+    /// are the file's.
+    #[test]
+    fn a_file_checked_by_path_reports_the_path_an_open_would() {
+        use std::os::unix::fs::MetadataExt;
+        let (p, data) = crate::storage::testkit::random_file("batch-report", 5000, 12);
+        let srcs = vec![Source::Path(p.clone())];
+        let items = vec![ReadItem_ {
+            src: 0,
+            file_offset: 0,
+            len: 5000,
+            dst: 0,
+            dst_offset: 0,
+        }];
+        let eng = engine::engine(None, false).unwrap();
+        for (what, options) in [
+            ("default", GpuFile::options()),
+            (
+                "Backend::Engine",
+                GpuFile::options().backend(super::super::Backend::Engine),
+            ),
+            (
+                "PosixOnly",
+                GpuFile::options().compat_mode(super::super::CompatMode::PosixOnly),
+            ),
+        ] {
+            let sources = Sources::prepare(&srcs, &items, &options, &eng, 4, None).unwrap();
+            let opened = options.clone().open(&p).unwrap();
+            let src = sources.src(0);
+            assert_eq!(src.report(), opened.path_report(), "{what}");
+            match src {
+                Src::Lazy(l, _) => {
+                    let m = std::fs::metadata(&p).unwrap();
+                    assert_eq!(l.size, Some(data.len() as u64), "{what}");
+                    assert_eq!(l.id, (m.dev(), m.ino()), "{what}");
+                }
+                // Opened up front: only where this filesystem's cheap facts allow cuFile DMA
+                // (its report is then GpuFile::open's by construction).
+                Src::Open(_) => {}
+            }
+        }
+        std::fs::remove_file(&p).unwrap();
+    }
+
     /// A batch of more files than the process may hold open at once (2000 files, soft
     /// `RLIMIT_NOFILE` lowered to 256 in a child process, which runs
     /// `many_files_through_the_batch_seam_under_the_descriptor_limit` alone): every byte in
