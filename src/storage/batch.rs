@@ -2794,6 +2794,69 @@ mod tests {
         std::fs::remove_file(&p).unwrap();
     }
 
+    /// Files whose backend cannot be decided without opening them are opened up front, as
+    /// before the window: with options that write, every file (opened by `GpuFile::open`, held
+    /// through the job, no window; every byte read); with `Backend::CuFile`, the file is
+    /// registered with cuFile up front or, where cuFile cannot take it, refuses the batch at
+    /// its first item.
+    #[test]
+    fn files_the_batch_cannot_decide_unopened_are_opened_up_front() {
+        let dir = crate::storage::testkit::scratch("batch-upfront");
+        std::fs::create_dir_all(&dir).unwrap();
+        let files: Vec<(PathBuf, Vec<u8>)> = (0..100)
+            .map(|k| {
+                let p = dir.join(format!("f{k}"));
+                let d = crate::storage::testkit::random(300 + 7 * k, 500 + k as u64);
+                std::fs::write(&p, &d).unwrap();
+                (p, d)
+            })
+            .collect();
+        let mut at = 0;
+        let mut items = Vec::new();
+        for (p, d) in &files {
+            items.push((p.as_path(), 0, d.len(), 0, at));
+            at += d.len();
+        }
+        let mut dsts = vec![vec![0xA5u8; at]];
+        LAST_WINDOW.with(|l| l.set(None));
+        host_batch(
+            GpuFile::options()
+                .write(true)
+                .fallback(crate::path::FallbackPolicy::Allow),
+            &items,
+            &mut dsts,
+        )
+        .unwrap();
+        assert!(
+            LAST_WINDOW.with(|l| l.get()).is_none(),
+            "files opened up front went through a window"
+        );
+        let want: Vec<u8> = files.iter().flat_map(|(_, d)| d.iter().copied()).collect();
+        assert!(dsts[0] == want, "a byte differs");
+        // Backend::CuFile: registered up front, or refused at the first item.
+        let srcs = vec![Source::Path(files[0].0.clone())];
+        let one = vec![ReadItem_ {
+            src: 0,
+            file_offset: 0,
+            len: 10,
+            dst: 0,
+            dst_offset: 0,
+        }];
+        let eng = engine::engine(None, false).unwrap();
+        let options = GpuFile::options().backend(super::super::Backend::CuFile);
+        match Sources::prepare(&srcs, &one, &options, &eng, 4, None) {
+            Ok(s) => match s.src(0) {
+                Src::Open(f) => assert!(f.uses_cufile(), "not through cuFile"),
+                Src::Lazy(..) => panic!("a Backend::CuFile file was left to the window"),
+            },
+            Err(Error::BatchRefused { index: 0, source }) => {
+                eprintln!("cuFile refused here, as expected without it: {source}")
+            }
+            Err(e) => panic!("{e}"),
+        }
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
     /// A batch of more files than the process may hold open at once (2000 files, soft
     /// `RLIMIT_NOFILE` lowered to 256 in a child process, which runs
     /// `many_files_through_the_batch_seam_under_the_descriptor_limit` alone): every byte in
