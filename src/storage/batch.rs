@@ -2392,7 +2392,7 @@ mod tests {
                 None,
             )
         };
-        let out = eng.run(job, threads)?;
+        let out = eng.run(job, threads).map_err(engine::Failed::into_error)?;
         if let Some(w) = &win {
             LAST_WINDOW.with(|l| l.set(Some((w.limit(), w.stats()))));
         }

@@ -1875,7 +1875,10 @@ pub(crate) mod faults {
     }
 
     fn key<'j>(job: &'j Job<'_>) -> Option<&'j Path> {
-        job.files.first().map(|f| f.path.as_path())
+        match job.files.first()? {
+            super::JobFile::Open(f) => Some(f.path.as_path()),
+            super::JobFile::Lazy(k) => job.window.map(|w| w.path(*k)),
+        }
     }
 
     /// The fault armed for `job`'s file.
