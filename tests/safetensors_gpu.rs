@@ -552,7 +552,7 @@ fn gpu_safetensors_save_refuses_a_name_twice_and_keeps_the_mode() {
     let s = stream();
     let d = scratch("save-mode");
     let p = d.join("m.safetensors");
-    let ms = models(7, 6, 4096);
+    let ms = models(7, 8, 4096);
     let bufs = upload(&s, &ms);
     std::fs::write(&p, b"old checkpoint").unwrap();
     std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o600)).unwrap();
