@@ -25,6 +25,16 @@ pub struct IpcMemHandle {
 impl IpcMemHandle {
     /// Exports `buf` (`cuIpcGetMemHandle`). Only `cuMemAlloc` memory can be exported this way;
     /// for pool memory use a [`SharedPool`](super::SharedPool).
+    ///
+    /// Exporting is `unsafe`: nothing on this side knows when an importer closes its mapping,
+    /// so the caller promises that the buffer outlives it:
+    ///
+    /// ```compile_fail,E0133
+    /// # use gpudirect::p2p::{ipc::IpcMemHandle, DeviceBuffer};
+    /// fn f(buf: &DeviceBuffer<u8>) -> gpudirect::Result<IpcMemHandle> {
+    ///     IpcMemHandle::export(buf) // error: `export` is an `unsafe fn`
+    /// }
+    /// ```
     pub fn export<T>(buf: &DeviceBuffer<T>) -> Result<Self> {
         let _restore = crate::cuda::CurrentContext::save();
         buf.stream()

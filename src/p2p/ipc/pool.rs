@@ -124,6 +124,17 @@ impl SharedPool {
     }
 
     /// Exports one allocation of this pool (`cuMemPoolExportPointer`).
+    ///
+    /// Exporting is `unsafe`: nothing on this side knows when an importer frees its mapping,
+    /// so the caller promises that the allocation outlives it:
+    ///
+    /// ```compile_fail,E0133
+    /// # use gpudirect::cudarc::driver::CudaSlice;
+    /// # use gpudirect::p2p::ipc::{PoolPointer, SharedPool};
+    /// fn f(pool: &SharedPool, s: &CudaSlice<u8>) -> gpudirect::Result<PoolPointer> {
+    ///     pool.export_pointer(s) // error: `export_pointer` is an `unsafe fn`
+    /// }
+    /// ```
     pub fn export_pointer<T>(&self, slice: &CudaSlice<T>) -> Result<PoolPointer> {
         let (ptr, _sync) = cudarc::driver::DevicePtr::device_ptr(slice, slice.stream());
         // SAFETY: `ptr` is a live allocation (borrowed for the call); the driver checks that it
