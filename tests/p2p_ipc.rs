@@ -104,7 +104,9 @@ fn multi_gpu_ipc_two_process() {
     let mut legacy = DeviceBuffer::<u8>::alloc_zeros(&sa, LEGACY_LEN).unwrap();
     sa.memcpy_htod(&data, &mut legacy.as_view_mut()).unwrap();
     sa.synchronize().unwrap();
-    let handle = IpcMemHandle::export(&legacy).unwrap();
+    // SAFETY: `legacy` lives until after the child said "ok legacy", which it sends after
+    // dropping its mapping.
+    let handle = unsafe { IpcMemHandle::export(&legacy) }.unwrap();
     send(&mut conn, &handle.to_bytes());
     let reply = String::from_utf8(recv(&mut conn)).unwrap();
     println!("parent: child says {reply}");
@@ -127,7 +129,10 @@ fn multi_gpu_ipc_two_process() {
     sa.synchronize().unwrap();
     let fd = pool.export_fd().unwrap();
     ipc::send_fd(&conn, fd.as_fd(), b"pool").unwrap();
-    send(&mut conn, &pool.export_pointer(&slice).unwrap().to_bytes());
+    // SAFETY: `slice` lives until after the child said "ok pool", which it sends after
+    // dropping its mapping.
+    let ptr = unsafe { pool.export_pointer(&slice) }.unwrap();
+    send(&mut conn, &ptr.to_bytes());
     let reply = String::from_utf8(recv(&mut conn)).unwrap();
     println!("parent: child says {reply}");
     assert!(reply.starts_with("ok pool"), "{reply}");
@@ -432,10 +437,10 @@ fn gpu_ipc_length_from_the_handle_is_checked() {
     let mut legacy = DeviceBuffer::<u8>::alloc_zeros(&sa, LEN_LEGACY).unwrap();
     sa.memcpy_htod(&data, &mut legacy.as_view_mut()).unwrap();
     sa.synchronize().unwrap();
-    send(
-        &mut conn,
-        &IpcMemHandle::export(&legacy).unwrap().to_bytes(),
-    );
+    // SAFETY: `legacy` is dropped only after the child's "bye" exchange, after it dropped
+    // every mapping.
+    let handle = unsafe { IpcMemHandle::export(&legacy) }.unwrap();
+    send(&mut conn, &handle.to_bytes());
     let reply = String::from_utf8(recv(&mut conn)).unwrap();
     println!("parent: child says {reply}");
 
@@ -445,7 +450,9 @@ fn gpu_ipc_length_from_the_handle_is_checked() {
     sa.synchronize().unwrap();
     let fd = pool.export_fd().unwrap();
     ipc::send_fd(&conn, fd.as_fd(), b"pool").unwrap();
-    send(&mut conn, &pool.export_pointer(&slice).unwrap().to_bytes());
+    // SAFETY: as for `legacy`: `slice` is dropped after the child's last mapping is gone.
+    let ptr = unsafe { pool.export_pointer(&slice) }.unwrap();
+    send(&mut conn, &ptr.to_bytes());
     let reply2 = String::from_utf8(recv(&mut conn)).unwrap();
     println!("parent: child says {reply2}");
     send(&mut conn, b"bye");

@@ -29,19 +29,39 @@ impl IpcMemHandle {
     /// Exporting is `unsafe`: nothing on this side knows when an importer closes its mapping,
     /// so the caller promises that the buffer outlives it:
     ///
+    /// ```no_run
+    /// # use gpudirect::p2p::{ipc::IpcMemHandle, DeviceBuffer};
+    /// fn f(buf: &DeviceBuffer<u8>) -> gpudirect::Result<IpcMemHandle> {
+    ///     // SAFETY: `buf` is dropped only after the importer said its mapping is gone.
+    ///     unsafe { IpcMemHandle::export(buf) }
+    /// }
+    /// ```
+    ///
     /// ```compile_fail,E0133
     /// # use gpudirect::p2p::{ipc::IpcMemHandle, DeviceBuffer};
     /// fn f(buf: &DeviceBuffer<u8>) -> gpudirect::Result<IpcMemHandle> {
     ///     IpcMemHandle::export(buf) // error: `export` is an `unsafe fn`
     /// }
     /// ```
-    pub fn export<T>(buf: &DeviceBuffer<T>) -> Result<Self> {
+    ///
+    /// # Safety
+    ///
+    /// `buf` must not be dropped (`cuMemFree`) before every [`IpcMapping`] opened from the
+    /// returned handle, in any process, has been dropped (`cuIpcCloseMemHandle`): CUDA calls a
+    /// free of exported memory before the importer's close undefined behaviour, and the freed
+    /// range may be reused for other data that the importer then reads and writes. Hand the
+    /// handle only to processes that tell you (a message, their exit) when their mapping is
+    /// gone, and keep `buf` until then. [`VmmBuffer::export_fd`](crate::p2p::VmmBuffer::export_fd)
+    /// needs no such promise: the driver keeps VMM memory alive for as long as an importer maps
+    /// it.
+    pub unsafe fn export<T>(buf: &DeviceBuffer<T>) -> Result<Self> {
         let _restore = crate::cuda::CurrentContext::save();
         buf.stream()
             .context()
             .bind_to_thread()
             .map_err(|e| Error::cuda("cuCtxSetCurrent", e))?;
-        // SAFETY: `buf` owns a live cuMemAlloc allocation starting at `device_ptr()`.
+        // SAFETY: `buf` owns a live cuMemAlloc allocation starting at `device_ptr()`; the caller
+        // keeps it alive for as long as importers map it (this function's contract).
         let handle = unsafe { r::ipc::get_mem_handle(buf.device_ptr()) }?;
         Ok(IpcMemHandle {
             handle,

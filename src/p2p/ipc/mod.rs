@@ -14,6 +14,13 @@
 //!   mapped as a [`VmmImport`] (`cuMemImportFromShareableHandle`, `cuMemMap`, `cuMemSetAccess`
 //!   for the importer's device); its path is observed with `cuMemGetAccess` like any VMM memory.
 //!
+//! Who frees first: legacy and pool memory must outlive every importer's mapping (CUDA leaves a
+//! free before the importer's close undefined, and pool memory is reused), which nothing on the
+//! exporting side can observe, so [`IpcMemHandle::export`] and [`SharedPool::export_pointer`]
+//! are `unsafe fn`s whose caller promises it (keep the memory until the importer says its
+//! mapping is gone). VMM memory is reference-counted by the driver: the importer keeps it alive,
+//! and [`VmmBuffer::export_fd`](super::VmmBuffer::export_fd) is safe.
+//!
 //! Every mapping records the path its importer reaches the memory by, so
 //! [`copy_peer`](super::copy_peer) reports it like any peer copy, and [`IpcMapping::path`]
 //! tells it directly.

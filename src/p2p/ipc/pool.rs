@@ -128,6 +128,15 @@ impl SharedPool {
     /// Exporting is `unsafe`: nothing on this side knows when an importer frees its mapping,
     /// so the caller promises that the allocation outlives it:
     ///
+    /// ```no_run
+    /// # use gpudirect::cudarc::driver::CudaSlice;
+    /// # use gpudirect::p2p::ipc::{PoolPointer, SharedPool};
+    /// fn f(pool: &SharedPool, s: &CudaSlice<u8>) -> gpudirect::Result<PoolPointer> {
+    ///     // SAFETY: `s` is dropped only after the importer said its mapping is gone.
+    ///     unsafe { pool.export_pointer(s) }
+    /// }
+    /// ```
+    ///
     /// ```compile_fail,E0133
     /// # use gpudirect::cudarc::driver::CudaSlice;
     /// # use gpudirect::p2p::ipc::{PoolPointer, SharedPool};
@@ -135,10 +144,20 @@ impl SharedPool {
     ///     pool.export_pointer(s) // error: `export_pointer` is an `unsafe fn`
     /// }
     /// ```
-    pub fn export_pointer<T>(&self, slice: &CudaSlice<T>) -> Result<PoolPointer> {
+    ///
+    /// # Safety
+    ///
+    /// `slice` must not be dropped (cudarc frees it with `cuMemFreeAsync`) before every
+    /// [`IpcMapping`] imported from the returned pointer, in any process, has been dropped:
+    /// CUDA requires imported pool memory to be freed in every importing process before the
+    /// exporter frees it, and the pool hands a freed range to the next allocation, whose data
+    /// the importer would then read and write. Hand the pointer only to processes that tell you
+    /// (a message, their exit) when their mapping is gone, and keep `slice` until then.
+    pub unsafe fn export_pointer<T>(&self, slice: &CudaSlice<T>) -> Result<PoolPointer> {
         let (ptr, _sync) = cudarc::driver::DevicePtr::device_ptr(slice, slice.stream());
         // SAFETY: `ptr` is a live allocation (borrowed for the call); the driver checks that it
-        // belongs to an exportable pool.
+        // belongs to an exportable pool; the caller keeps it alive for as long as importers map
+        // it (this function's contract).
         let data = unsafe { r::mem_pool::export_pointer(ptr) }?;
         Ok(PoolPointer {
             data,
