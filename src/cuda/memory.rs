@@ -350,6 +350,56 @@ impl<T, L: Layout> Drop for DeviceBuffer<T, L> {
 /// Sealed: implemented for [`DeviceBuffer`] (both layouts), cudarc's [`CudaSlice`] (pool memory:
 /// RDMA registration refuses it unless forced) and `Arc`s of them. (`rdma::GpuMemory` is this
 /// trait.)
+///
+/// A NIC or another device writes such memory with whatever bytes a peer sends, so the element
+/// type must accept any bit pattern ([`AnyBitPattern`](super::AnyBitPattern)): integers and
+/// floats register and export,
+///
+/// ```no_run
+/// # use std::sync::Arc;
+/// # use gpudirect::cudarc::driver::CudaSlice;
+/// # use gpudirect::rdma::{GdrBuffer, GpuMemoryRegion, GpuRegisterOptions, ProtectionDomain};
+/// fn f(pd: &Arc<ProtectionDomain>, a: GdrBuffer<f32>, b: CudaSlice<u16>) -> gpudirect::Result<()> {
+///     let _dmabuf = gpudirect::cuda::export_dmabuf(&a, 0..4096)?;
+///     let _a = GpuMemoryRegion::register(pd, a)?;
+///     let opts = GpuRegisterOptions { force_non_gdr_memory: true, ..Default::default() };
+///     let len = b.num_bytes();
+///     let _b = GpuMemoryRegion::register_with(pd, b, 0..len, opts)?;
+///     Ok(())
+/// }
+/// ```
+///
+/// `bool` does not (an RDMA write of byte 2 into a `GdrBuffer<bool>` would make
+/// `copy_to_host` return invalid `bool`s):
+///
+/// ```compile_fail,E0277
+/// # use std::sync::Arc;
+/// # use gpudirect::rdma::{GdrBuffer, GpuMemoryRegion, ProtectionDomain};
+/// fn f(pd: &Arc<ProtectionDomain>, buf: GdrBuffer<bool>) -> gpudirect::Result<()> {
+///     let _mr = GpuMemoryRegion::register(pd, buf)?; // error: not every byte is a bool
+///     Ok(())
+/// }
+/// ```
+///
+/// ```compile_fail,E0277
+/// # use std::sync::Arc;
+/// # use gpudirect::cudarc::driver::CudaSlice;
+/// # use gpudirect::rdma::{GpuMemoryRegion, GpuRegisterOptions, ProtectionDomain};
+/// fn f(pd: &Arc<ProtectionDomain>, b: CudaSlice<bool>) -> gpudirect::Result<()> {
+///     let opts = GpuRegisterOptions { force_non_gdr_memory: true, ..Default::default() };
+///     let len = b.num_bytes();
+///     let _mr = GpuMemoryRegion::register_with(pd, b, 0..len, opts)?; // error: as above
+///     Ok(())
+/// }
+/// ```
+///
+/// ```compile_fail,E0277
+/// # use gpudirect::cuda::DeviceBuffer;
+/// fn f(buf: &DeviceBuffer<bool>) -> gpudirect::Result<()> {
+///     let _fd = gpudirect::cuda::export_dmabuf(buf, 0..4096)?; // error: as above
+///     Ok(())
+/// }
+/// ```
 pub trait DeviceMemory: sealed::Sealed + Send + Sync {
     /// The device address of the first byte.
     fn device_ptr(&self) -> sys::CUdeviceptr;

@@ -44,6 +44,17 @@ impl IpcMemHandle {
     /// }
     /// ```
     ///
+    /// The importer writes the memory with whatever bytes it likes, so the element type must
+    /// accept any bit pattern ([`AnyBitPattern`]), as on the importing side:
+    ///
+    /// ```compile_fail,E0277
+    /// # use gpudirect::p2p::{ipc::IpcMemHandle, DeviceBuffer};
+    /// fn f(buf: &DeviceBuffer<bool>) -> gpudirect::Result<IpcMemHandle> {
+    ///     // SAFETY: as above.
+    ///     unsafe { IpcMemHandle::export(buf) } // error: not every byte is a bool
+    /// }
+    /// ```
+    ///
     /// # Safety
     ///
     /// `buf` must not be dropped (`cuMemFree`) before every [`IpcMapping`] opened from the

@@ -145,6 +145,18 @@ impl SharedPool {
     /// }
     /// ```
     ///
+    /// The importer writes the memory with whatever bytes it likes, so the element type must
+    /// accept any bit pattern ([`AnyBitPattern`]), as on the importing side:
+    ///
+    /// ```compile_fail,E0277
+    /// # use gpudirect::cudarc::driver::CudaSlice;
+    /// # use gpudirect::p2p::ipc::{PoolPointer, SharedPool};
+    /// fn f(pool: &SharedPool, s: &CudaSlice<bool>) -> gpudirect::Result<PoolPointer> {
+    ///     // SAFETY: as above.
+    ///     unsafe { pool.export_pointer(s) } // error: not every byte is a bool
+    /// }
+    /// ```
+    ///
     /// # Safety
     ///
     /// `slice` must not be dropped (cudarc frees it with `cuMemFreeAsync`) before every

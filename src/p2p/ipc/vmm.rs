@@ -154,6 +154,23 @@ impl<T> VmmBuffer<T> {
     /// Exports the allocation as a POSIX file descriptor (`cuMemExportToShareableHandle`), to
     /// send with [`send_fd`](super::send_fd) to a process that maps it with
     /// [`VmmImport::open`], together with [`VmmBuffer::len_bytes`].
+    ///
+    /// The importer writes the memory with whatever bytes it likes, so the element type must
+    /// accept any bit pattern ([`AnyBitPattern`]), as on the importing side:
+    ///
+    /// ```no_run
+    /// # use gpudirect::p2p::VmmBuffer;
+    /// fn f(buf: &VmmBuffer<i32>) -> gpudirect::Result<std::os::fd::OwnedFd> {
+    ///     buf.export_fd()
+    /// }
+    /// ```
+    ///
+    /// ```compile_fail,E0599
+    /// # use gpudirect::p2p::VmmBuffer;
+    /// fn f(buf: &VmmBuffer<bool>) -> gpudirect::Result<std::os::fd::OwnedFd> {
+    ///     buf.export_fd() // error: not every byte is a bool
+    /// }
+    /// ```
     pub fn export_fd(&self) -> Result<OwnedFd> {
         // SAFETY: the handle is live (the buffer owns it) and was created with the POSIX fd type.
         let fd = unsafe { r::vmm::export_fd(self.allocation_handle()) }?;
