@@ -12,6 +12,7 @@ use cudarc::driver::{
 };
 
 use super::result as r;
+use super::AnyBitPattern;
 use crate::error::{Error, Result};
 
 /// The GPU page size (64 KiB) that peer-memory clients pin at; [`GdrBuffer`] starts on it.
@@ -352,8 +353,8 @@ impl<T, L: Layout> Drop for DeviceBuffer<T, L> {
 /// trait.)
 ///
 /// A NIC or another device writes such memory with whatever bytes a peer sends, so the element
-/// type must accept any bit pattern ([`AnyBitPattern`](super::AnyBitPattern)): integers and
-/// floats register and export,
+/// type must accept any bit pattern ([`AnyBitPattern`]): integers and floats register and
+/// export,
 ///
 /// ```no_run
 /// # use std::sync::Arc;
@@ -432,8 +433,8 @@ fn wait_for_slice_writes<T>(slice: &CudaSlice<T>) -> Result<()> {
         .map_err(|e| Error::cuda("cuStreamSynchronize", e))
 }
 
-impl<T, L: Layout> sealed::Sealed for DeviceBuffer<T, L> {}
-impl<T, L: Layout> DeviceMemory for DeviceBuffer<T, L> {
+impl<T: AnyBitPattern, L: Layout> sealed::Sealed for DeviceBuffer<T, L> {}
+impl<T: AnyBitPattern, L: Layout> DeviceMemory for DeviceBuffer<T, L> {
     fn device_ptr(&self) -> sys::CUdeviceptr {
         self.start
     }
@@ -448,8 +449,8 @@ impl<T, L: Layout> DeviceMemory for DeviceBuffer<T, L> {
     }
 }
 
-impl<T> sealed::Sealed for CudaSlice<T> {}
-impl<T> DeviceMemory for CudaSlice<T> {
+impl<T: AnyBitPattern> sealed::Sealed for CudaSlice<T> {}
+impl<T: AnyBitPattern> DeviceMemory for CudaSlice<T> {
     fn device_ptr(&self) -> sys::CUdeviceptr {
         let (ptr, _guard) = cudarc::driver::DevicePtr::device_ptr(self, self.stream());
         ptr

@@ -23,7 +23,9 @@ use super::mr::{AccessFlags, MemoryRegion, RemoteMemory, Sge};
 use super::pd::ProtectionDomain;
 
 /// Device memory that can be registered with an RDMA protection domain: the ground floor's
-/// [`DeviceMemory`](crate::cuda::DeviceMemory) trait under its RDMA name.
+/// [`DeviceMemory`](crate::cuda::DeviceMemory) trait under its RDMA name (implemented for
+/// buffers of [`AnyBitPattern`](crate::cuda::AnyBitPattern) elements only: a peer's bytes land
+/// in them).
 pub use crate::cuda::DeviceMemory as GpuMemory;
 pub use crate::cuda::{
     export_dmabuf, host_page_size, pointer_info, set_sync_memops, DmaBufExport, DmaBufPlan,
@@ -472,7 +474,7 @@ impl<M: GpuMemory> GpuMemoryRegion<M> {
     }
 }
 
-impl<T> GpuMemoryRegion<GdrBuffer<T>> {
+impl<T: crate::cuda::AnyBitPattern> GpuMemoryRegion<GdrBuffer<T>> {
     /// The registered buffer as a writable cudarc view (for kernels that fill or consume it).
     /// The NIC may write the same bytes whenever a peer holding the rkey does so: order the
     /// two with completions.

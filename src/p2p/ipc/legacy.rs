@@ -65,7 +65,7 @@ impl IpcMemHandle {
     /// gone, and keep `buf` until then. [`VmmBuffer::export_fd`](crate::p2p::VmmBuffer::export_fd)
     /// needs no such promise: the driver keeps VMM memory alive for as long as an importer maps
     /// it.
-    pub unsafe fn export<T>(buf: &DeviceBuffer<T>) -> Result<Self> {
+    pub unsafe fn export<T: AnyBitPattern>(buf: &DeviceBuffer<T>) -> Result<Self> {
         let _restore = crate::cuda::CurrentContext::save();
         buf.stream()
             .context()

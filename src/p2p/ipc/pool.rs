@@ -165,7 +165,10 @@ impl SharedPool {
     /// exporter frees it, and the pool hands a freed range to the next allocation, whose data
     /// the importer would then read and write. Hand the pointer only to processes that tell you
     /// (a message, their exit) when their mapping is gone, and keep `slice` until then.
-    pub unsafe fn export_pointer<T>(&self, slice: &CudaSlice<T>) -> Result<PoolPointer> {
+    pub unsafe fn export_pointer<T: AnyBitPattern>(
+        &self,
+        slice: &CudaSlice<T>,
+    ) -> Result<PoolPointer> {
         let (ptr, _sync) = cudarc::driver::DevicePtr::device_ptr(slice, slice.stream());
         // SAFETY: `ptr` is a live allocation (borrowed for the call); the driver checks that it
         // belongs to an exportable pool; the caller keeps it alive for as long as importers map

@@ -150,7 +150,7 @@ impl<T> Drop for VmmImport<T> {
     }
 }
 
-impl<T> VmmBuffer<T> {
+impl<T: AnyBitPattern> VmmBuffer<T> {
     /// Exports the allocation as a POSIX file descriptor (`cuMemExportToShareableHandle`), to
     /// send with [`send_fd`](super::send_fd) to a process that maps it with
     /// [`VmmImport::open`], together with [`VmmBuffer::len_bytes`].
