@@ -537,3 +537,81 @@ fn len_child(sock: &str) {
     drop(pool);
     assert_eq!(recv(&mut conn), b"bye");
 }
+
+/// True when everything queued on `s` has run (`cuStreamQuery`).
+fn stream_idle(s: &gpudirect::cudarc::driver::CudaStream) -> bool {
+    use gpudirect::cudarc::driver::sys;
+    // SAFETY: the stream is alive; the query has no other precondition.
+    let rc = unsafe { sys::cuStreamQuery(s.cu_stream()) };
+    match rc {
+        sys::CUresult::CUDA_SUCCESS => true,
+        sys::CUresult::CUDA_ERROR_NOT_READY => false,
+        other => panic!("cuStreamQuery: {other:?}"),
+    }
+}
+
+/// Review of 2026-12-02, item 6: CUDA says imported memory "must not be accessed before the
+/// allocation operation completes in the exporting process", so an export returns only once the
+/// allocation and its zeroing, queued on the buffer's stream, have run. The stream is held by a
+/// host function for 500 ms while the buffer is allocated (control: the stream is still busy
+/// when the allocation returns), then each export is timed: on the code before the fix each
+/// returned at once with the zeroing still queued (`idle: false`, well under 500 ms); after it,
+/// each waits for the gate (about 500 ms) and leaves the stream idle. One GPU, one process.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gpu_ipc_exports_wait_for_the_allocation_and_its_zeroing() {
+    const HOLD: Duration = Duration::from_millis(500);
+    const N: usize = (4 << 20) + 9;
+    let ctx = common::need_gpu(0);
+    common::grow_streams_past_the_drivers_first_growth(&ctx);
+    let s = ctx.new_stream().unwrap();
+    let pool = SharedPool::new(&ctx).unwrap();
+    enum Held {
+        Legacy(DeviceBuffer<u8>),
+        Pool(gpudirect::cudarc::driver::CudaSlice<u8>),
+        Vmm(VmmBuffer<u8>),
+    }
+    let mut failures = Vec::new();
+    for case in [
+        "DeviceBuffer::alloc_zeros + IpcMemHandle::export",
+        "SharedPool::alloc_zeros + SharedPool::export_pointer",
+        "VmmBuffer::alloc_zeros + VmmBuffer::export_fd",
+    ] {
+        let gate = common::StreamGate::block(&s);
+        // The allocation (pool) and the zeroing are queued behind the gate.
+        let held = if case.starts_with("DeviceBuffer") {
+            Held::Legacy(DeviceBuffer::<u8>::alloc_zeros(&s, N).unwrap())
+        } else if case.starts_with("SharedPool") {
+            Held::Pool(pool.alloc_zeros::<u8>(&s, N).unwrap())
+        } else {
+            Held::Vmm(VmmBuffer::<u8>::alloc_zeros(&s, N).unwrap())
+        };
+        assert!(
+            !stream_idle(&s),
+            "{case}: control: the stream was idle right after the allocation (the gate did not \
+             hold it, or the allocation waited for it)"
+        );
+        let opened = gate.release_after(HOLD);
+        let t0 = Instant::now();
+        match &held {
+            // SAFETY: the handle goes to no other process.
+            Held::Legacy(b) => drop(unsafe { IpcMemHandle::export(b) }.unwrap()),
+            // SAFETY: the pointer goes to no other process.
+            Held::Pool(p) => drop(unsafe { pool.export_pointer(p) }.unwrap()),
+            Held::Vmm(v) => drop(v.export_fd().unwrap()),
+        }
+        let took = t0.elapsed();
+        let idle = stream_idle(&s);
+        opened.join().unwrap();
+        drop(held);
+        s.synchronize().unwrap();
+        println!("{case}: the export returned after {took:?}; the stream idle then: {idle}");
+        if !idle || took < HOLD - Duration::from_millis(100) {
+            failures.push(format!(
+                "{case}: returned after {took:?} with the allocation's zeroing {}",
+                if idle { "done" } else { "still queued" }
+            ));
+        }
+    }
+    assert!(failures.is_empty(), "{failures:#?}");
+}
