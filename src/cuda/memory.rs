@@ -415,8 +415,10 @@ pub trait DeviceMemory: sealed::Sealed + Send + Sync {
     fn wait_for_writes(&self) -> Result<()>;
 }
 
-/// [`DeviceMemory::wait_for_writes`] for the cudarc slice behind the memory.
-fn wait_for_slice_writes<T>(slice: &CudaSlice<T>) -> Result<()> {
+/// [`DeviceMemory::wait_for_writes`] for the cudarc slice behind the memory: everything queued
+/// on the slice's stream (its allocation and zeroing included), and a write cudarc recorded
+/// from another stream. Binds the slice's context (callers restore the current one).
+pub(crate) fn wait_for_slice_writes<T>(slice: &CudaSlice<T>) -> Result<()> {
     let stream = slice.stream();
     {
         // Read intent on the slice's own stream: cudarc makes the stream wait for the last

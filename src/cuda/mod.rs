@@ -61,7 +61,9 @@ pub(crate) mod settle;
 pub(crate) mod vmm;
 
 pub(crate) use current::CurrentContext;
-pub(crate) use memory::{alloc_uninit, alloc_uninit_ready, release_slice_view};
+pub(crate) use memory::{
+    alloc_uninit, alloc_uninit_ready, release_slice_view, wait_for_slice_writes,
+};
 
 pub use bits::AnyBitPattern;
 pub use dmabuf::{export_dmabuf, host_page_size, DmaBufExport, DmaBufPlan};

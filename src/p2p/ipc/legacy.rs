@@ -26,6 +26,11 @@ impl IpcMemHandle {
     /// Exports `buf` (`cuIpcGetMemHandle`). Only `cuMemAlloc` memory can be exported this way;
     /// for pool memory use a [`SharedPool`](super::SharedPool).
     ///
+    /// Waits first for the work cudarc ordered as writing `buf` (everything queued on its
+    /// stream, [`DeviceBuffer::alloc_zeros`]'s zeroing included, and a write recorded from
+    /// another stream), so an importer that opens the handle right away sees the buffer as it
+    /// is now.
+    ///
     /// Exporting is `unsafe`: nothing on this side knows when an importer closes its mapping,
     /// so the caller promises that the buffer outlives it:
     ///
@@ -67,6 +72,7 @@ impl IpcMemHandle {
     /// it.
     pub unsafe fn export<T: AnyBitPattern>(buf: &DeviceBuffer<T>) -> Result<Self> {
         let _restore = crate::cuda::CurrentContext::save();
+        crate::cuda::wait_for_slice_writes(buf.as_slice())?;
         buf.stream()
             .context()
             .bind_to_thread()

@@ -125,6 +125,11 @@ impl SharedPool {
 
     /// Exports one allocation of this pool (`cuMemPoolExportPointer`).
     ///
+    /// Waits first for the work cudarc ordered as writing `slice` (everything queued on its
+    /// stream, the stream-ordered allocation and [`SharedPool::alloc_zeros`]'s zeroing
+    /// included, and a write recorded from another stream): CUDA forbids an importer to access
+    /// the memory before the allocation completed in the exporting process.
+    ///
     /// Exporting is `unsafe`: nothing on this side knows when an importer frees its mapping,
     /// so the caller promises that the allocation outlives it:
     ///
@@ -169,6 +174,8 @@ impl SharedPool {
         &self,
         slice: &CudaSlice<T>,
     ) -> Result<PoolPointer> {
+        let _restore = crate::cuda::CurrentContext::save();
+        crate::cuda::wait_for_slice_writes(slice)?;
         let (ptr, _sync) = cudarc::driver::DevicePtr::device_ptr(slice, slice.stream());
         // SAFETY: `ptr` is a live allocation (borrowed for the call); the driver checks that it
         // belongs to an exportable pool; the caller keeps it alive for as long as importers map

@@ -155,6 +155,10 @@ impl<T: AnyBitPattern> VmmBuffer<T> {
     /// send with [`send_fd`](super::send_fd) to a process that maps it with
     /// [`VmmImport::open`], together with [`VmmBuffer::len_bytes`].
     ///
+    /// Waits first for the work cudarc ordered as writing the buffer (everything queued on its
+    /// stream, [`VmmBuffer::alloc_zeros`]'s zeroing included, and a write recorded from another
+    /// stream), so an importer that maps it right away sees the buffer as it is now.
+    ///
     /// The importer writes the memory with whatever bytes it likes, so the element type must
     /// accept any bit pattern ([`AnyBitPattern`]), as on the importing side:
     ///
@@ -172,6 +176,8 @@ impl<T: AnyBitPattern> VmmBuffer<T> {
     /// }
     /// ```
     pub fn export_fd(&self) -> Result<OwnedFd> {
+        let _restore = crate::cuda::CurrentContext::save();
+        crate::cuda::wait_for_slice_writes(self.slice())?;
         // SAFETY: the handle is live (the buffer owns it) and was created with the POSIX fd type.
         let fd = unsafe { r::vmm::export_fd(self.allocation_handle()) }?;
         // SAFETY: the driver returned a fresh fd that we now own.
