@@ -615,3 +615,135 @@ fn gpu_ipc_exports_wait_for_the_allocation_and_its_zeroing() {
     }
     assert!(failures.is_empty(), "{failures:#?}");
 }
+
+const DROP_CHILD_ENV: &str = "GPUDIRECT_P2P_IPC_DROP_CHILD";
+const DROP_LEN: usize = (3 << 20) + 11;
+const DROP_HOLD: Duration = Duration::from_millis(500);
+
+/// Review of 2026-12-02, item 4: dropping a mapping of another process's memory must wait for
+/// every reader, not only the mapping's own stream. The child (GPU 0, like the parent) imports
+/// the parent's legacy buffer and pool slice on stream `s`, queues a read of each on stream `x`
+/// behind a host function held 500 ms, reads again on `s` (cudarc keeps one read event per
+/// slice: this read replaces `x`'s), and drops the mapping. On the code before the fix the drop
+/// returned at once with `x`'s read still queued (pool memory freed with `cuMemFreeAsync` on `s`,
+/// legacy memory closed with `cuIpcCloseMemHandle` at once), so `x` read an unmapped (or
+/// reused) range: `x idle: false` and a drop under 500 ms, then a wrong byte count or an illegal
+/// address error. After it the drop waits for `x` (about 500 ms, `x idle: true`) and every byte
+/// read on both streams is the parent's. One GPU, two processes.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gpu_ipc_mapping_drop_waits_for_readers_on_other_streams() {
+    if let Ok(sock) = std::env::var(DROP_CHILD_ENV) {
+        drop_child(&sock);
+        return;
+    }
+    let a = common::need_gpu(0);
+    let sa = a.default_stream();
+    let (mut kid, mut conn, sock_path) = spawn_child(
+        "gpu_ipc_mapping_drop_waits_for_readers_on_other_streams",
+        DROP_CHILD_ENV,
+    );
+    let mut legacy = DeviceBuffer::<u8>::alloc_zeros(&sa, DROP_LEN).unwrap();
+    sa.memcpy_htod(&seeded(41, DROP_LEN), &mut legacy.as_view_mut())
+        .unwrap();
+    let pool = SharedPool::new(&a).unwrap();
+    let mut slice = pool.alloc_zeros::<u8>(&sa, DROP_LEN).unwrap();
+    sa.memcpy_htod(&seeded(42, DROP_LEN), &mut slice).unwrap();
+    sa.synchronize().unwrap();
+    // SAFETY: `legacy` and `slice` are dropped only after the child's "bye", after it dropped
+    // its mappings.
+    let (h, p) = unsafe {
+        (
+            IpcMemHandle::export(&legacy).unwrap(),
+            pool.export_pointer(&slice).unwrap(),
+        )
+    };
+    send(&mut conn, &h.to_bytes());
+    let fd = pool.export_fd().unwrap();
+    ipc::send_fd(&conn, fd.as_fd(), b"pool").unwrap();
+    send(&mut conn, &p.to_bytes());
+    let reply = String::from_utf8(recv(&mut conn)).unwrap();
+    println!("parent: child says:\n{reply}");
+    send(&mut conn, b"bye");
+    let st = kid.wait().unwrap();
+    let _ = std::fs::remove_file(&sock_path);
+    drop(slice);
+    sa.synchronize().unwrap();
+    drop(pool);
+    drop(legacy);
+    assert!(st.success(), "child failed: {st}");
+    assert!(!reply.contains("FAIL"), "{reply}");
+}
+
+/// Reads `m` on `x` behind a held gate and on `s`, drops it, and says how that went.
+fn drop_while_read_elsewhere(
+    what: &str,
+    m: IpcMapping<u8>,
+    seed: u64,
+    s: &std::sync::Arc<gpudirect::cudarc::driver::CudaStream>,
+    x: &std::sync::Arc<gpudirect::cudarc::driver::CudaStream>,
+) -> String {
+    let n = m.len();
+    let want = seeded(seed, n);
+    let mut on_x = x.alloc_zeros::<u8>(n).unwrap();
+    let mut on_s = s.alloc_zeros::<u8>(n).unwrap();
+    x.synchronize().unwrap();
+    s.synchronize().unwrap();
+    let gate = common::StreamGate::block(x);
+    x.memcpy_dtod(&m.as_view(), &mut on_x).unwrap();
+    s.memcpy_dtod(&m.as_view(), &mut on_s).unwrap();
+    s.synchronize().unwrap();
+    if stream_idle(x) {
+        return format!("FAIL {what}: control: x was idle before the drop (the gate did not hold)");
+    }
+    let opened = gate.release_after(DROP_HOLD);
+    let t0 = Instant::now();
+    drop(m);
+    let took = t0.elapsed();
+    let x_idle = stream_idle(x);
+    opened.join().unwrap();
+    let mut msg = format!("{what}: the drop returned after {took:?}; x idle then: {x_idle}");
+    if !x_idle || took < DROP_HOLD - Duration::from_millis(100) {
+        msg += " FAIL: the mapping was released while x's read was still queued";
+    }
+    for (stream, buf, name) in [(x, &on_x, "x"), (s, &on_s, "s")] {
+        match stream.clone_dtoh(buf) {
+            Ok(got) => {
+                let bad = got.iter().zip(&want).filter(|(g, w)| g != w).count();
+                msg += &format!("; {bad} of {n} bytes read on {name} differ");
+                if bad != 0 {
+                    msg += " FAIL";
+                }
+            }
+            Err(e) => msg += &format!("; FAIL reading back what {name} read: {e}"),
+        }
+    }
+    msg
+}
+
+fn drop_child(sock: &str) {
+    let ctx = gpudirect::cuda::context(0).unwrap();
+    let s = ctx.new_stream().unwrap();
+    let x = ctx.new_stream().unwrap();
+    let mut conn = UnixStream::connect(sock).unwrap();
+    let h = IpcMemHandle::from_bytes(&recv(&mut conn)).unwrap();
+    let mut tag = [0u8; 4];
+    let (fd, n) = ipc::recv_fd(&conn, &mut tag).unwrap();
+    assert_eq!(&tag[..n], b"pool");
+    let pool = ImportedPool::from_fd(&ctx, fd).unwrap();
+    let p = PoolPointer::from_bytes(&recv(&mut conn)).unwrap();
+    let mut report = Vec::new();
+    match pool.import::<u8>(&s, &p) {
+        Ok(m) => report.push(drop_while_read_elsewhere("pool", m, 42, &s, &x)),
+        Err(e) => report.push(format!("FAIL pool import: {e}")),
+    }
+    match IpcMapping::<u8>::open(&s, &h) {
+        Ok(m) => report.push(drop_while_read_elsewhere("legacy", m, 41, &s, &x)),
+        Err(e) => report.push(format!("FAIL legacy open: {e}")),
+    }
+    drop(pool);
+    let report = report.join("\n");
+    println!("child: {report}");
+    send(&mut conn, report.as_bytes());
+    assert_eq!(recv(&mut conn), b"bye");
+}
