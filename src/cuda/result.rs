@@ -460,7 +460,9 @@ pub(crate) mod mem {
     /// `cuMemFree_v2`.
     ///
     /// # Safety
-    /// `p` must come from `cuMemAlloc` and no work may still use it.
+    /// `p` must come from `cuMemAlloc`, or from `cuMemPoolImportPointer` in the current context,
+    /// and no work may still use it: for pool memory `cuMemFree` performs no implicit
+    /// synchronization (CUDA driver API), so every use must have finished before the call.
     pub(crate) unsafe fn free(p: sys::CUdeviceptr) -> Result<()> {
         // SAFETY: the caller's contract.
         check("cuMemFree", unsafe { sys::cuMemFree_v2(p) })

@@ -117,12 +117,25 @@ impl IpcMemHandle {
 pub(super) enum Release {
     /// `cuIpcCloseMemHandle`.
     Legacy,
-    /// `cuMemFreeAsync` of an imported pool pointer; keeps the pool alive.
+    /// `cuMemFree` of an imported pool pointer; keeps the pool alive.
     Pool(#[allow(dead_code)] Arc<PoolHandle>),
 }
 
 /// Another process's device memory mapped into this one, as a cudarc slice. Unmapped on drop
-/// (`cuIpcCloseMemHandle`, or `cuMemFreeAsync` for pool memory) after its stream finished.
+/// (`cuIpcCloseMemHandle`, or `cuMemFree` for pool memory) after all the work queued in its
+/// context finished.
+///
+/// The drop waits for every stream of the mapping's context (`cuCtxSynchronize`), not only the
+/// mapping's own: cudarc keeps one read and one write event per slice, so a read on another
+/// stream followed by one on the mapping's stream would otherwise be forgotten, and neither
+/// `cuIpcCloseMemHandle` nor `cuMemFree` of pool memory waits for queued work. It is the wait a
+/// [`DeviceBuffer`]'s drop makes (`cuMemFree` of `cuMemAlloc` memory waits for the context's
+/// work), with its caveat: do not drop a mapping while another stream of its context waits for
+/// the dropping thread (a host function or a kernel waiting for a flag it sets later). Work
+/// another device queued on the mapping is covered by the calls that queue it
+/// ([`copy_peer`](crate::p2p::copy_peer) waits for its copy; the `unsafe` async copies make it the
+/// caller's promise). If the wait fails, the mapping is leaked rather than released under
+/// queued work.
 ///
 /// The bytes come from another process, so the element type must accept any bit pattern
 /// ([`AnyBitPattern`]): integers and floats, not `bool` (a byte 2
@@ -232,24 +245,24 @@ impl<T> Drop for IpcMapping<T> {
         // SAFETY: taken exactly once, here.
         let slice = unsafe { ManuallyDrop::take(&mut self.slice) };
         crate::cuda::release_slice_view(slice, &self.stream, "IpcMapping");
+        // Every stream of the context, not only the mapping's own (see the type's docs).
+        if let Err(e) = self.stream.context().synchronize() {
+            tracing::warn!(%e, "gpudirect IpcMapping: cuCtxSynchronize failed; mapping leaked rather than released under queued work");
+            return;
+        }
         remove_mapping(self.ptr);
         if let Err(e) = self.stream.context().bind_to_thread() {
             tracing::warn!(%e, "gpudirect IpcMapping: cannot bind context; mapping leaked");
             return;
         }
         let res = match &self.release {
-            // SAFETY: `ptr` came from cuIpcOpenMemHandle and no queued work uses it any more.
+            // SAFETY: `ptr` came from cuIpcOpenMemHandle and no queued work of this context uses
+            // it any more (synchronized above).
             Release::Legacy => unsafe { r::ipc::close_mem_handle(self.ptr) },
-            Release::Pool(_) => {
-                // SAFETY: `ptr` came from cuMemPoolImportPointer; the stream finished using it.
-                unsafe { r::mem_pool::free_async(self.ptr, self.stream.cu_stream()) }.and_then(
-                    |()| {
-                        self.stream
-                            .synchronize()
-                            .map_err(|e| Error::cuda("cuStreamSynchronize", e))
-                    },
-                )
-            }
+            // SAFETY: `ptr` came from cuMemPoolImportPointer in this context (current: bound
+            // above); all the context's work finished (synchronized above), which cuMemFree of
+            // pool memory requires of its caller.
+            Release::Pool(_) => unsafe { r::mem::free(self.ptr) },
         };
         if let Err(e) = res {
             tracing::warn!(%e, "gpudirect IpcMapping: unmapping failed");
