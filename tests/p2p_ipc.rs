@@ -747,3 +747,169 @@ fn drop_child(sock: &str) {
     send(&mut conn, report.as_bytes());
     assert_eq!(recv(&mut conn), b"bye");
 }
+
+const TWICE_CHILD_ENV: &str = "GPUDIRECT_P2P_IPC_TWICE_CHILD";
+const TWICE_LEN: usize = (2 << 20) + 5;
+
+/// Counts gpudirect's WARN events (a failed unmap or free is logged, not returned).
+struct CountWarnings(std::sync::Arc<std::sync::atomic::AtomicUsize>);
+
+impl tracing::Subscriber for CountWarnings {
+    fn enabled(&self, _: &tracing::Metadata<'_>) -> bool {
+        true
+    }
+    fn new_span(&self, _: &tracing::span::Attributes<'_>) -> tracing::span::Id {
+        tracing::span::Id::from_u64(1)
+    }
+    fn record(&self, _: &tracing::span::Id, _: &tracing::span::Record<'_>) {}
+    fn record_follows_from(&self, _: &tracing::span::Id, _: &tracing::span::Id) {}
+    fn event(&self, event: &tracing::Event<'_>) {
+        let m = event.metadata();
+        if m.target().starts_with("gpudirect") && *m.level() == tracing::Level::WARN {
+            self.0.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            eprintln!("child: gpudirect warning: {event:?}");
+        }
+    }
+    fn enter(&self, _: &tracing::span::Id) {}
+    fn exit(&self, _: &tracing::span::Id) {}
+}
+
+/// Review of 2026-12-02, item 7: a child (GPU 0, like the parent) opens the parent's legacy
+/// handle twice and imports its pool pointer twice, and reports the two addresses of each.
+/// Legacy: CUDA returns the same pointer with its count raised; after the first mapping's drop
+/// the second must still read the parent's bytes and `copy_peer` must still see it as imported
+/// memory (on the code before the fix the drop erased both records: `src_memory` not
+/// `Imported`). Pool: if the driver returns the same address twice, the two mappings must not
+/// both free it (a double `cuMemFree`, logged as a gpudirect warning; and the first free would
+/// unmap the second's memory); if it returns two addresses, each is freed. Either way no
+/// gpudirect warning may be logged and every byte read must be the parent's. The child prints
+/// the addresses: the answer to "does cuMemPoolImportPointer return the same address for a
+/// repeated import?".
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gpu_ipc_same_memory_mapped_twice_in_one_process() {
+    if let Ok(sock) = std::env::var(TWICE_CHILD_ENV) {
+        twice_child(&sock);
+        return;
+    }
+    let a = common::need_gpu(0);
+    let sa = a.default_stream();
+    let (mut kid, mut conn, sock_path) = spawn_child(
+        "gpu_ipc_same_memory_mapped_twice_in_one_process",
+        TWICE_CHILD_ENV,
+    );
+    let mut legacy = DeviceBuffer::<u8>::alloc_zeros(&sa, TWICE_LEN).unwrap();
+    sa.memcpy_htod(&seeded(51, TWICE_LEN), &mut legacy.as_view_mut())
+        .unwrap();
+    let pool = SharedPool::new(&a).unwrap();
+    let mut slice = pool.alloc_zeros::<u8>(&sa, TWICE_LEN).unwrap();
+    sa.memcpy_htod(&seeded(52, TWICE_LEN), &mut slice).unwrap();
+    sa.synchronize().unwrap();
+    // SAFETY: `legacy` and `slice` are dropped only after the child's "bye", after it dropped
+    // its mappings.
+    let (h, p) = unsafe {
+        (
+            IpcMemHandle::export(&legacy).unwrap(),
+            pool.export_pointer(&slice).unwrap(),
+        )
+    };
+    send(&mut conn, &h.to_bytes());
+    let fd = pool.export_fd().unwrap();
+    ipc::send_fd(&conn, fd.as_fd(), b"pool").unwrap();
+    send(&mut conn, &p.to_bytes());
+    let reply = String::from_utf8(recv(&mut conn)).unwrap();
+    println!("parent: child says:\n{reply}");
+    send(&mut conn, b"bye");
+    let st = kid.wait().unwrap();
+    let _ = std::fs::remove_file(&sock_path);
+    drop(slice);
+    sa.synchronize().unwrap();
+    drop(pool);
+    drop(legacy);
+    assert!(st.success(), "child failed: {st}");
+    assert!(!reply.contains("FAIL"), "{reply}");
+}
+
+/// The device address of a mapping.
+fn addr(m: &IpcMapping<u8>) -> u64 {
+    gpudirect::rdma::GpuMemory::device_ptr(m.slice())
+}
+
+/// Opens the same memory twice with `open`, drops the first, checks the second, drops it.
+fn mapped_twice(
+    what: &str,
+    seed: u64,
+    s: &std::sync::Arc<gpudirect::cudarc::driver::CudaStream>,
+    mut open: impl FnMut() -> gpudirect::Result<IpcMapping<u8>>,
+) -> String {
+    let want = seeded(seed, TWICE_LEN);
+    let (m1, m2) = match (open(), open()) {
+        (Ok(a), Ok(b)) => (a, b),
+        (Err(e), _) => return format!("FAIL {what}: first mapping: {e}"),
+        (_, Err(e)) => return format!("{what}: the second mapping was refused: {e}"),
+    };
+    let (a1, a2) = (addr(&m1), addr(&m2));
+    let mut msg = format!(
+        "{what}: first mapping at {a1:#x}, second at {a2:#x} ({})",
+        if a1 == a2 {
+            "the same address"
+        } else {
+            "two addresses"
+        }
+    );
+    drop(m1);
+    let mut local = s.alloc_zeros::<u8>(TWICE_LEN).unwrap();
+    match plan_copy(&m2.as_view(), &mut local, s) {
+        Ok(r) if r.src_memory == MemoryKind::Imported => {
+            msg += "; after the first drop the second is still imported memory"
+        }
+        Ok(r) => {
+            msg += &format!(
+                "; FAIL after the first drop copy_peer sees the second as {:?} memory ({})",
+                r.src_memory, r.path
+            )
+        }
+        Err(e) => msg += &format!("; FAIL plan_copy after the first drop: {e}"),
+    }
+    match s.clone_dtoh(m2.slice()) {
+        Ok(got) => {
+            let bad = got.iter().zip(&want).filter(|(g, w)| g != w).count();
+            msg += &format!("; {bad} of {TWICE_LEN} bytes of the second differ");
+            if bad != 0 {
+                msg += " FAIL";
+            }
+        }
+        Err(e) => msg += &format!("; FAIL reading the second after the first drop: {e}"),
+    }
+    drop(m2);
+    msg
+}
+
+fn twice_child(sock: &str) {
+    let warnings = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    tracing::subscriber::set_global_default(CountWarnings(warnings.clone())).unwrap();
+    let ctx = gpudirect::cuda::context(0).unwrap();
+    let s = ctx.new_stream().unwrap();
+    let mut conn = UnixStream::connect(sock).unwrap();
+    let h = IpcMemHandle::from_bytes(&recv(&mut conn)).unwrap();
+    let mut tag = [0u8; 4];
+    let (fd, n) = ipc::recv_fd(&conn, &mut tag).unwrap();
+    assert_eq!(&tag[..n], b"pool");
+    let pool = ImportedPool::from_fd(&ctx, fd).unwrap();
+    let p = PoolPointer::from_bytes(&recv(&mut conn)).unwrap();
+    let mut report = vec![mapped_twice("legacy", 51, &s, || {
+        IpcMapping::<u8>::open(&s, &h)
+    })];
+    report.push(mapped_twice("pool", 52, &s, || pool.import::<u8>(&s, &p)));
+    drop(pool);
+    s.synchronize().unwrap();
+    let w = warnings.load(std::sync::atomic::Ordering::Relaxed);
+    report.push(format!(
+        "gpudirect warnings (failed unmaps or frees) in the child: {w}{}",
+        if w > 0 { " FAIL" } else { "" }
+    ));
+    let report = report.join("\n");
+    println!("child: {report}");
+    send(&mut conn, report.as_bytes());
+    assert_eq!(recv(&mut conn), b"bye");
+}

@@ -109,3 +109,30 @@ fn owner_device(ptr: sys::CUdeviceptr, ctx: &CudaContext) -> usize {
     .map(|v| (v & 0xffff_ffff) as usize)
     .unwrap_or(ctx.ordinal())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Review of 2026-12-02, item 7: opening the same legacy handle twice gives the same
+    /// pointer (CUDA counts the opens), so the record holds two mappings of one range; dropping
+    /// one must leave the other's record, or `copy_peer` misreports the survivor's path (staged
+    /// or `PeerAccessNotEnabled`, refused under `Deny`). On the code before the fix the first
+    /// removal erased both records.
+    #[test]
+    fn a_range_mapped_twice_keeps_its_record_until_both_mappings_are_dropped() {
+        // An address no test maps (device addresses of a real mapping are far below it).
+        let start = 0x7eed_0000_0000_u64;
+        add_mapping(start, 4096, true);
+        add_mapping(start, 4096, true);
+        assert_eq!(lookup_mapping(start + 100), Some(true));
+        remove_mapping(start);
+        assert_eq!(
+            lookup_mapping(start + 100),
+            Some(true),
+            "dropping one of two mappings of a range erased the other's record"
+        );
+        remove_mapping(start);
+        assert_eq!(lookup_mapping(start + 100), None);
+    }
+}
