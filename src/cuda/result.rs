@@ -982,10 +982,11 @@ pub(crate) mod mem_pool {
         Ok(p)
     }
 
-    /// `cuMemFreeAsync`.
+    /// `cuMemFreeAsync` (only tests free pool memory themselves; cudarc frees its slices).
     ///
     /// # Safety
     /// `p` must be pool memory (allocated or imported) no other work still uses.
+    #[cfg(test)]
     pub(crate) unsafe fn free_async(p: sys::CUdeviceptr, stream: sys::CUstream) -> Result<()> {
         // SAFETY: the caller's contract.
         check("cuMemFreeAsync", unsafe { sys::cuMemFreeAsync(p, stream) })

@@ -7,7 +7,9 @@ use std::sync::Arc;
 use cudarc::driver::{sys, CudaSlice, CudaStream, CudaView, CudaViewMut};
 
 use super::pool::PoolHandle;
-use super::{add_mapping, check_mapped_len, elements, owner_device, remove_mapping};
+use super::{
+    add_mapping, check_mapped_len, elements, owner_device, records, remove_mapping, Records,
+};
 use crate::cuda::result as r;
 use crate::cuda::{slice_accessors, AnyBitPattern, DeviceBuffer};
 use crate::error::{Error, Result};
@@ -171,6 +173,9 @@ impl<T> IpcMapping<T> {
     /// The handle's `len_bytes` came from another process and is checked against the mapping
     /// the driver made (`cuMemGetAddressRange`): a length past it is [`Error::InvalidArgument`]
     /// (the mapping is closed again); a shorter one maps a prefix.
+    ///
+    /// Opening a handle again in the same context gives a second mapping of the same pointer
+    /// (CUDA counts the opens); each mapping closes once, and the other stays usable.
     pub fn open(stream: &Arc<CudaStream>, handle: &IpcMemHandle) -> Result<Self>
     where
         T: AnyBitPattern,
@@ -201,10 +206,20 @@ impl<T> IpcMapping<T> {
                 link: crate::p2p::topology::link_between(ctx.ordinal(), owner),
             })
         };
-        Ok(Self::new(stream, ptr, len, owner, path, Release::Legacy))
+        Ok(Self::new(
+            &mut records(),
+            stream,
+            ptr,
+            len,
+            owner,
+            path,
+            Release::Legacy,
+        ))
     }
 
+    /// Wraps a mapping made at `ptr` and enters it in `records` (one entry per mapping).
     pub(super) fn new(
+        records: &mut Records,
         stream: &Arc<CudaStream>,
         ptr: sys::CUdeviceptr,
         len: usize,
@@ -212,7 +227,12 @@ impl<T> IpcMapping<T> {
         path: PathReport,
         release: Release,
     ) -> Self {
-        add_mapping(ptr, len * std::mem::size_of::<T>(), path.is_direct());
+        add_mapping(
+            records,
+            ptr,
+            len * std::mem::size_of::<T>(),
+            path.is_direct(),
+        );
         // SAFETY: `ptr` maps `len` elements' bytes in the stream's context; the slice is never
         // dropped by cudarc (ManuallyDrop, leaked in our Drop before the unmap).
         let slice = ManuallyDrop::new(unsafe { stream.upgrade_device_ptr::<T>(ptr, len) });
@@ -250,19 +270,33 @@ impl<T> Drop for IpcMapping<T> {
             tracing::warn!(%e, "gpudirect IpcMapping: cuCtxSynchronize failed; mapping leaked rather than released under queued work");
             return;
         }
-        remove_mapping(self.ptr);
         if let Err(e) = self.stream.context().bind_to_thread() {
             tracing::warn!(%e, "gpudirect IpcMapping: cannot bind context; mapping leaked");
             return;
         }
         let res = match &self.release {
-            // SAFETY: `ptr` came from cuIpcOpenMemHandle and no queued work of this context uses
-            // it any more (synchronized above).
-            Release::Legacy => unsafe { r::ipc::close_mem_handle(self.ptr) },
-            // SAFETY: `ptr` came from cuMemPoolImportPointer in this context (current: bound
-            // above); all the context's work finished (synchronized above), which cuMemFree of
-            // pool memory requires of its caller.
-            Release::Pool(_) => unsafe { r::mem::free(self.ptr) },
+            Release::Legacy => {
+                // CUDA counts the opens of one handle (the same pointer each time): every
+                // mapping closes once, and only its own entry goes.
+                remove_mapping(self.ptr);
+                // SAFETY: `ptr` came from cuIpcOpenMemHandle and no queued work of this
+                // context uses it any more (synchronized above).
+                unsafe { r::ipc::close_mem_handle(self.ptr) }
+            }
+            Release::Pool(_) => {
+                // A repeated import may return an address already imported: the last mapping
+                // of the address frees it, under the record's lock (see `records`).
+                let mut records = records();
+                if records.remove_one(self.ptr) > 0 {
+                    Ok(())
+                } else {
+                    // SAFETY: `ptr` came from cuMemPoolImportPointer in this context (current:
+                    // bound above), no other mapping of it is left (the record, locked), and all
+                    // the context's work finished (synchronized above), which cuMemFree of pool
+                    // memory requires of its caller.
+                    unsafe { r::mem::free(self.ptr) }
+                }
+            }
         };
         if let Err(e) = res {
             tracing::warn!(%e, "gpudirect IpcMapping: unmapping failed");

@@ -29,7 +29,7 @@
 // too), pool.rs (exportable pools), vmm.rs (VMM imports), fd.rs (SCM_RIGHTS). Here: the
 // process-wide record of live mappings and the checks every import makes.
 
-use std::sync::Mutex;
+use std::sync::{Mutex, MutexGuard};
 
 use cudarc::driver::{sys, CudaContext};
 
@@ -48,25 +48,55 @@ pub use vmm::VmmImport;
 
 // ---- process-wide record of mapped ranges ------------------------------------------------
 
-/// (start, end, direct) of every live mapping in this process.
-static MAPPINGS: Mutex<Vec<(u64, u64, bool)>> = Mutex::new(Vec::new());
+/// One entry (start, end, direct) per live mapping in this process: a range mapped twice (CUDA
+/// returns the same pointer for a legacy handle opened twice, and counts the opens) has two.
+#[derive(Debug, Default)]
+pub(super) struct Records(Vec<(u64, u64, bool)>);
+
+impl Records {
+    fn add(&mut self, start: u64, bytes: usize, direct: bool) {
+        self.0.push((start, start + bytes as u64, direct));
+    }
+
+    /// Removes one entry of a mapping at `start`; returns how many mappings at `start` remain.
+    pub(super) fn remove_one(&mut self, start: u64) -> usize {
+        if let Some(i) = self.0.iter().position(|(s, _, _)| *s == start) {
+            self.0.swap_remove(i);
+        }
+        self.count(start)
+    }
+
+    /// How many live mappings start at `start`.
+    pub(super) fn count(&self, start: u64) -> usize {
+        self.0.iter().filter(|(s, _, _)| *s == start).count()
+    }
+}
+
+static MAPPINGS: Mutex<Records> = Mutex::new(Records(Vec::new()));
+
+/// The record, locked. Pool imports hold it from `cuMemPoolImportPointer` to their entry and
+/// from their entry's removal to `cuMemFree`, so an import that returns an address already
+/// imported is counted before that address can be freed.
+pub(super) fn records() -> MutexGuard<'static, Records> {
+    MAPPINGS.lock().unwrap_or_else(|p| p.into_inner())
+}
 
 /// `Some(direct)` when `ptr` lies in a live IPC mapping of this process.
 pub(in crate::p2p) fn lookup_mapping(ptr: sys::CUdeviceptr) -> Option<bool> {
-    let m = MAPPINGS.lock().unwrap_or_else(|p| p.into_inner());
-    m.iter()
+    records()
+        .0
+        .iter()
         .find(|(s, e, _)| ptr >= *s && ptr < (*e).max(*s + 1))
         .map(|(_, _, d)| *d)
 }
 
-fn add_mapping(start: u64, bytes: usize, direct: bool) {
-    let mut m = MAPPINGS.lock().unwrap_or_else(|p| p.into_inner());
-    m.push((start, start + bytes as u64, direct));
+fn add_mapping(records: &mut Records, start: u64, bytes: usize, direct: bool) {
+    records.add(start, bytes, direct);
 }
 
-fn remove_mapping(start: u64) {
-    let mut m = MAPPINGS.lock().unwrap_or_else(|p| p.into_inner());
-    m.retain(|(s, _, _)| *s != start);
+/// Removes one mapping's entry; returns how many mappings of `start` remain.
+fn remove_mapping(start: u64) -> usize {
+    records().remove_one(start)
 }
 
 // ---- checks every import makes -----------------------------------------------------------
@@ -123,8 +153,8 @@ mod tests {
     fn a_range_mapped_twice_keeps_its_record_until_both_mappings_are_dropped() {
         // An address no test maps (device addresses of a real mapping are far below it).
         let start = 0x7eed_0000_0000_u64;
-        add_mapping(start, 4096, true);
-        add_mapping(start, 4096, true);
+        add_mapping(&mut records(), start, 4096, true);
+        add_mapping(&mut records(), start, 4096, true);
         assert_eq!(lookup_mapping(start + 100), Some(true));
         remove_mapping(start);
         assert_eq!(

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use cudarc::driver::{sys, CudaContext, CudaSlice, CudaStream};
 
 use super::legacy::{IpcMapping, IpcMemHandle, Release};
-use super::{check_mapped_len, elements, owner_device};
+use super::{check_mapped_len, elements, owner_device, records};
 use crate::cuda::result as r;
 use crate::cuda::AnyBitPattern;
 use crate::error::{Error, Result};
@@ -248,6 +248,9 @@ impl ImportedPool {
     /// The pointer's `len_bytes` came from another process and is checked against the imported
     /// allocation (`cuMemGetAddressRange`): a length past it is [`Error::InvalidArgument`] (the
     /// import is freed again); a shorter one maps a prefix.
+    ///
+    /// A pointer imported again while an earlier mapping of it lives may come back at the same
+    /// address: the mappings then share it, and the last one dropped frees it (once).
     pub fn import<T: AnyBitPattern>(
         &self,
         stream: &Arc<CudaStream>,
@@ -258,18 +261,18 @@ impl ImportedPool {
         let ctx = stream.context();
         ctx.bind_to_thread()
             .map_err(|e| Error::cuda("cuCtxSetCurrent", e))?;
+        // Held until the mapping's entry is in: a repeated import that returns an address
+        // already imported is then counted before another mapping's drop can free it.
+        let mut records = records();
         // SAFETY: the imported pool is live (we hold it).
         let p = unsafe { r::mem_pool::import_pointer(self.inner.pool, &ptr.data) }?;
         if let Err(e) = check_mapped_len(p, ptr.len_bytes, "PoolPointer") {
-            // SAFETY: imported above and used by nothing; freed once on this error path, and the
-            // stream is synchronised before returning.
-            let freed = unsafe { r::mem_pool::free_async(p, stream.cu_stream()) }.and_then(|()| {
-                stream
-                    .synchronize()
-                    .map_err(|e| Error::cuda("cuStreamSynchronize", e))
-            });
-            if let Err(f) = freed {
-                tracing::warn!(%f, "gpudirect ImportedPool: freeing a refused import failed");
+            if records.count(p) == 0 {
+                // SAFETY: imported above in this context (current) and used by nothing, no live
+                // mapping shares the address (the record, locked); freed once on this error path.
+                if let Err(f) = unsafe { r::mem::free(p) } {
+                    tracing::warn!(%f, "gpudirect ImportedPool: freeing a refused import failed");
+                }
             }
             return Err(e);
         }
@@ -310,6 +313,7 @@ impl ImportedPool {
             }
         };
         Ok(IpcMapping::new(
+            &mut records,
             stream,
             p,
             len,
