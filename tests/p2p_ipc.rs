@@ -882,6 +882,27 @@ fn mapped_twice(
         Err(e) => msg += &format!("; FAIL reading the second after the first drop: {e}"),
     }
     drop(m2);
+    // Informational: does the driver still know the address once both mappings are gone?
+    // (If it returned the same address twice and still maps it, it counts imports, and
+    // gpudirect's one free per address leaks one of them.)
+    let known = |a: u64| {
+        use gpudirect::cudarc::driver::sys;
+        let mut ordinal = 0i32;
+        // SAFETY: DEVICE_ORDINAL writes an int into `ordinal`; any address may be queried.
+        let rc = unsafe {
+            sys::cuPointerGetAttribute(
+                (&mut ordinal as *mut i32).cast(),
+                sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
+                a,
+            )
+        };
+        rc == sys::CUresult::CUDA_SUCCESS
+    };
+    msg += &format!(
+        "; after both drops the driver still knows the first address: {}, the second: {}",
+        known(a1),
+        known(a2)
+    );
     msg
 }
 
