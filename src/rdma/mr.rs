@@ -170,6 +170,37 @@ impl MrHandle {
 /// }
 /// ```
 ///
+/// The byte accessors belong to regions whose owner is the registered memory
+/// ([`ProtectionDomain::register_host`], [`ProtectionDomain::with_registered`]). An owner
+/// attached to a raw registration keeps whatever it is alive, but its bytes are not the
+/// region's (a 16-byte `Vec` attached to a 1 MiB registration), so such a region has no byte
+/// accessors:
+///
+/// ```no_run
+/// # use std::sync::Arc;
+/// # use gpudirect::rdma::{AccessFlags, ProtectionDomain};
+/// fn f(pd: &Arc<ProtectionDomain>, p: *mut std::ffi::c_void) -> gpudirect::Result<()> {
+///     // SAFETY: (this example's contract) `p` is 1 MiB that stays mapped for the region's life.
+///     let raw = unsafe { pd.register_raw(p, 1 << 20, AccessFlags::LOCAL_WRITE) }?;
+///     let _kept = raw.attach(vec![0u8; 16]);
+///     let mut mr = pd.register_host(vec![0u8; 16], AccessFlags::LOCAL_WRITE)?;
+///     mr.copy_in(0, &[0xAB; 16])?;
+///     Ok(())
+/// }
+/// ```
+///
+/// ```compile_fail
+/// # use std::sync::Arc;
+/// # use gpudirect::rdma::{AccessFlags, ProtectionDomain};
+/// fn f(pd: &Arc<ProtectionDomain>, p: *mut std::ffi::c_void) -> gpudirect::Result<()> {
+///     // SAFETY: (this example's contract) `p` is 1 MiB that stays mapped for the region's life.
+///     let raw = unsafe { pd.register_raw(p, 1 << 20, AccessFlags::LOCAL_WRITE) }?;
+///     let mut mr = raw.attach(vec![0u8; 16]);
+///     mr.copy_in(0, &[0xAB; 1 << 20])?; // error: the attached Vec is not the registered memory
+///     Ok(())
+/// }
+/// ```
+///
 /// The post-and-wait helpers borrow the region for the whole operation:
 ///
 /// ```compile_fail
