@@ -299,7 +299,7 @@ impl<M: GpuMemory> GpuMemoryRegion<M> {
     ) -> Self {
         GpuMemoryRegion {
             mr: mr
-                .attach(GpuBacking { dmabuf, mem })
+                .attach_owner(GpuBacking { dmabuf, mem })
                 .with_before_nic_read(wait_for_gpu_writes::<M>),
             range,
             path,

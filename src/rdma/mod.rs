@@ -42,7 +42,7 @@ pub use context::{
 };
 pub use cq::{CompletionChannel, CompletionQueue};
 pub use device::{devices, DeviceInfo, Transport, Verbs};
-pub use mr::{AccessFlags, HostMemory, MemoryRegion, RemoteMemory, Scoped, Sge};
+pub use mr::{AccessFlags, Attached, HostMemory, MemoryRegion, RemoteMemory, Scoped, Sge};
 pub use pd::ProtectionDomain;
 /// For tests only: the wr_id bit the blocking helpers reserve; not part of the stable API.
 #[doc(hidden)]

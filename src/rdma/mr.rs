@@ -126,7 +126,8 @@ impl MrHandle {
 
 /// A registered memory region (`struct ibv_mr`) and `B`, what it keeps alive: the host buffer
 /// ([`ProtectionDomain::register_host`]), the borrow of a scoped registration ([`Scoped`],
-/// [`ProtectionDomain::with_registered`]), a GPU allocation, or `()` for a raw registration.
+/// [`ProtectionDomain::with_registered`]), a GPU allocation, or `()` for a raw registration
+/// ([`Attached`] once [`attach`](MemoryRegion::attach) gave it an owner).
 /// Dropping it deregisters first, then releases `B`, then the PD. If `ibv_dereg_mr` fails, `B`
 /// and the PD are leaked (logged): releasing memory the NIC can still reach is never an option.
 ///
@@ -260,7 +261,19 @@ impl MemoryRegion<()> {
 
     /// Makes the region keep `owner` alive (a GPU allocation, a dma-buf fd, a buffer) and
     /// release it only after deregistering.
-    pub fn attach<T>(self, owner: T) -> MemoryRegion<T> {
+    ///
+    /// The owner comes back wrapped in [`Attached`]: gpudirect cannot tell whether its bytes are
+    /// the registered ones, so the region has none of the byte accessors a
+    /// [`register_host`](ProtectionDomain::register_host) region has (which would check bounds
+    /// against the registration and write through the owner). Reach the memory through the
+    /// pointer you registered, or register host memory with `register_host` instead.
+    pub fn attach<T>(self, owner: T) -> MemoryRegion<Attached<T>> {
+        self.attach_owner(Attached(owner))
+    }
+
+    /// Makes the region keep `owner` alive; for owners this room made sure are the registered
+    /// memory itself (or hold no bytes the accessors reach).
+    pub(in crate::rdma) fn attach_owner<T>(self, owner: T) -> MemoryRegion<T> {
         let (handle, ()) = self.into_parts();
         MemoryRegion {
             handle,
@@ -557,7 +570,25 @@ impl MemoryRegion<Scoped<'_>> {
         raw: MemoryRegion<()>,
         buf: Scoped<'_>,
     ) -> MemoryRegion<Scoped<'_>> {
-        raw.attach(buf)
+        raw.attach_owner(buf)
+    }
+}
+
+/// What [`MemoryRegion::attach`] keeps alive: an owner attached to a raw registration,
+/// released after the region is deregistered. Not [`HostMemory`], whatever `T` is: the region's
+/// byte accessors would reach the owner's bytes with the registration's bounds.
+#[derive(Debug)]
+pub struct Attached<T>(T);
+
+impl<T> Attached<T> {
+    /// The owner.
+    pub fn get(&self) -> &T {
+        &self.0
+    }
+
+    /// The owner, once the region gave it back ([`MemoryRegion::close`]).
+    pub fn into_inner(self) -> T {
+        self.0
     }
 }
 

@@ -87,7 +87,7 @@ impl ProtectionDomain {
         // SAFETY: `buf` is moved into the MemoryRegion, and HostMemory guarantees that moving it
         // keeps the bytes at `ptr`; the region deregisters (field order) before `buf` drops.
         let handle = unsafe { self.register_raw(ptr.cast(), len, access) }?;
-        Ok(handle.attach(buf))
+        Ok(handle.attach_owner(buf))
     }
 
     /// Registers `buf` (`ibv_reg_mr`) for the length of `f`: `f` gets the region, and the
