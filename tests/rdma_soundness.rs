@@ -452,6 +452,53 @@ fn rdma_cm_id_dropped_before_its_event_does_not_hang() {
     assert!([CmEventType::REJECTED, UNREACHABLE].contains(&got), "{got}");
 }
 
+/// Review of 2026-12-02, item 3: dropping the listener while its `CONNECT_REQUEST` event is
+/// still held must not hang. librdmacm counts a connect request against the listener (the
+/// event's `id_priv` is the listener; `rdma_ack_cm_event` completes it there), so
+/// `rdma_destroy_id(listener)` waits for that event's ack. On the code before the fix the channel
+/// counted the event under the new id, destroyed the listener at once, and that waited for an
+/// ack that comes only after the drop returns: this drop did not return within 10 s.
+#[test]
+#[ignore = "needs an RDMA device"]
+fn rdma_cm_listener_dropped_before_its_connect_request_does_not_hang() {
+    use gpudirect::rdma::cm::{CmEventType, CmId, ConnParam, EventChannel};
+    const T: Duration = Duration::from_secs(30);
+    let addr = std::net::SocketAddr::new(rdma_ip(), 18_533);
+    let lch = EventChannel::new().unwrap();
+    let listen = CmId::new(&lch).unwrap();
+    listen.bind(addr).unwrap();
+    listen.listen(4).unwrap();
+    let cch = EventChannel::new().unwrap();
+    let cid = CmId::new(&cch).unwrap();
+    cid.resolve_addr(None, addr, Duration::from_secs(5))
+        .unwrap();
+    drop(cch.expect(CmEventType::ADDR_RESOLVED, T).unwrap());
+    cid.resolve_route(Duration::from_secs(5)).unwrap();
+    drop(cch.expect(CmEventType::ROUTE_RESOLVED, T).unwrap());
+    let ctx = cid.context().unwrap();
+    let pd = ProtectionDomain::new(&ctx).unwrap();
+    let cq = CompletionQueue::new(&ctx, 16).unwrap();
+    let opts = QpOptions {
+        port: cid.port(),
+        ..qp_options(Duration::from_secs(5))
+    };
+    let qp = QueuePair::new(&pd, &cq, &cq, &opts).unwrap();
+    cid.connect(&qp, &ConnParam::default()).unwrap();
+    let mut ev = lch.expect(CmEventType::CONNECT_REQUEST, T).unwrap();
+    let rid = ev.take_id().expect("a connect request carries its id");
+    let dropped = drop_returns(listen);
+    drop(ev); // (unblocks a waiting rdma_destroy_id of the listener)
+    assert!(
+        dropped,
+        "dropping the listener while its CONNECT_REQUEST event was held did not return within 10 s"
+    );
+    // The new id is independent of the listener and goes on its own.
+    assert!(
+        drop_returns(rid),
+        "dropping the id taken from the CONNECT_REQUEST did not return within 10 s"
+    );
+}
+
 /// Sweep: any `wait_timeout` works, `Duration::MAX` included (a deadline computed by adding it
 /// to `Instant::now()` would panic after the work request was posted, ending the borrow of a
 /// buffer the NIC is using).
