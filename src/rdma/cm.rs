@@ -143,9 +143,19 @@ impl EventChannel {
     pub fn get_event(self: &Arc<Self>) -> Result<CmEvent> {
         // SAFETY: the channel is live while `self` is.
         let raw = unsafe { result::cm_get_event(self.lib, self.raw) }?;
-        // SAFETY: the event is live until acknowledged; `id` is the id it belongs to (for a
-        // connect request, the new id).
-        let id_key = unsafe { raw.as_ref().id } as usize;
+        // The id whose `rdma_destroy_id` waits for this event's ack. librdmacm counts a connect
+        // request against the listener, not the new id: `rdma_get_cm_event` sets the event's
+        // `id_priv` from the kernel's uid (the listener's) and `rdma_ack_cm_event` completes
+        // `id_priv` (rdma-core librdmacm/cma.c), while `event->id` is the new id.
+        // SAFETY: the event is live until acknowledged; both fields are set by librdmacm.
+        let id_key = unsafe {
+            let ev = raw.as_ref();
+            if ev.event == sys::RDMA_CM_EVENT_CONNECT_REQUEST {
+                ev.listen_id
+            } else {
+                ev.id
+            }
+        } as usize;
         if id_key != 0 {
             *self.pending().unacked.entry(id_key).or_insert(0) += 1;
         }
@@ -259,10 +269,13 @@ impl fmt::Display for CmEventType {
 }
 
 /// One RDMA CM event; acknowledged (`rdma_ack_cm_event`) on drop. Its id may be dropped
-/// first: the id is then destroyed when the event is acknowledged.
+/// first: the id is then destroyed when the event is acknowledged. For a `CONNECT_REQUEST` that
+/// id is the listener (librdmacm counts the request against it); the new id
+/// ([`take_id`](Self::take_id)) can be dropped at any time.
 pub struct CmEvent {
     raw: NonNull<sys::rdma_cm_event>,
-    /// The address of the event's id, for the channel's bookkeeping.
+    /// The address of the id whose destruction waits for this event's ack (the listener for a
+    /// connect request), for the channel's bookkeeping.
     id_key: usize,
     channel: Arc<EventChannel>,
 }
