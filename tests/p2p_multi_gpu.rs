@@ -511,6 +511,76 @@ fn multi_gpu_peer_access_drop_waits_for_an_in_flight_copy() {
     assert_eq!(registry_state(&b, &a).map_or(0, |s| s.0), 0);
 }
 
+/// Review of 2026-12-02, item 9: revoking a grant waits for the accessor's context
+/// (`cuCtxSynchronize`), and that wait must not hold up gpudirect's copies between other
+/// streams: with work queued behind a host action that another thread performs after its own
+/// `copy_peer`, that would never end. The accessor's (GPU 1's) work is held by a gate while the
+/// last holder is dropped on another thread (control: still waiting 300 ms later); a
+/// `copy_peer` from GPU 1's memory into GPU 0's on an unrelated stream then runs. On the code
+/// before the fix the drop held the process-wide revocation lock across the wait, so the copy
+/// returned only when the gate's 5 s timer opened it (about 4.7 s here); after it, at once
+/// (milliseconds), with the drop still waiting, and every byte arrives. The access is revoked
+/// once the gate opens.
+#[test]
+#[ignore = "needs 2 CUDA GPUs"]
+fn multi_gpu_peer_access_revocation_holds_up_no_other_copy() {
+    use std::time::{Duration, Instant};
+    let _g = serial();
+    let (a, b) = two_gpus();
+    common::grow_streams_past_the_drivers_first_growth(&a);
+    common::grow_streams_past_the_drivers_first_growth(&b);
+    let held = b.new_stream().unwrap();
+    let sa = a.new_stream().unwrap();
+    let sb = b.new_stream().unwrap();
+    let data = random((8 << 20) + 3);
+    let src = pool_buf(&sb, &data);
+    let mut dst = sa.alloc_zeros::<u8>(data.len()).unwrap();
+    sb.synchronize().unwrap();
+    sa.synchronize().unwrap();
+    let access = PeerAccess::enable(&b, &a).unwrap();
+    let gate = common::StreamGate::block(&held);
+    let (done_tx, done_rx) = std::sync::mpsc::channel();
+    let dropper = std::thread::spawn(move || {
+        drop(access);
+        let _ = done_tx.send(());
+    });
+    let early = done_rx.recv_timeout(Duration::from_millis(300));
+    let opener = gate.release_after(Duration::from_secs(5));
+    assert!(
+        early.is_err(),
+        "control: the last holder's drop returned while the accessor's context was held"
+    );
+    let opts = CopyOptions {
+        policy: Some(FallbackPolicy::Allow),
+        ..CopyOptions::default()
+    };
+    let t0 = Instant::now();
+    let copied = copy_peer_with(&src, &mut dst, &sa, &opts);
+    let took = t0.elapsed();
+    let drop_still_waiting = done_rx.try_recv().is_err();
+    opener.join().unwrap();
+    let finished = done_rx.recv_timeout(Duration::from_secs(30));
+    dropper.join().unwrap();
+    let report = copied.unwrap();
+    println!(
+        "copy_peer GPU1 -> GPU0 during the revocation's wait returned after {took:?} ({}); the drop still waiting then: {drop_still_waiting}",
+        report.path
+    );
+    assert!(
+        finished.is_ok(),
+        "the drop never returned after the gate opened"
+    );
+    assert!(
+        took < Duration::from_secs(2),
+        "copy_peer waited {took:?} for another pair's revocation (the gate opened after 5 s)"
+    );
+    assert!(
+        sa.clone_dtoh(&dst).unwrap() == data,
+        "the copy's bytes differ"
+    );
+    assert_eq!(registry_state(&b, &a), None, "the grant was not released");
+}
+
 /// Issue 9 item 16: a grant found already enabled (by someone else) leaves no record behind
 /// once its last holder is gone, so a later copy of `cuMemAlloc` memory is not reported direct
 /// on gpudirect's say-so after the access was turned off by its owner (old: `known_on` stayed
