@@ -27,6 +27,9 @@ struct CtxEntry {
     enabled_by_us: bool,
     accessor_ordinal: usize,
     owner_ordinal: usize,
+    /// Holds taken so far (never decreases): a revocation that drained the accessor's work
+    /// sees from it whether the grant was taken (and perhaps used and released) meanwhile.
+    taken: u64,
 }
 
 #[derive(Debug)]
@@ -34,6 +37,8 @@ struct PoolEntry {
     holders: usize,
     /// The access flags before gpudirect first granted access, restored after the last holder.
     previous: sys::CUmemAccess_flags,
+    /// As [`CtxEntry::taken`].
+    taken: u64,
 }
 
 #[derive(Debug, Default)]
@@ -51,8 +56,9 @@ fn registry() -> MutexGuard<'static, Registry> {
 
 /// Held (shared) by gpudirect's synchronous peer copies from before they look at the access
 /// until the copy has run, and by grants; (exclusive) by the revocation of a grant, so a
-/// revocation never lands under a copy, nor races a new grant of the same access. Lock order:
-/// this before the registry.
+/// revocation never lands under a copy, nor races a new grant of the same access. Revocations
+/// drain the accessor's context before they take it (not while holding it), so no copy waits
+/// for another device's work. Lock order: this before the registry.
 static REVOKE: RwLock<()> = RwLock::new(());
 
 /// Shared hold of [`REVOKE`]: no revocation happens while it is held.
@@ -107,11 +113,14 @@ enum Grant {
 /// granted them.
 ///
 /// # Revocation
-/// Dropping the last holder of a grant gpudirect made waits for gpudirect's own synchronous
-/// copies ([`copy_peer`](super::copy_peer)) and then for all work queued in the accessor's
-/// context (`cuCtxSynchronize`) before it revokes, so copies and kernels enqueued there before
-/// the drop finish with the access they were planned with. Work enqueued on the accessor's
-/// device after (or while) the last holder drops must not rely on the access.
+/// Dropping the last holder of a grant gpudirect made waits for all work queued in the
+/// accessor's context (`cuCtxSynchronize`) and then for gpudirect's own synchronous copies in
+/// progress ([`copy_peer`](super::copy_peer)) before it revokes, so copies and kernels enqueued
+/// there before the drop finish with the access they were planned with. The first wait holds
+/// no lock: gpudirect's copies between any devices go on meanwhile (a copy planned on the
+/// grant during the wait is waited for by the second); if the grant was taken and released
+/// during the wait, the wait is repeated. Work enqueued on the accessor's device after (or
+/// while) the last holder drops must not rely on the access.
 ///
 /// The driver cannot tell gpudirect's grant from the same grant made later by another library
 /// (enabling an access that is already on changes nothing it reports). If other code in the
@@ -259,6 +268,7 @@ impl PeerAccess {
             entry.enabled_by_us = true;
         }
         entry.holders += 1;
+        entry.taken += 1;
         drop(reg);
         self.grants.push(Grant::Context {
             accessor: accessor.clone(),
@@ -279,6 +289,7 @@ impl PeerAccess {
         let mut reg = registry();
         if let Some(e) = reg.pool.get_mut(&key) {
             e.holders += 1;
+            e.taken += 1;
         } else {
             // SAFETY: `pool` is the owner's default pool (alive as long as the device) or a pool
             // the caller guaranteed live (`with_pool`'s contract).
@@ -306,6 +317,7 @@ impl PeerAccess {
                 PoolEntry {
                     holders: 1,
                     previous,
+                    taken: 1,
                 },
             );
         }
@@ -346,11 +358,42 @@ impl Drop for PeerAccess {
     }
 }
 
+/// How many times a revocation drains the accessor's work again, outside [`REVOKE`], when the
+/// grant was taken and released meanwhile (whose copies may be queued after the first drain),
+/// before it drains under [`REVOKE`] instead (the bounded fallback).
+const DRAINS_OUTSIDE_THE_LOCK: usize = 3;
+
+/// What a revocation found under [`REVOKE`] and the registry after draining the accessor.
+enum Recheck {
+    /// Another holder holds the grant now (this hold was dropped): it revokes later.
+    StillHeld,
+    /// The entry is gone (nothing to revoke).
+    Gone,
+    /// The grant was taken and released since the drain began: drain again.
+    TakenMeanwhile(u64),
+    /// This is still the last hold and nobody took the grant since the drain: revoke now.
+    Revoke,
+}
+
+/// Waits for all work queued in the accessor's context (`cuCtxSynchronize`), restoring the
+/// calling thread's current context.
+fn drain(accessor: &Arc<CudaContext>) -> std::result::Result<(), cudarc::driver::DriverError> {
+    let _current = CurrentContext::save();
+    accessor.synchronize()
+}
+
 /// Releases one hold of the context grant from `accessor` to `owner`; the last holder of a
 /// grant gpudirect made revokes it (see [`PeerAccess`]'s "Revocation").
+///
+/// The accessor's queued work drains first, with no lock held, so copies between other devices
+/// go on meanwhile; then, under [`REVOKE`] (which waits for every gpudirect copy in progress:
+/// each holds it shared from its plan until it has synchronized), the grant is revoked if no
+/// one took it since the drain began. Copies that started during the drain are either done
+/// (they finished under the shared hold) or were planned on a grant taken meanwhile, which
+/// the `taken` count shows: the drain is then repeated.
 fn release_context(accessor: &Arc<CudaContext>, owner: &Arc<CudaContext>) {
     let key = (accessor.cu_ctx() as usize, owner.cu_ctx() as usize);
-    {
+    let mut seen = {
         let mut reg = registry();
         let Some(e) = reg.ctx.get_mut(&key) else {
             tracing::warn!("gpudirect PeerAccess: no registry entry for a held context grant");
@@ -365,21 +408,48 @@ fn release_context(accessor: &Arc<CudaContext>, owner: &Arc<CudaContext>) {
             reg.ctx.remove(&key);
             return;
         }
-    }
-    // The last hold of a grant gpudirect made: revoke it with no gpudirect copy or grant in
-    // progress (lock order: REVOKE, then the registry), after the accessor's queued work ran.
-    let _no_copies = revocation();
-    {
+        e.taken
+    };
+    let recheck = |seen: u64| {
         let mut reg = registry();
         let Some(e) = reg.ctx.get_mut(&key) else {
-            return;
+            return Recheck::Gone;
         };
-        e.holders = e.holders.saturating_sub(1);
-        if e.holders > 0 {
-            return; // taken again meanwhile
+        if e.holders > 1 {
+            e.holders -= 1;
+            return Recheck::StillHeld;
+        }
+        if e.taken != seen {
+            return Recheck::TakenMeanwhile(e.taken);
         }
         reg.ctx.remove(&key);
-    }
+        Recheck::Revoke
+    };
+    let mut attempt = 0;
+    let _no_copies = loop {
+        let last = attempt >= DRAINS_OUTSIDE_THE_LOCK;
+        // The bounded fallback drains under REVOKE, as a revocation did before.
+        let locked = last.then(revocation);
+        if let Err(err) = drain(accessor) {
+            tracing::warn!(%err, "gpudirect PeerAccess: the accessor's context did not synchronise; peer access stays on rather than be revoked under queued work");
+            forget_hold_ctx(key);
+            return;
+        }
+        let guard = locked.unwrap_or_else(revocation);
+        match recheck(seen) {
+            Recheck::StillHeld | Recheck::Gone => return,
+            Recheck::TakenMeanwhile(now) if !last => {
+                seen = now;
+                attempt += 1;
+            }
+            Recheck::TakenMeanwhile(_) => {
+                // Drained under REVOKE: no gpudirect copy or grant ran since. Revoke.
+                registry().ctx.remove(&key);
+                break guard;
+            }
+            Recheck::Revoke => break guard,
+        }
+    };
     let _current = match CurrentContext::bind(accessor) {
         Ok(c) => c,
         Err(err) => {
@@ -387,24 +457,35 @@ fn release_context(accessor: &Arc<CudaContext>, owner: &Arc<CudaContext>) {
             return;
         }
     };
-    if let Err(err) = accessor.synchronize() {
-        tracing::warn!(%err, "gpudirect PeerAccess: the accessor's context did not synchronise; peer access stays on rather than be revoked under queued work");
-        return;
-    }
     // SAFETY: the accessor's context is current and the owner's context alive (Arc held); the
-    // accessor's queued work has finished and no gpudirect copy is in progress.
+    // accessor's queued work has finished (drained above, and no gpudirect copy or grant used
+    // the access since: REVOKE is held exclusively and the grant was not taken meanwhile).
     if let Err(err) = unsafe { r::ctx::disable_peer_access(owner.cu_ctx()) } {
         tracing::warn!(%err, "gpudirect PeerAccess: revoking peer access failed");
     }
 }
 
+/// Drops this hold of a context grant without revoking it (the access stays on, no longer
+/// vouched for once no holder is left).
+fn forget_hold_ctx(key: CtxKey) {
+    let mut reg = registry();
+    if let Some(e) = reg.ctx.get_mut(&key) {
+        if e.holders > 1 {
+            e.holders -= 1;
+        } else {
+            reg.ctx.remove(&key);
+        }
+    }
+}
+
 /// Releases one hold of `accessor`'s access to `pool`; the last holder restores the flags found
 /// before the first grant, unless they were already read/write or someone changed them since
-/// (see [`PeerAccess`]'s "Revocation").
+/// (see [`PeerAccess`]'s "Revocation"). The accessor drains outside [`REVOKE`], as in
+/// [`release_context`].
 fn release_pool(accessor: &Arc<CudaContext>, pool: sys::CUmemoryPool) {
     let dev = accessor.ordinal() as i32;
     let key = (pool as usize, dev);
-    {
+    let mut seen = {
         let mut reg = registry();
         let Some(e) = reg.pool.get_mut(&key) else {
             tracing::warn!("gpudirect PeerAccess: no registry entry for a held pool grant");
@@ -418,20 +499,47 @@ fn release_pool(accessor: &Arc<CudaContext>, pool: sys::CUmemoryPool) {
             reg.pool.remove(&key);
             return;
         }
-    }
-    let _no_copies = revocation();
-    let previous = {
+        e.taken
+    };
+    // (Some(previous) to restore, or why not.)
+    let recheck = |seen: u64| {
         let mut reg = registry();
         let Some(e) = reg.pool.get_mut(&key) else {
-            return;
+            return (Recheck::Gone, None);
         };
-        e.holders = e.holders.saturating_sub(1);
-        if e.holders > 0 {
-            return;
+        if e.holders > 1 {
+            e.holders -= 1;
+            return (Recheck::StillHeld, None);
+        }
+        if e.taken != seen {
+            return (Recheck::TakenMeanwhile(e.taken), Some(e.previous));
         }
         let previous = e.previous;
         reg.pool.remove(&key);
-        previous
+        (Recheck::Revoke, Some(previous))
+    };
+    let mut attempt = 0;
+    let (_no_copies, previous) = loop {
+        let last = attempt >= DRAINS_OUTSIDE_THE_LOCK;
+        let locked = last.then(revocation);
+        if let Err(err) = drain(accessor) {
+            tracing::warn!(%err, "gpudirect PeerAccess: the accessor's context did not synchronise; pool access stays on rather than be revoked under queued work");
+            forget_hold_pool(key);
+            return;
+        }
+        let guard = locked.unwrap_or_else(revocation);
+        match recheck(seen) {
+            (Recheck::StillHeld | Recheck::Gone, _) | (_, None) => return,
+            (Recheck::TakenMeanwhile(now), _) if !last => {
+                seen = now;
+                attempt += 1;
+            }
+            (Recheck::TakenMeanwhile(_), Some(previous)) => {
+                registry().pool.remove(&key);
+                break (guard, previous);
+            }
+            (Recheck::Revoke, Some(previous)) => break (guard, previous),
+        }
     };
     // SAFETY: the pool is the owner's default pool or one the caller keeps alive for the
     // PeerAccess's lifetime (`with_pool`'s contract).
@@ -449,15 +557,23 @@ fn release_pool(accessor: &Arc<CudaContext>, pool: sys::CUmemoryPool) {
             return;
         }
     }
-    let _current = CurrentContext::save();
-    if let Err(err) = accessor.synchronize() {
-        tracing::warn!(%err, "gpudirect PeerAccess: the accessor's context did not synchronise; pool access stays on rather than be revoked under queued work");
-        return;
-    }
-    // SAFETY: as above; the accessor's queued work has finished and no gpudirect copy is in
-    // progress.
+    // SAFETY: as above; the accessor's queued work has finished (drained above, and no
+    // gpudirect copy or grant used the access since: REVOKE is held exclusively and the grant
+    // was not taken meanwhile).
     if let Err(err) = unsafe { r::mem_pool::set_access(pool, dev, previous) } {
         tracing::warn!(%err, "gpudirect PeerAccess: restoring pool access failed");
+    }
+}
+
+/// Drops this hold of a pool grant without restoring the flags.
+fn forget_hold_pool(key: PoolKey) {
+    let mut reg = registry();
+    if let Some(e) = reg.pool.get_mut(&key) {
+        if e.holders > 1 {
+            e.holders -= 1;
+        } else {
+            reg.pool.remove(&key);
+        }
     }
 }
 
