@@ -529,7 +529,12 @@ impl CmId {
     }
 
     /// The device context this id is bound to (after address resolution, or for an incoming
-    /// connection). librdmacm owns it and keeps it open; create the PD, CQs and QP on it.
+    /// connection). librdmacm owns it; the returned value keeps it open (a device list of
+    /// librdmacm's, `rdma_get_devices`) for as long as it and the PD, CQs and QP made on it
+    /// live, also after the id is dropped and the device removed.
+    ///
+    /// Errors: [`Error::InvalidArgument`] before the id is bound to a device;
+    /// [`Error::NoDevice`] when librdmacm no longer lists the device (removed).
     pub fn context(&self) -> Result<Arc<Context>> {
         // SAFETY: the id is live.
         let verbs = unsafe { self.raw.as_ref().verbs };
@@ -538,8 +543,9 @@ impl CmId {
                 "this rdma_cm id is not bound to a device yet: resolve the address (or bind to a device's IP) first".into(),
             )
         })?;
-        // SAFETY: librdmacm keeps the device contexts it opened for the life of the process.
-        unsafe { Context::borrowed(verbs) }
+        // SAFETY: librdmacm opened `verbs` and keeps it open while this id (alive: `&self`) is
+        // bound to it; `borrowed` pins it beyond that.
+        unsafe { Context::borrowed(self.channel.lib, verbs) }
     }
 
     /// The device port the id is bound to (use it as [`QpOptions::port`](super::QpOptions)).

@@ -19,8 +19,42 @@ pub struct Context {
     lib: &'static Ibverbs,
     raw: NonNull<sys::ibv_context>,
     info: DeviceInfo,
-    /// False for a context librdmacm opened (it keeps it open for the process).
+    /// False for a context librdmacm opened (librdmacm closes it).
     owned: bool,
+    /// For a context librdmacm opened: its device list, which keeps the device (and so the
+    /// context) open while this value lives, even after a hot-removal.
+    _pin: Option<CmDevices>,
+}
+
+/// A list from `rdma_get_devices`, given back with `rdma_free_devices` on drop. While it lives,
+/// librdmacm keeps every listed device's context open (it closes a removed device's context
+/// once no list and no id refers to it).
+struct CmDevices {
+    lib: &'static sys::Rdmacm,
+    list: NonNull<*mut sys::ibv_context>,
+}
+
+// SAFETY: the list is an array of pointers librdmacm reads only in rdma_free_devices, under its
+// own lock (librdmacm is thread-safe); Rust only reads it while holding `&self`.
+unsafe impl Send for CmDevices {}
+// SAFETY: as above.
+unsafe impl Sync for CmDevices {}
+
+impl Drop for CmDevices {
+    fn drop(&mut self) {
+        // SAFETY: from rdma_get_devices with this library, freed once (here).
+        unsafe { result::cm_free_devices(self.lib, self.list) }
+    }
+}
+
+impl CmDevices {
+    /// True when `ctx` is among the list's `len` contexts.
+    fn contains(&self, ctx: NonNull<sys::ibv_context>, len: usize) -> bool {
+        (0..len).any(|i| {
+            // SAFETY: the list holds `len` entries before its NULL terminator.
+            unsafe { *self.list.as_ptr().add(i) == ctx.as_ptr() }
+        })
+    }
 }
 
 // SAFETY: libibverbs is thread-safe: "all verbs are thread safe" (rdma-core
@@ -237,27 +271,48 @@ impl Verbs {
             raw,
             info,
             owned: true,
+            _pin: None,
         }))
     }
 }
 
 impl Context {
-    /// A context librdmacm opened (`rdma_cm_id::verbs`): not closed on drop.
+    /// A context librdmacm opened (`rdma_cm_id::verbs`), not closed on drop, kept open by a
+    /// device list of librdmacm's (`rdma_get_devices`, given back with `rdma_free_devices`
+    /// when the value goes): librdmacm closes the context of a hot-removed device once no list
+    /// and no id refers to it, which the id the context came from cannot promise after it is
+    /// dropped.
+    ///
+    /// Errors: [`Error::NoDevice`] when librdmacm no longer lists the context (its device was
+    /// removed).
     ///
     /// # Safety
     ///
-    /// `raw` must be a context that stays open for the life of the process (librdmacm keeps
-    /// the contexts it opens until the library is unloaded).
-    pub(in crate::rdma) unsafe fn borrowed(raw: NonNull<sys::ibv_context>) -> Result<Arc<Context>> {
+    /// `raw` must be a context librdmacm opened that is open now and stays open for the call
+    /// (the id it came from is alive and bound to it).
+    pub(in crate::rdma) unsafe fn borrowed(
+        rdmacm: &'static sys::Rdmacm,
+        raw: NonNull<sys::ibv_context>,
+    ) -> Result<Arc<Context>> {
         let lib = result::ibverbs()?;
+        // SAFETY: plain call; the list is given back by `CmDevices`' Drop.
+        let (list, len) = unsafe { result::cm_get_devices(rdmacm) }?;
+        let pin = CmDevices { lib: rdmacm, list };
+        if !pin.contains(raw, len) {
+            return Err(Error::NoDevice {
+                what: "the RDMA device this rdma_cm id is bound to".into(),
+                detail: "librdmacm no longer lists it (removed?): resolve the address again".into(),
+            });
+        }
         // SAFETY: `raw` is a live context (caller), so its device is a valid ibv_device.
         let dev = unsafe { raw.as_ref().device };
         Ok(Arc::new(Context {
             lib,
             raw,
-            // SAFETY: the device of an open context (librdmacm keeps its device list).
+            // SAFETY: the device of an open context, which the list keeps open.
             info: unsafe { DeviceInfo::from_raw(lib, dev) },
             owned: false,
+            _pin: Some(pin),
         }))
     }
 }

@@ -508,6 +508,37 @@ pub(in crate::rdma) unsafe fn cm_create_event_channel(
     nonnull("rdma_create_event_channel", unsafe { f() })
 }
 
+/// `rdma_get_devices`: librdmacm's NULL-terminated list of the device contexts it opened, and
+/// its length. Each listed device's reference count is raised (librdmacm closes a removed
+/// device's context only once no list and no id refers to it) until
+/// [`cm_free_devices`] gives the list back.
+pub(in crate::rdma) unsafe fn cm_get_devices(
+    lib: &sys::Rdmacm,
+) -> Result<(NonNull<*mut sys::ibv_context>, usize)> {
+    let f = cm_sym!(lib, rdma_get_devices);
+    let mut n = 0;
+    clear_errno();
+    // SAFETY: `n` is a valid out-pointer.
+    let list = nonnull("rdma_get_devices", unsafe { f(&mut n) })?;
+    Ok((list, usize::try_from(n).unwrap_or(0)))
+}
+
+/// `rdma_free_devices`.
+///
+/// # Safety
+///
+/// `list` came from [`cm_get_devices`] with the same library and is freed once; no context
+/// taken from it is used afterwards unless something else keeps its device.
+pub(in crate::rdma) unsafe fn cm_free_devices(
+    lib: &sys::Rdmacm,
+    list: NonNull<*mut sys::ibv_context>,
+) {
+    if let Some(f) = lib.rdma_free_devices {
+        // SAFETY: the caller's contract.
+        unsafe { f(list.as_ptr()) }
+    }
+}
+
 /// `rdma_destroy_event_channel`.
 pub(in crate::rdma) unsafe fn cm_destroy_event_channel(
     lib: &sys::Rdmacm,
