@@ -131,3 +131,54 @@ fn verbs_exchange_needs_a_token_and_times_out() {
         .unwrap_err();
     assert!(matches!(e, Error::Io { op: "accept", .. }), "{e:?}");
 }
+
+/// Review of 2026-12-02 (minor): any timeout works, `Duration::MAX` included (on the code
+/// before the fix `Instant::now() + timeout` panicked in both `serve` and `connect`).
+#[test]
+fn verbs_exchange_accepts_any_timeout() {
+    let mut rng = rand::rng();
+    let (a, b) = (random_record(&mut rng), random_record(&mut rng));
+    let server = Exchange::new("t0k").unwrap().with_timeout(Duration::MAX);
+    let listener = server.listen("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    let t = std::thread::spawn(move || server.serve(&listener, &a));
+    let got_a = Exchange::new("t0k")
+        .unwrap()
+        .with_timeout(Duration::MAX)
+        .connect(addr, &b)
+        .unwrap();
+    let (got_b, _) = t.join().unwrap().unwrap();
+    assert_eq!((got_a, got_b), (a, b));
+}
+
+/// Review of 2026-12-02 (minor): `serve`'s timeout bounds the whole wait, a peer's handshake
+/// included. A peer that sends one byte every 300 ms (each read well within the 1 s timeout)
+/// for 8 s held the code before the fix for those 8 s (until it gave up); now `serve` times
+/// out after about 1 s.
+#[test]
+fn verbs_exchange_serve_is_not_held_past_its_timeout_by_a_trickling_peer() {
+    let server = Exchange::new("t0k")
+        .unwrap()
+        .with_timeout(Duration::from_secs(1));
+    let listener = server.listen("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    let t0 = std::time::Instant::now();
+    let t = std::thread::spawn(move || server.serve(&listener, &ConnectionRecord::default()));
+    let mut s = std::net::TcpStream::connect(addr).unwrap();
+    let trickle = std::thread::spawn(move || {
+        for b in b"GDRX\x00\x01\x00\x03t0k".iter().cycle().take(27) {
+            if s.write_all(&[*b]).is_err() {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(300));
+        }
+    });
+    let r = t.join().unwrap();
+    let took = t0.elapsed();
+    trickle.join().unwrap();
+    assert!(r.is_err(), "served a trickling peer: {r:?}");
+    assert!(
+        took < Duration::from_secs(3),
+        "serve with a 1 s timeout returned after {took:?}"
+    );
+}
