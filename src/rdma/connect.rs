@@ -71,8 +71,9 @@ impl Exchange {
         })
     }
 
-    /// How long [`serve`](Self::serve) waits for a matching peer and [`connect`](Self::connect)
-    /// retries; also the read/write timeout of each step.
+    /// How long [`serve`](Self::serve) waits for a matching peer, the handshakes with the peers
+    /// it meets meanwhile included, and how long [`connect`](Self::connect) retries, and then
+    /// how long its handshake may take. Any duration works (`Duration::MAX`: no limit).
     pub fn with_timeout(mut self, timeout: Duration) -> Exchange {
         self.timeout = timeout;
         self
@@ -85,19 +86,20 @@ impl Exchange {
 
     /// Waits on `listener` for a peer presenting the same token, sends it `local` and returns
     /// its record with its address. Peers with another token or protocol are answered `"NO"`,
-    /// logged and dropped, and the wait goes on until the timeout.
+    /// logged and dropped, and the wait goes on until the timeout, which also ends a handshake
+    /// in progress (a peer sending a byte now and then cannot hold `serve` past it).
     pub fn serve(
         &self,
         listener: &TcpListener,
         local: &ConnectionRecord,
     ) -> Result<(ConnectionRecord, SocketAddr)> {
-        let deadline = Instant::now() + self.timeout;
+        let deadline = deadline(self.timeout);
         listener
             .set_nonblocking(true)
             .map_err(|e| io_err("set_nonblocking", e))?;
         loop {
             match listener.accept() {
-                Ok((stream, peer)) => match self.serve_one(stream, local) {
+                Ok((stream, peer)) => match self.serve_one(stream, local, deadline) {
                     Ok(r) => return Ok((r, peer)),
                     Err(e) => tracing::warn!(%peer, error = %e, "refused a connection exchange"),
                 },
@@ -121,65 +123,59 @@ impl Exchange {
         }
     }
 
-    fn serve_one(&self, mut s: TcpStream, local: &ConnectionRecord) -> Result<ConnectionRecord> {
+    fn serve_one(
+        &self,
+        mut s: TcpStream,
+        local: &ConnectionRecord,
+        deadline: Instant,
+    ) -> Result<ConnectionRecord> {
         let peer = s
             .peer_addr()
             .map(|a| a.to_string())
             .unwrap_or_else(|_| "?".into());
-        self.prepare(&s)?;
+        prepare(&s)?;
         let mut head = [0u8; 8];
-        s.read_exact(&mut head).map_err(|e| io_err("read", e))?;
-        let refuse = |mut s: &TcpStream, reason: &str| -> Error {
+        read_exact_by(&mut s, &mut head, deadline)?;
+        let refuse = |s: &mut TcpStream, reason: &str| -> Error {
             let r = reason.as_bytes();
             let mut msg = b"NO".to_vec();
             msg.extend_from_slice(&(r.len() as u16).to_be_bytes());
             msg.extend_from_slice(r);
-            let _ = s.write_all(&msg);
+            let _ = write_all_by(s, &msg, deadline);
             Error::ExchangeRefused {
                 peer: peer.clone(),
                 reason: reason.to_string(),
             }
         };
         if &head[..4] != MAGIC {
-            return Err(refuse(&s, "not a gpudirect connection exchange"));
+            return Err(refuse(&mut s, "not a gpudirect connection exchange"));
         }
         let version = u16::from_be_bytes([head[4], head[5]]);
         if version != VERSION {
             return Err(refuse(
-                &s,
+                &mut s,
                 &format!("protocol version {version}, this side speaks {VERSION}: use the same gpudirect version on both sides"),
             ));
         }
         let n = u16::from_be_bytes([head[6], head[7]]) as usize;
         if n > MAX_TOKEN {
-            return Err(refuse(&s, "token too long"));
+            return Err(refuse(&mut s, "token too long"));
         }
         let mut token = vec![0u8; n];
-        s.read_exact(&mut token).map_err(|e| io_err("read", e))?;
+        read_exact_by(&mut s, &mut token, deadline)?;
         if !same(&token, &self.token) {
             return Err(refuse(
-                &s,
+                &mut s,
                 "token mismatch: give both sides the same exchange token",
             ));
         }
         let mut msg = b"OK".to_vec();
         msg.extend_from_slice(&self.token);
         msg.extend_from_slice(&local.to_bytes());
-        s.write_all(&msg).map_err(|e| io_err("write", e))?;
+        write_all_by(&mut s, &msg, deadline)?;
         let mut rec = [0u8; ConnectionRecord::WIRE_LEN];
-        s.read_exact(&mut rec).map_err(|e| io_err("read", e))?;
+        read_exact_by(&mut s, &mut rec, deadline)?;
         ConnectionRecord::from_bytes(&rec)
-    }
-
-    fn prepare(&self, s: &TcpStream) -> Result<()> {
-        s.set_nonblocking(false)
-            .map_err(|e| io_err("set_nonblocking", e))?;
-        s.set_read_timeout(Some(self.timeout))
-            .map_err(|e| io_err("set_read_timeout", e))?;
-        s.set_write_timeout(Some(self.timeout))
-            .map_err(|e| io_err("set_write_timeout", e))?;
-        let _ = s.set_nodelay(true);
-        Ok(())
     }
 
     /// Connects to a serving peer at `addr` (retrying while it does not listen yet, until the
@@ -193,11 +189,14 @@ impl Exchange {
             .to_socket_addrs()
             .map_err(|e| io_err("resolve", e))?
             .collect();
-        let deadline = Instant::now() + self.timeout;
+        let retry_until = deadline(self.timeout);
         let mut s = 'outer: loop {
             let mut last = None;
             for a in &addrs {
-                match TcpStream::connect_timeout(a, self.timeout) {
+                let left = retry_until
+                    .saturating_duration_since(Instant::now())
+                    .max(Duration::from_millis(1));
+                match TcpStream::connect_timeout(a, left) {
                     Ok(s) => break 'outer s,
                     Err(e) => last = Some(e),
                 }
@@ -212,7 +211,7 @@ impl Exchange {
                 e.kind(),
                 io::ErrorKind::ConnectionRefused | io::ErrorKind::TimedOut
             );
-            if !retry || Instant::now() >= deadline {
+            if !retry || Instant::now() >= retry_until {
                 return Err(io_err("connect", e));
             }
             std::thread::sleep(Duration::from_millis(50));
@@ -221,21 +220,24 @@ impl Exchange {
             .peer_addr()
             .map(|a| a.to_string())
             .unwrap_or_else(|_| "?".into());
-        self.prepare(&s)?;
+        prepare(&s)?;
+        // The handshake gets the timeout again, from now: a server sending a byte now and then
+        // cannot hold it past that.
+        let deadline = deadline(self.timeout);
         let mut hello = MAGIC.to_vec();
         hello.extend_from_slice(&VERSION.to_be_bytes());
         hello.extend_from_slice(&(self.token.len() as u16).to_be_bytes());
         hello.extend_from_slice(&self.token);
-        s.write_all(&hello).map_err(|e| io_err("write", e))?;
+        write_all_by(&mut s, &hello, deadline)?;
         let mut status = [0u8; 2];
-        s.read_exact(&mut status).map_err(|e| io_err("read", e))?;
+        read_exact_by(&mut s, &mut status, deadline)?;
         match &status {
             b"OK" => {}
             b"NO" => {
                 let mut n = [0u8; 2];
-                s.read_exact(&mut n).map_err(|e| io_err("read", e))?;
+                read_exact_by(&mut s, &mut n, deadline)?;
                 let mut reason = vec![0u8; u16::from_be_bytes(n) as usize];
-                s.read_exact(&mut reason).map_err(|e| io_err("read", e))?;
+                read_exact_by(&mut s, &mut reason, deadline)?;
                 return Err(Error::ExchangeRefused {
                     peer,
                     reason: String::from_utf8_lossy(&reason).into_owned(),
@@ -249,7 +251,7 @@ impl Exchange {
             }
         }
         let mut token = vec![0u8; self.token.len()];
-        s.read_exact(&mut token).map_err(|e| io_err("read", e))?;
+        read_exact_by(&mut s, &mut token, deadline)?;
         if !same(&token, &self.token) {
             return Err(Error::ExchangeRefused {
                 peer,
@@ -257,10 +259,94 @@ impl Exchange {
             });
         }
         let mut rec = [0u8; ConnectionRecord::WIRE_LEN];
-        s.read_exact(&mut rec).map_err(|e| io_err("read", e))?;
+        read_exact_by(&mut s, &mut rec, deadline)?;
         let remote = ConnectionRecord::from_bytes(&rec)?;
-        s.write_all(&local.to_bytes())
-            .map_err(|e| io_err("write", e))?;
+        write_all_by(&mut s, &local.to_bytes(), deadline)?;
         Ok(remote)
     }
+}
+
+/// `now + wait`, or (for a wait too long to represent, e.g. `Duration::MAX`) a century from now.
+fn deadline(wait: Duration) -> Instant {
+    super::qp::deadline(wait)
+}
+
+/// Blocking mode with no delay; the timeouts are set per call (`read_exact_by`, `write_all_by`).
+fn prepare(s: &TcpStream) -> Result<()> {
+    s.set_nonblocking(false)
+        .map_err(|e| io_err("set_nonblocking", e))?;
+    let _ = s.set_nodelay(true);
+    Ok(())
+}
+
+/// The time left until `deadline`, or a `TimedOut` error naming `op`.
+fn left(deadline: Instant, op: &'static str) -> Result<Duration> {
+    let left = deadline.saturating_duration_since(Instant::now());
+    if left.is_zero() {
+        return Err(io_err(
+            op,
+            io::Error::new(
+                io::ErrorKind::TimedOut,
+                "the peer did not finish the exchange within the timeout",
+            ),
+        ));
+    }
+    Ok(left)
+}
+
+/// `read_exact` that ends at `deadline` however the peer paces its bytes.
+fn read_exact_by(s: &mut TcpStream, buf: &mut [u8], deadline: Instant) -> Result<()> {
+    let mut off = 0;
+    while off < buf.len() {
+        s.set_read_timeout(Some(left(deadline, "read")?))
+            .map_err(|e| io_err("set_read_timeout", e))?;
+        match s.read(&mut buf[off..]) {
+            Ok(0) => {
+                return Err(io_err(
+                    "read",
+                    io::Error::new(
+                        io::ErrorKind::UnexpectedEof,
+                        "the peer closed the connection during the exchange",
+                    ),
+                ))
+            }
+            Ok(n) => off += n,
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    io::ErrorKind::WouldBlock
+                        | io::ErrorKind::TimedOut
+                        | io::ErrorKind::Interrupted
+                ) => {}
+            Err(e) => return Err(io_err("read", e)),
+        }
+    }
+    Ok(())
+}
+
+/// `write_all` that ends at `deadline` however slowly the peer reads.
+fn write_all_by(s: &mut TcpStream, buf: &[u8], deadline: Instant) -> Result<()> {
+    let mut off = 0;
+    while off < buf.len() {
+        s.set_write_timeout(Some(left(deadline, "write")?))
+            .map_err(|e| io_err("set_write_timeout", e))?;
+        match s.write(&buf[off..]) {
+            Ok(0) => {
+                return Err(io_err(
+                    "write",
+                    io::Error::new(io::ErrorKind::WriteZero, "the peer stopped reading"),
+                ))
+            }
+            Ok(n) => off += n,
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    io::ErrorKind::WouldBlock
+                        | io::ErrorKind::TimedOut
+                        | io::ErrorKind::Interrupted
+                ) => {}
+            Err(e) => return Err(io_err("write", e)),
+        }
+    }
+    Ok(())
 }

@@ -1012,7 +1012,7 @@ impl QueuePair {
 pub(in crate::rdma) const FLUSH_WAIT: Duration = Duration::from_secs(10);
 
 /// `now + wait`, or (for a wait too long to represent, e.g. `Duration::MAX`) a century from now.
-fn deadline(wait: Duration) -> Instant {
+pub(in crate::rdma) fn deadline(wait: Duration) -> Instant {
     let now = Instant::now();
     now.checked_add(wait)
         .or_else(|| now.checked_add(Duration::from_secs(100 * 365 * 86_400)))
