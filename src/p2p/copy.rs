@@ -188,14 +188,15 @@ fn plan(
     // reads the source remotely; for memory mapped from another process the stream's context may
     // sit on the source's device instead, which then writes the destination remotely.
     let executor = dst_ctx.ordinal();
-    let verdict = if executor == d.device || executor != s.device {
+    let hops = hops(executor, s.device, d.device);
+    let verdict = if hops.read_source {
         access(executor, dst_ctx.cu_ctx(), &s, false)?
     } else {
         access(executor, dst_ctx.cu_ctx(), &d, true)?
     };
     let path = match verdict {
         Some(Ok(())) => PathReport::direct(TransferPath::PeerDirect {
-            link: super::topology::link_between(s.device, d.device),
+            link: super::topology::link_between(hops.links[0].0, hops.links[0].1),
         }),
         Some(Err(cause)) => PathReport::fallback(TransferPath::StagedThroughHost, cause),
         None => PathReport::fallback(
@@ -221,6 +222,27 @@ fn plan(
         src_ctx: src_ctx.cu_ctx(),
         dst_ctx: dst_ctx.cu_ctx(),
     })
+}
+
+/// What a peer copy's executor (the device of the stream's context) does remotely, and the
+/// device pairs whose links the bytes cross.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Hops {
+    /// The executor reads the source over a link (and needs access to it).
+    read_source: bool,
+    /// The executor writes the destination over a link (and needs access to it).
+    write_destination: bool,
+    /// The (from, to) device pairs the bytes cross, in order.
+    links: Vec<(usize, usize)>,
+}
+
+fn hops(executor: usize, src: usize, dst: usize) -> Hops {
+    let read_source = executor == dst || executor != src;
+    Hops {
+        read_source,
+        write_destination: !read_source,
+        links: vec![(src, dst)],
+    }
 }
 
 fn check_stream(stream: &CudaStream, dst_ctx: &Arc<CudaContext>) -> Result<()> {
