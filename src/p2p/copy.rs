@@ -505,3 +505,43 @@ pub fn expected_gbps(src: usize, dst: usize) -> Option<f64> {
         _ => None,
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Review of 2026-12-02 (minor): with a mapping imported from another process, the stream's
+    /// device (the executor) can be a third device, which then reads the source and writes the
+    /// destination over two links; both accesses must be checked and both links reported. The
+    /// code before the fix checked only the source and named the source-destination link.
+    #[test]
+    fn a_copy_executed_by_a_third_device_checks_both_sides_and_both_links() {
+        // The usual case: the destination's device pulls the source.
+        assert_eq!(
+            hops(1, 0, 1),
+            Hops {
+                read_source: true,
+                write_destination: false,
+                links: vec![(0, 1)],
+            }
+        );
+        // An import whose stream sits on the source's device: it pushes into the destination.
+        assert_eq!(
+            hops(0, 0, 1),
+            Hops {
+                read_source: false,
+                write_destination: true,
+                links: vec![(0, 1)],
+            }
+        );
+        // A third device executes: reads GPU 0 over the 0-2 link, writes GPU 1 over 2-1.
+        assert_eq!(
+            hops(2, 0, 1),
+            Hops {
+                read_source: true,
+                write_destination: true,
+                links: vec![(0, 2), (2, 1)],
+            }
+        );
+    }
+}
