@@ -24,7 +24,7 @@ use crate::cuda::result as r;
 pub use crate::cuda::MemoryKind;
 use crate::cuda::PointerInfo;
 use crate::error::{Error, Result};
-use crate::path::{Cause, FallbackPolicy, PathReport, TransferPath};
+use crate::path::{Cause, FallbackPolicy, Link, PathReport, TransferPath};
 
 /// Queries the driver about `ptr` ([`PointerInfo::inspect`], with `ctx`, the buffer's cudarc
 /// context, as fallback owner), marking mappings this process imported through [`super::ipc`].
@@ -189,26 +189,50 @@ fn plan(
     // sit on the source's device instead, which then writes the destination remotely.
     let executor = dst_ctx.ordinal();
     let hops = hops(executor, s.device, d.device);
-    let verdict = if hops.read_source {
-        access(executor, dst_ctx.cu_ctx(), &s, false)?
-    } else {
-        access(executor, dst_ctx.cu_ctx(), &d, true)?
-    };
+    let mut unknown_side = None;
+    // Each side the executor reaches over a link needs its access: the first refusal decides;
+    // a side gpudirect cannot judge makes the path unknown.
+    let mut verdict = Some(Ok(()));
+    for (needed, mem, write, side) in [
+        (hops.read_source, &s, false, "source"),
+        (hops.write_destination, &d, true, "destination"),
+    ] {
+        if !needed || matches!(verdict, Some(Err(_))) {
+            continue;
+        }
+        match access(executor, dst_ctx.cu_ctx(), mem, write)? {
+            Some(Ok(())) => {}
+            Some(Err(cause)) => verdict = Some(Err(cause)),
+            None => {
+                if verdict.is_some() {
+                    verdict = None;
+                    unknown_side = Some((side, mem.device));
+                }
+            }
+        }
+    }
     let path = match verdict {
         Some(Ok(())) => PathReport::direct(TransferPath::PeerDirect {
-            link: super::topology::link_between(hops.links[0].0, hops.links[0].1),
+            link: hops
+                .links
+                .iter()
+                .map(|&(a, b)| super::topology::link_between(a, b))
+                .reduce(slower)
+                .unwrap_or(Link::Unknown),
         }),
         Some(Err(cause)) => PathReport::fallback(TransferPath::StagedThroughHost, cause),
-        None => PathReport::fallback(
-            TransferPath::Unknown,
-            Cause::Other {
-                message: format!(
-                    "gpudirect cannot tell how GPU {}'s source memory was allocated",
-                    s.device
-                ),
-                fix: "allocate with cudarc (pool), cuMemAlloc or VMM and hold a gpudirect::p2p::PeerAccess".into(),
-            },
-        ),
+        None => {
+            let (side, device) = unknown_side.unwrap_or(("source", s.device));
+            PathReport::fallback(
+                TransferPath::Unknown,
+                Cause::Other {
+                    message: format!(
+                        "gpudirect cannot tell how GPU {device}'s {side} memory was allocated"
+                    ),
+                    fix: "allocate with cudarc (pool), cuMemAlloc or VMM and hold a gpudirect::p2p::PeerAccess".into(),
+                },
+            )
+        }
     };
     Ok(Planned {
         report: CopyReport {
@@ -237,11 +261,29 @@ struct Hops {
 }
 
 fn hops(executor: usize, src: usize, dst: usize) -> Hops {
-    let read_source = executor == dst || executor != src;
+    let read_source = executor != src;
+    let write_destination = executor != dst;
+    let links = if read_source && write_destination {
+        vec![(src, executor), (executor, dst)]
+    } else {
+        vec![(src, dst)]
+    };
     Hops {
         read_source,
-        write_destination: !read_source,
-        links: vec![(src, dst)],
+        write_destination,
+        links,
+    }
+}
+
+/// The link that bounds a path crossing `a` then `b`: PCIe if either is, the fewer NVLinks if
+/// both are NVLink, unknown if either is.
+fn slower(a: Link, b: Link) -> Link {
+    match (a, b) {
+        (Link::Unknown, _) | (_, Link::Unknown) => Link::Unknown,
+        (Link::Pcie, _) | (_, Link::Pcie) => Link::Pcie,
+        (Link::NvLink { links: x }, Link::NvLink { links: y }) => Link::NvLink {
+            links: if x == 0 || y == 0 { 0 } else { x.min(y) },
+        },
     }
 }
 
@@ -543,5 +585,16 @@ mod tests {
                 links: vec![(0, 2), (2, 1)],
             }
         );
+    }
+
+    #[test]
+    fn a_path_over_two_links_reports_the_slower() {
+        let nv = |links| Link::NvLink { links };
+        assert_eq!(slower(nv(18), nv(4)), nv(4));
+        assert_eq!(slower(nv(18), nv(0)), nv(0));
+        assert_eq!(slower(nv(18), Link::Pcie), Link::Pcie);
+        assert_eq!(slower(Link::Pcie, nv(2)), Link::Pcie);
+        assert_eq!(slower(Link::Unknown, nv(2)), Link::Unknown);
+        assert_eq!(slower(Link::Pcie, Link::Unknown), Link::Unknown);
     }
 }
