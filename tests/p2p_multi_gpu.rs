@@ -581,6 +581,43 @@ fn multi_gpu_peer_access_revocation_holds_up_no_other_copy() {
     assert_eq!(registry_state(&b, &a), None, "the grant was not released");
 }
 
+/// Review of 2026-12-02 (minor): cudarc orders a copy after its buffers' pending work with
+/// `cuStreamWaitEvent` and, failing, only records the error in the stream's context; a copy
+/// enqueued anyway would run unordered. `copy_peer` must return that error before copying.
+/// The failure is stood in for by recording one in the destination's context (what cudarc
+/// does when the wait fails): on the code before the fix the copy ran and returned `Ok`; after
+/// it, `Error::Cuda` naming `cuStreamWaitEvent`, and nothing is copied.
+#[test]
+#[ignore = "needs 2 CUDA GPUs"]
+fn multi_gpu_copy_peer_returns_a_failed_wait_for_its_buffers() {
+    let _g = serial();
+    let (a, b) = two_gpus();
+    let (sa, sb) = (a.new_stream().unwrap(), b.new_stream().unwrap());
+    let data = random((1 << 20) + 17);
+    let src = pool_buf(&sa, &data);
+    let mut dst = sb.alloc_zeros::<u8>(data.len()).unwrap();
+    sa.synchronize().unwrap();
+    sb.synchronize().unwrap();
+    b.record_err::<()>(Err(gpudirect::cudarc::driver::DriverError(
+        sys::CUresult::CUDA_ERROR_INVALID_HANDLE,
+    )));
+    let opts = CopyOptions {
+        policy: Some(FallbackPolicy::Allow),
+        ..CopyOptions::default()
+    };
+    let r = copy_peer_with(&src, &mut dst, &sb, &opts);
+    let leftover = b.check_err();
+    println!("copy_peer with a failed wait recorded: {r:?}; left in the context: {leftover:?}");
+    match r {
+        Err(Error::Cuda { op, .. }) => assert_eq!(op, "cuStreamWaitEvent"),
+        other => panic!("the copy ran past a failed cuStreamWaitEvent: {other:?}"),
+    }
+    assert!(
+        sb.clone_dtoh(&dst).unwrap().iter().all(|&x| x == 0),
+        "bytes were copied after the failed wait"
+    );
+}
+
 /// Issue 9 item 16: a grant found already enabled (by someone else) leaves no record behind
 /// once its last holder is gone, so a later copy of `cuMemAlloc` memory is not reported direct
 /// on gpudirect's say-so after the access was turned off by its owner (old: `known_on` stayed
