@@ -426,6 +426,13 @@ pub unsafe fn copy_peer_async_with<T, Src: DevicePtr<T>, Dst: DevicePtrMut<T>>(
     };
     let planned = {
         let (dp, _record_dst) = dst.device_ptr_mut(stream);
+        // cudarc records a failed cuStreamWaitEvent (the ordering after the buffers' pending
+        // work, above) in the stream's context instead of returning it: a copy enqueued anyway
+        // would run unordered.
+        stream
+            .context()
+            .check_err()
+            .map_err(|e| Error::cuda("cuStreamWaitEvent", e))?;
         let planned = plan(sp, &src_ctx, dp, &dst_ctx, bytes, stream, opts)?;
         let policy = match opts.policy {
             Some(p) => p,
