@@ -499,6 +499,54 @@ fn rdma_cm_listener_dropped_before_its_connect_request_does_not_hang() {
     );
 }
 
+/// Review of 2026-12-02 (minor): `EventChannel::expect` returns within its timeout also when
+/// another thread takes the event it was woken for. Two threads wait on one channel with
+/// `expect(ADDR_RESOLVED, 3 s)` and one event arrives: one gets it, the other must time out. On
+/// the code before the fix, when both threads' `poll` saw the event before either read it, the
+/// loser's blocking `rdma_get_cm_event` waited for an event that never came (this test then
+/// fails after 10 s); whether both polls see it depends on the scheduling, so the old code fails
+/// this test only in the runs where they do.
+#[test]
+#[ignore = "needs an RDMA device"]
+fn rdma_cm_expect_on_a_shared_channel_returns_within_its_timeout() {
+    use gpudirect::rdma::cm::{CmEventType, CmId, EventChannel};
+    let addr = std::net::SocketAddr::new(rdma_ip(), 18_535);
+    let ch = EventChannel::new().unwrap();
+    let id = CmId::new(&ch).unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    let waiters: Vec<_> = (0..2)
+        .map(|_| {
+            let (ch, tx) = (ch.clone(), tx.clone());
+            std::thread::spawn(move || {
+                let r = ch.expect(CmEventType::ADDR_RESOLVED, Duration::from_secs(3));
+                let _ = tx.send(r.map(drop).map_err(|e| e.to_string()));
+            })
+        })
+        .collect();
+    std::thread::sleep(Duration::from_millis(200)); // both are waiting
+    id.resolve_addr(None, addr, Duration::from_secs(5)).unwrap();
+    let mut results = Vec::new();
+    for _ in 0..2 {
+        match rx.recv_timeout(Duration::from_secs(10)) {
+            Ok(r) => results.push(r),
+            Err(_) => panic!(
+                "an expect with a 3 s timeout had not returned after 10 s (results so far: {results:?})"
+            ),
+        }
+    }
+    for w in waiters {
+        w.join().unwrap();
+    }
+    println!("the two waiters: {results:?}");
+    assert_eq!(
+        results.iter().filter(|r| r.is_ok()).count(),
+        1,
+        "{results:?}"
+    );
+    let timed_out = results.iter().find_map(|r| r.as_ref().err()).unwrap();
+    assert!(timed_out.contains("within"), "{timed_out}");
+}
+
 /// Sweep: any `wait_timeout` works, `Duration::MAX` included (a deadline computed by adding it
 /// to `Instant::now()` would panic after the work request was posted, ending the borrow of a
 /// buffer the NIC is using).
