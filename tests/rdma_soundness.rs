@@ -547,6 +547,48 @@ fn rdma_cm_expect_on_a_shared_channel_returns_within_its_timeout() {
     assert!(timed_out.contains("within"), "{timed_out}");
 }
 
+extern "C" fn ignore_signal(_: libc::c_int) {}
+
+/// Review of 2026-12-02 (minor), deterministically: `EventChannel::expect` returns within its
+/// timeout when its wait is interrupted by a signal. On the code before the fix a `poll` that
+/// ended with `EINTR` was taken for "readable" and followed by a blocking `rdma_get_cm_event`
+/// on a channel where no event comes: the call never returned (this test then fails after
+/// 10 s). Now it times out after its 2 s.
+#[test]
+#[ignore = "needs an RDMA device"]
+fn rdma_cm_expect_interrupted_by_a_signal_returns_within_its_timeout() {
+    use gpudirect::rdma::cm::{CmEventType, EventChannel};
+    // SAFETY: installs a handler that does nothing (async-signal-safe), without SA_RESTART (poll
+    // is never restarted anyway); every pointer is valid for the call.
+    unsafe {
+        let mut sa: libc::sigaction = std::mem::zeroed();
+        sa.sa_sigaction = ignore_signal as *const () as usize;
+        libc::sigemptyset(&mut sa.sa_mask);
+        assert_eq!(libc::sigaction(libc::SIGUSR1, &sa, std::ptr::null_mut()), 0);
+    }
+    let ch = EventChannel::new().unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    let (tid_tx, tid_rx) = std::sync::mpsc::channel();
+    let _waiter = std::thread::spawn(move || {
+        // SAFETY: plain call.
+        let _ = tid_tx.send(unsafe { libc::pthread_self() });
+        let r = ch.expect(CmEventType::ADDR_RESOLVED, Duration::from_secs(2));
+        let _ = tx.send(r.map(drop).map_err(|e| e.to_string()));
+    });
+    let tid = tid_rx.recv().unwrap();
+    std::thread::sleep(Duration::from_millis(300)); // the waiter is in its poll
+                                                    // SAFETY: `tid` is a live thread of this process (it waits at least 2 s); SIGUSR1 is
+                                                    // handled (above).
+    assert_eq!(unsafe { libc::pthread_kill(tid, libc::SIGUSR1) }, 0);
+    match rx.recv_timeout(Duration::from_secs(10)) {
+        Ok(Err(msg)) => assert!(msg.contains("within"), "{msg}"),
+        Ok(Ok(())) => panic!("expect returned an event on a channel with no id"),
+        Err(_) => {
+            panic!("expect(ADDR_RESOLVED, 2 s) interrupted by a signal had not returned after 10 s")
+        }
+    }
+}
+
 /// Sweep: any `wait_timeout` works, `Duration::MAX` included (a deadline computed by adding it
 /// to `Instant::now()` would panic after the work request was posted, ending the borrow of a
 /// buffer the NIC is using).
