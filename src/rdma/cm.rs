@@ -35,6 +35,9 @@ use super::result;
 use crate::error::{Error, Result};
 
 /// An RDMA CM event channel (`rdma_create_event_channel`): events of every [`CmId`] made on it.
+/// Its descriptor ([`AsRawFd`]) is non-blocking, for `poll`/`epoll`; [`get_event`](Self::get_event)
+/// and [`expect`](Self::expect) wait for it themselves, so several threads may wait on one
+/// channel.
 pub struct EventChannel {
     raw: NonNull<sys::rdma_event_channel>,
     lib: &'static sys::Rdmacm,
@@ -90,11 +93,72 @@ impl EventChannel {
             }
             e => e,
         })?;
-        Ok(Arc::new(EventChannel {
+        let ch = EventChannel {
             raw,
             lib,
             pending: Mutex::new(Pending::default()),
-        }))
+        };
+        // Non-blocking reads (librdmacm's documented way to poll a channel): a thread that was
+        // woken for an event another thread took gets EAGAIN instead of blocking.
+        let fd = ch.as_raw_fd();
+        // SAFETY: `fd` is the channel's open descriptor; F_GETFL/F_SETFL take no pointer.
+        let set = unsafe {
+            let flags = libc::fcntl(fd, libc::F_GETFL);
+            flags >= 0 && libc::fcntl(fd, libc::F_SETFL, flags | libc::O_NONBLOCK) == 0
+        };
+        if !set {
+            return Err(Error::Verbs {
+                op: "fcntl(O_NONBLOCK) on the rdma_cm event channel",
+                source: std::io::Error::last_os_error(),
+            });
+        }
+        Ok(Arc::new(ch))
+    }
+
+    /// The next event if one is queued (`rdma_get_cm_event` on the non-blocking channel),
+    /// `None` when none is.
+    fn try_get_event(self: &Arc<Self>) -> Result<Option<CmEvent>> {
+        // SAFETY: the channel is live while `self` is.
+        let raw = match unsafe { result::cm_get_event(self.lib, self.raw) } {
+            Ok(raw) => raw,
+            Err(Error::Verbs { source, .. })
+                if matches!(
+                    source.raw_os_error(),
+                    Some(libc::EAGAIN) | Some(libc::EINTR)
+                ) =>
+            {
+                return Ok(None)
+            }
+            Err(e) => return Err(e),
+        };
+        Ok(Some(self.adopt(raw)))
+    }
+
+    /// Waits until the channel is readable or `timeout` (None: forever) passed; true when
+    /// readable.
+    fn wait_readable(&self, timeout: Option<Duration>) -> Result<bool> {
+        let mut pfd = libc::pollfd {
+            fd: self.as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        // Rounded up, so a wait never ends early and spins.
+        let ms = timeout.map_or(-1, |t| {
+            i32::try_from(t.as_nanos().div_ceil(1_000_000)).unwrap_or(i32::MAX)
+        });
+        // SAFETY: one valid pollfd.
+        let n = unsafe { libc::poll(&mut pfd, 1, ms) };
+        if n < 0 {
+            let e = std::io::Error::last_os_error();
+            if e.raw_os_error() == Some(libc::EINTR) {
+                return Ok(false);
+            }
+            return Err(Error::Verbs {
+                op: "poll(rdma_cm event channel)",
+                source: e,
+            });
+        }
+        Ok(n > 0)
     }
 
     fn pending(&self) -> std::sync::MutexGuard<'_, Pending> {
@@ -141,8 +205,17 @@ impl EventChannel {
     /// Blocks until the next event (`rdma_get_cm_event`); the event is acknowledged when
     /// dropped (`rdma_ack_cm_event`).
     pub fn get_event(self: &Arc<Self>) -> Result<CmEvent> {
-        // SAFETY: the channel is live while `self` is.
-        let raw = unsafe { result::cm_get_event(self.lib, self.raw) }?;
+        loop {
+            if let Some(ev) = self.try_get_event()? {
+                return Ok(ev);
+            }
+            self.wait_readable(None)?;
+        }
+    }
+
+    /// Takes charge of an event librdmacm handed out: counts it against the id whose
+    /// destruction waits for its ack.
+    fn adopt(self: &Arc<Self>, raw: NonNull<sys::rdma_cm_event>) -> CmEvent {
         // The id whose `rdma_destroy_id` waits for this event's ack. librdmacm counts a connect
         // request against the listener, not the new id: `rdma_get_cm_event` sets the event's
         // `id_priv` from the kernel's uid (the listener's) and `rdma_ack_cm_event` completes
@@ -159,34 +232,34 @@ impl EventChannel {
         if id_key != 0 {
             *self.pending().unacked.entry(id_key).or_insert(0) += 1;
         }
-        Ok(CmEvent {
+        CmEvent {
             raw,
             id_key,
             channel: self.clone(),
-        })
+        }
     }
 
     /// Waits up to `timeout` for the next event and checks it is `want`: the event, or
-    /// [`Error::Verbs`] naming what came instead (`ETIMEDOUT` when nothing did).
+    /// [`Error::Verbs`] naming what came instead (`ETIMEDOUT` when nothing did). Returns within
+    /// the timeout also when other threads take events from the same channel meanwhile.
     pub fn expect(self: &Arc<Self>, want: CmEventType, timeout: Duration) -> Result<CmEvent> {
-        let mut pfd = libc::pollfd {
-            fd: self.as_raw_fd(),
-            events: libc::POLLIN,
-            revents: 0,
+        let deadline = super::qp::deadline(timeout);
+        let ev = loop {
+            if let Some(ev) = self.try_get_event()? {
+                break ev;
+            }
+            let left = deadline.saturating_duration_since(std::time::Instant::now());
+            if left.is_zero() {
+                return Err(Error::Verbs {
+                    op: "rdma_get_cm_event",
+                    source: std::io::Error::new(
+                        std::io::ErrorKind::TimedOut,
+                        format!("no {want} within {timeout:?}"),
+                    ),
+                });
+            }
+            self.wait_readable(Some(left))?;
         };
-        let ms = i32::try_from(timeout.as_millis()).unwrap_or(i32::MAX);
-        // SAFETY: one valid pollfd.
-        let n = unsafe { libc::poll(&mut pfd, 1, ms) };
-        if n == 0 {
-            return Err(Error::Verbs {
-                op: "rdma_get_cm_event",
-                source: std::io::Error::new(
-                    std::io::ErrorKind::TimedOut,
-                    format!("no {want} within {timeout:?}"),
-                ),
-            });
-        }
-        let ev = self.get_event()?;
         if ev.event_type() != want {
             return Err(Error::Verbs {
                 op: "rdma_get_cm_event",
