@@ -934,3 +934,85 @@ fn twice_child(sock: &str) {
     send(&mut conn, report.as_bytes());
     assert_eq!(recv(&mut conn), b"bye");
 }
+
+const VMM_DROP_CHILD_ENV: &str = "GPUDIRECT_P2P_VMM_DROP_CHILD";
+
+/// Review of 2026-12-02, item 4's class for VMM memory: a `VmmBuffer` (and a `VmmImport`, which
+/// unmaps the same way) dropped while another stream still reads it must wait for that read:
+/// cudarc keeps one read event per slice, so a read on stream `x` held 500 ms by a host function,
+/// then a read on the buffer's own stream, left the first unseen, and `cuMemUnmap` is not
+/// documented to wait for queued work. The hazardous part runs in a child process (on the old
+/// code `x`'s read hits an unmapped range, which would poison this process's context for the
+/// other tests). On the code before the fix the child reports a drop under 500 ms with `x`
+/// still busy (`x idle: false`) and then a failed or wrong read; after it the drop takes about
+/// 500 ms and every byte read on both streams is right.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gpu_vmm_buffer_drop_waits_for_readers_on_other_streams() {
+    if std::env::var(VMM_DROP_CHILD_ENV).is_ok() {
+        vmm_drop_child();
+        return;
+    }
+    common::need_gpu(0);
+    let out = Command::new(std::env::current_exe().unwrap())
+        .args([
+            "gpu_vmm_buffer_drop_waits_for_readers_on_other_streams",
+            "--exact",
+            "--ignored",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .env(VMM_DROP_CHILD_ENV, "1")
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    println!("child:\n{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
+    let line = stdout
+        .lines()
+        .find(|l| l.starts_with("vmm-drop: "))
+        .unwrap_or_else(|| panic!("the child printed no result (status {})", out.status));
+    assert!(!line.contains("FAIL"), "{line}");
+    assert!(out.status.success(), "child failed: {}", out.status);
+}
+
+fn vmm_drop_child() {
+    let ctx = gpudirect::cuda::context(0).unwrap();
+    let s = ctx.new_stream().unwrap();
+    let x = ctx.new_stream().unwrap();
+    let n = VMM_LEN;
+    let want = seeded(61, n);
+    let mut buf = VmmBuffer::<u8>::alloc_zeros(&s, n).unwrap();
+    s.memcpy_htod(&want, &mut buf.as_view_mut()).unwrap();
+    let mut on_x = x.alloc_zeros::<u8>(n).unwrap();
+    let mut on_s = s.alloc_zeros::<u8>(n).unwrap();
+    x.synchronize().unwrap();
+    s.synchronize().unwrap();
+    let gate = common::StreamGate::block(&x);
+    x.memcpy_dtod(&buf.as_view(), &mut on_x).unwrap();
+    s.memcpy_dtod(&buf.as_view(), &mut on_s).unwrap();
+    s.synchronize().unwrap();
+    assert!(!stream_idle(&x), "control: x was idle before the drop");
+    let opened = gate.release_after(DROP_HOLD);
+    let t0 = Instant::now();
+    drop(buf);
+    let took = t0.elapsed();
+    let x_idle = stream_idle(&x);
+    opened.join().unwrap();
+    let mut msg = format!("vmm-drop: the drop returned after {took:?}; x idle then: {x_idle}");
+    if !x_idle || took < DROP_HOLD - Duration::from_millis(100) {
+        msg += " FAIL: the buffer was unmapped while x's read was still queued";
+    }
+    for (stream, dst, name) in [(&x, &on_x, "x"), (&s, &on_s, "s")] {
+        match stream.clone_dtoh(dst) {
+            Ok(got) => {
+                let bad = got.iter().zip(&want).filter(|(g, w)| g != w).count();
+                msg += &format!("; {bad} of {n} bytes read on {name} differ");
+                if bad != 0 {
+                    msg += " FAIL";
+                }
+            }
+            Err(e) => msg += &format!("; FAIL reading back what {name} read: {e}"),
+        }
+    }
+    println!("{msg}");
+}
