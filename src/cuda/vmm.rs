@@ -79,8 +79,15 @@ impl Drop for VmmRange {
             tracing::warn!(%e, "gpudirect VMM: cannot bind context before unmapping");
         }
         if self.mapped {
-            // SAFETY: mapped by us with this size; owners synchronize their stream before
-            // dropping the range, so no queued work uses it.
+            // Every stream of the context, not only the owner's: cudarc keeps one read event per
+            // slice, so a read on another stream may be unseen, and cuMemUnmap is not documented
+            // to wait for queued work.
+            if let Err(e) = self.ctx.synchronize() {
+                tracing::warn!(%e, "gpudirect VMM: cuCtxSynchronize failed; range and memory leaked rather than unmapped under queued work");
+                return;
+            }
+            // SAFETY: mapped by us with this size; all the context's queued work finished
+            // (synchronized above), so none uses it.
             if let Err(e) = unsafe { r::vmm::unmap(self.ptr, self.size) } {
                 tracing::warn!(%e, "gpudirect VMM: cuMemUnmap failed; range and memory leaked");
                 return;
@@ -138,8 +145,11 @@ pub(crate) fn round_up(n: usize, g: usize) -> Result<usize> {
 /// POSIX fd handle type, padded to the allocation granularity, reserved, mapped and
 /// `cuMemSetAccess`ed for its own device), usable wherever cudarc takes a `CudaSlice`/`CudaView`
 /// ([`VmmBuffer::slice`], [`VmmBuffer::as_view`], [`VmmBuffer::as_view_mut`]). On drop, after
-/// its stream finished: `cuMemUnmap`, `cuMemAddressFree`, `cuMemRelease` (importers in other
-/// processes keep the physical memory alive until they unmap it).
+/// all the work queued in its context finished (`cuCtxSynchronize`: a read on another stream
+/// may be one cudarc's single read event per slice no longer shows): `cuMemUnmap`,
+/// `cuMemAddressFree`, `cuMemRelease` (importers in other processes keep the physical memory
+/// alive until they unmap it). As for a [`DeviceBuffer`](crate::cuda::DeviceBuffer), do not
+/// drop one while another stream of its context waits for the dropping thread.
 ///
 /// Which of gpudirect's allocation types (and cudarc's) for what: [the crate
 /// docs](crate#which-allocation-type-for-what).

@@ -17,8 +17,8 @@ use crate::path::{Cause, PathReport, TransferPath};
 /// Another process's [`VmmBuffer`](crate::p2p::VmmBuffer) mapped into this one from its POSIX file
 /// descriptor: `cuMemImportFromShareableHandle`, `cuMemAddressReserve`, `cuMemMap` and
 /// `cuMemSetAccess` for the importer's device; seen as a cudarc slice of the importer's
-/// context. On drop, after its stream finished: `cuMemUnmap`, `cuMemAddressFree`,
-/// `cuMemRelease`.
+/// context. On drop, after all the work queued in its context finished (`cuCtxSynchronize`,
+/// as for [`IpcMapping`](super::IpcMapping)): `cuMemUnmap`, `cuMemAddressFree`, `cuMemRelease`.
 ///
 /// The mapping is VMM memory of the exporter's device, so [`copy_peer`](crate::p2p::copy_peer)
 /// reports [`MemoryKind::Vmm`](crate::p2p::MemoryKind::Vmm) and derives the path from
