@@ -141,7 +141,12 @@
 //! may still touch after a call returns (stream-ordered and batch cuFile IO, posted work
 //! requests) is either an `unsafe fn` with a precise `# Safety` section or a guard that owns the
 //! buffers and synchronises in `Drop`; a non-blocking storage transfer owns its buffer until it
-//! is done, so dropping or forgetting its handle never frees the buffer under the IO. `Drop`
+//! is done, so dropping or forgetting its handle never frees the buffer under the IO. Device
+//! memory gpudirect frees or unmaps itself ([`cuda::DeviceBuffer`], [`p2p::VmmBuffer`], the
+//! [`p2p::ipc`] mappings) goes only after all the work queued in its context has run (cudarc
+//! remembers only a slice's last read), so do not drop one while another stream of that context
+//! waits for the dropping thread. Memory exported to another process must outlive the
+//! importer's mapping: the legacy and pool exports are `unsafe fn`s that say so. `Drop`
 //! never panics: failures are logged with `tracing`.
 //! The cuFile driver is never closed (closing it at exit crashes in the wild).
 #![deny(unsafe_op_in_unsafe_fn)]
