@@ -566,6 +566,8 @@ fn gpu_ipc_exports_wait_for_the_allocation_and_its_zeroing() {
     common::grow_streams_past_the_drivers_first_growth(&ctx);
     let s = ctx.new_stream().unwrap();
     let pool = SharedPool::new(&ctx).unwrap();
+    // cuMemPoolExportPointer shares an allocation of an already shared pool.
+    let _pool_fd = pool.export_fd().unwrap();
     enum Held {
         Legacy(DeviceBuffer<u8>),
         Pool(gpudirect::cudarc::driver::CudaSlice<u8>),
@@ -652,6 +654,8 @@ fn gpu_ipc_mapping_drop_waits_for_readers_on_other_streams() {
     sa.synchronize().unwrap();
     // SAFETY: `legacy` and `slice` are dropped only after the child's "bye", after it dropped
     // its mappings.
+    // cuMemPoolExportPointer shares an allocation of an already shared pool: the pool first.
+    let fd = pool.export_fd().unwrap();
     let (h, p) = unsafe {
         (
             IpcMemHandle::export(&legacy).unwrap(),
@@ -659,7 +663,6 @@ fn gpu_ipc_mapping_drop_waits_for_readers_on_other_streams() {
         )
     };
     send(&mut conn, &h.to_bytes());
-    let fd = pool.export_fd().unwrap();
     ipc::send_fd(&conn, fd.as_fd(), b"pool").unwrap();
     send(&mut conn, &p.to_bytes());
     let reply = String::from_utf8(recv(&mut conn)).unwrap();
@@ -807,6 +810,8 @@ fn gpu_ipc_same_memory_mapped_twice_in_one_process() {
     sa.synchronize().unwrap();
     // SAFETY: `legacy` and `slice` are dropped only after the child's "bye", after it dropped
     // its mappings.
+    // cuMemPoolExportPointer shares an allocation of an already shared pool: the pool first.
+    let fd = pool.export_fd().unwrap();
     let (h, p) = unsafe {
         (
             IpcMemHandle::export(&legacy).unwrap(),
@@ -814,7 +819,6 @@ fn gpu_ipc_same_memory_mapped_twice_in_one_process() {
         )
     };
     send(&mut conn, &h.to_bytes());
-    let fd = pool.export_fd().unwrap();
     ipc::send_fd(&conn, fd.as_fd(), b"pool").unwrap();
     send(&mut conn, &p.to_bytes());
     let reply = String::from_utf8(recv(&mut conn)).unwrap();
