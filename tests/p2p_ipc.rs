@@ -1020,3 +1020,33 @@ fn vmm_drop_child() {
     }
     println!("{msg}");
 }
+
+/// `SharedPool::export_pointer` of a pool that was never exported: the driver refuses it
+/// (`cuMemPoolExportPointer` shares an allocation of an already shared pool; on the H200 a bare
+/// `CUDA_ERROR_INVALID_VALUE`), and the error says what to do: export the pool first. Once the
+/// pool is exported, the same allocation exports.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gpu_ipc_pool_pointer_of_an_unexported_pool_says_to_export_the_pool_first() {
+    let ctx = common::need_gpu(0);
+    let s = ctx.new_stream().unwrap();
+    let pool = SharedPool::new(&ctx).unwrap();
+    let slice = pool.alloc_zeros::<u8>(&s, (1 << 20) + 7).unwrap();
+    s.synchronize().unwrap();
+    // SAFETY: the pointer goes to no other process.
+    match unsafe { pool.export_pointer(&slice) } {
+        Err(gpudirect::Error::InvalidArgument(m)) => {
+            assert!(m.contains("export_fd"), "{m}");
+            println!("before the pool's export: {m}");
+        }
+        r => panic!(
+            "export_pointer of an unexported pool: {r:?}, not an InvalidArgument naming export_fd"
+        ),
+    }
+    let _fd = pool.export_fd().unwrap();
+    // SAFETY: as above.
+    let p = unsafe { pool.export_pointer(&slice) }.unwrap();
+    assert_eq!(p.len_bytes, (1 << 20) + 7);
+    drop(slice);
+    s.synchronize().unwrap();
+}
