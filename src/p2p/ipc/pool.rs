@@ -49,6 +49,9 @@ impl Drop for PoolHandle {
 #[derive(Debug)]
 pub struct SharedPool {
     inner: Arc<PoolHandle>,
+    /// Whether [`SharedPool::export_fd`] succeeded once: the driver exports an allocation
+    /// only of a pool that is already shared.
+    exported: std::sync::atomic::AtomicBool,
 }
 
 impl SharedPool {
@@ -63,6 +66,7 @@ impl SharedPool {
                 pool,
                 ctx: ctx.clone(),
             }),
+            exported: std::sync::atomic::AtomicBool::new(false),
         })
     }
 
@@ -119,11 +123,16 @@ impl SharedPool {
     pub fn export_fd(&self) -> Result<OwnedFd> {
         // SAFETY: the pool is live and was created with the POSIX fd handle type.
         let fd = unsafe { r::mem_pool::export_fd(self.inner.pool) }?;
+        self.exported
+            .store(true, std::sync::atomic::Ordering::Relaxed);
         // SAFETY: the driver returned a fresh fd that we now own.
         Ok(unsafe { OwnedFd::from_raw_fd(fd) })
     }
 
-    /// Exports one allocation of this pool (`cuMemPoolExportPointer`).
+    /// Exports one allocation of this pool (`cuMemPoolExportPointer`). Export the pool first
+    /// ([`SharedPool::export_fd`]): the driver shares allocations only of a pool already
+    /// shared (on the H200 it refused one of a pool not yet exported with
+    /// `CUDA_ERROR_INVALID_VALUE`; this call then says so as [`Error::InvalidArgument`]).
     ///
     /// Waits first for the work cudarc ordered as writing `slice` (everything queued on its
     /// stream, the stream-ordered allocation and [`SharedPool::alloc_zeros`]'s zeroing
@@ -180,7 +189,15 @@ impl SharedPool {
         // SAFETY: `ptr` is a live allocation (borrowed for the call); the driver checks that it
         // belongs to an exportable pool; the caller keeps it alive for as long as importers map
         // it (this function's contract).
-        let data = unsafe { r::mem_pool::export_pointer(ptr) }?;
+        let data = match unsafe { r::mem_pool::export_pointer(ptr) } {
+            Ok(d) => d,
+            Err(_) if !self.exported.load(std::sync::atomic::Ordering::Relaxed) => {
+                return Err(Error::InvalidArgument(
+                    "cuMemPoolExportPointer shares an allocation of an already shared pool, and this pool was not exported: call SharedPool::export_fd (and send the pool to the importer) before exporting its allocations".into(),
+                ))
+            }
+            Err(e) => return Err(e),
+        };
         Ok(PoolPointer {
             data,
             len_bytes: (slice.len() * std::mem::size_of::<T>()) as u64,
