@@ -971,9 +971,11 @@ fn gpu_vmm_buffer_drop_waits_for_readers_on_other_streams() {
         .unwrap();
     let stdout = String::from_utf8_lossy(&out.stdout);
     println!("child:\n{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
+    // With --nocapture and one thread, libtest prints "test NAME ... " and then the test's
+    // own line on the same line.
     let line = stdout
         .lines()
-        .find(|l| l.starts_with("vmm-drop: "))
+        .find_map(|l| l.find("vmm-drop: ").map(|i| &l[i..]))
         .unwrap_or_else(|| panic!("the child printed no result (status {})", out.status));
     assert!(!line.contains("FAIL"), "{line}");
     assert!(out.status.success(), "child failed: {}", out.status);
