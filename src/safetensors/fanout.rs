@@ -368,7 +368,10 @@ impl Base {
 
 /// The GPUs' allocations and the copy streams writing into them. Dropping it (on any return or
 /// unwind) first synchronizes every copy stream; if that fails the copies may still run, so the
-/// allocations are leaked rather than freed under them.
+/// allocations are leaked rather than freed under them. The storage reads need no drain here:
+/// each reader's batch borrows its buffer, and a job that borrows memory returns (even `Err`)
+/// only once its copies are known complete or their context is dead (it aborts the process
+/// rather than return unknown).
 struct Landing {
     lanes: Vec<Arc<CudaStream>>,
     bufs: Vec<CudaSlice<u8>>,

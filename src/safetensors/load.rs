@@ -1204,6 +1204,12 @@ fn read_batches(
         let mut ids = vec![None; ndst];
         match (new, made.as_mut()) {
             (Some((s, len)), None) => ids[0] = Some(batch.new_destination(s, len)),
+            // Borrowed by the later batches: a job that borrows memory never returns with
+            // copies queued (it waits out a failed drain until they are known complete or
+            // their context is dead, and aborts the process rather than return unknown), so
+            // a later batch's error (`?` below) drops `made` with no copy into it in flight.
+            // Only the first batch's own destination can fail undrained, and the batch
+            // leaks it then (`run_allocating`).
             (Some(_), Some(b)) => ids[0] = Some(batch.destination(b)),
             (None, _) => {
                 for (k, d) in dsts.iter_mut().enumerate() {
@@ -1423,6 +1429,11 @@ fn load_owned(
             .filter(|(_, t)| t.len > 0)
             .map(|(d, _)| d.as_mut().expect("allocated above").bytes_mut())
             .collect();
+        // The batch borrows every tensor (`ReadBatch::destination`): cuFile reads are
+        // synchronous, and the engine job of the other shards waits out a failed drain until
+        // its copies are known complete or their context is dead (it aborts the process
+        // rather than return unknown), so when this fails `?` frees `data` with no copy into
+        // it in flight.
         read_into(
             &p.files,
             &mut views,
