@@ -2748,6 +2748,72 @@ mod tests {
         std::fs::remove_dir_all(&dir).unwrap();
     }
 
+    /// A file deleted and written again at its path between the batch's check and the job's
+    /// open (same length, other bytes: ext4 gives it the freed inode number at once) fails its
+    /// item with an `Error::Io` of `open` naming it; no item reports the new bytes as read,
+    /// the others are complete, every byte checked.
+    #[test]
+    fn a_file_deleted_and_written_again_after_the_check_fails_its_item() {
+        let dir = crate::storage::testkit::scratch("batch-rewritten");
+        std::fs::create_dir_all(&dir).unwrap();
+        let files: Vec<(PathBuf, Vec<u8>)> = (0..3)
+            .map(|k| {
+                let p = dir.join(format!("f{k}"));
+                let data = crate::storage::testkit::random(30_000 + 11 * k, 70 + k as u64);
+                std::fs::write(&p, &data).unwrap();
+                (p, data)
+            })
+            .collect();
+        let mut at = 0;
+        let mut items: Vec<(&FsPath, u64, usize, usize, usize)> = Vec::new();
+        for (p, data) in &files {
+            items.push((p.as_path(), 0, data.len(), 0, at));
+            at += data.len();
+        }
+        let mut dsts = vec![vec![0xA5u8; at]];
+        let rewritten = 1;
+        let r = host_batch_with(
+            GpuFile::options()
+                .task_size(4096)
+                .bounce_size(4096)
+                .fallback(crate::path::FallbackPolicy::Allow),
+            &items,
+            &mut dsts,
+            |_| {
+                // Past a tick of the filesystem's clock (coarse timestamps).
+                std::thread::sleep(Duration::from_millis(25));
+                let p = &files[rewritten].0;
+                std::fs::remove_file(p).unwrap();
+                let other = crate::storage::testkit::random(files[rewritten].1.len(), 99);
+                std::fs::write(p, other).unwrap();
+            },
+            |_| {},
+        );
+        let Err(Error::BatchFailed { total, failed }) = r else {
+            panic!("the rewritten file's item did not fail: {r:?}");
+        };
+        assert_eq!(total, 3);
+        assert_eq!(failed.len(), 1, "{failed:?}");
+        let (i, e) = &failed[0];
+        assert_eq!(*i, rewritten, "{e}");
+        let Error::Io { op, path, .. } = e else {
+            panic!("not an Error::Io: {e}");
+        };
+        assert_eq!(
+            (*op, path.as_deref()),
+            ("open", Some(files[rewritten].0.as_path())),
+            "{e}"
+        );
+        let mut at = 0;
+        for (k, (_, data)) in files.iter().enumerate() {
+            if k != rewritten {
+                assert!(dsts[0][at..at + data.len()] == data[..], "item {k} differs");
+            }
+            at += data.len();
+        }
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
     /// A file the batch checks by path (and leaves to the window) gets the path report
     /// `GpuFile::open` gives it with the same options: the default (`CompatMode` from the
     /// environment), `Backend::Engine`, `CompatMode::PosixOnly`; and its size and identity

@@ -720,6 +720,71 @@ mod tests {
         }
     }
 
+    /// Deletes the file at `p` and writes `n` other random bytes at its path (ext4 gives the
+    /// new file the freed inode number at once), after a pause longer than a tick of the
+    /// filesystem's clock (so the new file's `st_ctime` differs on a kernel with coarse
+    /// timestamps too).
+    fn rewrite(p: &Path, n: usize, seed: u64) {
+        std::thread::sleep(Duration::from_millis(25));
+        std::fs::remove_file(p).unwrap();
+        std::fs::write(p, crate::storage::testkit::random(n, seed)).unwrap();
+    }
+
+    /// A file deleted and written again at its path after the batch checked it (same length,
+    /// other bytes; on ext4 the same inode number) is not the checked file: at its first open
+    /// and at a reopen after the window closed it for room, its piece fails with an
+    /// `Error::Io` of `open` naming it, never reads the new bytes.
+    #[test]
+    fn a_file_deleted_and_written_again_is_not_the_checked_file() {
+        // First open.
+        let (dir, f) = files("rewritten", 1, 4000, 5);
+        let p = f[0].0.path.clone();
+        let w = FdWindow::new(vec![f[0].0.clone()], vec![1], 4);
+        rewrite(&p, f[0].1.len(), 50);
+        match w.acquire(0) {
+            Err(Error::Io { op, path, .. }) => {
+                assert_eq!((op, path.as_deref()), ("open", Some(p.as_path())))
+            }
+            Err(e) => panic!("first open: not an Error::Io: {e}"),
+            Ok(h) => panic!(
+                "first open: opened the new file (byte 0 {} read, {} checked)",
+                byte_at(&h, 0),
+                f[0].1[0]
+            ),
+        }
+        assert!(w.all_done());
+        std::fs::remove_dir_all(&dir).unwrap();
+        // Reopen after the window closed it for room (a window of 1, file 1 read between).
+        let (dir, f) = files("rewritten-reopen", 2, 4000, 6);
+        let p = f[0].0.path.clone();
+        let w = FdWindow::new(f.iter().map(|(l, _)| l.clone()).collect(), vec![2, 1], 1);
+        let h = w.acquire(0).unwrap();
+        assert_eq!(byte_at(&h, 0), f[0].1[0]);
+        drop(h);
+        let h = w.acquire(1).unwrap();
+        assert_eq!(byte_at(&h, 0), f[1].1[0]);
+        drop(h);
+        assert!(
+            !w.is_open(0),
+            "file 0 not closed for room: the test shows nothing"
+        );
+        rewrite(&p, f[0].1.len(), 60);
+        match w.acquire(0) {
+            Err(Error::Io { op, path, .. }) => {
+                assert_eq!((op, path.as_deref()), ("open", Some(p.as_path())))
+            }
+            Err(e) => panic!("reopen: not an Error::Io: {e}"),
+            Ok(h) => panic!(
+                "reopen: opened the new file (byte 0 {} read, {} checked)",
+                byte_at(&h, 0),
+                f[0].1[0]
+            ),
+        }
+        assert_eq!(w.stats().reopens, 0, "{:?}", w.stats());
+        assert!(w.all_done());
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
     /// Set in the child process of
     /// `a_window_that_runs_out_of_descriptors_closes_idle_files_and_tries_again`.
     const CHILD: &str = "GPUDIRECT_TEST_WINDOW_EMFILE_CHILD";
