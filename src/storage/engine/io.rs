@@ -36,6 +36,8 @@ pub(in crate::storage) struct Fds {
     pub dev: u64,
     /// Its inode number (`st_ino`): with `dev`, which file it is.
     pub ino: u64,
+    /// Its `st_ctime` when it was opened (seconds, nanoseconds): see [`FileId`].
+    pub ctime: (i64, i64),
 }
 
 impl Fds {
@@ -94,7 +96,17 @@ impl Fds {
             len_at_open: meta.len(),
             dev: std::os::unix::fs::MetadataExt::dev(&meta),
             ino: std::os::unix::fs::MetadataExt::ino(&meta),
+            ctime: FileId::of(&meta).ctime,
         })
+    }
+
+    /// Which file this is, as it was when opened (see [`FileId`]).
+    pub fn id(&self) -> FileId {
+        FileId {
+            dev: self.dev,
+            ino: self.ino,
+            ctime: self.ctime,
+        }
     }
 
     /// The O_DIRECT descriptor, unless unavailable or broken.
@@ -137,14 +149,38 @@ fn not_a_file(ft: std::fs::FileType) -> Option<&'static str> {
     }
 }
 
+/// A file as a check found it: `st_dev` and `st_ino` (which file) and `st_ctime` (seconds,
+/// nanoseconds: when its inode last changed). A later open that finds another `FileId` at the
+/// path found another file or the same one changed: a file deleted and written again (ext4
+/// gives the new file the freed inode number at once, so `st_ino` alone does not tell),
+/// rewritten, truncated, renamed over. Not told apart: a change within the same tick of the
+/// filesystem's clock as the file's last change before the check (a few ms on a kernel
+/// without fine-grained timestamps).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(in crate::storage) struct FileId {
+    pub dev: u64,
+    pub ino: u64,
+    pub ctime: (i64, i64),
+}
+
+impl FileId {
+    pub fn of(m: &std::fs::Metadata) -> FileId {
+        use std::os::unix::fs::MetadataExt;
+        FileId {
+            dev: m.dev(),
+            ino: m.ino(),
+            ctime: (m.ctime(), m.ctime_nsec()),
+        }
+    }
+}
+
 /// What the check of a file by path found (see [`stat_readable`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(in crate::storage) struct PathStat {
     /// `st_size`.
     pub len: u64,
-    /// `st_dev`, `st_ino`: which file it is.
-    pub dev: u64,
-    pub ino: u64,
+    /// Which file it is, as it was (see [`FileId`]).
+    pub id: FileId,
 }
 
 /// Checks `path` for reading without opening it: `stat` (following links, as `open` does), a
@@ -154,7 +190,6 @@ pub(in crate::storage) struct PathStat {
 /// the `faccessat`'s (the errno `open` would give).
 pub(in crate::storage) fn stat_readable(path: &FsPath) -> Result<PathStat> {
     use std::os::unix::ffi::OsStrExt;
-    use std::os::unix::fs::MetadataExt;
     let meta =
         std::fs::metadata(path).map_err(|e| Error::io("stat", Some(path.to_path_buf()), e))?;
     if let Some(what) = not_a_file(meta.file_type()) {
@@ -177,8 +212,7 @@ pub(in crate::storage) fn stat_readable(path: &FsPath) -> Result<PathStat> {
     }
     Ok(PathStat {
         len: meta.len(),
-        dev: meta.dev(),
-        ino: meta.ino(),
+        id: FileId::of(&meta),
     })
 }
 

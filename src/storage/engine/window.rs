@@ -15,10 +15,11 @@
 //!   piece of it (it waits for nothing else meanwhile), so every read ends and frees its file.
 //! - **Checked.** Each open (and each reopen) is the open a `GpuFile` makes (`Fds::open_with`:
 //!   non-blocking, so a FIFO that replaced the file cannot hang it; a type check; O_DIRECT when
-//!   asked for) and must find the file the batch checked (its `st_dev` and `st_ino`). A file
-//!   that does not open, is no longer a regular file or is another file now fails its pieces
-//!   with an [`Error::Io`] naming it (its items fail, never the job); a file that shrank reads
-//!   short, which the job reports as end of file for its item.
+//!   asked for) and must find the file the batch checked as it was (its `st_dev`, `st_ino` and
+//!   `st_ctime`: `io::FileId`). A file that does not open, is no longer a regular file, is
+//!   another file now or changed after the check (replaced, deleted and written again,
+//!   rewritten, truncated: its ctime moved) fails its pieces with an [`Error::Io`] naming it
+//!   (its items fail, never the job).
 //! - **Descriptors run out.** An open that fails with `EMFILE`/`ENFILE` (another part of the
 //!   process holds descriptors) closes an idle file of the window or waits for a read to end,
 //!   and tries again; it fails the piece only when the window holds nothing it could give up.
@@ -31,7 +32,7 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::Duration;
 
-use super::io::{Fds, OpenMode};
+use super::io::{Fds, FileId, OpenMode};
 use crate::error::{Error, Result};
 
 /// A file of a job that its window opens when a piece of it is about to be read.
@@ -41,8 +42,8 @@ pub(in crate::storage) struct LazyFile {
     pub path: PathBuf,
     /// Open its O_DIRECT descriptor too (as the batch would have opened it).
     pub want_direct: bool,
-    /// The file the batch checked: `(st_dev, st_ino)`.
-    pub id: (u64, u64),
+    /// The file the batch checked, as it was then (its inode and `st_ctime`).
+    pub id: FileId,
 }
 
 /// Where one file of the window stands.
@@ -471,12 +472,12 @@ impl FdWindow {
                 ),
             ),
         })?;
-        if (fds.dev, fds.ino) != f.id {
+        if fds.id() != f.id {
             return Err(Error::io(
                 "open",
                 Some(f.path.clone()),
                 std::io::Error::other(
-                    "the path names another file than the one the batch checked (replaced after the check): run the batch again to read the new file",
+                    "the path names another file, or the file changed, since the batch checked it (replaced, rewritten or truncated: its inode or ctime moved): run the batch again to read it as it is now",
                 ),
             ));
         }
@@ -537,7 +538,6 @@ impl Held<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::os::unix::fs::MetadataExt;
     use std::sync::atomic::AtomicBool;
 
     use rand::seq::SliceRandom;
@@ -563,11 +563,10 @@ mod tests {
 
     /// The window's record of the file at `p` as it is now.
     fn lazy(p: &Path) -> LazyFile {
-        let m = std::fs::metadata(p).unwrap();
         LazyFile {
             path: p.to_path_buf(),
             want_direct: false,
-            id: (m.dev(), m.ino()),
+            id: FileId::of(&std::fs::metadata(p).unwrap()),
         }
     }
 
