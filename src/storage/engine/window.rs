@@ -538,6 +538,7 @@ impl Held<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::panic::AssertUnwindSafe;
     use std::sync::atomic::AtomicBool;
 
     use rand::seq::SliceRandom;
@@ -781,6 +782,42 @@ mod tests {
         }
         assert_eq!(w.stats().reopens, 0, "{:?}", w.stats());
         assert!(w.all_done());
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// An open that panics (a test hook, 300 ms into it) leaves no file "being opened" behind:
+    /// a second worker waiting for the same file returns an error within 5 s (never hangs),
+    /// the panicking piece counts as done, and the window ends with nothing open.
+    #[test]
+    fn a_panic_in_an_open_wakes_the_workers_waiting_for_that_file() {
+        let (dir, f) = files("open-panics", 1, 100, 7);
+        let mut w = FdWindow::new(vec![f[0].0.clone()], vec![2], 4);
+        w.before_open = Some(Box::new(|_| {
+            std::thread::sleep(Duration::from_millis(300));
+            panic!("a test hook panics in the open");
+        }));
+        let w = Arc::new(w);
+        let w1 = w.clone();
+        let first = std::thread::spawn(move || {
+            std::panic::catch_unwind(AssertUnwindSafe(|| w1.acquire(0).map(|_| ()))).is_err()
+        });
+        std::thread::sleep(Duration::from_millis(50));
+        let (tx, rx) = std::sync::mpsc::channel();
+        let w2 = w.clone();
+        std::thread::spawn(move || {
+            let r = w2.acquire(0).map(|_| ());
+            let _ = tx.send(r);
+        });
+        match rx.recv_timeout(Duration::from_secs(5)) {
+            Ok(Err(Error::Io { path, .. })) => {
+                assert_eq!(path.as_deref(), Some(f[0].0.path.as_path()))
+            }
+            Ok(Err(e)) => panic!("not an Error::Io: {e}"),
+            Ok(Ok(())) => panic!("the second piece opened a file whose open panicked"),
+            Err(_) => panic!("the second worker still waits 5 s after the open panicked"),
+        }
+        assert!(first.join().unwrap(), "the hook did not panic");
+        assert!(w.all_done(), "files left open or pieces not done");
         std::fs::remove_dir_all(&dir).unwrap();
     }
 
