@@ -359,7 +359,9 @@ impl FdWindow {
                     st.open += 1;
                     self.peak.fetch_max(st.open, Ordering::Relaxed);
                     drop(st);
+                    let unwinding = OpenUnwind { window: self, k };
                     let r = self.open(k);
+                    std::mem::forget(unwinding);
                     st = self.lock();
                     match r {
                         Ok(fds) => {
@@ -482,6 +484,32 @@ impl FdWindow {
             ));
         }
         Ok(fds)
+    }
+}
+
+/// Armed around an open made outside the lock: should the open unwind (a panic), its drop
+/// marks the file failed (its slot is not left "being opened": the workers waiting for it
+/// would never wake), counts the piece done and wakes the waiters; the panic goes on.
+struct OpenUnwind<'w> {
+    window: &'w FdWindow,
+    k: usize,
+}
+
+impl Drop for OpenUnwind<'_> {
+    fn drop(&mut self) {
+        let w = self.window;
+        let mut st = w.lock();
+        st.open -= 1;
+        st.slots[self.k] = Slot::Failed(FailedOpen {
+            op: "open",
+            raw: None,
+            kind: std::io::ErrorKind::Other,
+            text: "the open of this file panicked (a bug in gpudirect: please report it)".into(),
+        });
+        let close = FdWindow::piece_done(&mut st, self.k);
+        w.notify(&st);
+        drop(st);
+        w.close(close);
     }
 }
 
