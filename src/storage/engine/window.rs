@@ -849,6 +849,105 @@ mod tests {
         std::fs::remove_dir_all(&dir).unwrap();
     }
 
+    /// Set in the child process of `with_no_descriptor_left_files_fail_at_once_not_each_after_retries`.
+    const NO_FD_CHILD: &str = "GPUDIRECT_TEST_WINDOW_NO_FD_CHILD";
+
+    /// With no descriptor left in the process (soft `RLIMIT_NOFILE` 64, every free one taken,
+    /// in a child process that runs this test alone), 6 one-piece files read through a window
+    /// of 1 by 4 threads all fail with `EMFILE`, in under 1 s in all: the window's retries are
+    /// one budget, not a second of them for each file (10,000 files would take minutes). Run
+    /// by the test harness, it starts that child and checks it.
+    #[test]
+    fn with_no_descriptor_left_files_fail_at_once_not_each_after_retries() {
+        if std::env::var_os(NO_FD_CHILD).is_none() {
+            let out = std::process::Command::new(std::env::current_exe().unwrap())
+                .args([
+                    "--exact",
+                    "storage::engine::window::tests::with_no_descriptor_left_files_fail_at_once_not_each_after_retries",
+                    "--test-threads=1",
+                    "--nocapture",
+                ])
+                .env(NO_FD_CHILD, "1")
+                .output()
+                .unwrap();
+            let text = format!(
+                "{}{}",
+                String::from_utf8_lossy(&out.stdout),
+                String::from_utf8_lossy(&out.stderr)
+            );
+            assert!(out.status.success(), "the child failed:\n{text}");
+            assert!(
+                text.contains("no-fd child done") && text.contains("1 passed"),
+                "{text}"
+            );
+            return;
+        }
+        let (dir, f) = files("no-fd", 6, 64, 8);
+        let mut lim = libc::rlimit {
+            rlim_cur: 0,
+            rlim_max: 0,
+        };
+        // SAFETY: valid pointers; this child process runs this test alone.
+        unsafe {
+            assert_eq!(libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim), 0);
+            lim.rlim_cur = 64;
+            assert_eq!(libc::setrlimit(libc::RLIMIT_NOFILE, &lim), 0);
+        }
+        let w = FdWindow::new(f.iter().map(|(l, _)| l.clone()).collect(), vec![1; 6], 1);
+        let next = AtomicUsize::new(0);
+        let errors = Mutex::new(Vec::new());
+        // The threads first (their stacks are no descriptors), then every descriptor taken.
+        let start = std::sync::Barrier::new(5);
+        let mut hogs = Vec::new();
+        let t0 = std::thread::scope(|s| {
+            for _ in 0..4 {
+                s.spawn(|| {
+                    start.wait();
+                    loop {
+                        let k = next.fetch_add(1, Ordering::Relaxed);
+                        if k >= 6 {
+                            break;
+                        }
+                        match w.acquire(k) {
+                            Ok(_) => panic!("file {k} opened with no descriptor left"),
+                            Err(e) => errors.lock().unwrap().push((k, e)),
+                        }
+                    }
+                });
+            }
+            while let Ok(f) = std::fs::File::open("/dev/null") {
+                hogs.push(f);
+            }
+            let t0 = std::time::Instant::now();
+            start.wait();
+            t0
+        });
+        let took = t0.elapsed();
+        drop(hogs);
+        let errors = errors.into_inner().unwrap();
+        assert_eq!(errors.len(), 6, "{errors:?}");
+        for (k, e) in &errors {
+            match e {
+                Error::Io { source, .. } => {
+                    assert_eq!(
+                        source.raw_os_error(),
+                        Some(libc::EMFILE),
+                        "file {k}: {source}"
+                    )
+                }
+                e => panic!("file {k}: not the EMFILE error: {e}"),
+            }
+        }
+        assert!(
+            took < Duration::from_secs(1),
+            "6 files failed in {took:?}: {:?}",
+            w.stats()
+        );
+        assert!(w.all_done(), "{:?}", w.stats());
+        std::fs::remove_dir_all(&dir).unwrap();
+        println!("no-fd child done in {took:?}: {:?}", w.stats());
+    }
+
     /// Set in the child process of
     /// `a_window_that_runs_out_of_descriptors_closes_idle_files_and_tries_again`.
     const CHILD: &str = "GPUDIRECT_TEST_WINDOW_EMFILE_CHILD";
