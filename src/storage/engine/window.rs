@@ -22,7 +22,9 @@
 //!   (its items fail, never the job).
 //! - **Descriptors run out.** An open that fails with `EMFILE`/`ENFILE` (another part of the
 //!   process holds descriptors) closes an idle file of the window or waits for a read to end,
-//!   and tries again; it fails the piece only when the window holds nothing it could give up.
+//!   and tries again, up to a number of tries for the whole window (reset by an open that
+//!   succeeds): once spent, with no descriptor coming back, each open that runs out fails its
+//!   piece at once.
 //! - A task that is never read (its item failed, the job was cancelled or failed) leaves its
 //!   file open until the window is dropped (by the caller, once the job returned).
 
@@ -107,6 +109,9 @@ struct State {
     /// Workers waiting on the condition variable (a notification is a `futex` call: made only
     /// when someone waits).
     waiting: usize,
+    /// Tries left to the opens that run out of descriptors, all together (see
+    /// [`EMFILE_TRIES`]); reset by each open that succeeds.
+    emfile_tries: usize,
 }
 
 /// What a window did (for the timing trace and the tests).
@@ -152,7 +157,11 @@ const _: fn() = || {
     sync::<FdWindow>();
 };
 
-/// How many times an open that ran out of descriptors is tried again before its piece fails.
+/// How many times the window's opens that ran out of descriptors (`EMFILE`/`ENFILE`) are tried
+/// again, in all, since its last open that succeeded (each try after closing an idle file of
+/// its own or a nap of up to 5 ms: about 1 s on one worker). Once spent, such an open fails its
+/// piece at once: with no descriptor coming back, 10,000 files fail in a moment, not in a
+/// second of retries each.
 const EMFILE_TRIES: usize = 200;
 
 impl FdWindow {
@@ -175,6 +184,7 @@ impl FdWindow {
                 open: 0,
                 idle: VecDeque::new(),
                 waiting: 0,
+                emfile_tries: EMFILE_TRIES,
             }),
             cv: Condvar::new(),
             peak: AtomicUsize::new(0),
@@ -310,7 +320,6 @@ impl FdWindow {
     /// it) the piece counts as done.
     pub fn acquire(&self, k: usize) -> Result<Held<'_>> {
         let mut st = self.lock();
-        let mut tries = 0;
         loop {
             match &mut st.slots[k] {
                 Slot::Open { fds, users } => {
@@ -365,6 +374,7 @@ impl FdWindow {
                     st = self.lock();
                     match r {
                         Ok(fds) => {
+                            st.emfile_tries = EMFILE_TRIES;
                             self.opens.fetch_add(1, Ordering::Relaxed);
                             if again {
                                 self.reopens.fetch_add(1, Ordering::Relaxed);
@@ -381,10 +391,10 @@ impl FdWindow {
                                 fds: Some(fds),
                             });
                         }
-                        Err(e) if out_of_descriptors(&e) && tries < EMFILE_TRIES => {
+                        Err(e) if out_of_descriptors(&e) && st.emfile_tries > 0 => {
                             // Room elsewhere in the process ran out: give up an idle file of
                             // ours, or wait for a read to end, and try again.
-                            tries += 1;
+                            st.emfile_tries -= 1;
                             self.retries.fetch_add(1, Ordering::Relaxed);
                             st.slots[k] = Slot::Closed {
                                 opened_before: again,
