@@ -5,7 +5,8 @@
 //! A batch is one engine job: the files it reads by path are checked by path in parallel on the
 //! engine's workers (no descriptor held), then opened by the workers as the job reaches them and
 //! closed after their last piece, a bounded window of them at once (so 100,000 files read
-//! under the usual `RLIMIT_NOFILE` of 1024, and the descriptor table never grows for them);
+//! under the usual `RLIMIT_NOFILE` of 1024, and the descriptor table grows for them at most
+//! once, when it lacks room for one file per worker);
 //! every item's pieces are spread over the workers, reads are packed into the pinned segments so
 //! that pieces contiguous in one destination share one host→device copy, and the call returns
 //! once, with one [`BatchReport`].
@@ -355,7 +356,10 @@ pub(crate) struct RunFailed {
 /// path that changed between the check and the job's open of it (deleted, replaced by another
 /// file, deleted and written again, rewritten or truncated: its inode or `st_ctime` moved; no
 /// longer a regular file: an [`Error::Io`] of `open` naming it; a FIFO put in its place does
-/// not block the open). A file that shrank while it was open reads short (an end of file). The
+/// not block the open), or a file that passed the checks but does not open at the job (no
+/// descriptor left, `EMFILE`/`ENFILE`, once the window has no file of its own to give up and
+/// its retries are spent; `EACCES` from a security module; `EIO`: that open's [`Error::Io`]).
+/// A file that shrank while it was open reads short (an end of file). The
 /// others are completed, and the call returns [`Error::BatchFailed`] listing the failed items;
 /// their destination ranges are unspecified, every other item is complete. A CUDA error fails
 /// the whole job ([`Error::Cuda`]). `Ok` means every byte of every item is in place.
@@ -1195,9 +1199,9 @@ impl<'f> Src<'f> {
 ///
 /// The files named by path are **checked by path, not opened** ([`check_path`], in parallel on
 /// the engine's workers and the calling thread): a batch of 10,000 files holds no descriptor
-/// until its job reads, and then at most its window's (`engine::window`): the table never
-/// grows for them (an RCU grace period in a multi-threaded process) and `RLIMIT_NOFILE` is no
-/// limit on the batch. Their path report comes from their filesystem's verdict
+/// until its job reads, and then at most its window's (`engine::window`): the table grows for
+/// them (an RCU grace period in a multi-threaded process) at most once, when it lacks room for
+/// one file per worker (`window_for`), and `RLIMIT_NOFILE` is no limit on the batch. Their path report comes from their filesystem's verdict
 /// (`backend::engine_report_unopened`, one `statfs` per filesystem). Opened up front, as
 /// `GpuFile::open` and held through the job, are only the files whose backend that cannot
 /// decide (cuFile may move them by DMA: the first file of such a filesystem, and all of them
