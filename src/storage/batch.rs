@@ -2455,16 +2455,8 @@ mod tests {
             .ok()
             .map(|v| v.parse().unwrap());
         if let Some(n) = limit {
-            let mut lim = libc::rlimit {
-                rlim_cur: 0,
-                rlim_max: 0,
-            };
-            // SAFETY: valid out- and in-pointers; this child process runs this test alone.
-            unsafe {
-                assert_eq!(libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim), 0);
-                lim.rlim_cur = n;
-                assert_eq!(libc::setrlimit(libc::RLIMIT_NOFILE, &lim), 0);
-            }
+            // This child process runs this test alone.
+            crate::storage::testkit::set_soft_nofile_limit(n);
         }
         let dir = crate::storage::testkit::scratch("batch-fdlimit");
         std::fs::create_dir_all(&dir).unwrap();
@@ -2939,22 +2931,11 @@ mod tests {
     /// place.
     #[test]
     fn a_batch_reads_more_files_than_the_process_may_hold_open() {
-        let out = std::process::Command::new(std::env::current_exe().unwrap())
-            .args([
-                "--exact",
-                "storage::batch::tests::many_files_through_the_batch_seam_under_the_descriptor_limit",
-                "--test-threads=1",
-                "--nocapture",
-            ])
-            .env(FD_LIMIT_CHILD, "256")
-            .output()
-            .unwrap();
-        let text = format!(
-            "{}{}",
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
+        let text = crate::storage::testkit::run_test_in_child(
+            "storage::batch::tests::many_files_through_the_batch_seam_under_the_descriptor_limit",
+            FD_LIMIT_CHILD,
+            "256",
         );
-        assert!(out.status.success(), "the child failed:\n{text}");
         assert!(
             text.contains("read 2000 files") && text.contains("1 passed"),
             "the child did not run the test:\n{text}"

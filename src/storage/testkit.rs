@@ -39,3 +39,36 @@ pub(crate) fn random_file(name: &str, n: usize, seed: u64) -> (PathBuf, Vec<u8>)
     std::fs::write(&p, &data).unwrap();
     (p, data)
 }
+
+/// Runs the lib test `test` (its full path) alone in a child process of this test binary with
+/// `env` set to `value`, and returns the child's stdout and stderr together, after asserting
+/// that it exited successfully (the message holds that output).
+pub(crate) fn run_test_in_child(test: &str, env: &str, value: &str) -> String {
+    let out = std::process::Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", test, "--test-threads=1", "--nocapture"])
+        .env(env, value)
+        .output()
+        .unwrap();
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(out.status.success(), "the child failed:\n{text}");
+    text
+}
+
+/// Lowers this process's soft `RLIMIT_NOFILE` to `n`: only in a child process that runs one
+/// test alone ([`run_test_in_child`]), as the limit is the whole process's.
+pub(crate) fn set_soft_nofile_limit(n: libc::rlim_t) {
+    let mut lim = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: valid out- and in-pointers.
+    unsafe {
+        assert_eq!(libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim), 0);
+        lim.rlim_cur = n;
+        assert_eq!(libc::setrlimit(libc::RLIMIT_NOFILE, &lim), 0);
+    }
+}

@@ -870,22 +870,11 @@ mod tests {
     #[test]
     fn with_no_descriptor_left_files_fail_at_once_not_each_after_retries() {
         if std::env::var_os(NO_FD_CHILD).is_none() {
-            let out = std::process::Command::new(std::env::current_exe().unwrap())
-                .args([
-                    "--exact",
-                    "storage::engine::window::tests::with_no_descriptor_left_files_fail_at_once_not_each_after_retries",
-                    "--test-threads=1",
-                    "--nocapture",
-                ])
-                .env(NO_FD_CHILD, "1")
-                .output()
-                .unwrap();
-            let text = format!(
-                "{}{}",
-                String::from_utf8_lossy(&out.stdout),
-                String::from_utf8_lossy(&out.stderr)
+            let text = crate::storage::testkit::run_test_in_child(
+                "storage::engine::window::tests::with_no_descriptor_left_files_fail_at_once_not_each_after_retries",
+                NO_FD_CHILD,
+                "1",
             );
-            assert!(out.status.success(), "the child failed:\n{text}");
             assert!(
                 text.contains("no-fd child done") && text.contains("1 passed"),
                 "{text}"
@@ -893,16 +882,8 @@ mod tests {
             return;
         }
         let (dir, f) = files("no-fd", 6, 64, 8);
-        let mut lim = libc::rlimit {
-            rlim_cur: 0,
-            rlim_max: 0,
-        };
-        // SAFETY: valid pointers; this child process runs this test alone.
-        unsafe {
-            assert_eq!(libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim), 0);
-            lim.rlim_cur = 64;
-            assert_eq!(libc::setrlimit(libc::RLIMIT_NOFILE, &lim), 0);
-        }
+        // This child process runs this test alone.
+        crate::storage::testkit::set_soft_nofile_limit(64);
         let w = FdWindow::new(f.iter().map(|(l, _)| l.clone()).collect(), vec![1; 6], 1);
         let next = AtomicUsize::new(0);
         let errors = Mutex::new(Vec::new());
@@ -971,22 +952,11 @@ mod tests {
     #[test]
     fn a_window_that_runs_out_of_descriptors_closes_idle_files_and_tries_again() {
         if std::env::var_os(CHILD).is_none() {
-            let out = std::process::Command::new(std::env::current_exe().unwrap())
-                .args([
-                    "--exact",
-                    "storage::engine::window::tests::a_window_that_runs_out_of_descriptors_closes_idle_files_and_tries_again",
-                    "--test-threads=1",
-                    "--nocapture",
-                ])
-                .env(CHILD, "1")
-                .output()
-                .unwrap();
-            let text = format!(
-                "{}{}",
-                String::from_utf8_lossy(&out.stdout),
-                String::from_utf8_lossy(&out.stderr)
+            let text = crate::storage::testkit::run_test_in_child(
+                "storage::engine::window::tests::a_window_that_runs_out_of_descriptors_closes_idle_files_and_tries_again",
+                CHILD,
+                "1",
             );
-            assert!(out.status.success(), "the child failed:\n{text}");
             assert!(
                 text.contains("EMFILE child done") && text.contains("1 passed"),
                 "{text}"
@@ -994,16 +964,8 @@ mod tests {
             return;
         }
         let (dir, f) = files("emfile", 12, 64, 4);
-        let mut lim = libc::rlimit {
-            rlim_cur: 0,
-            rlim_max: 0,
-        };
-        // SAFETY: valid pointers; this child process runs this test alone.
-        unsafe {
-            assert_eq!(libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim), 0);
-            lim.rlim_cur = 64;
-            assert_eq!(libc::setrlimit(libc::RLIMIT_NOFILE, &lim), 0);
-        }
+        // This child process runs this test alone.
+        crate::storage::testkit::set_soft_nofile_limit(64);
         // Take every free descriptor.
         let mut hogs = Vec::new();
         while let Ok(f) = std::fs::File::open("/dev/null") {
