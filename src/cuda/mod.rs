@@ -295,9 +295,12 @@ pub fn device_attribute(ordinal: usize, attr: sys::CUdevice_attribute) -> Result
 /// [`Error::Unsupported`] naming `what`. Work enqueued on a capturing stream is captured into
 /// the graph, not run, and synchronizing or querying the stream fails until the capture ends,
 /// which only its owner (the caller) can do: a call that enqueues work there and waits for it
-/// would wait for itself. Checked before anything is enqueued.
+/// would wait for itself. Checked before anything is enqueued. The query runs with the
+/// stream's context current (the thread's current context is put back after): a default stream
+/// (a null handle) means the current context's, and the calling thread may have none.
 pub(crate) fn refuse_capturing(stream: &CudaStream, what: &str) -> Result<()> {
-    // SAFETY: the stream is alive (borrowed).
+    let _current = CurrentContext::bind(stream.context())?;
+    // SAFETY: the stream is alive (borrowed), in the current context.
     if unsafe { result::stream::is_capturing(stream.cu_stream()) }? {
         return Err(Error::Unsupported {
             what: format!("{what} on a stream that is capturing a CUDA graph"),
@@ -306,6 +309,24 @@ pub(crate) fn refuse_capturing(stream: &CudaStream, what: &str) -> Result<()> {
                 fix: "make the call before cuStreamBeginCapture or after cuStreamEndCapture, or on another stream".into(),
             },
         });
+    }
+    Ok(())
+}
+
+/// [`refuse_capturing`] for each distinct stream of `streams` (a job's buffers' streams).
+pub(crate) fn refuse_capturing_any<S: AsRef<CudaStream>>(
+    streams: impl IntoIterator<Item = S>,
+    what: &str,
+) -> Result<()> {
+    // By context too: every context's default stream is the null handle.
+    let mut seen: Vec<(sys::CUcontext, sys::CUstream)> = Vec::new();
+    for s in streams {
+        let s = s.as_ref();
+        let key = (s.context().cu_ctx(), s.cu_stream());
+        if !seen.contains(&key) {
+            refuse_capturing(s, what)?;
+            seen.push(key);
+        }
     }
     Ok(())
 }

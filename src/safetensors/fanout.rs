@@ -211,7 +211,13 @@ impl LoadOptions {
         src: impl Into<Source>,
         streams: &[Arc<CudaStream>],
     ) -> Result<MultiCheckpoint> {
-        load_fanout(self, src.into(), &Placement::replicated(), streams)
+        load_fanout(
+            self,
+            src.into(),
+            &Placement::replicated(),
+            streams,
+            "safetensors::load_replicated",
+        )
     }
 
     /// Loads `src` onto the GPUs of `streams` (one stream per GPU, each GPU once) as `placement`
@@ -224,7 +230,13 @@ impl LoadOptions {
         placement: &Placement,
         streams: &[Arc<CudaStream>],
     ) -> Result<MultiCheckpoint> {
-        load_fanout(self, src.into(), placement, streams)
+        load_fanout(
+            self,
+            src.into(),
+            placement,
+            streams,
+            "safetensors::load_placed",
+        )
     }
 
     /// What [`LoadOptions::load_placed`] onto `devices` (CUDA ordinals) would do, from the
@@ -420,10 +432,14 @@ fn load_fanout(
     src: Source,
     placement: &Placement,
     streams: &[Arc<CudaStream>],
+    call: &str,
 ) -> Result<MultiCheckpoint> {
     let t0 = Instant::now();
     let devices: Vec<usize> = streams.iter().map(|s| s.context().ordinal()).collect();
     check_devices(&devices)?;
+    // Before a file is opened, peer access granted or memory allocated on the streams (the
+    // readers' batches would refuse a capturing stream only then).
+    crate::cuda::refuse_capturing_any(streams, call)?;
     if streams.len() == 1 && placement.is_replicated() {
         // One GPU: the plain load, exactly.
         let ck = load_one(opts, src, &streams[0])?;

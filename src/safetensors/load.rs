@@ -103,6 +103,8 @@ impl LoadOptions {
 
     /// Loads `src` into one device allocation on `stream`: see [`Checkpoint`].
     pub fn load(&self, src: impl Into<Source>, stream: &Arc<CudaStream>) -> Result<Checkpoint> {
+        // Before a file is opened (the batch would refuse it only after the headers).
+        crate::cuda::refuse_capturing(stream, "safetensors::load")?;
         load_one(self, src.into(), stream)
     }
 
@@ -112,6 +114,9 @@ impl LoadOptions {
         src: impl Into<Source>,
         stream: &Arc<CudaStream>,
     ) -> Result<OwnedCheckpoint> {
+        // Before a file is opened or a tensor allocated (through cuFile every tensor is
+        // allocated before the batch, which would refuse the stream only then).
+        crate::cuda::refuse_capturing(stream, "safetensors::load_owned")?;
         load_owned(self, src.into(), stream)
     }
 }

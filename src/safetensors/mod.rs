@@ -97,7 +97,9 @@ use crate::error::Result;
 ///
 /// Errors: [`Error::Checkpoint`](crate::Error::Checkpoint) for anything wrong with the files
 /// (before any byte moves), [`Error::Io`](crate::Error::Io), storage and CUDA errors,
-/// [`Error::FallbackRefused`](crate::Error::FallbackRefused).
+/// [`Error::FallbackRefused`](crate::Error::FallbackRefused),
+/// [`Error::Unsupported`](crate::Error::Unsupported) for a stream that is capturing a CUDA graph
+/// (before any file is opened; so for every load and save of this module).
 pub fn load(src: impl Into<Source>, stream: &Arc<CudaStream>) -> Result<Checkpoint> {
     LoadOptions::new().load(src, stream)
 }

@@ -175,6 +175,14 @@ where
         writes: true,
         ..LoadReport::empty()
     };
+    // Before the temporary file is created (the batch would refuse a capturing stream only
+    // then): the streams of the tensors the save reads.
+    crate::cuda::refuse_capturing_any(
+        list.iter()
+            .filter(|(_, t)| !t.bytes.is_empty())
+            .map(|(_, t)| t.bytes.stream()),
+        "safetensors::save",
+    )?;
     // File order, so writes advance through the file.
     let mut order: Vec<usize> = (0..list.len()).collect();
     order.sort_by_key(|&i| h.offsets[i]);

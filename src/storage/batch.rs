@@ -351,6 +351,9 @@ pub(crate) struct RunFailed {
 /// destination (or source) range outside its buffer, two items whose destination ranges overlap
 /// (reads) or whose file ranges overlap (writes), offsets past the largest file offset,
 /// destinations on different GPUs, a fallback refused by the policy. Nothing is moved then.
+/// A destination (or, for a [`WriteBatch`], a source) whose stream is capturing a CUDA graph
+/// is refused first, with [`Error::Unsupported`] naming the call: the batch waits for its
+/// buffers' streams, which a capture does not run; no file is checked or opened then.
 ///
 /// While the batch runs, a file error fails **its items only**: an IO error, or a file named by
 /// path that changed between the check and the job's open of it (deleted, replaced by another
@@ -407,6 +410,8 @@ pub struct ReadBatch<'a> {
     dsts: Vec<Dst<'a>>,
     items: Vec<ReadItem_>,
     control: Option<TransferControl>,
+    /// The entry point a refusal names (`ReadBatch::run`, `read_many`, ...).
+    call: &'static str,
 }
 
 impl Default for ReadBatch<'_> {
@@ -443,6 +448,7 @@ impl<'a> ReadBatch<'a> {
             dsts: Vec::new(),
             items: Vec::new(),
             control: None,
+            call: "ReadBatch::run",
         }
     }
 
@@ -628,8 +634,25 @@ impl<'a> ReadBatch<'a> {
             mut dsts,
             items,
             control,
+            call,
             ..
         } = self;
+        // Each destination's length and stream (its view is taken again when the bytes move).
+        let (dst_len, dst_stream): (Vec<usize>, Vec<Arc<CudaStream>>) = dsts
+            .iter_mut()
+            .map(|d| match d {
+                Dst::Borrowed(b) => {
+                    let v = b.bytes();
+                    (v.len(), v.stream().clone())
+                }
+                Dst::New { stream, len } | Dst::Later { stream, len } => (*len, stream.clone()),
+            })
+            .unzip();
+        // Before anything is allocated, opened or enqueued.
+        crate::cuda::refuse_capturing_any(
+            &dst_stream,
+            &format!("{call}: a read into device memory"),
+        )?;
         let new_dst: Vec<usize> = (0..dsts.len())
             .filter(|&k| matches!(dsts[k], Dst::New { .. }))
             .collect();
@@ -694,17 +717,6 @@ impl<'a> ReadBatch<'a> {
         // No destination is the caller's borrowed buffer: the engine's job need not wait for
         // copies it could not drain (their destinations are leaked instead).
         let owns_every_destination = !dsts.iter().any(|d| matches!(d, Dst::Borrowed(_)));
-        // Each destination's length and stream (its view is taken again when the bytes move).
-        let (dst_len, dst_stream): (Vec<usize>, Vec<Arc<CudaStream>>) = dsts
-            .iter_mut()
-            .map(|d| match d {
-                Dst::Borrowed(b) => {
-                    let v = b.bytes();
-                    (v.len(), v.stream().clone())
-                }
-                Dst::New { stream, len } | Dst::Later { stream, len } => (*len, stream.clone()),
-            })
-            .unzip();
         // One context for every destination an item uses.
         for (i, it) in items.iter().enumerate() {
             if it.dst >= dsts.len() {
@@ -1893,6 +1905,7 @@ where
     D: DeviceDst + ?Sized,
 {
     let mut b = ReadBatch::new();
+    b.call = "read_many";
     let d = b.destination(dst);
     for it in items {
         b.read(it.path, it.file_offset, it.len, d, it.dst_offset);
@@ -1909,6 +1922,7 @@ impl GpuFile {
         D: DeviceDst + ?Sized,
     {
         let mut b = ReadBatch::new();
+        b.call = "GpuFile::read_ranges";
         let d = b.destination(dst);
         for &(off, len, at) in ranges {
             b.read_file(self, off, len, d, at);
@@ -2054,6 +2068,11 @@ impl<'a> WriteBatch<'a> {
             durable,
             control,
         } = self;
+        // Before any file range is touched or anything enqueued.
+        crate::cuda::refuse_capturing_any(
+            srcs.iter().map(|s| s.bytes().stream().clone()),
+            "WriteBatch::run: a write from device memory",
+        )?;
         let counter = control.as_ref().map(|c| move |n: usize| c.add(n));
         let ctl = Ctl::blocking(
             t0,
