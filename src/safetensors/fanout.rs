@@ -725,6 +725,98 @@ fn allocate(
 mod tests {
     use super::*;
 
+    /// Set in the child process of a test that makes the OS refuse every thread
+    /// (`RUST_MIN_STACK` far past the address space: each thread's stack `mmap` fails, and
+    /// `pthread_create` answers `EAGAIN`; libtest then runs the test on its main thread).
+    const NO_THREADS_CHILD: &str = "GPUDIRECT_TEST_NO_THREADS";
+
+    /// Runs the lib test `test` alone (`--include-ignored`) in a child process of this test
+    /// binary in which no thread can be started, and returns its output after asserting that
+    /// it succeeded and ran the test.
+    fn run_without_threads(test: &str) -> String {
+        let out = std::process::Command::new(std::env::current_exe().unwrap())
+            .args([
+                "--exact",
+                test,
+                "--include-ignored",
+                "--test-threads=1",
+                "--nocapture",
+            ])
+            .env(NO_THREADS_CHILD, "1")
+            .env("RUST_MIN_STACK", "9223372036854775807")
+            .output()
+            .unwrap();
+        let text = format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(out.status.success(), "the child failed:\n{text}");
+        assert!(
+            text.contains("1 passed"),
+            "the child did not run {test}:\n{text}"
+        );
+        text
+    }
+
+    /// A multi-GPU load (here onto one GPU through a placement, which takes the fan-out path:
+    /// a warm-up thread and a reading thread) in a process where the OS refuses every thread
+    /// (a child process, see `NO_THREADS_CHILD`) fails with an [`Error::Io`] of
+    /// `pthread_create`, and leaves the stream usable. On the code before, the load panics in
+    /// the child ("failed to spawn thread": `Scope::spawn` of the warm-up, in `allocate`), and
+    /// this test reports "the child failed" with that panic.
+    #[test]
+    #[ignore = "needs a CUDA GPU"]
+    fn gpu_safetensors_fanout_without_threads_is_a_typed_error() {
+        use crate::safetensors::LoadOptions;
+        use crate::storage::{Backend, GpuFile};
+        use rand::{RngCore, SeedableRng};
+        if std::env::var_os(NO_THREADS_CHILD).is_none() {
+            let text = run_without_threads(
+                "safetensors::fanout::tests::gpu_safetensors_fanout_without_threads_is_a_typed_error",
+            );
+            assert!(text.contains("refused as it should be:"), "{text}");
+            return;
+        }
+        let stream = crate::cuda::context(0)
+            .unwrap_or_else(|e| {
+                panic!("this test needs a CUDA GPU ({e}): run it on a GPU machine, see CONTRIBUTING.md")
+            })
+            .new_stream()
+            .unwrap();
+        let dir = std::env::var_os("GPUDIRECT_TEST_DIR")
+            .map(std::path::PathBuf::from)
+            .unwrap_or_else(std::env::temp_dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join(format!(
+            "gpudirect-fanout-nothreads-{}.safetensors",
+            std::process::id()
+        ));
+        let mut data = vec![0u8; (3 << 20) + 13];
+        rand::rngs::StdRng::seed_from_u64(107).fill_bytes(&mut data);
+        let view =
+            safetensors::tensor::TensorView::new(safetensors::Dtype::U8, vec![data.len()], &data)
+                .unwrap();
+        safetensors::serialize_to_file([("t", view)], None, &path).unwrap();
+        let opts = LoadOptions::new().file_options(GpuFile::options().backend(Backend::Engine));
+        let r = opts.load_placed(
+            path.as_path(),
+            &Placement::new().put("*", [0]),
+            std::slice::from_ref(&stream),
+        );
+        std::fs::remove_file(&path).unwrap();
+        match r {
+            Err(
+                e @ Error::Io {
+                    op: "pthread_create",
+                    ..
+                },
+            ) => println!("refused as it should be: {e}"),
+            other => panic!("a fan-out load with no thread to be had: {other:?}"),
+        }
+        stream.synchronize().unwrap();
+    }
+
     /// Review (leak, finding c; not a bug, pinned here): when a reader's `read_into` fails,
     /// `Landing::drain` synchronizes only the peer-copy lanes and then frees every GPU's buffer.
     /// That is sound because the reader's storage batch borrows its buffer
