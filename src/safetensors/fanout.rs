@@ -532,85 +532,62 @@ fn load_fanout(
         dst_device: Some(devices[d]),
     };
     let lanes = &landing.lanes;
-    let parts: Vec<Result<LoadReport>> = std::thread::scope(|sc| {
-        let mut hs = Vec::new();
-        for (r, buf) in landing.bufs.iter_mut().enumerate() {
-            let segs = &sched.segments[r];
-            if segs.is_empty() {
-                continue;
+    // One thread per reading GPU, with its allocation.
+    let readers: Vec<(usize, &mut CudaSlice<u8>)> = landing
+        .bufs
+        .iter_mut()
+        .enumerate()
+        .filter(|(r, _)| !sched.segments[*r].is_empty())
+        .collect();
+    let parts = on_threads(readers, &cancel, |(r, buf)| -> Result<LoadReport> {
+        let segs = &sched.segments[r];
+        let mut rep = LoadReport::empty();
+        let mut tick = |n: u64| {
+            if let Some((f, _)) = &progress {
+                let mut d = done.lock().unwrap_or_else(|e| e.into_inner());
+                *d += n;
+                f(Progress { done: *d, total });
             }
-            let (p, bases, lane_of, refused) = (&p, &bases, &lane_of, &refused);
-            let (progress, done, cancel, copts) = (&progress, &done, &cancel, &copts);
-            hs.push(sc.spawn(move || {
-                let mut run = || -> Result<LoadReport> {
-                    let mut rep = LoadReport::empty();
-                    let mut tick = |n: u64| {
-                        if let Some((f, _)) = progress {
-                            let mut d = done.lock().unwrap_or_else(|e| e.into_inner());
-                            *d += n;
-                            f(Progress { done: *d, total });
-                        }
-                    };
-                    for seg in segs {
-                        if cancel.load(Ordering::Relaxed) {
-                            break;
-                        }
-                        // One storage batch per segment (its reads, every shard), then its
-                        // copies, queued, while the next segment's batch runs.
-                        let reads: Vec<(usize, plan::Read)> =
-                            seg.reads.iter().map(|&r| (0, r)).collect();
-                        read_into(
-                            &p.files,
-                            &mut [buf.as_view_mut()],
-                            &reads,
-                            &mut rep,
-                            &mut tick,
-                            progress.as_ref().map(|x| x.1),
-                        )?;
-                        for c in &seg.copies {
-                            let (a, b) = (c.src_offset as usize, (c.src_offset + c.len) as usize);
-                            let src = buf.try_slice(a..b).ok_or_else(|| {
-                                Error::InvalidArgument(
-                                    "internal: a peer copy past its source".into(),
-                                )
-                            })?;
-                            let mut dst = bases[c.dst].span(c.dst_offset, c.len)?;
-                            let lane = &lanes[lane_of[&(r, c.dst)]];
-                            // SAFETY: `src` is bytes of this GPU's allocation the reads above
-                            // wrote (storage reads return when the bytes are in place) and that
-                            // no stream writes again; `dst` is bytes of GPU `c.dst`'s allocation
-                            // that only this copy writes (the plan writes each device byte once;
-                            // tier-1 tested) and nothing reads before the load returns. Both
-                            // allocations live in `landing`, whose drop synchronizes every lane
-                            // before they can be freed (or leaks them); the allocations' own
-                            // streams were synchronized after allocating. The `PeerAccess` the
-                            // copy is planned with is held in `grants` until after that.
-                            let cr = unsafe {
-                                p2p::copy_peer_async_with(&src, &mut dst, lane, &copts(r, c.dst))
-                            }?;
-                            rep.add_copy(&cr, &explain(cr.path.clone(), refused.get(&(r, c.dst))));
-                        }
-                    }
-                    Ok(rep)
-                };
-                let out = run();
-                if out.is_err() {
-                    cancel.store(true, Ordering::Relaxed);
-                }
-                out
-            }));
+        };
+        for seg in segs {
+            if cancel.load(Ordering::Relaxed) {
+                break;
+            }
+            // One storage batch per segment (its reads, every shard), then its copies, queued,
+            // while the next segment's batch runs.
+            let reads: Vec<(usize, plan::Read)> = seg.reads.iter().map(|&r| (0, r)).collect();
+            read_into(
+                &p.files,
+                &mut [buf.as_view_mut()],
+                &reads,
+                &mut rep,
+                &mut tick,
+                progress.as_ref().map(|x| x.1),
+            )?;
+            for c in &seg.copies {
+                let (a, b) = (c.src_offset as usize, (c.src_offset + c.len) as usize);
+                let src = buf.try_slice(a..b).ok_or_else(|| {
+                    Error::InvalidArgument("internal: a peer copy past its source".into())
+                })?;
+                let mut dst = bases[c.dst].span(c.dst_offset, c.len)?;
+                let lane = &lanes[lane_of[&(r, c.dst)]];
+                // SAFETY: `src` is bytes of this GPU's allocation the reads above wrote
+                // (storage reads return when the bytes are in place) and that no stream writes
+                // again; `dst` is bytes of GPU `c.dst`'s allocation that only this copy writes
+                // (the plan writes each device byte once; tier-1 tested) and nothing reads
+                // before the load returns. Both allocations live in `landing`, whose drop
+                // synchronizes every lane before they can be freed (or leaks them); the
+                // allocations' own streams were synchronized after allocating. The
+                // `PeerAccess` the copy is planned with is held in `grants` until after that.
+                let cr =
+                    unsafe { p2p::copy_peer_async_with(&src, &mut dst, lane, &copts(r, c.dst)) }?;
+                rep.add_copy(&cr, &explain(cr.path.clone(), refused.get(&(r, c.dst))));
+            }
         }
-        hs.into_iter()
-            .map(|h| {
-                h.join().unwrap_or_else(|_| {
-                    cancel.store(true, Ordering::Relaxed);
-                    Err(Error::InvalidArgument("a reading thread panicked".into()))
-                })
-            })
-            .collect()
+        Ok(rep)
     });
     let drained = landing.drain();
-    for part in parts {
+    for part in parts? {
         report.merge(&part?);
     }
     drained?;
@@ -662,6 +639,69 @@ fn load_fanout(
     })
 }
 
+/// Starts a scoped thread, or says why the OS refused one (`pthread_create`: `EAGAIN` at the
+/// process's or the user's thread limit, or no memory for its stack), where `Scope::spawn`
+/// would panic.
+fn spawn_scoped<'s, T: Send + 's>(
+    sc: &'s std::thread::Scope<'s, '_>,
+    f: impl FnOnce() -> T + Send + 's,
+) -> std::io::Result<std::thread::ScopedJoinHandle<'s, T>> {
+    #[cfg(test)]
+    if tests::spawn_refused() {
+        return Err(std::io::Error::other("test: spawn refused"));
+    }
+    std::thread::Builder::new().spawn_scoped(sc, f)
+}
+
+/// `work(item)` for each of `items` on a thread of its own, each result in order. The items are
+/// the reading GPUs: at most one per GPU of the machine (each GPU once, `check_devices`), so the
+/// count needs no further cap. A `work` that fails, or panics (an [`Error::InvalidArgument`]
+/// then), sets `cancel`, which the others check between segments. A thread the OS refuses sets
+/// `cancel` and starts no further one, and is the error ([`Error::Io`] of `pthread_create`)
+/// once the threads already started have returned (their results are dropped): no panic, and
+/// no thread is left waiting for one that never started (the readers wait for no other).
+fn on_threads<I: Send, T: Send>(
+    items: Vec<I>,
+    cancel: &AtomicBool,
+    work: impl Fn(I) -> Result<T> + Sync,
+) -> Result<Vec<Result<T>>> {
+    let work = &work;
+    std::thread::scope(|sc| {
+        let mut hs = Vec::with_capacity(items.len());
+        let mut refused = None;
+        for item in items {
+            let run = move || {
+                let out = work(item);
+                if out.is_err() {
+                    cancel.store(true, Ordering::Relaxed);
+                }
+                out
+            };
+            match spawn_scoped(sc, run) {
+                Ok(h) => hs.push(h),
+                Err(e) => {
+                    cancel.store(true, Ordering::Relaxed);
+                    refused = Some(Error::io("pthread_create", None, e));
+                    break;
+                }
+            }
+        }
+        let parts: Vec<Result<T>> = hs
+            .into_iter()
+            .map(|h| {
+                h.join().unwrap_or_else(|_| {
+                    cancel.store(true, Ordering::Relaxed);
+                    Err(Error::InvalidArgument("a reading thread panicked".into()))
+                })
+            })
+            .collect();
+        match refused {
+            Some(e) => Err(e),
+            None => Ok(parts),
+        }
+    })
+}
+
 /// One allocation per GPU as its layout says, while the storage engines of the reading GPUs
 /// warm up.
 fn allocate(
@@ -675,13 +715,21 @@ fn allocate(
         .map(|k| streams[k].context().ordinal())
         .collect();
     std::thread::scope(|sc| {
-        let warm: Vec<_> = match first {
-            Some(f) => readers
-                .iter()
-                .map(|&d| sc.spawn(move || f.warm_up(d)))
-                .collect(),
-            None => Vec::new(),
-        };
+        let mut warm = Vec::new();
+        for &d in readers.iter() {
+            let Some(f) = first else { break };
+            match spawn_scoped(sc, move || f.warm_up(d)) {
+                Ok(h) => warm.push(h),
+                Err(e) => {
+                    // Only a warm-up: the reads start the engine themselves (and a reader's
+                    // thread the OS refuses too fails the load with a typed error).
+                    tracing::debug!(
+                        "no thread for the storage warm-up of GPU {d} (the first read pays its setup): {e}"
+                    );
+                    break;
+                }
+            }
+        }
         let mut bufs = Vec::with_capacity(streams.len());
         let mut err = None;
         for (k, s) in streams.iter().enumerate() {
@@ -725,6 +773,24 @@ fn allocate(
 mod tests {
     use super::*;
 
+    thread_local! {
+        /// Test hook: how many more threads `spawn_scoped` starts on this thread before it
+        /// refuses every one (`None`: no hook).
+        static SPAWNS_LEFT: std::cell::Cell<Option<usize>> = const { std::cell::Cell::new(None) };
+    }
+
+    /// Whether the hook refuses this spawn (counting the ones it lets through).
+    pub(super) fn spawn_refused() -> bool {
+        SPAWNS_LEFT.with(|c| match c.get() {
+            None => false,
+            Some(0) => true,
+            Some(n) => {
+                c.set(Some(n - 1));
+                false
+            }
+        })
+    }
+
     /// Set in the child process of a test that makes the OS refuse every thread
     /// (`RUST_MIN_STACK` far past the address space: each thread's stack `mmap` fails, and
     /// `pthread_create` answers `EAGAIN`; libtest then runs the test on its main thread).
@@ -757,6 +823,132 @@ mod tests {
             "the child did not run {test}:\n{text}"
         );
         text
+    }
+
+    /// Review (fan-out threads): a reading thread the OS refuses is a typed error, not a panic
+    /// (`Scope::spawn` panics), and comes back only once the threads already started have
+    /// returned; they are cancelled, not waited for to finish their work, and no item after
+    /// the refused one is started. Three items, the hook letting 0, 1 and 2 threads start: each
+    /// started item waits (up to 10 s) for the cancel, then returns. Without the hook every
+    /// item runs, results in order; a failing item sets the cancel; a panic is an error. (The
+    /// code before ran the readers through `Scope::spawn` inline: a refused thread panicked out
+    /// of the load, after the started readers had read every segment.)
+    #[test]
+    fn a_reader_thread_the_os_refuses_is_a_typed_error_once_the_started_ones_returned() {
+        use std::time::{Duration, Instant};
+        for allowed in 0..3 {
+            let cancel = AtomicBool::new(false);
+            let ran: Vec<AtomicBool> = (0..3).map(|_| AtomicBool::new(false)).collect();
+            let saw_cancel: Vec<AtomicBool> = (0..3).map(|_| AtomicBool::new(false)).collect();
+            SPAWNS_LEFT.with(|c| c.set(Some(allowed)));
+            let t0 = Instant::now();
+            let r = on_threads(vec![0usize, 1, 2], &cancel, |i| {
+                ran[i].store(true, Ordering::SeqCst);
+                while t0.elapsed() < Duration::from_secs(10) {
+                    if cancel.load(Ordering::Relaxed) {
+                        saw_cancel[i].store(true, Ordering::SeqCst);
+                        break;
+                    }
+                    std::thread::sleep(Duration::from_millis(1));
+                }
+                Ok(i)
+            });
+            SPAWNS_LEFT.with(|c| c.set(None));
+            match &r {
+                Err(Error::Io {
+                    op: "pthread_create",
+                    ..
+                }) => {}
+                other => panic!("{allowed} started: {other:?}"),
+            }
+            assert!(
+                t0.elapsed() < Duration::from_secs(5),
+                "{allowed} started: the started threads were not cancelled ({:?})",
+                t0.elapsed()
+            );
+            for i in 0..3 {
+                let started = i < allowed;
+                assert_eq!(
+                    ran[i].load(Ordering::SeqCst),
+                    started,
+                    "{allowed} started: item {i}"
+                );
+                assert_eq!(
+                    saw_cancel[i].load(Ordering::SeqCst),
+                    started,
+                    "{allowed} started: item {i} returned before the cancel or never ran"
+                );
+            }
+        }
+        let cancel = AtomicBool::new(false);
+        let r = on_threads(vec![0usize, 1, 2], &cancel, |i| Ok(i * 10)).unwrap();
+        assert_eq!(
+            r.into_iter().map(|x| x.unwrap()).collect::<Vec<_>>(),
+            [0, 10, 20]
+        );
+        assert!(!cancel.load(Ordering::SeqCst));
+        let r = on_threads(vec![0usize, 1, 2], &cancel, |i| match i {
+            1 => Err(Error::InvalidArgument("item one".into())),
+            _ => Ok(i),
+        })
+        .unwrap();
+        assert!(
+            matches!(&r[1], Err(Error::InvalidArgument(m)) if m == "item one"),
+            "{r:?}"
+        );
+        assert!(r[0].is_ok() && r[2].is_ok(), "{r:?}");
+        assert!(
+            cancel.load(Ordering::SeqCst),
+            "a failed item did not cancel the others"
+        );
+        let cancel = AtomicBool::new(false);
+        let r = on_threads(vec![0usize, 1], &cancel, |i| {
+            if i == 1 {
+                panic!("item one")
+            }
+            Ok(i)
+        })
+        .unwrap();
+        assert!(
+            matches!(&r[1], Err(Error::InvalidArgument(m)) if m.contains("panicked")),
+            "{r:?}"
+        );
+        assert!(
+            cancel.load(Ordering::SeqCst),
+            "a panic did not cancel the others"
+        );
+    }
+
+    /// With the OS refusing every thread for real (a child process, see `NO_THREADS_CHILD`),
+    /// the readers' threads are an [`Error::Io`] of `pthread_create`, and no item runs.
+    #[test]
+    fn reader_threads_the_os_refuses_for_real_are_a_typed_error() {
+        if std::env::var_os(NO_THREADS_CHILD).is_none() {
+            let text = run_without_threads(
+                "safetensors::fanout::tests::reader_threads_the_os_refuses_for_real_are_a_typed_error",
+            );
+            assert!(text.contains("every thread refused:"), "{text}");
+            return;
+        }
+        let cancel = AtomicBool::new(false);
+        let ran = AtomicBool::new(false);
+        let r = on_threads(vec![0usize, 1], &cancel, |i| {
+            ran.store(true, Ordering::SeqCst);
+            Ok(i)
+        });
+        match r {
+            Err(
+                e @ Error::Io {
+                    op: "pthread_create",
+                    ..
+                },
+            ) => println!("every thread refused: {e}"),
+            other => panic!("with no thread to be had: {other:?}"),
+        }
+        assert!(
+            !ran.load(Ordering::SeqCst),
+            "an item ran with no thread started"
+        );
     }
 
     /// A multi-GPU load (here onto one GPU through a placement, which takes the fan-out path:
