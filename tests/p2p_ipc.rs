@@ -422,6 +422,7 @@ const LIE: u64 = 1 << 30;
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn gpu_ipc_length_from_the_handle_is_checked() {
+    let _serial = common::serial();
     if let Ok(sock) = std::env::var(LEN_CHILD_ENV) {
         len_child(&sock);
         return;
@@ -560,6 +561,7 @@ fn stream_idle(s: &gpudirect::cudarc::driver::CudaStream) -> bool {
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn gpu_ipc_exports_wait_for_the_allocation_and_its_zeroing() {
+    let _serial = common::serial();
     const HOLD: Duration = Duration::from_millis(500);
     const N: usize = (4 << 20) + 9;
     let ctx = common::need_gpu(0);
@@ -581,6 +583,7 @@ fn gpu_ipc_exports_wait_for_the_allocation_and_its_zeroing() {
     ] {
         let gate = common::StreamGate::block(&s);
         // The allocation (pool) and the zeroing are queued behind the gate.
+        let t_alloc = Instant::now();
         let held = if case.starts_with("DeviceBuffer") {
             Held::Legacy(DeviceBuffer::<u8>::alloc_zeros(&s, N).unwrap())
         } else if case.starts_with("SharedPool") {
@@ -588,10 +591,12 @@ fn gpu_ipc_exports_wait_for_the_allocation_and_its_zeroing() {
         } else {
             Held::Vmm(VmmBuffer::<u8>::alloc_zeros(&s, N).unwrap())
         };
+        let alloc_took = t_alloc.elapsed();
         assert!(
-            !stream_idle(&s),
-            "{case}: control: the stream was idle right after the allocation (the gate did not \
-             hold it, or the allocation waited for it)"
+            alloc_took < HOLD && !stream_idle(&s),
+            "{case}: control: the allocation took {alloc_took:?} and left the stream idle: {} \
+             (the gate did not hold it, or the allocation waited for it)",
+            stream_idle(&s)
         );
         let opened = gate.release_after(HOLD);
         let t0 = Instant::now();
@@ -635,6 +640,7 @@ const DROP_HOLD: Duration = Duration::from_millis(500);
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn gpu_ipc_mapping_drop_waits_for_readers_on_other_streams() {
+    let _serial = common::serial();
     if let Ok(sock) = std::env::var(DROP_CHILD_ENV) {
         drop_child(&sock);
         return;
@@ -791,6 +797,7 @@ impl tracing::Subscriber for CountWarnings {
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn gpu_ipc_same_memory_mapped_twice_in_one_process() {
+    let _serial = common::serial();
     if let Ok(sock) = std::env::var(TWICE_CHILD_ENV) {
         twice_child(&sock);
         return;
@@ -953,6 +960,7 @@ const VMM_DROP_CHILD_ENV: &str = "GPUDIRECT_P2P_VMM_DROP_CHILD";
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn gpu_vmm_buffer_drop_waits_for_readers_on_other_streams() {
+    let _serial = common::serial();
     if std::env::var(VMM_DROP_CHILD_ENV).is_ok() {
         vmm_drop_child();
         return;
@@ -1030,6 +1038,7 @@ fn vmm_drop_child() {
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn gpu_ipc_pool_pointer_of_an_unexported_pool_says_to_export_the_pool_first() {
+    let _serial = common::serial();
     let ctx = common::need_gpu(0);
     let s = ctx.new_stream().unwrap();
     let pool = SharedPool::new(&ctx).unwrap();

@@ -77,6 +77,17 @@ pub fn need_two_gpus() -> (Arc<CudaContext>, Arc<CudaContext>) {
     (need_gpu(0), need_gpu(1))
 }
 
+/// Held by tests of one binary that hold a stream at a [`StreamGate`] while other tests of the
+/// same process may wait for all the context's work (a drop that calls `cuCtxSynchronize`). On
+/// the H200, twice in the parallel suite, `p2p_ipc` ran until its gate's 30 s limit with the
+/// VMM export case misreported, most likely because its `VmmBuffer::alloc_zeros` waited in the
+/// driver, beside such a drop, behind the gate it had not yet released: such tests run one at a
+/// time.
+pub fn serial() -> std::sync::MutexGuard<'static, ()> {
+    static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    SERIAL.lock().unwrap_or_else(|p| p.into_inner())
+}
+
 /// Grows `ctx` past the driver's first wait, at a context's 36th stream: on the H200 (driver
 /// 580) creating that stream, and every 43rd or so after it (79th, 122nd, ...), waited for all
 /// of the context's work (`scripts/probes/streams.py`; CONTRIBUTING.md, "CUDA facts"), whoever
