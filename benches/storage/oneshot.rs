@@ -26,6 +26,8 @@
 //! - Not a row: `--child rand4k-parts FILE OPS`, a probe of where a 4 KiB read's time goes
 //!   (`pread`, the copy, its synchronisation on the null and on an own stream, cudarc's events,
 //!   `read_to_device` on both streams), interleaved, one JSON line of medians and p99s.
+//! - Not a row: `--child regcost`, what `cuMemHostRegister` costs in a fresh process with
+//!   nothing else running (4 KiB twice, then 4 MiB, 28 MiB, 4 MiB of touched memory), in µs.
 //! - One more fresh sample of the page-cached 4 GiB row and of the 10k-files row runs with
 //!   `GPUDIRECT_TRACE=timing` (out of the medians, as `... (traced)`); its trace lines (both
 //!   calls of the child) are printed after the table: where a fresh process's first call spends
@@ -145,6 +147,44 @@ fn child(args: &[String]) -> Res<()> {
             emit(json!({"open_ms": open * 1e3, "alloc_ms": alloc * 1e3,
                 "first_read_gbps": len as f64 / first / 1e9, "second_read_gbps": len as f64 / second / 1e9,
                 "first_read_ms": first * 1e3, "second_read_ms": second * 1e3}));
+        }
+        "regcost" => {
+            // What cuMemHostRegister costs in a fresh process (nothing else running): the
+            // process's first registration against the next ones, on touched memory.
+            let _stream = cuda()?;
+            let mut out = serde_json::Map::new();
+            let map = |n: usize| -> *mut u8 {
+                // SAFETY: a fresh private anonymous mapping, touched, never unmapped.
+                let p = unsafe {
+                    libc::mmap(
+                        std::ptr::null_mut(),
+                        n,
+                        libc::PROT_READ | libc::PROT_WRITE,
+                        libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_POPULATE,
+                        -1,
+                        0,
+                    )
+                };
+                assert_ne!(p, libc::MAP_FAILED);
+                p.cast()
+            };
+            for (i, n) in [4096usize, 4096, 4 << 20, 28 << 20, 4 << 20]
+                .into_iter()
+                .enumerate()
+            {
+                let p = map(n);
+                let t = Instant::now();
+                // SAFETY: our mapping of n bytes, registered once, never unregistered.
+                let rc = unsafe {
+                    sys::cuMemHostRegister_v2(p.cast(), n, sys::CU_MEMHOSTREGISTER_PORTABLE)
+                };
+                out.insert(
+                    format!("reg{i}_{n}_us"),
+                    json!(t.elapsed().as_secs_f64() * 1e6),
+                );
+                assert_eq!(rc, sys::CUresult::CUDA_SUCCESS);
+            }
+            emit(Value::Object(out));
         }
         "h2d" => {
             let n: usize = 1 << 30;
