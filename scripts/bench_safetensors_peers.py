@@ -9,8 +9,9 @@
                         (BACKEND: INSTANTTENSOR_BACKEND value, e.g. MMAP, BUFFERED)
   h2d                   pinned host -> device copy limit (best of 10 x 1 GiB): {gbps}
   rawread FILE          best O_DIRECT read of FILE over thread/block variants, caches dropped
-                        before each: {gbps, best, variants}
-  rawwrite FILE MIB     best O_DIRECT write of MIB MiB with one fsync at the end: {gbps, best, variants}
+                        before each, then the best variant RAW_REPEATS (4) times more: {gbps
+                        (median of the best variant's samples), best, samples, variants}
+  rawwrite FILE MIB     the same for an O_DIRECT write of MIB MiB with one fsync at the end
   table JSONL           the markdown table from the results bench-safetensors collected
 
 Peers' APIs were read from their sources (InstantTensor safe_open / tests/test.py, fastsafetensors
@@ -27,6 +28,10 @@ import threading
 import time
 
 GiB = 1 << 30
+# The raw limits: the best thread x block variant (one sample each) is run this many times more
+# and its median is the limit, as bench-oneshot does: the best of single samples of a disk
+# whose rate moves between runs (1.1-1.9 GB/s on the H200 machine) is biased upward.
+RAW_REPEATS = int(os.environ.get("RAW_REPEATS", "4"))
 
 
 def out(**kw):
@@ -215,7 +220,13 @@ def rawread(path):
             res[f"{th}x{bl >> 20}MiB"] = str(e)
     nums = {k: v for k, v in res.items() if isinstance(v, float)}
     best = max(nums, key=nums.get) if nums else None
-    out(gbps=nums.get(best, 0.0), best=best, variants=res)
+    samples = [nums[best]] if best else []
+    for _ in range(RAW_REPEATS if best else 0):
+        th, bl = VARIANTS[list(res).index(best)]
+        if not drop_caches():
+            break
+        samples.append(direct_io(path, size, th, bl, False))
+    out(gbps=statistics.median(samples) if samples else 0.0, best=best, samples=samples, variants=res)
 
 
 def rawwrite(path, mib):
@@ -228,11 +239,17 @@ def rawwrite(path, mib):
             res[f"{th}x{bl >> 20}MiB"] = direct_io(path, size, th, bl, True)
         except OSError as e:
             res[f"{th}x{bl >> 20}MiB"] = str(e)
-    if os.path.exists(path):
-        os.unlink(path)
     nums = {k: v for k, v in res.items() if isinstance(v, float)}
     best = max(nums, key=nums.get) if nums else None
-    out(gbps=nums.get(best, 0.0), best=best, variants=res)
+    samples = [nums[best]] if best else []
+    for _ in range(RAW_REPEATS if best else 0):
+        th, bl = VARIANTS[list(res).index(best)]
+        if os.path.exists(path):
+            os.unlink(path)
+        samples.append(direct_io(path, size, th, bl, True))
+    if os.path.exists(path):
+        os.unlink(path)
+    out(gbps=statistics.median(samples) if samples else 0.0, best=best, samples=samples, variants=res)
 
 
 def table(jsonl):
