@@ -2059,4 +2059,67 @@ mod tests {
         assert_eq!(said("PLAN="), "io pthread_create", "{text}");
         assert_eq!(said("OPEN="), "io pthread_create", "{text}");
     }
+
+    /// A checkpoint load or save on a stream that is capturing a CUDA graph is refused at once
+    /// with [`Error::Unsupported`] naming the call, before a file is opened or created, memory
+    /// allocated or anything enqueued (the storage batches' harness,
+    /// [`refused_on_a_capturing_stream`](crate::storage::testkit::refused_on_a_capturing_stream):
+    /// the buffer, the file and the save path unchanged, no temporary left, the stream usable).
+    /// On the code before the fix the loads failed with the batch's raw CUDA error
+    /// (cuEventSynchronize of the event the capture took) after opening the checkpoint, an
+    /// owned load after allocating its tensors, and a save after creating its temporary file:
+    /// "not refused as unsupported".
+    #[test]
+    #[ignore = "needs a CUDA GPU"]
+    fn gpu_safetensors_calls_on_a_capturing_stream_are_refused_at_once() {
+        let ctx = crate::storage::testkit::gpu();
+        let small = 4096 + 13;
+        let large = (8 << 20) + 13;
+        let cases = [
+            ("safetensors::load", small),
+            ("safetensors::load_owned", large),
+            ("safetensors::save", small),
+        ];
+        // The loads read a checkpoint of one u8 tensor holding the random bytes.
+        let prepare = |case: &str, p: &std::path::Path, data: Vec<u8>| -> Vec<u8> {
+            if !case.starts_with("safetensors::load") {
+                return data;
+            }
+            let view = ::safetensors::tensor::TensorView::new(
+                ::safetensors::Dtype::U8,
+                vec![data.len()],
+                &data,
+            )
+            .unwrap();
+            ::safetensors::serialize_to_file([("t", view)], None, p).unwrap();
+            std::fs::read(p).unwrap()
+        };
+        let call = |case: &str,
+                    _f: &crate::storage::GpuFile,
+                    p: &std::path::Path,
+                    out: &std::path::Path,
+                    dev: &mut cudarc::driver::CudaSlice<u8>,
+                    s: &Arc<cudarc::driver::CudaStream>,
+                    _len: usize|
+         -> Result<usize> {
+            match case {
+                "safetensors::load" => {
+                    crate::safetensors::load(p, s).map(|c| c.report().bytes as usize)
+                }
+                "safetensors::load_owned" => {
+                    crate::safetensors::load_owned(p, s).map(|c| c.report().bytes as usize)
+                }
+                "safetensors::save" => crate::safetensors::save(
+                    out,
+                    [("t", crate::safetensors::SaveTensor::from_slice(&*dev))],
+                    &crate::safetensors::SaveOptions::new(),
+                )
+                .map(|r| r.bytes as usize),
+                _ => unreachable!("{case}"),
+            }
+        };
+        let bad =
+            crate::storage::testkit::refused_on_a_capturing_stream(&ctx, &cases, &prepare, &call);
+        assert!(bad.is_empty(), "{}", bad.join("\n"));
+    }
 }

@@ -1746,20 +1746,18 @@ mod tests {
     /// On the code before the fix the batches check their files (opening some), record their
     /// event on the capturing stream (the capture takes it) and wait for it: the call fails at
     /// once, but with a raw CUDA error ("cuEventSynchronize ... CUDA_ERROR_STREAM_CAPTURE_..."),
-    /// reported here as "not refused as unsupported" (the safetensors calls: the same error
-    /// from their batch, after opening the checkpoint; a save also after creating its
-    /// temporary file, which it removes).
+    /// reported here as "not refused as unsupported". The harness is
+    /// [`testkit::refused_on_a_capturing_stream`](crate::storage::testkit::refused_on_a_capturing_stream);
+    /// the checkpoint calls have their own test in `safetensors::load`.
     #[test]
     #[ignore = "needs a CUDA GPU"]
     fn gpu_storage_batches_on_a_capturing_stream_are_refused_at_once() {
         use crate::storage::{read_many, ReadBatch, ReadItem, WriteBatch};
-        use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
-        use std::time::{Duration, Instant};
         let ctx = gpu();
         let mut bad = Vec::new();
         let small = 4096 + 13;
         let large = (8 << 20) + 13;
-        let mut cases = vec![
+        let cases = [
             ("ReadBatch::run", small),
             ("ReadBatch::run", large),
             ("read_many", small),
@@ -1768,13 +1766,6 @@ mod tests {
             ("WriteBatch::run", small),
             ("WriteBatch::run", large),
         ];
-        if cfg!(feature = "safetensors") {
-            cases.extend([
-                ("safetensors::load", small),
-                ("safetensors::load_owned", large),
-                ("safetensors::save", small),
-            ]);
-        }
         // One call of `case`: the bytes it moved.
         let call = |case: &str,
                     f: &GpuFile,
@@ -1784,7 +1775,6 @@ mod tests {
                     s: &Arc<CudaStream>,
                     len: usize|
          -> Result<usize> {
-            #[cfg(not(feature = "safetensors"))]
             let _ = out;
             match case {
                 "ReadBatch::run" => {
@@ -1819,122 +1809,16 @@ mod tests {
                     w.write_host(b"header!", 0).write(src, 7, len - 7, 7);
                     w.run().map(|r| r.bytes)
                 }
-                #[cfg(feature = "safetensors")]
-                "safetensors::load" => {
-                    crate::safetensors::load(p, s).map(|c| c.report().bytes as usize)
-                }
-                #[cfg(feature = "safetensors")]
-                "safetensors::load_owned" => {
-                    crate::safetensors::load_owned(p, s).map(|c| c.report().bytes as usize)
-                }
-                #[cfg(feature = "safetensors")]
-                "safetensors::save" => crate::safetensors::save(
-                    out,
-                    [("t", crate::safetensors::SaveTensor::from_slice(&*dev))],
-                    &crate::safetensors::SaveOptions::new(),
-                )
-                .map(|r| r.bytes as usize),
                 _ => unreachable!("{case}"),
             }
         };
-        for (case, len) in cases {
-            let what = format!("{case}, {len} B");
-            // A stale error an earlier case left in the context object would fail this case's
-            // setup: taken here.
-            let _ = ctx.check_err();
-            let stream = ctx.new_stream().unwrap();
-            let name = format!(
-                "capturing-batch-{}-{len}",
-                case.replace([':', ' ', '(', ')'], "")
-            );
-            let (p, data) = random_file(&name, len, 103);
-            #[cfg(feature = "safetensors")]
-            let data = if case.starts_with("safetensors::load") {
-                let view = ::safetensors::tensor::TensorView::new(
-                    ::safetensors::Dtype::U8,
-                    vec![data.len()],
-                    &data,
-                )
-                .unwrap();
-                ::safetensors::serialize_to_file([("t", view)], None, &p).unwrap();
-                std::fs::read(&p).unwrap()
-            } else {
-                data
-            };
-            let out = crate::storage::testkit::scratch(&format!("{name}-saved"));
-            let f = GpuFile::options()
-                .backend(Backend::Engine)
-                .write(true)
-                .open(&p)
-                .unwrap();
-            let other = crate::storage::testkit::random(len, 104);
-            let mut dev = stream.clone_htod(&other).unwrap();
-            stream.synchronize().unwrap();
-            stream
-                .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)
-                .unwrap();
-            let t0 = Instant::now();
-            let (tx, rx) = std::sync::mpsc::channel();
-            let (r, late) = std::thread::scope(|sc| {
-                let (f, p, out, dev, s, call) = (&f, &p, &out, &mut dev, &stream, &call);
-                sc.spawn(move || {
-                    let _ = tx.send(call(case, f, p, out, dev, s, len));
-                });
-                let early = rx.recv_timeout(Duration::from_secs(5));
-                // Ended by the thread that began it; a call waiting for the stream can return.
-                let _ = stream.end_capture(CUgraphInstantiate_flags(0));
-                match early {
-                    Ok(r) => (r, None),
-                    Err(_) => {
-                        let r = rx
-                            .recv_timeout(Duration::from_secs(120))
-                            .expect("no answer two minutes after the capture ended");
-                        (r, Some(t0.elapsed()))
-                    }
-                }
-            });
-            if let Some(t) = late {
-                bad.push(format!(
-                    "{what}: returned only {t:?} after the call, once the capture was ended: {r:?}"
-                ));
-            }
-            let name_of = case.split(" (").next().unwrap();
-            match &r {
-                Err(e @ Error::Unsupported { what: w, .. }) => {
-                    if !w.contains(name_of) || !w.contains("capturing a CUDA graph") {
-                        bad.push(format!("{what}: the refusal does not name the call: {e}"));
-                    }
-                }
-                r => bad.push(format!("{what}: not refused as unsupported: {r:?}")),
-            }
-            // Reported, not unwrapped: on the code before the fix the capture leaves errors
-            // behind, and every case's message should come out.
-            if let Err(e) = stream.synchronize() {
-                bad.push(format!("{what}: the stream after the capture: {e}"));
-            } else {
-                match stream.clone_dtoh(&dev) {
-                    Ok(back) if back == other => {}
-                    Ok(_) => bad.push(format!("{what}: the buffer changed")),
-                    Err(e) => bad.push(format!("{what}: reading the buffer back: {e}")),
-                }
-            }
-            if std::fs::read(&p).unwrap() != data {
-                bad.push(format!("{what}: the file changed"));
-            }
-            if out.exists() {
-                bad.push(format!("{what}: {} was written", out.display()));
-                std::fs::remove_file(&out).unwrap();
-            }
-            let tmp = format!(".{}.", out.file_name().unwrap().to_string_lossy());
-            for e in std::fs::read_dir(out.parent().unwrap()).unwrap().flatten() {
-                if e.file_name().to_string_lossy().starts_with(&tmp) {
-                    bad.push(format!("{what}: the save left {:?} behind", e.path()));
-                    let _ = std::fs::remove_file(e.path());
-                }
-            }
-            drop(f);
-            std::fs::remove_file(&p).unwrap();
-        }
+        bad.extend(crate::storage::testkit::refused_on_a_capturing_stream(
+            &ctx,
+            &cases,
+            &|_, _, data| data,
+            &call,
+        ));
+
         // No capture: the default stream, from a thread with no current context.
         let len = small;
         let (p, data) = random_file("capturing-batch-default-stream", len, 105);

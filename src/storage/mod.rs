@@ -73,7 +73,7 @@ pub(in crate::storage) mod engine;
 mod file;
 mod options;
 #[cfg(test)]
-mod testkit;
+pub(crate) mod testkit;
 mod transfer;
 
 /// Test hook (the crate's tests only, not API): faults injected into storage jobs.
