@@ -800,24 +800,13 @@ mod tests {
     /// binary in which no thread can be started, and returns its output after asserting that
     /// it succeeded and ran the test.
     fn run_without_threads(test: &str) -> String {
-        let out = std::process::Command::new(std::env::current_exe().unwrap())
-            .args([
-                "--exact",
-                test,
-                "--include-ignored",
-                "--test-threads=1",
-                "--nocapture",
-            ])
-            .env(NO_THREADS_CHILD, "1")
-            .env("RUST_MIN_STACK", "9223372036854775807")
-            .output()
-            .unwrap();
-        let text = format!(
-            "{}{}",
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
+        let text = crate::storage::testkit::run_test_in_child(
+            test,
+            &[
+                (NO_THREADS_CHILD, "1"),
+                ("RUST_MIN_STACK", "9223372036854775807"),
+            ],
         );
-        assert!(out.status.success(), "the child failed:\n{text}");
         assert!(
             text.contains("1 passed"),
             "the child did not run {test}:\n{text}"

@@ -2952,8 +2952,7 @@ mod tests {
     fn a_batch_reads_more_files_than_the_process_may_hold_open() {
         let text = crate::storage::testkit::run_test_in_child(
             "storage::batch::tests::many_files_through_the_batch_seam_under_the_descriptor_limit",
-            FD_LIMIT_CHILD,
-            "256",
+            &[(FD_LIMIT_CHILD, "256")],
         );
         assert!(
             text.contains("read 2000 files") && text.contains("1 passed"),

@@ -40,13 +40,20 @@ pub(crate) fn random_file(name: &str, n: usize, seed: u64) -> (PathBuf, Vec<u8>)
     (p, data)
 }
 
-/// Runs the lib test `test` (its full path) alone in a child process of this test binary with
-/// `env` set to `value`, and returns the child's stdout and stderr together, after asserting
-/// that it exited successfully (the message holds that output).
-pub(crate) fn run_test_in_child(test: &str, env: &str, value: &str) -> String {
+/// Runs the lib test `test` (its full path) alone in a child process of this test binary (an
+/// ignored one too: `--include-ignored`) with the environment variables `envs` set, and
+/// returns the child's stdout and stderr together, after asserting that it exited
+/// successfully (the message holds that output).
+pub(crate) fn run_test_in_child(test: &str, envs: &[(&str, &str)]) -> String {
     let out = std::process::Command::new(std::env::current_exe().unwrap())
-        .args(["--exact", test, "--test-threads=1", "--nocapture"])
-        .env(env, value)
+        .args([
+            "--exact",
+            test,
+            "--include-ignored",
+            "--test-threads=1",
+            "--nocapture",
+        ])
+        .envs(envs.iter().copied())
         .output()
         .unwrap();
     let text = format!(

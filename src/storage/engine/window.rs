@@ -872,8 +872,7 @@ mod tests {
         if std::env::var_os(NO_FD_CHILD).is_none() {
             let text = crate::storage::testkit::run_test_in_child(
                 "storage::engine::window::tests::with_no_descriptor_left_files_fail_at_once_not_each_after_retries",
-                NO_FD_CHILD,
-                "1",
+                &[(NO_FD_CHILD, "1")],
             );
             assert!(
                 text.contains("no-fd child done") && text.contains("1 passed"),
@@ -954,8 +953,7 @@ mod tests {
         if std::env::var_os(CHILD).is_none() {
             let text = crate::storage::testkit::run_test_in_child(
                 "storage::engine::window::tests::a_window_that_runs_out_of_descriptors_closes_idle_files_and_tries_again",
-                CHILD,
-                "1",
+                &[(CHILD, "1")],
             );
             assert!(
                 text.contains("EMFILE child done") && text.contains("1 passed"),
