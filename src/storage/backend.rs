@@ -340,28 +340,6 @@ mod tests {
     use super::*;
     use crate::storage::engine::io::OpenMode;
 
-    /// With `GPUDIRECT_TEST_UDEV_FIX=1` (as root), the udev record cuFile looks for, for the
-    /// block device holding `path` (see tests/storage_cufile_gpu.rs).
-    fn udev_fix(path: &Path) {
-        if std::env::var("GPUDIRECT_TEST_UDEV_FIX").map_or(true, |v| v != "1") {
-            return;
-        }
-        let dev = std::fs::metadata(path).unwrap().dev();
-        let record = format!("/run/udev/data/b{}:{}", libc::major(dev), libc::minor(dev));
-        if Path::new(&record).exists() {
-            return;
-        }
-        let fs = crate::storage::cufile::filesystem_type(path).unwrap_or_else(|| "ext4".into());
-        std::fs::create_dir_all("/run/udev/data").expect("mkdir /run/udev/data (run as root)");
-        let tmp = format!("{record}.tmp{}", std::process::id());
-        std::fs::write(
-            &tmp,
-            format!("E:ID_FS_USAGE=filesystem\nE:ID_FS_TYPE={fs}\n"),
-        )
-        .unwrap();
-        std::fs::rename(&tmp, &record).unwrap();
-    }
-
     /// Issue 9 item 16 (double open): cuFile registers the descriptor `GpuFile` opened, not the
     /// path again. The path is replaced by another file between `GpuFile`'s open and cuFile's
     /// registration; the cuFile handle must still read the first file (before: it opened the
@@ -395,7 +373,7 @@ mod tests {
         let second = bytes(10_000);
         std::fs::write(&path, &first).unwrap();
         std::fs::write(&other, &second).unwrap();
-        udev_fix(&path);
+        crate::storage::testkit::udev_fix(&path);
         let fds = Fds::open(
             &path,
             OpenMode {

@@ -40,6 +40,29 @@ pub(crate) fn random_file(name: &str, n: usize, seed: u64) -> (PathBuf, Vec<u8>)
     (p, data)
 }
 
+/// With `GPUDIRECT_TEST_UDEV_FIX=1` (as root), the udev record cuFile looks for, for the
+/// block device holding `path` (see tests/storage_cufile_gpu.rs).
+pub(crate) fn udev_fix(path: &std::path::Path) {
+    use std::os::unix::fs::MetadataExt;
+    if std::env::var("GPUDIRECT_TEST_UDEV_FIX").map_or(true, |v| v != "1") {
+        return;
+    }
+    let dev = std::fs::metadata(path).unwrap().dev();
+    let record = format!("/run/udev/data/b{}:{}", libc::major(dev), libc::minor(dev));
+    if std::path::Path::new(&record).exists() {
+        return;
+    }
+    let fs = crate::storage::cufile::filesystem_type(path).unwrap_or_else(|| "ext4".into());
+    std::fs::create_dir_all("/run/udev/data").expect("mkdir /run/udev/data (run as root)");
+    let tmp = format!("{record}.tmp{}", std::process::id());
+    std::fs::write(
+        &tmp,
+        format!("E:ID_FS_USAGE=filesystem\nE:ID_FS_TYPE={fs}\n"),
+    )
+    .unwrap();
+    std::fs::rename(&tmp, &record).unwrap();
+}
+
 /// Runs the lib test `test` (its full path) alone in a child process of this test binary (an
 /// ignored one too: `--include-ignored`) with the environment variables `envs` set, and
 /// returns the child's stdout and stderr together, after asserting that it exited
