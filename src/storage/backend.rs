@@ -297,7 +297,8 @@ pub(super) mod cufile_glue {
         off: u64,
         n: usize,
     ) -> Result<usize> {
-        cf.read(&mut view.slice_mut(..n), off)
+        // The callers (GpuFile's reads, ReadBatch) refused a capturing stream already.
+        cf.read_after_capture_check(&mut view.slice_mut(..n), off)
     }
 
     /// Opens the driver and registers the file `GpuFile` opened with cuFile: a duplicate of

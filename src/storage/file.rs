@@ -749,7 +749,7 @@ impl GpuFile {
                 0
             } else {
                 ctl.wait_gate(&stream, len)?;
-                cf.write(view, file_offset)?
+                cf.write_after_capture_check(view, file_offset)?
             };
             ctl.moved(bytes);
             (bytes, cf.path_report().clone(), false)

@@ -166,7 +166,9 @@ impl BatchIo {
     /// the module's "What a cancel guarantees": a cancel that cuFile refuses for
     /// 30 s while the operations do not finish aborts the process with a message). Each view's stream is synchronised before submission. Refused
     /// ([`Error::InvalidArgument`], nothing submitted) while operations of an earlier
-    /// [`submit`](Self::submit) are in flight: reap them with [`poll`](Self::poll).
+    /// [`submit`](Self::submit) are in flight: reap them with [`poll`](Self::poll); and
+    /// ([`Error::Unsupported`], nothing enqueued or submitted) when a view's stream is capturing
+    /// a CUDA graph.
     pub fn run(
         &mut self,
         ops: &mut [BatchOp<'_>],
@@ -187,7 +189,7 @@ impl BatchIo {
         // SAFETY: every buffer and handle is borrowed by `ops` for this call, and this call
         // does not return before every operation has completed or been ended by a successful
         // cancel (or the process aborts, see `cancel_and_drain`).
-        let mine = unsafe { self.submit(ops) }?;
+        let mine = unsafe { self.submit_as(ops, "BatchIo::run") }?;
         let mut done: Vec<Option<BatchCompletion>> = (0..ops.len()).map(|_| None).collect();
         let take = |done: &mut Vec<Option<BatchCompletion>>, got: Vec<BatchCompletion>| {
             for c in got {
@@ -254,7 +256,20 @@ impl BatchIo {
     /// `BatchIo` passed to `mem::forget` with operations in flight never cancels them: their
     /// buffers must then never be freed or reused. The file registrations are held by the batch
     /// itself.
+    ///
+    /// A view's stream capturing a CUDA graph → [`Error::Unsupported`], before anything is
+    /// enqueued or submitted (each view's stream is synchronised first, which a capture
+    /// forbids).
     pub unsafe fn submit(&mut self, ops: &mut [BatchOp<'_>]) -> Result<u64> {
+        // SAFETY: the caller's contract is this function's.
+        unsafe { self.submit_as(ops, "BatchIo::submit") }
+    }
+
+    /// [`submit`](Self::submit), its refusal of a capturing stream naming `call`.
+    ///
+    /// # Safety
+    /// As for [`submit`](Self::submit).
+    unsafe fn submit_as(&mut self, ops: &mut [BatchOp<'_>], call: &str) -> Result<u64> {
         let _restore = crate::cuda::CurrentContext::save();
         let free = self.capacity as usize - self.outstanding.len();
         if ops.len() > free {
@@ -263,6 +278,15 @@ impl BatchIo {
                 ops.len()
             )));
         }
+        // Before any view's pointer is taken (cudarc enqueues its event waits) or anything is
+        // submitted.
+        crate::cuda::refuse_capturing_any(
+            ops.iter().map(|op| match op {
+                BatchOp::Read { dst, .. } => dst.stream(),
+                BatchOp::Write { src, .. } => src.stream(),
+            }),
+            call,
+        )?;
         let submission = self.next_submission;
         let mut params = Vec::with_capacity(ops.len());
         let mut holds = Vec::with_capacity(ops.len());

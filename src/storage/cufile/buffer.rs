@@ -66,8 +66,20 @@ impl RegisteredBuffer {
     ///
     /// Errors: `CU_FILE_MEMORY_ALREADY_REGISTERED`, `CU_FILE_GPU_MEMORY_PINNING_FAILED` (budget:
     /// [`DriverProperties::max_device_pinned_mem_kb`](super::DriverProperties::max_device_pinned_mem_kb)),
-    /// CUDA errors — all as [`Error::CuFile`].
+    /// CUDA errors — all as [`Error::CuFile`]; the slice's stream capturing a CUDA graph →
+    /// [`Error::Unsupported`], before anything is enqueued or registered (the call synchronises
+    /// the stream, which a capture forbids). A refused slice is freed.
     pub fn register(driver: Arc<Driver>, slice: CudaSlice<u8>) -> Result<Self> {
+        Self::register_checking(driver, slice, Some("RegisteredBuffer::register"))
+    }
+
+    /// [`register`](Self::register), refusing a capturing stream (naming `call`) unless `call`
+    /// is `None` (the caller refused it).
+    fn register_checking(
+        driver: Arc<Driver>,
+        slice: CudaSlice<u8>,
+        call: Option<&str>,
+    ) -> Result<Self> {
         let _restore = crate::cuda::CurrentContext::save();
         // A local after the guard: a refused slice is freed before the guard puts the caller's
         // context back (parameters drop after locals), with its context bound (cudarc's drop
@@ -78,6 +90,9 @@ impl RegisteredBuffer {
             return Err(Error::InvalidArgument(
                 "cannot register an empty buffer with cuFile: allocate at least one byte".into(),
             ));
+        }
+        if let Some(call) = call {
+            crate::cuda::refuse_capturing(slice.stream(), call)?;
         }
         let stream = Arc::clone(slice.stream());
         // Finish pending work (e.g. the allocation itself, stream-ordered) before pinning.
@@ -98,16 +113,18 @@ impl RegisteredBuffer {
         })
     }
 
-    /// Allocates `len` bytes on `stream`'s device and registers them.
+    /// Allocates `len` bytes on `stream`'s device and registers them. A `stream` capturing a
+    /// CUDA graph → [`Error::Unsupported`], before anything is allocated.
     pub fn alloc(
         driver: Arc<Driver>,
         stream: &Arc<cudarc::driver::CudaStream>,
         len: usize,
     ) -> Result<Self> {
+        crate::cuda::refuse_capturing(stream, "RegisteredBuffer::alloc")?;
         // SAFETY: the bytes are uninitialised device memory; reading them before a write
         // returns unspecified values but is not undefined behaviour for u8.
         let slice = unsafe { stream.alloc::<u8>(len) }.map_err(|e| Error::cuda("cuMemAlloc", e))?;
-        Self::register(driver, slice)
+        Self::register_checking(driver, slice, None)
     }
 
     /// The registered base address.

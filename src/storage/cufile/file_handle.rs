@@ -65,7 +65,8 @@ pub enum OpenMode {
 /// IO is synchronous and ordered against the buffer's cudarc stream: each call first
 /// synchronises that stream (so kernels that produced or will read the buffer are done), and on
 /// return the bytes are in place (cuFile's sync calls complete before returning). cuFile is not
-/// ordered with any stream by itself.
+/// ordered with any stream by itself. So a stream capturing a CUDA graph, which cannot be
+/// synchronised, is refused up front ([`Error::Unsupported`]).
 pub struct CuFileHandle {
     inner: Arc<HandleInner>,
     path: PathBuf,
@@ -236,7 +237,21 @@ impl CuFileHandle {
     /// moves whole blocks and was seen writing past what it reported.
     ///
     /// Ordering: `dst`'s stream is synchronised first; the bytes are in place on return.
+    ///
+    /// Errors: `dst`'s stream capturing a CUDA graph → [`Error::Unsupported`], before anything
+    /// is enqueued (the call synchronises the stream, which a capture forbids).
     pub fn read<D: DevicePtrMut<u8>>(&self, dst: &mut D, file_offset: u64) -> Result<usize> {
+        crate::cuda::refuse_capturing(dst.stream(), "CuFileHandle::read")?;
+        self.read_after_capture_check(dst, file_offset)
+    }
+
+    /// [`read`](Self::read) without its capture check, for the storage engine's calls, which
+    /// refused a capturing stream once per call already.
+    pub(in crate::storage) fn read_after_capture_check<D: DevicePtrMut<u8>>(
+        &self,
+        dst: &mut D,
+        file_offset: u64,
+    ) -> Result<usize> {
         let len = dst.len();
         if len == 0 {
             return Ok(0);
@@ -255,6 +270,7 @@ impl CuFileHandle {
     /// Like [`read`](Self::read) but fails unless exactly `dst.len()` bytes were read: a file
     /// that ends first gives [`Error::Io`] with `ErrorKind::UnexpectedEof`.
     pub fn read_exact<D: DevicePtrMut<u8>>(&self, dst: &mut D, file_offset: u64) -> Result<()> {
+        crate::cuda::refuse_capturing(dst.stream(), "CuFileHandle::read_exact")?;
         let len = dst.len();
         if len == 0 {
             return Ok(());
@@ -274,7 +290,21 @@ impl CuFileHandle {
     /// bytes written, always `src.len()` on success. Not durable until `file().sync_data()`.
     ///
     /// Ordering: `src`'s stream is synchronised first, so kernels that produced it are done.
+    ///
+    /// Errors: `src`'s stream capturing a CUDA graph → [`Error::Unsupported`], before anything
+    /// is enqueued (as for [`read`](Self::read)).
     pub fn write<S: DevicePtr<u8>>(&self, src: &S, file_offset: u64) -> Result<usize> {
+        crate::cuda::refuse_capturing(src.stream(), "CuFileHandle::write")?;
+        self.write_after_capture_check(src, file_offset)
+    }
+
+    /// [`write`](Self::write) without its capture check, for the storage engine's calls, which
+    /// refused a capturing stream once per call already.
+    pub(in crate::storage) fn write_after_capture_check<S: DevicePtr<u8>>(
+        &self,
+        src: &S,
+        file_offset: u64,
+    ) -> Result<usize> {
         let len = src.len();
         if len == 0 {
             return Ok(0);
@@ -293,12 +323,14 @@ impl CuFileHandle {
     /// Positional read, the same as [`read`](Self::read) (every cuFile call is positional; the
     /// name matches `pread(2)` for readers coming from POSIX).
     pub fn pread<D: DevicePtrMut<u8>>(&self, dst: &mut D, file_offset: u64) -> Result<usize> {
-        self.read(dst, file_offset)
+        crate::cuda::refuse_capturing(dst.stream(), "CuFileHandle::pread")?;
+        self.read_after_capture_check(dst, file_offset)
     }
 
     /// Positional write, the same as [`write`](Self::write).
     pub fn pwrite<S: DevicePtr<u8>>(&self, src: &S, file_offset: u64) -> Result<usize> {
-        self.write(src, file_offset)
+        crate::cuda::refuse_capturing(src.stream(), "CuFileHandle::pwrite")?;
+        self.write_after_capture_check(src, file_offset)
     }
 
     fn sync_io(

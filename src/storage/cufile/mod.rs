@@ -12,6 +12,11 @@
 //! - [`Stats`]: cuFile's process-wide counters, including which path each GPU's IO took.
 //! - `CuFileHandle::readv`/`writev` where the library has them (cuFile 1.19+).
 //!
+//! Every call that takes a caller's device buffer (its stream) refuses a stream that is
+//! capturing a CUDA graph with [`Error::Unsupported`](crate::Error::Unsupported) naming the
+//! call, before anything is enqueued, registered or submitted: the calls synchronise the stream
+//! (or, stream-ordered, are not supported in a capture), which a capture forbids.
+//!
 //! Every C call goes through the private `result` module; statuses decode through
 //! [`CuFileStatus`] (`status.rs`).
 //!

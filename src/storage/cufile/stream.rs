@@ -185,8 +185,9 @@ impl StreamIo {
         h.driver().enter(&stream, false)?;
         // SAFETY: the stream is alive (we hold its Arc).
         if unsafe { crate::cuda::result::stream::is_capturing(stream.cu_stream()) }? {
+            let call = if write { "write_async" } else { "read_async" };
             return Err(Error::Unsupported {
-                what: "stream-ordered cuFile IO on a capturing stream".into(),
+                what: format!("CuFileHandle::{call} on a stream that is capturing a CUDA graph"),
                 cause: crate::Cause::Other {
                     message: "cuFile's stream API does not work during CUDA graph capture".into(),
                     fix: "enqueue the IO outside the capture, or use synchronous reads".into(),

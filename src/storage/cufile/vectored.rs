@@ -18,8 +18,10 @@ impl CuFileHandle {
     /// none past end of file is written.
     ///
     /// Needs cuFile 1.19+: an older library gives [`Error::SymbolUnavailable`] before anything
-    /// is read.
+    /// is read. A buffer's stream capturing a CUDA graph → [`Error::Unsupported`], checked
+    /// first (the call synchronises the streams, which a capture forbids).
     pub fn readv(&self, bufs: &mut [CudaViewMut<'_, u8>], file_offset: u64) -> Result<usize> {
+        crate::cuda::refuse_capturing_any(bufs.iter().map(|b| b.stream()), "CuFileHandle::readv")?;
         let lib = self.driver().lib();
         result::sym(lib.cuFileReadv, "cuFileReadv")?;
         let _restore = crate::cuda::CurrentContext::save();
@@ -100,8 +102,10 @@ impl CuFileHandle {
 
     /// Writes `bufs` in order to consecutive file bytes from `file_offset` (`cuFileWritev`,
     /// cuFile 1.19+). Returns the bytes written. Each buffer's stream waits for the buffer's
-    /// pending writes on other streams and is synchronised first.
+    /// pending writes on other streams and is synchronised first. A buffer's stream capturing a
+    /// CUDA graph → [`Error::Unsupported`], checked first (as for [`readv`](Self::readv)).
     pub fn writev(&self, bufs: &[CudaView<'_, u8>], file_offset: u64) -> Result<usize> {
+        crate::cuda::refuse_capturing_any(bufs.iter().map(|b| b.stream()), "CuFileHandle::writev")?;
         let lib = self.driver().lib();
         result::sym(lib.cuFileWritev, "cuFileWritev")?;
         let _restore = crate::cuda::CurrentContext::save();
