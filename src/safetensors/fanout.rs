@@ -822,6 +822,38 @@ mod tests {
     /// item runs, results in order; a failing item sets the cancel; a panic is an error. (The
     /// code before ran the readers through `Scope::spawn` inline: a refused thread panicked out
     /// of the load, after the started readers had read every segment.)
+    /// Review of 2026-12-02 (fan-out, finding 5): a reading thread that panics cancels the
+    /// others at once, as one that fails does, not only when the joiner reaches its handle
+    /// after joining the threads before it. Item 0 waits (up to 4 s) for the cancel while item
+    /// 1 panics at once: item 0 must see the cancel within 1 s, and the panic is an error.
+    #[test]
+    fn a_reader_thread_that_panics_cancels_the_others_at_once() {
+        use std::time::{Duration, Instant};
+        let cancel = AtomicBool::new(false);
+        let t0 = Instant::now();
+        let saw = std::sync::Mutex::new(None);
+        let r = on_threads(vec![0usize, 1], &cancel, |i| {
+            if i == 1 {
+                panic!("test: a reader panics");
+            }
+            while t0.elapsed() < Duration::from_secs(4) {
+                if cancel.load(Ordering::Relaxed) {
+                    *saw.lock().unwrap() = Some(t0.elapsed());
+                    break;
+                }
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            Ok(i)
+        })
+        .unwrap();
+        let saw = saw.lock().unwrap().take();
+        assert!(
+            saw.is_some_and(|t| t < Duration::from_secs(1)),
+            "item 0 saw the cancel after {saw:?} (None: never, within 4 s)"
+        );
+        assert!(matches!(r[1], Err(Error::InvalidArgument(_))), "{:?}", r[1]);
+    }
+
     #[test]
     fn a_reader_thread_the_os_refuses_is_a_typed_error_once_the_started_ones_returned() {
         use std::time::{Duration, Instant};
