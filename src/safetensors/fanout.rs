@@ -653,6 +653,17 @@ fn spawn_scoped<'s, T: Send + 's>(
     std::thread::Builder::new().spawn_scoped(sc, f)
 }
 
+/// Sets the flag when dropped during a panic.
+struct CancelOnUnwind<'a>(&'a AtomicBool);
+
+impl Drop for CancelOnUnwind<'_> {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            self.0.store(true, Ordering::Relaxed);
+        }
+    }
+}
+
 /// `work(item)` for each of `items` on a thread of its own, each result in order. The items are
 /// the reading GPUs: at most one per GPU of the machine (each GPU once, `check_devices`), so the
 /// count needs no further cap. A `work` that fails, or panics (an [`Error::InvalidArgument`]
@@ -671,6 +682,8 @@ fn on_threads<I: Send, T: Send>(
         let mut refused = None;
         for item in items {
             let run = move || {
+                // A panic cancels the others at once too, not when its handle is joined.
+                let _unwinding = CancelOnUnwind(cancel);
                 let out = work(item);
                 if out.is_err() {
                     cancel.store(true, Ordering::Relaxed);
