@@ -225,7 +225,11 @@ def rawread(path):
         th, bl = VARIANTS[list(res).index(best)]
         if not drop_caches():
             break
-        samples.append(direct_io(path, size, th, bl, False))
+        try:
+            samples.append(direct_io(path, size, th, bl, False))
+        except OSError as e:
+            res[f"repeat {len(samples)}"] = str(e)
+            break
     out(gbps=statistics.median(samples) if samples else 0.0, best=best, samples=samples, variants=res)
 
 
@@ -246,7 +250,11 @@ def rawwrite(path, mib):
         th, bl = VARIANTS[list(res).index(best)]
         if os.path.exists(path):
             os.unlink(path)
-        samples.append(direct_io(path, size, th, bl, True))
+        try:
+            samples.append(direct_io(path, size, th, bl, True))
+        except OSError as e:
+            res[f"repeat {len(samples)}"] = str(e)
+            break
     if os.path.exists(path):
         os.unlink(path)
     out(gbps=statistics.median(samples) if samples else 0.0, best=best, samples=samples, variants=res)
