@@ -141,7 +141,9 @@ pub type SaveReport = LoadReport;
 /// target (`std::fs::canonicalize`) to replace the file it names.
 ///
 /// Errors: [`Problem::BadTensor`](super::Problem::BadTensor) (a shape that does not match the bytes, a duplicate or
-/// empty name; nothing written), [`Error::Io`], [`Error::Cuda`], storage errors.
+/// empty name; nothing written), [`Error::Unsupported`](crate::Error::Unsupported) (a tensor's
+/// stream is capturing a CUDA graph; refused before the temporary file is created),
+/// [`Error::Io`], [`Error::Cuda`], storage errors.
 pub fn save<'a, I, N>(path: impl AsRef<Path>, tensors: I, opts: &SaveOptions) -> Result<SaveReport>
 where
     I: IntoIterator<Item = (N, SaveTensor<'a>)>,
