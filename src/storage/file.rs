@@ -1642,7 +1642,13 @@ mod tests {
     /// caller is in the call. The capture is begun here and the call made on another thread;
     /// after 5 s without an answer this thread ends the capture (so a call that waits for the
     /// stream can return). Each call must answer within the 5 s with
-    /// [`Error::Unsupported`], leaving the buffer (a read) or the file (a write) as it was.
+    /// [`Error::Unsupported`], put nothing into the caller's graph (the capture ends valid, with
+    /// no node), and leave the buffer (a read) or the file (a write) as it was. The
+    /// asynchronous calls (`read_async`, `write_async`) are refused at the call, before their
+    /// gate waits for the buffer's users and records its event on the stream: before that fix
+    /// (review of 2026-12-02, finding 2) the gate's wait for the buffer's own earlier write,
+    /// an event recorded outside the capture, most likely invalidated the capture
+    /// (`CUDA_ERROR_STREAM_CAPTURE_ISOLATION`, as the small reads did; not run on the old code).
     /// On the code before the fix the small transfers (one copy through a pinned buffer)
     /// enqueue their copy, their synchronize fails, and the wait for the copy sees errors
     /// until the capture is ended (it would abort the process after a minute): "returned only
@@ -1651,7 +1657,7 @@ mod tests {
     #[test]
     #[ignore = "needs a CUDA GPU"]
     fn gpu_storage_transfers_on_a_capturing_stream_are_refused_at_once() {
-        use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
+        use cudarc::driver::sys::CUstreamCaptureMode;
         use std::time::{Duration, Instant};
         let ctx = gpu();
         let mut bad = Vec::new();
@@ -1661,6 +1667,8 @@ mod tests {
             ("write_from_device", small),
             ("read_to_new", small),
             ("read_to_device", (8 << 20) + 13),
+            ("read_async", small),
+            ("write_async", small),
         ] {
             let what = format!("{case}, {len} B");
             // A stale error an earlier case left in the context object (the code before the
@@ -1668,42 +1676,65 @@ mod tests {
             let _ = ctx.check_err();
             let stream = ctx.new_stream().unwrap();
             let (p, data) = random_file(&format!("capturing-{case}-{len}"), len, 101);
-            let f = GpuFile::options()
-                .backend(Backend::Engine)
-                .write(true)
-                .open(&p)
-                .unwrap();
+            let f = Arc::new(
+                GpuFile::options()
+                    .backend(Backend::Engine)
+                    .write(true)
+                    .open(&p)
+                    .unwrap(),
+            );
             let other = crate::storage::testkit::random(len, 102);
             let mut dev = stream.clone_htod(&other).unwrap();
+            // What an asynchronous case leaves in `dev` while it holds the buffer (moved in,
+            // given back by its wait), made before the capture.
+            let mut spare = Some(stream.alloc_zeros::<u8>(1).unwrap());
             stream.synchronize().unwrap();
             stream
                 .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)
                 .unwrap();
             let t0 = Instant::now();
             let (tx, rx) = std::sync::mpsc::channel();
-            let (r, late) = std::thread::scope(|sc| {
-                let (f, dev, s) = (&f, &mut dev, &stream);
+            let (r, late, captured) = std::thread::scope(|sc| {
+                let (f, dev, s, spare) = (&f, &mut dev, &stream, &mut spare);
                 sc.spawn(move || {
                     let r = match case {
                         "read_to_device" => f.read_to_device(dev, 0).map(|r| r.bytes),
                         "write_from_device" => f.write_from_device(&*dev, 0).map(|r| r.bytes),
+                        "read_async" | "write_async" => {
+                            let buf = std::mem::replace(dev, spare.take().unwrap());
+                            let t = if case == "read_async" {
+                                f.read_async(buf, 0)
+                            } else {
+                                f.write_async(buf, 0)
+                            };
+                            let (r, buf) = t.wait();
+                            *spare = Some(std::mem::replace(dev, buf));
+                            r.map(|r| r.bytes)
+                        }
                         _ => f.read_to_new::<u8>(s, len).map(|(_, r)| r.bytes),
                     };
                     let _ = tx.send(r);
                 });
                 let early = rx.recv_timeout(Duration::from_secs(5));
                 // Ended by the thread that began it; a call waiting for the stream can return.
-                let _ = stream.end_capture(CUgraphInstantiate_flags(0));
+                let captured = crate::storage::testkit::end_capture_counting(&stream);
                 match early {
-                    Ok(r) => (r, None),
+                    Ok(r) => (r, None, captured),
                     Err(_) => {
                         let r = rx
                             .recv_timeout(Duration::from_secs(120))
                             .expect("no answer two minutes after the capture ended");
-                        (r, Some(t0.elapsed()))
+                        (r, Some(t0.elapsed()), Ok(0))
                     }
                 }
             });
+            match captured {
+                Ok(0) => {}
+                Ok(n) => bad.push(format!(
+                    "{what}: {n} operations went into the caller's graph before the call returned"
+                )),
+                Err(e) => bad.push(format!("{what}: {e}")),
+            }
             if let Some(t) = late {
                 bad.push(format!(
                     "{what}: returned only {t:?} after the call, once the capture was ended: {r:?}"
@@ -1717,11 +1748,11 @@ mod tests {
             // behind, and every case's message should come out.
             if let Err(e) = stream.synchronize() {
                 bad.push(format!("{what}: the stream after the capture: {e}"));
-            } else if case == "write_from_device" {
+            } else if case.starts_with("write") {
                 if std::fs::read(&p).unwrap() != data {
                     bad.push(format!("{what}: the file changed"));
                 }
-            } else if case == "read_to_device" {
+            } else if case == "read_to_device" || case == "read_async" {
                 match stream.clone_dtoh(&dev) {
                     Ok(back) if back == other => {}
                     Ok(_) => bad.push(format!("{what}: the buffer changed")),

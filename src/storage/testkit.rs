@@ -103,6 +103,33 @@ pub(crate) fn set_soft_nofile_limit(n: libc::rlim_t) {
     }
 }
 
+/// Ends the capture this thread began on `stream` (`cuStreamEndCapture`, no instantiation) and
+/// says what it captured: the graph's node count, or why ending it failed (a capture that the
+/// call invalidated, say). A call refused up front captures nothing: `Ok(0)`.
+pub(crate) fn end_capture_counting(
+    stream: &cudarc::driver::CudaStream,
+) -> std::result::Result<usize, String> {
+    use cudarc::driver::sys;
+    let mut g: sys::CUgraph = std::ptr::null_mut();
+    // SAFETY: the stream is alive and capturing, begun on this thread (its context current).
+    let rc = unsafe { sys::cuStreamEndCapture(stream.cu_stream(), &mut g) };
+    if rc != sys::CUresult::CUDA_SUCCESS {
+        return Err(format!("ending the capture failed: {rc:?}"));
+    }
+    if g.is_null() {
+        return Ok(0);
+    }
+    let mut n = 0usize;
+    // SAFETY: `g` is the graph just returned to us; a null array asks only for the count.
+    let rc = unsafe { sys::cuGraphGetNodes(g, std::ptr::null_mut(), &mut n) };
+    // SAFETY: ours (returned by cuStreamEndCapture), destroyed once.
+    unsafe { sys::cuGraphDestroy(g) };
+    if rc != sys::CUresult::CUDA_SUCCESS {
+        return Err(format!("cuGraphGetNodes: {rc:?}"));
+    }
+    Ok(n)
+}
+
 /// One call under test by [`refused_on_a_capturing_stream`]: `(case, file, its path, a path it
 /// may save to, the device buffer, its stream, the length)` → the bytes it moved.
 pub(crate) type CaptureCall<'a> = dyn Fn(
@@ -127,9 +154,10 @@ pub(crate) type CapturePrepare<'a> = dyn Fn(&str, &std::path::Path, Vec<u8>) -> 
 /// begun on that stream (relaxed mode), and `call` made on another thread; after 5 s without
 /// an answer the capture is ended here. Each call must answer within the 5 s with
 /// [`Error::Unsupported`](crate::error::Error::Unsupported) naming the call (the case's name up
-/// to " (") and the capture, leave the buffer and the file as they were, write no file at the
-/// save path and leave no temporary beside it, and leave the stream usable. Returns what went
-/// wrong, one line per finding.
+/// to " (") and the capture, put nothing into the caller's graph (the capture ends with no
+/// node: [`end_capture_counting`]), leave the buffer and the file as they were, write no file at
+/// the save path and leave no temporary beside it, and leave the stream usable. Returns what
+/// went wrong, one line per finding.
 pub(crate) fn refused_on_a_capturing_stream(
     ctx: &Arc<CudaContext>,
     cases: &[(&str, usize)],
@@ -138,7 +166,7 @@ pub(crate) fn refused_on_a_capturing_stream(
 ) -> Vec<String> {
     use crate::error::Error;
     use crate::storage::{Backend, GpuFile};
-    use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
+    use cudarc::driver::sys::CUstreamCaptureMode;
     use std::time::{Duration, Instant};
     let mut bad = Vec::new();
     for &(case, len) in cases {
@@ -167,24 +195,31 @@ pub(crate) fn refused_on_a_capturing_stream(
             .unwrap();
         let t0 = Instant::now();
         let (tx, rx) = std::sync::mpsc::channel();
-        let (r, late) = std::thread::scope(|sc| {
+        let (r, late, captured) = std::thread::scope(|sc| {
             let (f, p, out, dev, s, call) = (&f, &p, &out, &mut dev, &stream, &call);
             sc.spawn(move || {
                 let _ = tx.send(call(case, f, p, out, dev, s, len));
             });
             let early = rx.recv_timeout(Duration::from_secs(5));
             // Ended by the thread that began it; a call waiting for the stream can return.
-            let _ = stream.end_capture(CUgraphInstantiate_flags(0));
+            let captured = end_capture_counting(&stream);
             match early {
-                Ok(r) => (r, None),
+                Ok(r) => (r, None, captured),
                 Err(_) => {
                     let r = rx
                         .recv_timeout(Duration::from_secs(120))
                         .expect("no answer two minutes after the capture ended");
-                    (r, Some(t0.elapsed()))
+                    (r, Some(t0.elapsed()), Ok(0))
                 }
             }
         });
+        match captured {
+            Ok(0) => {}
+            Ok(n) => bad.push(format!(
+                "{what}: {n} operations went into the caller's graph before the call returned"
+            )),
+            Err(e) => bad.push(format!("{what}: {e}")),
+        }
         if let Some(t) = late {
             bad.push(format!(
                 "{what}: returned only {t:?} after the call, once the capture was ended: {r:?}"
