@@ -699,9 +699,13 @@ mod drivers {
 /// Records, on the caller's thread at the call, where a device transfer sits in its buffer's
 /// stream: the stream is made to wait for the buffer's users elsewhere (`device_ptr_mut` for a
 /// read, which writes the buffer; `device_ptr` for a write), then an event is recorded on it.
+/// A stream capturing a CUDA graph is refused first ([`Error::Unsupported`]): the wait and the
+/// record would go into the caller's graph.
 fn gate_dst<D: DeviceDst + ?Sized>(dst: &mut D) -> Result<Gate> {
     let mut v = dst.as_dst();
     let stream = v.stream().clone();
+    // Before the gate touches the stream (a wait, an event record would go into the capture).
+    crate::cuda::refuse_capturing(&stream, "an asynchronous read into device memory")?;
     let (_ptr, _record) = v.device_ptr_mut(&stream);
     Ok(Gate {
         event: record(&stream)?,
@@ -712,6 +716,7 @@ fn gate_dst<D: DeviceDst + ?Sized>(dst: &mut D) -> Result<Gate> {
 fn gate_src<S: DeviceSrc + ?Sized>(src: &S) -> Result<Gate> {
     let v = src.as_src();
     let stream = v.stream().clone();
+    crate::cuda::refuse_capturing(&stream, "an asynchronous write from device memory")?;
     let (_ptr, _record) = v.device_ptr(&stream);
     Ok(Gate {
         event: record(&stream)?,
