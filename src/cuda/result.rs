@@ -315,6 +315,32 @@ pub(crate) mod stream {
         Ok(capturing != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE)
     }
 
+    /// `cuStreamEndCapture` of a capture this thread began on `stream`, then the number of
+    /// nodes of the graph it made (`cuGraphGetNodes`; the graph is destroyed): what work was
+    /// captured (tests of calls that must refuse a capturing stream).
+    ///
+    /// # Safety
+    /// `stream` must be a live stream capturing a graph begun on this thread.
+    #[cfg(test)]
+    pub(crate) unsafe fn end_capture_node_count(stream: sys::CUstream) -> Result<usize> {
+        let mut g: sys::CUgraph = std::ptr::null_mut();
+        // SAFETY: the caller's contract; `g` is a valid out-pointer.
+        check("cuStreamEndCapture", unsafe {
+            sys::cuStreamEndCapture(stream, &mut g)
+        })?;
+        if g.is_null() {
+            return Ok(0);
+        }
+        let mut n = 0usize;
+        // SAFETY: `g` is the graph just returned to us; a null array asks only for the count.
+        let counted = check("cuGraphGetNodes", unsafe {
+            sys::cuGraphGetNodes(g, std::ptr::null_mut(), &mut n)
+        });
+        // SAFETY: ours (returned by cuStreamEndCapture), destroyed once.
+        unsafe { sys::cuGraphDestroy(g) };
+        counted.map(|()| n)
+    }
+
     /// `cuStreamSynchronize`.
     ///
     /// # Safety

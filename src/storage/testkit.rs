@@ -109,25 +109,9 @@ pub(crate) fn set_soft_nofile_limit(n: libc::rlim_t) {
 pub(crate) fn end_capture_counting(
     stream: &cudarc::driver::CudaStream,
 ) -> std::result::Result<usize, String> {
-    use cudarc::driver::sys;
-    let mut g: sys::CUgraph = std::ptr::null_mut();
     // SAFETY: the stream is alive and capturing, begun on this thread (its context current).
-    let rc = unsafe { sys::cuStreamEndCapture(stream.cu_stream(), &mut g) };
-    if rc != sys::CUresult::CUDA_SUCCESS {
-        return Err(format!("ending the capture failed: {rc:?}"));
-    }
-    if g.is_null() {
-        return Ok(0);
-    }
-    let mut n = 0usize;
-    // SAFETY: `g` is the graph just returned to us; a null array asks only for the count.
-    let rc = unsafe { sys::cuGraphGetNodes(g, std::ptr::null_mut(), &mut n) };
-    // SAFETY: ours (returned by cuStreamEndCapture), destroyed once.
-    unsafe { sys::cuGraphDestroy(g) };
-    if rc != sys::CUresult::CUDA_SUCCESS {
-        return Err(format!("cuGraphGetNodes: {rc:?}"));
-    }
-    Ok(n)
+    unsafe { crate::cuda::result::stream::end_capture_node_count(stream.cu_stream()) }
+        .map_err(|e| format!("ending the capture failed: {e}"))
 }
 
 /// One call under test by [`refused_on_a_capturing_stream`]: `(case, file, its path, a path it
