@@ -838,7 +838,8 @@ mod tests {
     /// Review of 2026-12-02 (fan-out, finding 5): a reading thread that panics cancels the
     /// others at once, as one that fails does, not only when the joiner reaches its handle
     /// after joining the threads before it. Item 0 waits (up to 4 s) for the cancel while item
-    /// 1 panics at once: item 0 must see the cancel within 1 s, and the panic is an error.
+    /// 1 panics at once: item 0 must see the cancel within 3 s (not at the end of its 4 s
+    /// wait; room for a busy machine), and the panic is an error.
     #[test]
     fn a_reader_thread_that_panics_cancels_the_others_at_once() {
         use std::time::{Duration, Instant};
@@ -861,7 +862,7 @@ mod tests {
         .unwrap();
         let saw = saw.lock().unwrap().take();
         assert!(
-            saw.is_some_and(|t| t < Duration::from_secs(1)),
+            saw.is_some_and(|t| t < Duration::from_secs(3)),
             "item 0 saw the cancel after {saw:?} (None: never, within 4 s)"
         );
         assert!(matches!(r[1], Err(Error::InvalidArgument(_))), "{:?}", r[1]);

@@ -1741,7 +1741,11 @@ mod tests {
                 ));
             }
             match &r {
-                Err(Error::Unsupported { .. }) => {}
+                Err(Error::Unsupported { what: w, .. }) => {
+                    if case.ends_with("_async") && !w.contains(&format!("GpuFile::{case}")) {
+                        bad.push(format!("{what}: the refusal does not name the call: {w}"));
+                    }
+                }
                 r => bad.push(format!("{what}: not refused as unsupported: {r:?}")),
             }
             // Reported, not unwrapped: on the code before the fix the capture leaves errors

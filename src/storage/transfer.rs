@@ -701,11 +701,11 @@ mod drivers {
 /// read, which writes the buffer; `device_ptr` for a write), then an event is recorded on it.
 /// A stream capturing a CUDA graph is refused first ([`Error::Unsupported`]): the wait and the
 /// record would go into the caller's graph.
-fn gate_dst<D: DeviceDst + ?Sized>(dst: &mut D) -> Result<Gate> {
+fn gate_dst<D: DeviceDst + ?Sized>(dst: &mut D, call: &str) -> Result<Gate> {
     let mut v = dst.as_dst();
     let stream = v.stream().clone();
     // Before the gate touches the stream (a wait, an event record would go into the capture).
-    crate::cuda::refuse_capturing(&stream, "an asynchronous read into device memory")?;
+    crate::cuda::refuse_capturing(&stream, &format!("{call}: a read into device memory"))?;
     let (_ptr, _record) = v.device_ptr_mut(&stream);
     Ok(Gate {
         event: record(&stream)?,
@@ -713,10 +713,10 @@ fn gate_dst<D: DeviceDst + ?Sized>(dst: &mut D) -> Result<Gate> {
     })
 }
 
-fn gate_src<S: DeviceSrc + ?Sized>(src: &S) -> Result<Gate> {
+fn gate_src<S: DeviceSrc + ?Sized>(src: &S, call: &str) -> Result<Gate> {
     let v = src.as_src();
     let stream = v.stream().clone();
-    crate::cuda::refuse_capturing(&stream, "an asynchronous write from device memory")?;
+    crate::cuda::refuse_capturing(&stream, &format!("{call}: a write from device memory"))?;
     let (_ptr, _record) = v.device_ptr(&stream);
     Ok(Gate {
         event: record(&stream)?,
@@ -760,7 +760,12 @@ impl GpuFile {
         D: DeviceDst + Send + 'static,
     {
         let t0 = Instant::now();
-        let gate = match gate_dst(&mut dst) {
+        let call = if exact {
+            "GpuFile::read_exact_async"
+        } else {
+            "GpuFile::read_async"
+        };
+        let gate = match gate_dst(&mut dst, call) {
             Ok(g) => g,
             Err(e) => return Transfer::ready(Err(e), dst),
         };
@@ -805,7 +810,7 @@ impl GpuFile {
         S: DeviceSrc + Send + 'static,
     {
         let t0 = Instant::now();
-        let gate = match gate_src(&src) {
+        let gate = match gate_src(&src, "GpuFile::write_async") {
             Ok(g) => g,
             Err(e) => return Transfer::ready(Err(e), src),
         };
