@@ -2095,7 +2095,7 @@ mod tests {
             std::fs::read(p).unwrap()
         };
         let call = |case: &str,
-                    _f: &crate::storage::GpuFile,
+                    _f: &Arc<crate::storage::GpuFile>,
                     p: &std::path::Path,
                     out: &std::path::Path,
                     dev: &mut cudarc::driver::CudaSlice<u8>,

@@ -1639,17 +1639,18 @@ mod tests {
     /// capturing a CUDA graph is refused at once, with a typed error, before anything is
     /// enqueued on the stream. Work enqueued there is captured, not run, and synchronizing or
     /// querying the stream fails while the capture lasts; only the caller can end it, and the
-    /// caller is in the call. The capture is begun here and the call made on another thread;
-    /// after 5 s without an answer this thread ends the capture (so a call that waits for the
-    /// stream can return). Each call must answer within the 5 s with
-    /// [`Error::Unsupported`], put nothing into the caller's graph (the capture ends valid, with
-    /// no node), and leave the buffer (a read) or the file (a write) as it was. The
-    /// asynchronous calls (`read_async`, `write_async`) are refused at the call, before their
-    /// gate waits for the buffer's users and records its event on the stream: before that fix
-    /// (review of 2026-12-02, finding 2) the gate's wait for the buffer's own earlier write,
-    /// an event recorded outside the capture, most likely invalidated the capture
+    /// caller is in the call. Through the capture harness
+    /// ([`testkit::refused_on_a_capturing_stream`](crate::storage::testkit::refused_on_a_capturing_stream)):
+    /// each call must answer within 5 s with [`Error::Unsupported`] naming what it does (the
+    /// single transfers' refusals say "a read into device memory" and the like; the
+    /// asynchronous ones name the call), put nothing into the caller's graph (the capture ends
+    /// valid, with no node), and leave the buffer and the file as they were. The asynchronous
+    /// calls (`read_async`, `write_async`) are refused at the call, before their gate waits for
+    /// the buffer's users and records its event on the stream: before that fix (review of
+    /// 2026-12-02, finding 2) the gate's wait for the buffer's own earlier write, an event
+    /// recorded outside the capture, most likely invalidated the capture
     /// (`CUDA_ERROR_STREAM_CAPTURE_ISOLATION`, as the small reads did; not run on the old code).
-    /// On the code before the fix the small transfers (one copy through a pinned buffer)
+    /// On the code before the first fix the small transfers (one copy through a pinned buffer)
     /// enqueue their copy, their synchronize fails, and the wait for the copy sees errors
     /// until the capture is ended (it would abort the process after a minute): "returned only
     /// ... once the capture was ended"; the 8 MiB read fails at once, but with a CUDA error
@@ -1657,115 +1658,60 @@ mod tests {
     #[test]
     #[ignore = "needs a CUDA GPU"]
     fn gpu_storage_transfers_on_a_capturing_stream_are_refused_at_once() {
-        use cudarc::driver::sys::CUstreamCaptureMode;
-        use std::time::{Duration, Instant};
         let ctx = gpu();
-        let mut bad = Vec::new();
         let small = 4096 + 13;
-        for (case, len) in [
-            ("read_to_device", small),
-            ("write_from_device", small),
-            ("read_to_new", small),
-            ("read_to_device", (8 << 20) + 13),
-            ("read_async", small),
-            ("write_async", small),
-        ] {
-            let what = format!("{case}, {len} B");
-            // A stale error an earlier case left in the context object (the code before the
-            // fix) would fail this case's setup: taken here.
-            let _ = ctx.check_err();
-            let stream = ctx.new_stream().unwrap();
-            let (p, data) = random_file(&format!("capturing-{case}-{len}"), len, 101);
-            let f = Arc::new(
-                GpuFile::options()
-                    .backend(Backend::Engine)
-                    .write(true)
-                    .open(&p)
-                    .unwrap(),
-            );
-            let other = crate::storage::testkit::random(len, 102);
-            let mut dev = stream.clone_htod(&other).unwrap();
-            // What an asynchronous case leaves in `dev` while it holds the buffer (moved in,
-            // given back by its wait), made before the capture.
-            let mut spare = Some(stream.alloc_zeros::<u8>(1).unwrap());
-            stream.synchronize().unwrap();
-            stream
-                .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)
-                .unwrap();
-            let t0 = Instant::now();
-            let (tx, rx) = std::sync::mpsc::channel();
-            let (r, late, captured) = std::thread::scope(|sc| {
-                let (f, dev, s, spare) = (&f, &mut dev, &stream, &mut spare);
-                sc.spawn(move || {
-                    let r = match case {
-                        "read_to_device" => f.read_to_device(dev, 0).map(|r| r.bytes),
-                        "write_from_device" => f.write_from_device(&*dev, 0).map(|r| r.bytes),
-                        "read_async" | "write_async" => {
-                            let buf = std::mem::replace(dev, spare.take().unwrap());
-                            let t = if case == "read_async" {
-                                f.read_async(buf, 0)
-                            } else {
-                                f.write_async(buf, 0)
-                            };
-                            let (r, buf) = t.wait();
-                            *spare = Some(std::mem::replace(dev, buf));
-                            r.map(|r| r.bytes)
-                        }
-                        _ => f.read_to_new::<u8>(s, len).map(|(_, r)| r.bytes),
+        // The harness checks the refusal for the case's name up to " (": what the refusal
+        // says; the call follows in brackets.
+        let cases = [
+            ("a read into device memory (read_to_device)", small),
+            ("a write from device memory (write_from_device)", small),
+            ("a read into new device memory (read_to_new)", small),
+            ("a read into device memory (read_to_device)", (8 << 20) + 13),
+            ("GpuFile::read_async", small),
+            ("GpuFile::write_async", small),
+        ];
+        // What an asynchronous case leaves in the harness's buffer while it holds the buffer
+        // (moved in, given back by its wait), made before any capture.
+        let spare = std::sync::Mutex::new(Some(ctx.default_stream().alloc_zeros::<u8>(1).unwrap()));
+        let call = |case: &str,
+                    f: &Arc<GpuFile>,
+                    _: &std::path::Path,
+                    _: &std::path::Path,
+                    dev: &mut CudaSlice<u8>,
+                    s: &Arc<CudaStream>,
+                    len: usize|
+         -> Result<usize> {
+            match case {
+                "a read into device memory (read_to_device)" => {
+                    f.read_to_device(dev, 0).map(|r| r.bytes)
+                }
+                "a write from device memory (write_from_device)" => {
+                    f.write_from_device(&*dev, 0).map(|r| r.bytes)
+                }
+                "a read into new device memory (read_to_new)" => {
+                    f.read_to_new::<u8>(s, len).map(|(_, r)| r.bytes)
+                }
+                "GpuFile::read_async" | "GpuFile::write_async" => {
+                    let mut spare = spare.lock().unwrap();
+                    let buf = std::mem::replace(dev, spare.take().unwrap());
+                    let t = if case == "GpuFile::read_async" {
+                        f.read_async(buf, 0)
+                    } else {
+                        f.write_async(buf, 0)
                     };
-                    let _ = tx.send(r);
-                });
-                let early = rx.recv_timeout(Duration::from_secs(5));
-                // Ended by the thread that began it; a call waiting for the stream can return.
-                let captured = crate::storage::testkit::end_capture_counting(&stream);
-                match early {
-                    Ok(r) => (r, None, captured),
-                    Err(_) => {
-                        let r = rx
-                            .recv_timeout(Duration::from_secs(120))
-                            .expect("no answer two minutes after the capture ended");
-                        (r, Some(t0.elapsed()), Ok(0))
-                    }
+                    let (r, buf) = t.wait();
+                    *spare = Some(std::mem::replace(dev, buf));
+                    r.map(|r| r.bytes)
                 }
-            });
-            match captured {
-                Ok(0) => {}
-                Ok(n) => bad.push(format!(
-                    "{what}: {n} operations went into the caller's graph before the call returned"
-                )),
-                Err(e) => bad.push(format!("{what}: {e}")),
+                _ => unreachable!("{case}"),
             }
-            if let Some(t) = late {
-                bad.push(format!(
-                    "{what}: returned only {t:?} after the call, once the capture was ended: {r:?}"
-                ));
-            }
-            match &r {
-                Err(Error::Unsupported { what: w, .. }) => {
-                    if case.ends_with("_async") && !w.contains(&format!("GpuFile::{case}")) {
-                        bad.push(format!("{what}: the refusal does not name the call: {w}"));
-                    }
-                }
-                r => bad.push(format!("{what}: not refused as unsupported: {r:?}")),
-            }
-            // Reported, not unwrapped: on the code before the fix the capture leaves errors
-            // behind, and every case's message should come out.
-            if let Err(e) = stream.synchronize() {
-                bad.push(format!("{what}: the stream after the capture: {e}"));
-            } else if case.starts_with("write") {
-                if std::fs::read(&p).unwrap() != data {
-                    bad.push(format!("{what}: the file changed"));
-                }
-            } else if case == "read_to_device" || case == "read_async" {
-                match stream.clone_dtoh(&dev) {
-                    Ok(back) if back == other => {}
-                    Ok(_) => bad.push(format!("{what}: the buffer changed")),
-                    Err(e) => bad.push(format!("{what}: reading the buffer back: {e}")),
-                }
-            }
-            drop(f);
-            std::fs::remove_file(&p).unwrap();
-        }
+        };
+        let bad = crate::storage::testkit::refused_on_a_capturing_stream(
+            &ctx,
+            &cases,
+            &|_, _, data| data,
+            &call,
+        );
         assert!(bad.is_empty(), "{}", bad.join("\n"));
     }
 
@@ -1803,7 +1749,7 @@ mod tests {
         ];
         // One call of `case`: the bytes it moved.
         let call = |case: &str,
-                    f: &GpuFile,
+                    f: &Arc<GpuFile>,
                     p: &std::path::Path,
                     out: &std::path::Path,
                     dev: &mut CudaSlice<u8>,

@@ -118,7 +118,7 @@ pub(crate) fn end_capture_counting(
 /// may save to, the device buffer, its stream, the length)` → the bytes it moved.
 pub(crate) type CaptureCall<'a> = dyn Fn(
         &str,
-        &crate::storage::GpuFile,
+        &Arc<crate::storage::GpuFile>,
         &std::path::Path,
         &std::path::Path,
         &mut cudarc::driver::CudaSlice<u8>,
@@ -166,11 +166,13 @@ pub(crate) fn refused_on_a_capturing_stream(
         let (p, data) = random_file(&name, len, 103);
         let data = prepare(case, &p, data);
         let out = scratch(&format!("{name}-saved"));
-        let f = GpuFile::options()
-            .backend(Backend::Engine)
-            .write(true)
-            .open(&p)
-            .unwrap();
+        let f = Arc::new(
+            GpuFile::options()
+                .backend(Backend::Engine)
+                .write(true)
+                .open(&p)
+                .unwrap(),
+        );
         let other = random(len, 104);
         let mut dev = stream.clone_htod(&other).unwrap();
         stream.synchronize().unwrap();

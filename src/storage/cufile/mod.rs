@@ -177,7 +177,7 @@ mod tests {
         };
         // One call of `case`: the bytes it moved.
         let call = |case: &str,
-                    _: &GpuFile,
+                    _: &Arc<GpuFile>,
                     _: &Path,
                     _: &Path,
                     dev: &mut CudaSlice<u8>,
