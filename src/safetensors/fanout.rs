@@ -997,7 +997,6 @@ mod tests {
     fn gpu_safetensors_fanout_without_threads_is_a_typed_error() {
         use crate::safetensors::LoadOptions;
         use crate::storage::{Backend, GpuFile};
-        use rand::{RngCore, SeedableRng};
         if std::env::var_os(NO_THREADS_CHILD).is_none() {
             let text = run_without_threads(
                 "safetensors::fanout::tests::gpu_safetensors_fanout_without_threads_is_a_typed_error",
@@ -1005,26 +1004,11 @@ mod tests {
             assert!(text.contains("refused as it should be:"), "{text}");
             return;
         }
-        let stream = crate::cuda::context(0)
-            .unwrap_or_else(|e| {
-                panic!("this test needs a CUDA GPU ({e}): run it on a GPU machine, see CONTRIBUTING.md")
-            })
-            .new_stream()
-            .unwrap();
-        let dir = std::env::var_os("GPUDIRECT_TEST_DIR")
-            .map(std::path::PathBuf::from)
-            .unwrap_or_else(std::env::temp_dir);
-        std::fs::create_dir_all(&dir).unwrap();
-        let path = dir.join(format!(
-            "gpudirect-fanout-nothreads-{}.safetensors",
-            std::process::id()
-        ));
-        let mut data = vec![0u8; (3 << 20) + 13];
-        rand::rngs::StdRng::seed_from_u64(107).fill_bytes(&mut data);
-        let view =
-            safetensors::tensor::TensorView::new(safetensors::Dtype::U8, vec![data.len()], &data)
-                .unwrap();
-        safetensors::serialize_to_file([("t", view)], None, &path).unwrap();
+        let stream = crate::storage::testkit::gpu().new_stream().unwrap();
+        let path =
+            crate::storage::testkit::scratch("fanout-nothreads").with_extension("safetensors");
+        let data = crate::storage::testkit::random((3 << 20) + 13, 107);
+        crate::safetensors::testkit::write_u8_tensors(&path, [("t".to_string(), data.as_slice())]);
         let opts = LoadOptions::new().file_options(GpuFile::options().backend(Backend::Engine));
         let r = opts.load_placed(
             path.as_path(),
@@ -1064,7 +1048,6 @@ mod tests {
         use crate::storage::faults::{self, Fault};
         use crate::storage::{Backend, GpuFile, Pipeline};
         use cudarc::driver::sys::CUresult as R;
-        use rand::{RngCore, SeedableRng};
         let streams: Vec<Arc<CudaStream>> = (0..2)
             .map(|k| {
                 crate::cuda::context(k)
@@ -1075,36 +1058,9 @@ mod tests {
                     .unwrap()
             })
             .collect();
-        let dir = std::env::var_os("GPUDIRECT_TEST_DIR")
-            .map(std::path::PathBuf::from)
-            .unwrap_or_else(std::env::temp_dir);
-        std::fs::create_dir_all(&dir).unwrap();
-        let path = dir.join(format!(
-            "gpudirect-fanout-leak-{}.safetensors",
-            std::process::id()
-        ));
         let lens = [(24 << 20) + 13, (16 << 20) + 4096 + 5];
-        let mut rng = rand::rngs::StdRng::seed_from_u64(106);
-        let datas: Vec<Vec<u8>> = lens
-            .iter()
-            .map(|&n| {
-                let mut v = vec![0u8; n];
-                rng.fill_bytes(&mut v);
-                v
-            })
-            .collect();
-        let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = datas
-            .iter()
-            .enumerate()
-            .map(|(i, d)| {
-                (
-                    format!("t{i}"),
-                    safetensors::tensor::TensorView::new(safetensors::Dtype::U8, vec![d.len()], d)
-                        .unwrap(),
-                )
-            })
-            .collect();
-        safetensors::serialize_to_file(views, None, &path).unwrap();
+        let datas = crate::safetensors::testkit::random_tensors(&lens, 106);
+        let path = crate::safetensors::testkit::u8_checkpoint("fanout-leak", &datas);
         let opts = LoadOptions::new().file_options(
             GpuFile::options()
                 .backend(Backend::Engine)

@@ -1575,41 +1575,11 @@ mod tests {
     fn gpu_safetensors_owned_load_leaks_its_tensors_exactly_when_copies_may_be_queued() {
         use crate::storage::faults::{self, Fault};
         use crate::storage::{Backend, Pipeline};
-        use rand::{RngCore, SeedableRng};
-        let ctx = crate::cuda::context(0).unwrap_or_else(|e| {
-            panic!("this test needs a CUDA GPU ({e}): run it on a GPU machine, see CONTRIBUTING.md")
-        });
+        let ctx = crate::storage::testkit::gpu();
         let stream = ctx.new_stream().unwrap();
-        let dir = std::env::var_os("GPUDIRECT_TEST_DIR")
-            .map(PathBuf::from)
-            .unwrap_or_else(std::env::temp_dir);
-        std::fs::create_dir_all(&dir).unwrap();
-        let path = dir.join(format!(
-            "gpudirect-owned-leak-{}.safetensors",
-            std::process::id()
-        ));
         let lens = [(24 << 20) + 13, (16 << 20) + 4096 + 5, (8 << 20) + 1];
-        let mut rng = rand::rngs::StdRng::seed_from_u64(104);
-        let datas: Vec<Vec<u8>> = lens
-            .iter()
-            .map(|&n| {
-                let mut v = vec![0u8; n];
-                rng.fill_bytes(&mut v);
-                v
-            })
-            .collect();
-        let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = datas
-            .iter()
-            .enumerate()
-            .map(|(i, d)| {
-                (
-                    format!("t{i}"),
-                    safetensors::tensor::TensorView::new(safetensors::Dtype::U8, vec![d.len()], d)
-                        .unwrap(),
-                )
-            })
-            .collect();
-        safetensors::serialize_to_file(views, None, &path).unwrap();
+        let datas = crate::safetensors::testkit::random_tensors(&lens, 104);
+        let path = crate::safetensors::testkit::u8_checkpoint("owned-leak", &datas);
         let opts = LoadOptions::new().file_options(
             GpuFile::options()
                 .backend(Backend::Engine)
@@ -1675,32 +1645,20 @@ mod tests {
     fn gpu_safetensors_progress_load_frees_its_buffer_only_after_a_later_batch_drained() {
         use crate::storage::faults::{self, Fault};
         use crate::storage::{Backend, Pipeline};
-        use rand::{RngCore, SeedableRng};
         use sys::CUresult as R;
-        let ctx = crate::cuda::context(0).unwrap_or_else(|e| {
-            panic!("this test needs a CUDA GPU ({e}): run it on a GPU machine, see CONTRIBUTING.md")
-        });
+        let ctx = crate::storage::testkit::gpu();
         let stream = ctx.new_stream().unwrap();
-        let dir = std::env::var_os("GPUDIRECT_TEST_DIR")
-            .map(PathBuf::from)
-            .unwrap_or_else(std::env::temp_dir);
-        std::fs::create_dir_all(&dir).unwrap();
         let lens = [(8 << 20) + 1, (8 << 20) + 4096 + 5];
-        let mut rng = rand::rngs::StdRng::seed_from_u64(105);
-        let paths: Vec<PathBuf> = lens
+        let paths: Vec<PathBuf> = crate::safetensors::testkit::random_tensors(&lens, 105)
             .iter()
             .enumerate()
-            .map(|(k, &n)| {
-                let mut d = vec![0u8; n];
-                rng.fill_bytes(&mut d);
-                let view =
-                    safetensors::tensor::TensorView::new(safetensors::Dtype::U8, vec![n], &d)
-                        .unwrap();
-                let path = dir.join(format!(
-                    "gpudirect-progress-leak-{}-{k}.safetensors",
-                    std::process::id()
-                ));
-                safetensors::serialize_to_file([(format!("t{k}"), view)], None, &path).unwrap();
+            .map(|(k, d)| {
+                let path = crate::storage::testkit::scratch(&format!("progress-leak-{k}"))
+                    .with_extension("safetensors");
+                crate::safetensors::testkit::write_u8_tensors(
+                    &path,
+                    [(format!("t{k}"), d.as_slice())],
+                );
                 path
             })
             .collect();
@@ -2085,13 +2043,7 @@ mod tests {
             if !case.starts_with("safetensors::load") {
                 return data;
             }
-            let view = ::safetensors::tensor::TensorView::new(
-                ::safetensors::Dtype::U8,
-                vec![data.len()],
-                &data,
-            )
-            .unwrap();
-            ::safetensors::serialize_to_file([("t", view)], None, p).unwrap();
+            crate::safetensors::testkit::write_u8_tensors(p, [("t".to_string(), data.as_slice())]);
             std::fs::read(p).unwrap()
         };
         let call = |case: &str,

@@ -71,6 +71,8 @@ mod plan;
 mod pool;
 mod save;
 mod source;
+#[cfg(test)]
+pub(crate) mod testkit;
 
 pub use crate::error::checkpoint::Problem;
 pub use dtype::{Dtype, Element, F8E4M3, F8E5M2};
