@@ -28,6 +28,14 @@
 //!   `read_to_device` on both streams), interleaved, one JSON line of medians and p99s.
 //! - Not a row: `--child regcost`, what `cuMemHostRegister` costs in a fresh process with
 //!   nothing else running (4 KiB twice, then 4 MiB, 28 MiB, 4 MiB of touched memory), in µs.
+//! - Not a row: `--child rand4k-kernel FILE OPS`, a 4 KiB read whose host-to-device step is the
+//!   SM copy kernel (`src/p2p/kernels.ptx`'s `gd_copy_v4`) reading the pinned buffer through its
+//!   device address, against `pread` + `cuMemcpyHtoD(Async)`; medians, p99s, the module's load.
+//! - Probe knobs of the `gd` child (not used by the table): `GPUDIRECT_BENCH_PREHEAT=KIND:MS`
+//!   (`host`, `gpu`, `h2d`: keep that busy for MS ms before the clock, then idle
+//!   `GPUDIRECT_BENCH_PREHEAT_IDLE_MS`) and `GPUDIRECT_BENCH_DIAG=1` (after the first call, the
+//!   threads' last CPUs and the large mappings' huge pages and NUMA nodes, on stderr); of the
+//!   `h2d` child: `GPUDIRECT_BENCH_H2D_IDLE_MS` (idle between the host fill and the first copy).
 //! - One more fresh sample of the page-cached 4 GiB row and of the 10k-files row runs with
 //!   `GPUDIRECT_TRACE=timing` (out of the medians, as `... (traced)`); its trace lines (both
 //!   calls of the child) are printed after the table: where a fresh process's first call spends
@@ -98,10 +106,14 @@ fn child(args: &[String]) -> Res<()> {
         "gd" => {
             let path = Path::new(&args[1]);
             let stream = cuda()?;
+            preheat(&stream)?;
             let t0 = Instant::now();
             let (mut buf, r) = read_to_gpu::<u8>(path, &stream)?;
             stream.synchronize()?;
             let first = t0.elapsed().as_secs_f64();
+            if env("GPUDIRECT_BENCH_DIAG", "0") == "1" {
+                eprintln!("diag {}", diag());
+            }
             let f = GpuFile::open(path)?;
             let t1 = Instant::now();
             let w = f.read_to_device(&mut buf, 0)?;
@@ -197,6 +209,9 @@ fn child(args: &[String]) -> Res<()> {
             let dev = unsafe { stream.alloc::<u8>(n) }?;
             stream.synchronize()?;
             let (p, _g) = dev.device_ptr(&stream);
+            // Probe knob: idle this long between the host's fill and the first copy.
+            let idle: u64 = env("GPUDIRECT_BENCH_H2D_IDLE_MS", "0").parse()?;
+            std::thread::sleep(std::time::Duration::from_millis(idle));
             let mut v = Vec::new();
             for _ in 0..7 {
                 let t = Instant::now();
@@ -451,6 +466,126 @@ fn child(args: &[String]) -> Res<()> {
             }
             emit(Value::Object(out));
         }
+        "rand4k-kernel" => {
+            // Probe (not a table row): a 4 KiB read whose host->device step is the SM copy
+            // kernel reading the pinned buffer through its device address, against the
+            // copy engine. Medians in µs; module load time in ms.
+            let path = Path::new(&args[1]);
+            let ops: usize = args[2].parse()?;
+            let stream = cuda()?;
+            let ctx = stream.context().clone();
+            let t = Instant::now();
+            let module = ctx.load_module(gpudirect::cudarc::nvrtc::Ptx::from_src(include_str!(
+                "../../src/p2p/kernels.ptx"
+            )))?;
+            let kern = module.load_function("gd_copy_v4")?;
+            let load_ms = t.elapsed().as_secs_f64() * 1e3;
+            let raw = File::open(path)?;
+            let blocks = raw.metadata()?.len() / 4096;
+            // SAFETY: written by pread before use; freed at the end.
+            let pinned = unsafe { result::malloc_host(4096, 0) }?.cast::<u8>();
+            let plain = stream.alloc_zeros::<u8>(4096)?;
+            let (dptr, _g) = plain.device_ptr(&stream);
+            let src = pinned as u64;
+            let n16: u64 = 4096 / 16;
+            let names = [
+                "base",
+                "pread_async_null",
+                "kernel_only",
+                "pread_kernel",
+                "pread_kernel_1warp",
+            ];
+            let mut v: Vec<Vec<f64>> = vec![Vec::new(); names.len()];
+            let mut rng = rand::rngs::StdRng::seed_from_u64(4098);
+            let pread = |off: u64| -> Res<()> {
+                // SAFETY: pinned holds 4096 bytes.
+                let r = unsafe {
+                    libc::pread(raw.as_raw_fd(), pinned.cast(), 4096, off as libc::off_t)
+                };
+                if r == 4096 {
+                    Ok(())
+                } else {
+                    Err("pread".into())
+                }
+            };
+            let launch = |threads: u32| -> Res<()> {
+                use gpudirect::cudarc::driver::{LaunchConfig, PushKernelArg};
+                let cfg = LaunchConfig {
+                    grid_dim: (1, 1, 1),
+                    block_dim: (threads, 1, 1),
+                    shared_mem_bytes: 0,
+                };
+                let mut lb = stream.launch_builder(&kern);
+                lb.arg(&src).arg(&dptr).arg(&n16);
+                // SAFETY: gd_copy_v4 copies n16 16-byte elements from the pinned buffer (its
+                // device address under UVA) into `plain`; both hold 4096 bytes.
+                unsafe { lb.launch(cfg) }?;
+                stream.synchronize()?;
+                Ok(())
+            };
+            // The kernel's result checked once against the file.
+            pread(0)?;
+            launch(256)?;
+            let mut exp = vec![0u8; 4096];
+            std::os::unix::fs::FileExt::read_exact_at(&raw, &mut exp, 0)?;
+            if stream.clone_dtoh(&plain)? != exp {
+                return Err("the kernel's copy differs from the file".into());
+            }
+            for round in 0..(ops / 250 + 2) {
+                for (k, samples) in v.iter_mut().enumerate() {
+                    for _ in 0..250 {
+                        let off = rng.random_range(0..blocks) * 4096;
+                        let t = Instant::now();
+                        match k {
+                            0 => {
+                                pread(off)?;
+                                // SAFETY: both hold 4096 bytes.
+                                unsafe { sys::cuMemcpyHtoD_v2(dptr, pinned.cast(), 4096) }
+                                    .result()?;
+                            }
+                            1 => {
+                                pread(off)?;
+                                // SAFETY: both hold 4096 bytes; synchronized right below.
+                                unsafe {
+                                    sys::cuMemcpyHtoDAsync_v2(
+                                        dptr,
+                                        pinned.cast(),
+                                        4096,
+                                        std::ptr::null_mut(),
+                                    )
+                                }
+                                .result()?;
+                                // SAFETY: the legacy stream.
+                                unsafe { sys::cuStreamSynchronize(std::ptr::null_mut()) }
+                                    .result()?;
+                            }
+                            2 => launch(256)?,
+                            3 => {
+                                pread(off)?;
+                                launch(256)?;
+                            }
+                            _ => {
+                                pread(off)?;
+                                launch(32)?;
+                            }
+                        }
+                        if round > 1 {
+                            samples.push(t.elapsed().as_secs_f64() * 1e6);
+                        }
+                    }
+                }
+            }
+            // SAFETY: allocated above; every copy was waited for.
+            unsafe { result::free_host(pinned.cast()) }?;
+            let mut out = serde_json::Map::new();
+            out.insert("module_load_ms".into(), json!(load_ms));
+            for (name, mut s) in names.iter().zip(v) {
+                s.sort_by(f64::total_cmp);
+                out.insert(format!("{name}_median_us"), json!(s[s.len() / 2]));
+                out.insert(format!("{name}_p99_us"), json!(s[(s.len() - 1) * 99 / 100]));
+            }
+            emit(Value::Object(out));
+        }
         "raw" => {
             let (path, threads, block) = (
                 PathBuf::from(&args[1]),
@@ -462,6 +597,121 @@ fn child(args: &[String]) -> Res<()> {
         other => return Err(format!("unknown child mode {other:?}").into()),
     }
     Ok(())
+}
+
+/// Probe knob `GPUDIRECT_BENCH_PREHEAT=KIND:MS` (not used by the table): before a `gd` child's
+/// clock, keep the host's memory (`host`: memset of 256 MiB), the GPU (`gpu`: device memset of
+/// 1 GiB) or the host-to-device path (`h2d`: pinned 64 MiB copies) busy for MS ms, then idle
+/// `GPUDIRECT_BENCH_PREHEAT_IDLE_MS` (0): tells which warm-up a fresh process's first call pays.
+fn preheat(stream: &std::sync::Arc<gpudirect::cudarc::driver::CudaStream>) -> Res<()> {
+    let v = env("GPUDIRECT_BENCH_PREHEAT", "");
+    let Some((kind, ms)) = v.split_once(':') else {
+        return Ok(());
+    };
+    let until = Instant::now() + std::time::Duration::from_millis(ms.parse()?);
+    match kind {
+        "host" => {
+            let mut m = vec![0u8; 256 << 20];
+            let mut k = 0u8;
+            while Instant::now() < until {
+                k = k.wrapping_add(1);
+                m.fill(k);
+                std::hint::black_box(&m);
+            }
+        }
+        "gpu" => {
+            let d = stream.alloc_zeros::<u8>(1 << 30)?;
+            let (p, _g) = d.device_ptr(stream);
+            while Instant::now() < until {
+                // SAFETY: d holds 1 GiB.
+                unsafe { sys::cuMemsetD8_v2(p, 7, 1 << 30) }.result()?;
+                stream.synchronize()?;
+            }
+        }
+        "h2d" => {
+            let n = 64usize << 20;
+            // SAFETY: written below before use; freed at the end.
+            let h = unsafe { result::malloc_host(n, 0) }?.cast::<u8>();
+            // SAFETY: h holds n bytes.
+            unsafe { std::ptr::write_bytes(h, 3, n) };
+            let d = stream.alloc_zeros::<u8>(n)?;
+            let (p, _g) = d.device_ptr(stream);
+            while Instant::now() < until {
+                // SAFETY: both hold n bytes.
+                unsafe { sys::cuMemcpyHtoD_v2(p, h.cast(), n) }.result()?;
+            }
+            // SAFETY: allocated above; the copies were synchronous.
+            unsafe { result::free_host(h.cast()) }?;
+        }
+        other => return Err(format!("GPUDIRECT_BENCH_PREHEAT: unknown kind {other:?}").into()),
+    }
+    let idle: u64 = env("GPUDIRECT_BENCH_PREHEAT_IDLE_MS", "0").parse()?;
+    std::thread::sleep(std::time::Duration::from_millis(idle));
+    Ok(())
+}
+
+/// Probe knob `GPUDIRECT_BENCH_DIAG=1` (not used by the table): after a `gd` child's first
+/// call, where its threads last ran and how its large mappings (the engine's ring) are backed
+/// (transparent huge pages, NUMA nodes), one JSON object on stderr.
+fn diag() -> Value {
+    let mut threads = Vec::new();
+    if let Ok(rd) = std::fs::read_dir("/proc/self/task") {
+        for e in rd.flatten() {
+            let stat = std::fs::read_to_string(e.path().join("stat")).unwrap_or_default();
+            let comm = std::fs::read_to_string(e.path().join("comm")).unwrap_or_default();
+            // Fields after the ")" of comm: state is field 3; processor is field 39.
+            let rest = stat.rsplit_once(')').map(|x| x.1).unwrap_or("");
+            let f: Vec<&str> = rest.split_whitespace().collect();
+            let cpu = f.get(36).copied().unwrap_or("?");
+            let utime = f.get(11).copied().unwrap_or("?");
+            threads.push(json!([comm.trim(), cpu, utime]));
+        }
+    }
+    let smaps = std::fs::read_to_string("/proc/self/smaps").unwrap_or_default();
+    let mut maps = Vec::new();
+    let mut cur: Option<(String, u64, u64, u64)> = None;
+    for l in smaps.lines() {
+        let first = l.split_whitespace().next().unwrap_or("");
+        if first.contains('-') && !first.ends_with(':') {
+            if let Some(m) = cur.take() {
+                if m.1 >= 60 << 10 {
+                    maps.push(json!({"range": m.0, "size_kb": m.1, "rss_kb": m.2, "thp_kb": m.3}));
+                }
+            }
+            cur = Some((first.to_string(), 0, 0, 0));
+        } else if let Some(m) = cur.as_mut() {
+            let v = |l: &str| {
+                l.split_whitespace()
+                    .nth(1)
+                    .and_then(|x| x.parse().ok())
+                    .unwrap_or(0)
+            };
+            if l.starts_with("Size:") {
+                m.1 = v(l);
+            } else if l.starts_with("Rss:") {
+                m.2 = v(l);
+            } else if l.starts_with("AnonHugePages:") {
+                m.3 = v(l);
+            }
+        }
+    }
+    let numa: Vec<String> = std::fs::read_to_string("/proc/self/numa_maps")
+        .unwrap_or_default()
+        .lines()
+        .filter(|l| {
+            l.contains("anon=")
+                && l.split_whitespace()
+                    .any(|w| w.starts_with("anon=") && w[5..].parse::<u64>().unwrap_or(0) > 10000)
+        })
+        .map(str::to_string)
+        .collect();
+    let allowed = std::fs::read_to_string("/proc/self/status")
+        .unwrap_or_default()
+        .lines()
+        .find(|l| l.starts_with("Cpus_allowed_list"))
+        .unwrap_or("")
+        .to_string();
+    json!({"threads": threads, "maps": maps, "numa": numa, "allowed": allowed})
 }
 
 fn small_path(dir: &Path, i: usize) -> PathBuf {
