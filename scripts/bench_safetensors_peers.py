@@ -318,6 +318,18 @@ def table(jsonl):
     sh = med.get(("sharded-warm", "gpudirect one-allocation"))
     if one and sh:
         print(f"- sharded (4 files) / one file (warm): {sh / one:.2f}")
+    print()
+    print("Samples (GB/s, in run order):")
+    for c in conds:
+        for l in loaders:
+            if (c, l) in runs:
+                print(f"- {c}, {l}: " + ", ".join(f"{x:.2f}" for x in runs[(c, l)]))
+    notes = [r for r in rows if r.get("kind") == "note"]
+    if notes:
+        print()
+        print("Notes:")
+        for r in notes:
+            print(f"- {r.get('cond')}: {r.get('error')}")
 
 
 if __name__ == "__main__":
