@@ -30,7 +30,8 @@
 //!   nothing else running (4 KiB twice, then 4 MiB, 28 MiB, 4 MiB of touched memory), in µs.
 //! - Not a row: `--child rand4k-kernel FILE OPS`, a 4 KiB read whose host-to-device step is the
 //!   SM copy kernel (`src/p2p/kernels.ptx`'s `gd_copy_v4`) reading the pinned buffer through its
-//!   device address, against `pread` + `cuMemcpyHtoD(Async)`; medians, p99s, the module's load.
+//!   device address, against `pread` + `cuMemcpyHtoD(Async)` from pinned and from pageable
+//!   memory; medians, p99s, the module's load.
 //! - Probe knobs of the `gd` child (not used by the table): `GPUDIRECT_BENCH_PREHEAT=KIND:MS`
 //!   (`host`, `gpu`, `h2d`: keep that busy for MS ms before the clock, then idle
 //!   `GPUDIRECT_BENCH_PREHEAT_IDLE_MS`) and `GPUDIRECT_BENCH_DIAG=1` (after the first call, the
@@ -494,7 +495,11 @@ fn child(args: &[String]) -> Res<()> {
                 "kernel_only",
                 "pread_kernel",
                 "pread_kernel_1warp",
+                "pageable_sync",
+                "pageable_async_null",
             ];
+            // A pageable (not page-locked) buffer: the driver stages its copies itself.
+            let mut pageable = vec![0u8; 4096];
             let mut v: Vec<Vec<f64>> = vec![Vec::new(); names.len()];
             let mut rng = rand::rngs::StdRng::seed_from_u64(4098);
             let pread = |off: u64| -> Res<()> {
@@ -564,9 +569,38 @@ fn child(args: &[String]) -> Res<()> {
                                 pread(off)?;
                                 launch(256)?;
                             }
-                            _ => {
+                            4 => {
                                 pread(off)?;
                                 launch(32)?;
+                            }
+                            _ => {
+                                std::os::unix::fs::FileExt::read_exact_at(
+                                    &raw,
+                                    &mut pageable,
+                                    off,
+                                )?;
+                                if k == 5 {
+                                    // SAFETY: both hold 4096 bytes; synchronous.
+                                    unsafe {
+                                        sys::cuMemcpyHtoD_v2(dptr, pageable.as_ptr().cast(), 4096)
+                                    }
+                                    .result()?;
+                                } else {
+                                    // SAFETY: both hold 4096 bytes; synchronized right below,
+                                    // before `pageable` is written again.
+                                    unsafe {
+                                        sys::cuMemcpyHtoDAsync_v2(
+                                            dptr,
+                                            pageable.as_ptr().cast(),
+                                            4096,
+                                            std::ptr::null_mut(),
+                                        )
+                                    }
+                                    .result()?;
+                                    // SAFETY: the legacy stream.
+                                    unsafe { sys::cuStreamSynchronize(std::ptr::null_mut()) }
+                                        .result()?;
+                                }
                             }
                         }
                         if round > 1 {
