@@ -86,7 +86,7 @@ mod tests {
     use std::sync::{Arc, Mutex};
     use std::time::Duration;
 
-    use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
+    use cudarc::driver::sys::CUstreamCaptureMode;
     use cudarc::driver::{CudaSlice, CudaStream};
 
     use super::{
@@ -115,7 +115,11 @@ mod tests {
     /// unsupported"); `RegisteredBuffer::alloc` allocates on the capturing stream, then fails
     /// the same way, as `register` does; `read_async`/`write_async` were refused, but as
     /// "stream-ordered cuFile IO on a capturing stream", which names no call ("the refusal does
-    /// not name the call"). Needs the cuFile driver to register files: run with
+    /// not name the call"). On the code before the buffer-returning refusal, the three calls
+    /// that own their buffer dropped it inside the call, and its free went into the capture
+    /// ("operations went into the caller's graph", an ending that failed, or "a CUDA error in
+    /// the context object"; read from cudarc 0.19.10's `CudaSlice` drop and the driver's
+    /// `cuMemFreeAsync` contract in a capture, not yet seen on a GPU). Needs the cuFile driver to register files: run with
     /// `GPUDIRECT_TEST_UDEV_FIX=1` (as root) where `/run/udev` is missing; without it, a
     /// registration refused for the missing udev record (the machine's documented state) is
     /// reported and checks nothing further. Run alone (scripts/gpu-suite): a capture makes
@@ -250,8 +254,12 @@ mod tests {
         drop(handle.lock().unwrap().take());
 
         // The calls that own their buffer: each on a capturing stream of its own (on another
-        // thread, the capture ended after 5 s without an answer). The refused buffer is dropped
-        // inside the call.
+        // thread, the capture ended after 5 s without an answer, counting what it captured).
+        // A refusal must put nothing into the caller's graph and leave no CUDA error behind in
+        // the context object (cudarc's `CudaSlice` drop records its errors there): on the code
+        // before the fix the refused buffer was dropped inside the call, and its drop (cudarc:
+        // waits for the buffer's events, then `cuMemFreeAsync` on its stream) went into the
+        // capture: a free node, an invalidated capture or a failed free (and a lost buffer).
         let (p, data) = testkit::random_file("capturing-cufile-owned", small, 107);
         let h = open(&p).unwrap();
         for case in [
@@ -266,7 +274,7 @@ mod tests {
             s.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)
                 .unwrap();
             let (tx, rx) = std::sync::mpsc::channel();
-            let r = std::thread::scope(|sc| {
+            let (r, captured) = std::thread::scope(|sc| {
                 let (h, driver) = (&h, &driver);
                 sc.spawn(move || {
                     let r = match case {
@@ -277,12 +285,25 @@ mod tests {
                     let _ = tx.send(r);
                 });
                 let early = rx.recv_timeout(Duration::from_secs(5));
-                let _ = s.end_capture(CUgraphInstantiate_flags(0));
-                early.map_err(|_| {
+                let captured = testkit::end_capture_counting(&s);
+                let r = early.map_err(|_| {
                     rx.recv_timeout(Duration::from_secs(120))
                         .expect("no answer two minutes after the capture ended")
-                })
+                });
+                (r, captured)
             });
+            match captured {
+                Ok(0) => {}
+                Ok(n) => bad.push(format!(
+                    "{case}: {n} operations went into the caller's graph before the call returned"
+                )),
+                Err(e) => bad.push(format!("{case}: {e}")),
+            }
+            if let Err(e) = ctx.check_err() {
+                bad.push(format!(
+                    "{case}: the refused call left a CUDA error in the context object: {e:?}"
+                ));
+            }
             match &r {
                 Ok(Err(e @ Error::Unsupported { what: w, .. })) => {
                     if !w.contains(case) || !w.contains("capturing a CUDA graph") {
