@@ -190,6 +190,7 @@ fn work(workload: &str, strategy: Strategy, library: ExitStrategy) -> Res<()> {
                 let abuf = stream.clone_htod(&random(1 << 16))?;
                 match h
                     .read_async(abuf, 0, 1 << 16, 4096)
+                    .map_err(gpudirect::Error::from)
                     .and_then(|io| io.wait())
                 {
                     Ok((n, b)) => {

@@ -20,8 +20,8 @@ use std::time::Duration;
 
 use gpudirect::cudarc::driver::{CudaSlice, CudaStream};
 use gpudirect::storage::cufile::{
-    classify_registration_failure, filesystem_type, BatchIo, BatchOp, CuFileHandle, Driver,
-    OpenMode, RegisteredBuffer, Stats,
+    classify_registration_failure, filesystem_type, BatchIo, BatchOp, BufferError, CuFileHandle,
+    Driver, OpenMode, RegisteredBuffer, Stats,
 };
 use gpudirect::{Cause, Error};
 
@@ -311,19 +311,23 @@ fn gpu_cufile_registered_buffer() {
     let got = dtoh(&stream, reg.slice());
     assert!(got[3..] == file[1000..1000 + (1 << 20)]);
     // Another allocation registers too (or, if the driver pools small allocations into one
-    // range, is refused with a typed cuFile error).
-    match RegisteredBuffer::register(Arc::clone(&d), stream.clone_htod(&random(8)).unwrap()) {
+    // range, is refused with a typed cuFile error that gives the allocation back unchanged).
+    let small = random(8);
+    match RegisteredBuffer::register(Arc::clone(&d), stream.clone_htod(&small).unwrap()) {
         Ok(b) => drop(b),
-        Err(e) => assert!(
-            matches!(
-                e,
-                Error::CuFile {
-                    op: "cuFileBufRegister",
-                    ..
-                }
-            ),
-            "{e:?}"
-        ),
+        Err(e) => {
+            assert!(
+                matches!(
+                    e.error(),
+                    Error::CuFile {
+                        op: "cuFileBufRegister",
+                        ..
+                    }
+                ),
+                "{e:?}"
+            );
+            assert!(dtoh(&stream, &e.into_buffer()) == small);
+        }
     }
     let slice = reg.into_inner().map_err(|b| b.1).unwrap();
     assert_eq!(slice.len(), (1 << 20) + 3);
@@ -354,15 +358,23 @@ fn gpu_cufile_stream_ordered_io() {
     if compat {
         // cuFile 1.15's compatibility path fails stream-ordered IO with EIO, aligned or not
         // (measured): gpudirect refuses it, typed, before cuFile sees it.
-        let buf = stream.clone_htod(&random(80_000)).unwrap();
+        let sent = random(80_000);
+        let buf = stream.clone_htod(&sent).unwrap();
         let off = aligned_offset(&buf);
-        match h.read_async(buf, off, 65_536, 8192) {
-            Err(Error::Unsupported { what, cause }) => {
+        match h
+            .read_async(buf, off, 65_536, 8192)
+            .map_err(BufferError::into_parts)
+        {
+            Err((Error::Unsupported { what, cause }, back)) => {
                 let msg = format!("{what}: {cause}");
                 eprintln!("refused as expected: {msg}");
                 assert!(
                     msg.contains("compatibility") && msg.contains("EIO"),
                     "{msg}"
+                );
+                assert!(
+                    dtoh(&stream, &back) == sent,
+                    "the refused buffer came back changed"
                 );
             }
             other => panic!("stream IO in compat mode: {other:?}"),
@@ -374,6 +386,7 @@ fn gpu_cufile_stream_ordered_io() {
         let sentinel = dtoh(&stream, &buf);
         let (n, buf) = h
             .read_async(buf, 11, 65_537, 4097)
+            .map_err(Error::from)
             .and_then(|io| io.wait())
             .unwrap_or_else(|e| panic!("unaligned cuFileReadAsync on {}: {e}", h.path_report()));
         assert_eq!(n, 65_537);
@@ -390,6 +403,7 @@ fn gpu_cufile_stream_ordered_io() {
         let before = dtoh(&stream, &tail);
         let (n, tail) = h
             .read_async(tail, 0, 5000, file.len() as u64 - 1000)
+            .map_err(Error::from)
             .and_then(|io| io.wait())
             .unwrap();
         assert_eq!(n, 1000);
@@ -404,18 +418,23 @@ fn gpu_cufile_stream_ordered_io() {
         let src = stream.clone_htod(&data).unwrap();
         let (n, _) = h
             .write_async(src, 0, 4099, 100)
+            .map_err(Error::from)
             .and_then(|io| io.wait())
             .unwrap_or_else(|e| panic!("unaligned cuFileWriteAsync: {e}"));
         assert_eq!(n, 4099);
         h.file().sync_data().unwrap();
         assert!(std::fs::read(&path).unwrap()[100..100 + 4099] == data[..]);
     }
-    // Out-of-range requests are refused before cuFile sees them.
-    let small = stream.clone_htod(&random(10)).unwrap();
-    assert!(matches!(
-        h.read_async(small, 5, 6, 0),
-        Err(Error::InvalidArgument(_))
-    ));
+    // Out-of-range requests are refused before cuFile sees them, the buffer given back.
+    let sent = random(10);
+    let small = stream.clone_htod(&sent).unwrap();
+    match h
+        .read_async(small, 5, 6, 0)
+        .map_err(BufferError::into_parts)
+    {
+        Err((Error::InvalidArgument(_), back)) => assert!(dtoh(&stream, &back) == sent),
+        other => panic!("an out-of-range stream read: {other:?}"),
+    }
     drop(h);
 
     // 2. An O_DIRECT handle: in compatibility mode cuFile's stream path needs 4 KiB-aligned
@@ -432,7 +451,10 @@ fn gpu_cufile_stream_ordered_io() {
     if compat {
         let buf = stream.clone_htod(&random(3 * a + 64 * 1024)).unwrap();
         let a0 = aligned_offset(&buf);
-        match h.read_async(buf, a0, 64 * 1024, 2 * a as u64) {
+        match h
+            .read_async(buf, a0, 64 * 1024, 2 * a as u64)
+            .map_err(BufferError::into_error)
+        {
             Err(Error::Unsupported { what, cause }) => {
                 eprintln!("refused as expected: {what}: {}", cause.what());
                 assert!(what.contains("O_DIRECT"), "{what}");
@@ -448,6 +470,7 @@ fn gpu_cufile_stream_ordered_io() {
     let a0 = aligned_offset(&buf); // device address of buf[a0] is 4 KiB aligned
     let (n, buf) = h
         .read_async(buf, a0, 64 * 1024, 2 * a as u64)
+        .map_err(Error::from)
         .and_then(|io| io.wait())
         .unwrap_or_else(|e| panic!("aligned cuFileReadAsync on O_DIRECT: {e}"));
     assert_eq!(n, 64 * 1024);
@@ -462,6 +485,7 @@ fn gpu_cufile_stream_ordered_io() {
     let a0 = aligned_offset(&src);
     let (n, _) = h
         .write_async(src, a0, 2 * a, 3 * a as u64)
+        .map_err(Error::from)
         .and_then(|io| io.wait())
         .unwrap_or_else(|e| panic!("aligned cuFileWriteAsync on O_DIRECT: {e}"));
     assert_eq!(n, 2 * a);
@@ -700,7 +724,10 @@ fn gpu_cufile_exit_child() {
         assert_eq!(h.read(&mut buf, 0).unwrap(), file.len());
         assert!(dtoh(&stream, &buf) == file);
         let abuf = stream.clone_htod(&random(8192)).unwrap();
-        let _ = h.read_async(abuf, 0, 8192, 4096).and_then(|io| io.wait());
+        let _ = h
+            .read_async(abuf, 0, 8192, 4096)
+            .map_err(Error::from)
+            .and_then(|io| io.wait());
     }
     drop(stats);
     std::fs::remove_file(&path).unwrap();
@@ -1239,6 +1266,9 @@ fn gpu_cufile_calls_leave_the_current_context_alone() {
         Err(e) => {
             eprintln!("cuFileBufRegister refused ({e}); checked the error path");
             check("a refused RegisteredBuffer::register");
+            // The slice it gave back is freed with its context bound, then unbound again.
+            drop(e);
+            check("dropping a refused RegisteredBuffer::register's BufferError");
         }
     }
     let abuf = stream.clone_htod(&random(8192)).unwrap();
@@ -1253,7 +1283,11 @@ fn gpu_cufile_calls_leave_the_current_context_alone() {
             let _ = stream.context().bind_to_thread();
             drop(waited);
         }
-        Err(_) => check("a refused CuFileHandle::read_async"),
+        Err(refused) => {
+            check("a refused CuFileHandle::read_async");
+            drop(refused);
+            check("dropping a refused CuFileHandle::read_async's BufferError");
+        }
     }
     // Batch IO, each call on its own: in cuFile's compatibility path GetStatus copies the data
     // to the GPU itself, on a context it makes current.

@@ -20,6 +20,130 @@ pub(in crate::storage) fn allocation_range(
     unsafe { crate::cuda::result::mem::get_address_range(ptr) }
 }
 
+/// The error of a cuFile call that was handed a device buffer by value and did not keep it
+/// ([`CuFileHandle::read_async`](super::CuFileHandle::read_async),
+/// [`write_async`](super::CuFileHandle::write_async), [`RegisteredBuffer::register`]): the
+/// [`Error`], and the buffer given back as it came in.
+///
+/// These calls fail before any IO is enqueued or anything is registered, so the buffer comes
+/// back with its bytes unchanged and usable (and a refused capturing stream untouched), instead
+/// of being dropped inside the call: cudarc's `CudaSlice` drop frees with `cuMemFreeAsync` on
+/// the buffer's stream, which on a stream capturing a CUDA graph (a refusal's most likely
+/// cause) would put the free into the caller's graph or fail. As `std::io::IntoInnerError` and
+/// `String::from_utf8`'s `FromUtf8Error` hand back what they were given, and as
+/// [`GpuFile`](crate::storage::GpuFile)'s transfers give back their buffer with their result:
+///
+/// ```no_run
+/// # fn main() -> gpudirect::Result<()> {
+/// use std::path::Path;
+/// use gpudirect::storage::cufile::{CuFileHandle, Driver, OpenMode};
+/// let stream = gpudirect::cuda::context(0)?.new_stream()?;
+/// let h = CuFileHandle::open(Driver::open()?, Path::new("weights.bin"), OpenMode::Read)?;
+/// let buf = stream.alloc_zeros::<u8>(1 << 20)?;
+/// let (n, buf) = match h.read_async(buf, 0, 1 << 20, 0) {
+///     Ok(io) => io.wait()?,
+///     Err(refused) => {
+///         eprintln!("not enqueued: {refused}");
+///         // Still ours, its bytes unchanged: read it synchronously instead.
+///         let mut buf = refused.into_buffer();
+///         (h.read(&mut buf, 0)?, buf)
+///     }
+/// };
+/// # drop((n, buf)); Ok(()) }
+/// ```
+///
+/// `?` (through `From<BufferError> for Error`) and [`into_error`](Self::into_error) keep the
+/// error and free the buffer, as dropping the `BufferError` does: with the buffer's context
+/// bound (cudarc's drop does not bind it), on the buffer's stream, so into a graph if that
+/// stream is still capturing. Take the buffer back first ([`into_buffer`](Self::into_buffer),
+/// [`into_parts`](Self::into_parts)) to keep it, or to free it after the capture.
+pub struct BufferError(Option<Box<(Error, CudaSlice<u8>)>>);
+
+impl BufferError {
+    pub(super) fn new(error: Error, buffer: CudaSlice<u8>) -> Self {
+        BufferError(Some(Box::new((error, buffer))))
+    }
+
+    fn parts(&self) -> &(Error, CudaSlice<u8>) {
+        self.0.as_deref().expect("present until consumed")
+    }
+
+    /// Why the call failed.
+    pub fn error(&self) -> &Error {
+        &self.parts().0
+    }
+
+    /// The buffer the call was given, unchanged.
+    pub fn buffer(&self) -> &CudaSlice<u8> {
+        &self.parts().1
+    }
+
+    /// The error and the buffer.
+    pub fn into_parts(mut self) -> (Error, CudaSlice<u8>) {
+        *self.0.take().expect("present until consumed")
+    }
+
+    /// The buffer, unchanged (the error is dropped).
+    pub fn into_buffer(self) -> CudaSlice<u8> {
+        self.into_parts().1
+    }
+
+    /// The error; the buffer is freed (see the type's docs).
+    pub fn into_error(self) -> Error {
+        let (error, buffer) = self.into_parts();
+        free_bound(buffer);
+        error
+    }
+}
+
+/// Drops `buf` with its context bound (cudarc's `CudaSlice` drop frees with `cuMemFreeAsync`
+/// without binding, which fails and leaks on a thread with no current context), then puts the
+/// thread's current context back.
+fn free_bound(buf: CudaSlice<u8>) {
+    let _restore = crate::cuda::CurrentContext::save();
+    let _ = buf.context().bind_to_thread();
+    drop(buf);
+}
+
+impl Drop for BufferError {
+    fn drop(&mut self) {
+        if let Some(p) = self.0.take() {
+            let (_error, buffer) = *p;
+            free_bound(buffer);
+        }
+    }
+}
+
+impl From<BufferError> for Error {
+    fn from(e: BufferError) -> Self {
+        e.into_error()
+    }
+}
+
+impl std::fmt::Debug for BufferError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let (error, buffer) = self.parts();
+        f.debug_struct("BufferError")
+            .field("error", error)
+            .field("buffer_len", &buffer.len())
+            .finish()
+    }
+}
+
+/// The error's message (the buffer is not part of it).
+impl std::fmt::Display for BufferError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        std::fmt::Display::fmt(self.error(), f)
+    }
+}
+
+/// Transparent, as the message: the error's own source.
+impl std::error::Error for BufferError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        std::error::Error::source(self.error())
+    }
+}
+
 /// A device buffer registered with cuFile (`cuFileBufRegister`) for the life of this value.
 ///
 /// Owns the [`CudaSlice`] so the memory cannot be freed while registered. The registration
@@ -68,8 +192,10 @@ impl RegisteredBuffer {
     /// [`DriverProperties::max_device_pinned_mem_kb`](super::DriverProperties::max_device_pinned_mem_kb)),
     /// CUDA errors — all as [`Error::CuFile`]; the slice's stream capturing a CUDA graph →
     /// [`Error::Unsupported`], before anything is enqueued or registered (the call synchronises
-    /// the stream, which a capture forbids). A refused slice is freed.
-    pub fn register(driver: Arc<Driver>, slice: CudaSlice<u8>) -> Result<Self> {
+    /// the stream, which a capture forbids); an empty slice → [`Error::InvalidArgument`]. Each
+    /// comes in a [`BufferError`] that gives the slice back unchanged (nothing stays
+    /// registered).
+    pub fn register(driver: Arc<Driver>, slice: CudaSlice<u8>) -> Result<Self, BufferError> {
         Self::register_checking(driver, slice, Some("RegisteredBuffer::register"))
     }
 
@@ -79,13 +205,27 @@ impl RegisteredBuffer {
         driver: Arc<Driver>,
         slice: CudaSlice<u8>,
         call: Option<&str>,
-    ) -> Result<Self> {
+    ) -> Result<Self, BufferError> {
+        // `enter` binds the slice's context: the caller's is put back after.
         let _restore = crate::cuda::CurrentContext::save();
-        // A local after the guard: a refused slice is freed before the guard puts the caller's
-        // context back (parameters drop after locals), with its context bound (cudarc's drop
-        // frees without binding, which fails and leaks on a thread with no current context).
-        let slice = slice;
-        let _ = slice.context().bind_to_thread();
+        match Self::pin(&driver, &slice, call) {
+            Ok((base, len)) => Ok(RegisteredBuffer {
+                base,
+                registered_len: len,
+                driver,
+                slice: Some(slice),
+            }),
+            Err(e) => Err(BufferError::new(e, slice)),
+        }
+    }
+
+    /// Registers the allocation holding `slice`: its `(base, length)`. Nothing is registered
+    /// when it fails.
+    fn pin(
+        driver: &Driver,
+        slice: &CudaSlice<u8>,
+        call: Option<&str>,
+    ) -> Result<(cu::CUdeviceptr, usize)> {
         if slice.is_empty() {
             return Err(Error::InvalidArgument(
                 "cannot register an empty buffer with cuFile: allocate at least one byte".into(),
@@ -98,19 +238,14 @@ impl RegisteredBuffer {
         // Finish pending work (e.g. the allocation itself, stream-ordered) before pinning.
         driver.enter(&stream, true)?;
         let ptr = {
-            let (p, _sync) = cudarc::driver::DevicePtr::device_ptr(&slice, &stream);
+            let (p, _sync) = cudarc::driver::DevicePtr::device_ptr(slice, &stream);
             p
         };
         let (base, len) = allocation_range(ptr)?;
-        // SAFETY: `base..base+len` is the live allocation holding `slice`, which this value owns
-        // until after cuFileBufDeregister in Drop.
+        // SAFETY: `base..base+len` is the live allocation holding `slice`, which the caller
+        // moves into the `RegisteredBuffer` that deregisters it in Drop before freeing it.
         unsafe { result::buf_register(driver.lib(), base as *const c_void, len, 0) }?;
-        Ok(RegisteredBuffer {
-            base,
-            registered_len: len,
-            driver,
-            slice: Some(slice),
-        })
+        Ok((base, len))
     }
 
     /// Allocates `len` bytes on `stream`'s device and registers them. A `stream` capturing a
@@ -124,7 +259,8 @@ impl RegisteredBuffer {
         // SAFETY: the bytes are uninitialised device memory; reading them before a write
         // returns unspecified values but is not undefined behaviour for u8.
         let slice = unsafe { stream.alloc::<u8>(len) }.map_err(|e| Error::cuda("cuMemAlloc", e))?;
-        Self::register_checking(driver, slice, None)
+        // A refused allocation is freed (its stream is not capturing: refused above).
+        Self::register_checking(driver, slice, None).map_err(BufferError::into_error)
     }
 
     /// The registered base address.

@@ -7,6 +7,7 @@
 //!   IO goes direct ([`TransferPath::Gds`](crate::TransferPath::Gds)) or through cuFile's
 //!   compatibility mode, and why.
 //! - [`RegisteredBuffer`]: a device buffer registered with cuFile for its lifetime.
+//! - [`BufferError`]: the error of a call handed a buffer by value, with the buffer given back.
 //! - [`StreamIo`]: stream-ordered IO whose guard owns its parameter block and buffer.
 //! - [`BatchIo`]: batch IO; [`BatchIo::run`] is safe and blocking, `submit`/`poll` overlap.
 //! - [`Stats`]: cuFile's process-wide counters, including which path each GPU's IO took.
@@ -15,7 +16,9 @@
 //! Every call that takes a caller's device buffer (its stream) refuses a stream that is
 //! capturing a CUDA graph with [`Error::Unsupported`](crate::Error::Unsupported) naming the
 //! call, before anything is enqueued, registered or submitted: the calls synchronise the stream
-//! (or, stream-ordered, are not supported in a capture), which a capture forbids.
+//! (or, stream-ordered, are not supported in a capture), which a capture forbids. The calls that
+//! take the buffer by value (`CuFileHandle::read_async`/`write_async`,
+//! [`RegisteredBuffer::register`]) give it back with any error, in a [`BufferError`].
 //!
 //! Every C call goes through the private `result` module; statuses decode through
 //! [`CuFileStatus`] (`status.rs`).
@@ -43,7 +46,7 @@ pub use stats::{OpCounter, PerGpuStats, Stats, StatsL1, StatsSnapshot};
 pub use status::{CuFileStatus, IoReturn};
 pub use stream::{StreamIo, StreamRegistration, STREAM_COMPAT_ODIRECT_ALIGN};
 
-pub use buffer::RegisteredBuffer;
+pub use buffer::{BufferError, RegisteredBuffer};
 pub use driver::{
     library_version, ControlFlags, Driver, DriverBuilder, DriverProperties, ExitStrategy,
     FeatureFlags, FsSupport, LogTarget, EXIT_STRATEGY_ENV,
@@ -115,11 +118,13 @@ mod tests {
     /// unsupported"); `RegisteredBuffer::alloc` allocates on the capturing stream, then fails
     /// the same way, as `register` does; `read_async`/`write_async` were refused, but as
     /// "stream-ordered cuFile IO on a capturing stream", which names no call ("the refusal does
-    /// not name the call"). On the code before the buffer-returning refusal, the three calls
-    /// that own their buffer dropped it inside the call, and its free went into the capture
-    /// ("operations went into the caller's graph", an ending that failed, or "a CUDA error in
-    /// the context object"; read from cudarc 0.19.10's `CudaSlice` drop and the driver's
-    /// `cuMemFreeAsync` contract in a capture, not yet seen on a GPU). Needs the cuFile driver to register files: run with
+    /// not name the call"). On the code before the buffer-returning refusal
+    /// ([`BufferError`](super::BufferError)), the three calls that own their buffer dropped it
+    /// inside the call, and its free went into the capture ("operations went into the caller's
+    /// graph", an ending that failed, or "a CUDA error in the context object"; read from cudarc
+    /// 0.19.10's `CudaSlice` drop and the driver's `cuMemFreeAsync` contract in a capture, not
+    /// yet seen on a GPU); now the buffer must come back with its bytes, and take a read after
+    /// the capture. Needs the cuFile driver to register files: run with
     /// `GPUDIRECT_TEST_UDEV_FIX=1` (as root) where `/run/udev` is missing; without it, a
     /// registration refused for the missing udev record (the machine's documented state) is
     /// reported and checks nothing further. Run alone (scripts/gpu-suite): a capture makes
@@ -255,11 +260,13 @@ mod tests {
 
         // The calls that own their buffer: each on a capturing stream of its own (on another
         // thread, the capture ended after 5 s without an answer, counting what it captured).
-        // A refusal must put nothing into the caller's graph and leave no CUDA error behind in
-        // the context object (cudarc's `CudaSlice` drop records its errors there): on the code
-        // before the fix the refused buffer was dropped inside the call, and its drop (cudarc:
-        // waits for the buffer's events, then `cuMemFreeAsync` on its stream) went into the
-        // capture: a free node, an invalidated capture or a failed free (and a lost buffer).
+        // A refusal must put nothing into the caller's graph, leave no CUDA error behind in
+        // the context object (cudarc's `CudaSlice` drop records its errors there), and give
+        // the buffer back with its bytes unchanged, usable once the capture has ended (a
+        // synchronous read into it). On the code before the fix the refused buffer was dropped
+        // inside the call, and its drop (cudarc: waits for the buffer's events, then
+        // `cuMemFreeAsync` on its stream) went into the capture: a free node, an invalidated
+        // capture or a failed free (and a lost buffer).
         let (p, data) = testkit::random_file("capturing-cufile-owned", small, 107);
         let h = open(&p).unwrap();
         for case in [
@@ -269,7 +276,8 @@ mod tests {
         ] {
             let _ = ctx.check_err();
             let s = ctx.new_stream().unwrap();
-            let buf = s.clone_htod(&testkit::random(small, 108)).unwrap();
+            let sent = testkit::random(small, 108);
+            let buf = s.clone_htod(&sent).unwrap();
             s.synchronize().unwrap();
             s.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)
                 .unwrap();
@@ -304,21 +312,52 @@ mod tests {
                     "{case}: the refused call left a CUDA error in the context object: {e:?}"
                 ));
             }
-            match &r {
-                Ok(Err(e @ Error::Unsupported { what: w, .. })) => {
-                    if !w.contains(case) || !w.contains("capturing a CUDA graph") {
-                        bad.push(format!("{case}: the refusal does not name the call: {e}"));
-                    }
+            let refused = match r {
+                Ok(Err(refused)) => refused,
+                Ok(r) => {
+                    bad.push(format!("{case}: not refused: {r:?}"));
+                    continue;
                 }
-                Ok(r) => bad.push(format!("{case}: not refused as unsupported: {r:?}")),
-                Err(r) => bad.push(format!(
-                    "{case}: returned only after the capture was ended: {r:?}"
+                Err(r) => {
+                    bad.push(format!(
+                        "{case}: returned only after the capture was ended: {r:?}"
+                    ));
+                    continue;
+                }
+            };
+            match refused.error() {
+                Error::Unsupported { what: w, .. }
+                    if w.contains(case) && w.contains("capturing a CUDA graph") => {}
+                e @ Error::Unsupported { .. } => {
+                    bad.push(format!("{case}: the refusal does not name the call: {e}"))
+                }
+                e => bad.push(format!("{case}: not refused as unsupported: {e}")),
+            }
+            let mut back = refused.into_buffer();
+            if let Err(e) = s.synchronize() {
+                bad.push(format!("{case}: the stream after the capture: {e}"));
+                continue;
+            }
+            match s.clone_dtoh(&back) {
+                Ok(got) if got == sent => {}
+                Ok(_) => bad.push(format!("{case}: the buffer came back changed")),
+                Err(e) => bad.push(format!("{case}: reading the buffer back: {e}")),
+            }
+            match h.read(&mut back, 0).map(|n| (n, s.clone_dtoh(&back))) {
+                Ok((n, Ok(got))) if n == small && got == data => {}
+                Ok((n, got)) => bad.push(format!(
+                    "{case}: a read into the returned buffer after the capture: {n} bytes, {}",
+                    match got {
+                        Ok(g) if g == data => "the file's bytes".to_string(),
+                        Ok(_) => "other bytes than the file's".to_string(),
+                        Err(e) => format!("reading them back: {e}"),
+                    }
+                )),
+                Err(e) => bad.push(format!(
+                    "{case}: a read into the returned buffer after the capture: {e}"
                 )),
             }
             let _ = ctx.check_err();
-            if let Err(e) = s.synchronize() {
-                bad.push(format!("{case}: the stream after the capture: {e}"));
-            }
         }
         drop(h);
         if std::fs::read(&p).unwrap() != data {

@@ -11,7 +11,7 @@ use std::sync::Arc;
 
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
 
-use super::buffer::allocation_range;
+use super::buffer::{allocation_range, BufferError};
 use super::file_handle::{clamp_to_eof, HandleInner};
 use super::{result, CuFileHandle};
 use crate::error::{Error, Result};
@@ -55,8 +55,9 @@ impl CuFileHandle {
     /// or P2PDMA) → [`Error::Unsupported`] (cuFile 1.15 fails stream-ordered IO there with `EIO`,
     /// aligned or not, while the synchronous calls work: see [`STREAM_COMPAT_ODIRECT_ALIGN`]);
     /// cuFile's refusal (e.g. `CU_FILE_ASYNC_NOT_SUPPORTED`
-    /// without a `cufile.json`) → [`Error::CuFile`]. In all these cases the buffer is dropped;
-    /// use [`CuFileHandle::read`] for the synchronous path.
+    /// without a `cufile.json`) → [`Error::CuFile`]. Each comes in a [`BufferError`] that gives
+    /// `buf` back unchanged (no IO was enqueued); [`CuFileHandle::read`] is the synchronous
+    /// path.
     ///
     /// A read is clamped to the file's size at enqueue time, so bytes of `buf` past the end of
     /// file are not written (on an O_DIRECT handle in compatibility mode, the clamp stops at the
@@ -67,19 +68,20 @@ impl CuFileHandle {
         buf_offset: usize,
         len: usize,
         file_offset: u64,
-    ) -> Result<StreamIo> {
+    ) -> Result<StreamIo, BufferError> {
         StreamIo::enqueue(self, false, buf, buf_offset, len, file_offset)
     }
 
     /// Enqueues a write of `buf[buf_offset..buf_offset+len]` at `file_offset` on `buf`'s stream
-    /// (`cuFileWriteAsync`). See [`read_async`](Self::read_async).
+    /// (`cuFileWriteAsync`). See [`read_async`](Self::read_async): its errors, each with `buf`
+    /// given back in a [`BufferError`].
     pub fn write_async(
         &self,
         buf: CudaSlice<u8>,
         buf_offset: usize,
         len: usize,
         file_offset: u64,
-    ) -> Result<StreamIo> {
+    ) -> Result<StreamIo, BufferError> {
         StreamIo::enqueue(self, true, buf, buf_offset, len, file_offset)
     }
 }
@@ -154,19 +156,36 @@ impl StreamIo {
     fn enqueue(
         h: &CuFileHandle,
         write: bool,
-        buf: CudaSlice<u8>,
+        mut buf: CudaSlice<u8>,
         buf_offset: usize,
         len: usize,
         file_offset: u64,
-    ) -> Result<StreamIo> {
+    ) -> Result<StreamIo, BufferError> {
+        // `enter` binds the buffer's context: the caller's is put back after.
         let _restore = crate::cuda::CurrentContext::save();
-        // Moved into a local declared after the guard, so that on a refusal the buffer is freed
-        // before the guard puts the caller's context back (parameters are dropped after every
-        // local); and its context is bound first: cudarc's `CudaSlice` drop frees with
-        // `cuMemFreeAsync` without binding, which fails (and leaks) on a thread with no
-        // current context.
-        let mut buf = buf;
-        let _ = buf.context().bind_to_thread();
+        match Self::start(h, write, &mut buf, buf_offset, len, file_offset) {
+            Ok(params) => Ok(StreamIo {
+                params: Some(params),
+                stream: Arc::clone(buf.stream()),
+                buf: Some(buf),
+                handle: Arc::clone(h.inner()),
+                write,
+            }),
+            Err(e) => Err(BufferError::new(e, buf)),
+        }
+    }
+
+    /// Checks the request and enqueues the IO on `buf`'s stream: the parameter block, which
+    /// the caller must own (with `buf` and the handle's registration) until the stream has been
+    /// synchronised. Nothing is enqueued when it fails.
+    fn start(
+        h: &CuFileHandle,
+        write: bool,
+        buf: &mut CudaSlice<u8>,
+        buf_offset: usize,
+        len: usize,
+        file_offset: u64,
+    ) -> Result<Box<Params>> {
         if buf_offset
             .checked_add(len)
             .is_none_or(|end| end > buf.len())
@@ -195,7 +214,7 @@ impl StreamIo {
             });
         }
         // `record` lives until the IO is enqueued (see io_pointer).
-        let (ptr, record) = io_pointer(&mut buf, &stream, write);
+        let (ptr, record) = io_pointer(buf, &stream, write);
         let (base, _) = allocation_range(ptr)?;
         let dev_offset = ptr - base + buf_offset as u64;
         check_alignment(h, write, len, file_offset, ptr + buf_offset as u64)?;
@@ -220,9 +239,10 @@ impl StreamIo {
             bytes: 0,
         });
         let p: *mut Params = &mut *params;
-        // SAFETY: the block is heap memory (malloc) owned by the guard until after the stream is
-        // synchronised (Drop/wait), or leaked if the guard is forgotten; likewise the buffer
-        // (`buf`, owned by the guard) and the handle registration (an Arc held by the guard).
+        // SAFETY: the block is heap memory (malloc) that `enqueue` moves into the guard, which
+        // owns it until after the stream is synchronised (Drop/wait), or leaks it if the guard
+        // is forgotten; likewise the buffer (`buf`, moved into the guard) and the handle
+        // registration (an Arc held by the guard).
         // `bytes` starts at 0 in host memory as cuFile requires. The context is current.
         unsafe {
             result::io_async(
@@ -238,13 +258,7 @@ impl StreamIo {
             )
         }?;
         drop(record);
-        Ok(StreamIo {
-            params: Some(params),
-            buf: Some(buf),
-            stream,
-            handle: Arc::clone(h.inner()),
-            write,
-        })
+        Ok(params)
     }
 
     /// Synchronises the stream and returns `(bytes moved, buffer)`. A failed transfer gives the
