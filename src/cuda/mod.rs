@@ -301,16 +301,38 @@ pub fn device_attribute(ordinal: usize, attr: sys::CUdevice_attribute) -> Result
 pub(crate) fn refuse_capturing(stream: &CudaStream, what: &str) -> Result<()> {
     let _current = CurrentContext::bind(stream.context())?;
     // SAFETY: the stream is alive (borrowed), in the current context.
-    if unsafe { result::stream::is_capturing(stream.cu_stream()) }? {
-        return Err(Error::Unsupported {
+    let status = unsafe { result::stream::capture_status(stream.cu_stream()) };
+    capture_refusal(
+        what,
+        "the transfer waits for its own work on the stream, which a capture does not run",
+        "make the call before cuStreamBeginCapture or after cuStreamEndCapture, or on another stream",
+        status,
+    )
+}
+
+/// What a call refusing capturing streams makes of a stream's capture status (`status`, from
+/// `cuStreamIsCapturing`): `Ok` for a stream not capturing, else [`Error::Unsupported`] naming
+/// `what`, whose cause says `message` and `fix`; a failed query is [`Error::Cuda`].
+pub(crate) fn capture_refusal(
+    what: &str,
+    message: &str,
+    fix: &str,
+    status: std::result::Result<sys::CUstreamCaptureStatus, sys::CUresult>,
+) -> Result<()> {
+    match status {
+        Ok(sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE) => Ok(()),
+        Ok(_) => Err(Error::Unsupported {
             what: format!("{what} on a stream that is capturing a CUDA graph"),
             cause: crate::Cause::Other {
-                message: "the transfer waits for its own work on the stream, which a capture does not run".into(),
-                fix: "make the call before cuStreamBeginCapture or after cuStreamEndCapture, or on another stream".into(),
+                message: message.into(),
+                fix: fix.into(),
             },
-        });
+        }),
+        Err(rc) => Err(Error::cuda(
+            "cuStreamIsCapturing",
+            cudarc::driver::DriverError(rc),
+        )),
     }
-    Ok(())
 }
 
 /// [`refuse_capturing`] for each distinct stream of `streams` (a job's buffers' streams).
@@ -356,6 +378,43 @@ mod tests {
         }
         assert_eq!(result::driver::libcuda_candidates(), theirs);
         assert!(theirs.iter().any(|n| n == "libcuda.so.1"), "{theirs:?}");
+    }
+
+    /// What a capture status makes of a call that refuses capturing streams (no driver call):
+    /// a stream not capturing passes; an active or invalidated capture is `Unsupported` naming
+    /// the call and the capture, with the caller's cause; a failed query is the driver's error,
+    /// naming `cuStreamIsCapturing`.
+    #[test]
+    fn capture_statuses_make_their_refusals() {
+        use sys::CUstreamCaptureStatus as S;
+        let refusal = |status| capture_refusal("a call", "its message", "its fix", status);
+        assert!(refusal(Ok(S::CU_STREAM_CAPTURE_STATUS_NONE)).is_ok());
+        for status in [
+            S::CU_STREAM_CAPTURE_STATUS_ACTIVE,
+            S::CU_STREAM_CAPTURE_STATUS_INVALIDATED,
+        ] {
+            match refusal(Ok(status)) {
+                Err(Error::Unsupported {
+                    what,
+                    cause: crate::Cause::Other { message, fix },
+                }) => {
+                    assert!(
+                        what.starts_with("a call on a stream")
+                            && what.contains("capturing a CUDA graph"),
+                        "{status:?}: {what}"
+                    );
+                    assert_eq!((message.as_str(), fix.as_str()), ("its message", "its fix"));
+                }
+                other => panic!("{status:?}: {other:?}"),
+            }
+        }
+        match refusal(Err(sys::CUresult::CUDA_ERROR_INVALID_VALUE)) {
+            Err(Error::Cuda {
+                op: "cuStreamIsCapturing",
+                source,
+            }) => assert_eq!(source.0, sys::CUresult::CUDA_ERROR_INVALID_VALUE),
+            other => panic!("{other:?}"),
+        }
     }
 
     #[test]

@@ -302,17 +302,23 @@ pub(crate) mod ctx {
 pub(crate) mod stream {
     use super::*;
 
-    /// `cuStreamIsCapturing`: true while `stream` is capturing a CUDA graph.
+    /// `cuStreamIsCapturing`: `stream`'s capture status, or the raw status of a query that
+    /// failed (the refusal's wording is [`crate::cuda::capture_refusal`]'s).
     ///
     /// # Safety
-    /// `stream` must be a live stream.
-    pub(crate) unsafe fn is_capturing(stream: sys::CUstream) -> Result<bool> {
-        let mut capturing = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
-        // SAFETY: the stream is alive (the caller's contract); `capturing` is a valid out-pointer.
-        check("cuStreamIsCapturing", unsafe {
-            sys::cuStreamIsCapturing(stream, &mut capturing)
-        })?;
-        Ok(capturing != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE)
+    /// `stream` must be a live stream of the current context (or null: its legacy default
+    /// stream).
+    pub(crate) unsafe fn capture_status(
+        stream: sys::CUstream,
+    ) -> std::result::Result<sys::CUstreamCaptureStatus, sys::CUresult> {
+        let mut status = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
+        // SAFETY: the stream is alive (the caller's contract); `status` is a valid out-pointer.
+        let rc = unsafe { sys::cuStreamIsCapturing(stream, &mut status) };
+        if rc == sys::CUresult::CUDA_SUCCESS {
+            Ok(status)
+        } else {
+            Err(rc)
+        }
     }
 
     /// `cuStreamEndCapture` of a capture this thread began on `stream`, then the number of

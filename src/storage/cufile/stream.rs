@@ -202,17 +202,18 @@ impl StreamIo {
         }
         let stream = Arc::clone(buf.stream());
         h.driver().enter(&stream, false)?;
-        // SAFETY: the stream is alive (we hold its Arc).
-        if unsafe { crate::cuda::result::stream::is_capturing(stream.cu_stream()) }? {
-            let call = if write { "write_async" } else { "read_async" };
-            return Err(Error::Unsupported {
-                what: format!("CuFileHandle::{call} on a stream that is capturing a CUDA graph"),
-                cause: crate::Cause::Other {
-                    message: "cuFile's stream API does not work during CUDA graph capture".into(),
-                    fix: "enqueue the IO outside the capture, or use synchronous reads".into(),
-                },
-            });
-        }
+        // SAFETY: the stream is alive (we hold its Arc), its context current (`enter`).
+        let status = unsafe { crate::cuda::result::stream::capture_status(stream.cu_stream()) };
+        crate::cuda::capture_refusal(
+            if write {
+                "CuFileHandle::write_async"
+            } else {
+                "CuFileHandle::read_async"
+            },
+            "cuFile's stream API does not work during CUDA graph capture",
+            "enqueue the IO outside the capture, or use synchronous reads",
+            status,
+        )?;
         // `record` lives until the IO is enqueued (see io_pointer).
         let (ptr, record) = io_pointer(buf, &stream, write);
         let (base, _) = allocation_range(ptr)?;
