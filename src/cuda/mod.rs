@@ -353,6 +353,49 @@ pub(crate) fn refuse_capturing_any<S: AsRef<CudaStream>>(
     Ok(())
 }
 
+/// A blocking stream of a context (`cuStreamCreate`, `CU_STREAM_DEFAULT`: the legacy default
+/// stream and it wait for each other), as C code and other libraries make them and cudarc never
+/// does, for tests of the legacy default stream beside its capture. Synchronized and destroyed
+/// on drop; the [`CudaStream`] it lends borrows the handle (cudarc does not destroy it).
+#[cfg(test)]
+pub(crate) struct BlockingStream {
+    stream: Arc<CudaStream>,
+}
+
+#[cfg(test)]
+impl BlockingStream {
+    /// A new blocking stream of `ctx`.
+    pub(crate) fn new(ctx: &Arc<CudaContext>) -> Result<BlockingStream> {
+        let _current = CurrentContext::bind(ctx)?;
+        // SAFETY: `ctx` is current.
+        let raw = unsafe { result::stream::create_blocking() }?;
+        // SAFETY: `raw` is a live stream of `ctx`, alive until this value's drop, which first
+        // waits for its work; the tests order their work on it themselves.
+        let stream = unsafe { ctx.wrap_borrowed_stream(raw) };
+        Ok(BlockingStream { stream })
+    }
+
+    /// The stream, as cudarc's.
+    pub(crate) fn stream(&self) -> &Arc<CudaStream> {
+        &self.stream
+    }
+}
+
+#[cfg(test)]
+impl Drop for BlockingStream {
+    fn drop(&mut self) {
+        let Ok(_current) = CurrentContext::bind(self.stream.context()) else {
+            return; // leaked
+        };
+        let _ = self.stream.synchronize();
+        // SAFETY: made by `create_blocking`, destroyed once here; the tests hold no clone of
+        // the wrapper past this value (a leaked clone would only see a dead handle's errors).
+        if let Err(e) = unsafe { result::stream::destroy(self.stream.cu_stream()) } {
+            tracing::warn!("destroying a test's blocking stream: {e}");
+        }
+    }
+}
+
 /// Held by the unit tests that hold a stream with a host function (`cuLaunchHostFunc`) and
 /// judge ordering by what completes meanwhile: CUDA may run every host function of the process
 /// on one thread, so two such tests running at once can distort each other's timing.
@@ -384,6 +427,15 @@ mod tests {
     /// a stream not capturing passes; an active or invalidated capture is `Unsupported` naming
     /// the call and the capture, with the caller's cause; a failed query is the driver's error,
     /// naming `cuStreamIsCapturing`.
+    /// A refusal's result as text, through `Display` (an [`Error::Cuda`]'s `Debug` asks libcuda
+    /// to describe its code, and this machine may have none).
+    fn shown(r: &Result<()>) -> String {
+        match r {
+            Ok(()) => "Ok(())".into(),
+            Err(e) => format!("Err({e})"),
+        }
+    }
+
     #[test]
     fn capture_statuses_make_their_refusals() {
         use sys::CUstreamCaptureStatus as S;
@@ -405,7 +457,7 @@ mod tests {
                     );
                     assert_eq!((message.as_str(), fix.as_str()), ("its message", "its fix"));
                 }
-                other => panic!("{status:?}: {other:?}"),
+                other => panic!("{status:?}: {}", shown(&other)),
             }
         }
         match refusal(Err(sys::CUresult::CUDA_ERROR_INVALID_VALUE)) {
@@ -413,7 +465,41 @@ mod tests {
                 op: "cuStreamIsCapturing",
                 source,
             }) => assert_eq!(source.0, sys::CUresult::CUDA_ERROR_INVALID_VALUE),
-            other => panic!("{other:?}"),
+            other => panic!("{}", shown(&other)),
+        }
+    }
+
+    /// The legacy default stream (a null handle: cudarc's `default_stream()`) queried while a
+    /// blocking stream of its context captures a graph: the driver answers
+    /// `CUDA_ERROR_STREAM_CAPTURE_IMPLICIT` (work there would wait for the capture, which CUDA
+    /// refuses until it ends). That is a refusal of the legacy stream with a fix, not a raw
+    /// driver error naming `cuStreamIsCapturing`, which does not say what to do.
+    #[test]
+    fn the_legacy_stream_beside_a_blocking_capture_is_refused_with_a_fix() {
+        let r = capture_refusal(
+            "a call",
+            "its message",
+            "its fix",
+            Err(sys::CUresult::CUDA_ERROR_STREAM_CAPTURE_IMPLICIT),
+        );
+        match r {
+            Err(Error::Unsupported { what, cause }) => {
+                assert!(
+                    what.starts_with("a call on the legacy default stream")
+                        && what.contains("capturing a CUDA graph"),
+                    "{what}"
+                );
+                let (message, fix) = (cause.what(), cause.fix());
+                assert!(
+                    message.contains("CUDA_ERROR_STREAM_CAPTURE_IMPLICIT"),
+                    "{message}"
+                );
+                assert!(
+                    fix.contains("new_stream") && fix.contains("cuStreamEndCapture"),
+                    "{fix}"
+                );
+            }
+            other => panic!("{}", shown(&other)),
         }
     }
 

@@ -321,6 +321,36 @@ pub(crate) mod stream {
         }
     }
 
+    /// `cuStreamCreate` with `CU_STREAM_DEFAULT`: a blocking stream (the legacy default stream
+    /// and it wait for each other), which cudarc never makes (its streams are non-blocking);
+    /// C code and other libraries do (tests of the legacy stream beside such a stream's
+    /// capture). Destroy it with [`destroy`].
+    ///
+    /// # Safety
+    /// A context must be current.
+    #[cfg(test)]
+    pub(crate) unsafe fn create_blocking() -> Result<sys::CUstream> {
+        let mut s: sys::CUstream = std::ptr::null_mut();
+        // SAFETY: a context is current (the caller's contract); `s` is a valid out-pointer.
+        check("cuStreamCreate", unsafe {
+            sys::cuStreamCreate(&mut s, sys::CUstream_flags::CU_STREAM_DEFAULT as u32)
+        })?;
+        Ok(s)
+    }
+
+    /// `cuStreamDestroy` of a stream [`create_blocking`] made.
+    ///
+    /// # Safety
+    /// `stream` must be live, made by [`create_blocking`], destroyed once, and used by nothing
+    /// after.
+    #[cfg(test)]
+    pub(crate) unsafe fn destroy(stream: sys::CUstream) -> Result<()> {
+        // SAFETY: the caller's contract.
+        check("cuStreamDestroy", unsafe {
+            sys::cuStreamDestroy_v2(stream)
+        })
+    }
+
     /// `cuStreamEndCapture` of a capture this thread began on `stream`, then the number of
     /// nodes of the graph it made (`cuGraphGetNodes`; the graph is destroyed): what work was
     /// captured (tests of calls that must refuse a capturing stream).

@@ -1715,6 +1715,116 @@ mod tests {
         assert!(bad.is_empty(), "{}", bad.join("\n"));
     }
 
+    /// The legacy default stream (cudarc's `default_stream()`, a null handle) while a blocking
+    /// stream of its context is capturing a CUDA graph: CUDA answers a query of the legacy
+    /// stream with `CUDA_ERROR_STREAM_CAPTURE_IMPLICIT` and refuses work on it (it would wait
+    /// for the capture) until the capture ends. cudarc's own streams are non-blocking and leave
+    /// the legacy stream alone, so the capturing stream here is made raw (`cuStreamCreate`,
+    /// flags 0, as C code and other libraries make streams: [`crate::cuda::BlockingStream`]).
+    /// In each capture mode (relaxed, thread-local, global; the capture begun and ended on this
+    /// thread, the calls made on another, answering within 5 s or the capture is ended), a
+    /// read and a write with a buffer on the legacy stream must be refused at once with
+    /// [`Error::Unsupported`] naming the legacy default stream, whose fix says to pass a stream
+    /// of one's own (`new_stream`) or to make the call after `cuStreamEndCapture`; nothing may
+    /// go into the capture, and the buffer and the file must be left as they were. Control:
+    /// the driver answers the legacy stream's query with `CUDA_ERROR_STREAM_CAPTURE_IMPLICIT`
+    /// during each capture. On the code before the fix the calls fail with the query's raw
+    /// error, `Error::Cuda` of `cuStreamIsCapturing` (read from the driver's documentation of
+    /// `cuStreamIsCapturing`; GPU-unverified): "not refused as unsupported". Run alone
+    /// (`scripts/gpu-suite`): a capture makes other tests' calls fail.
+    #[test]
+    #[ignore = "needs a CUDA GPU"]
+    fn gpu_storage_transfers_on_the_legacy_stream_beside_a_blocking_capture_are_refused_with_a_fix()
+    {
+        use cudarc::driver::sys::{CUresult, CUstreamCaptureMode as Mode};
+        use std::time::Duration;
+        let ctx = gpu();
+        let blocking = crate::cuda::BlockingStream::new(&ctx).unwrap();
+        let len = 4096 + 13;
+        let (p, data) = random_file("legacy-beside-capture", len, 109);
+        let f = GpuFile::options()
+            .backend(Backend::Engine)
+            .write(true)
+            .open(&p)
+            .unwrap();
+        let legacy = ctx.default_stream();
+        let other = crate::storage::testkit::random(len, 110);
+        let mut dev = legacy.clone_htod(&other).unwrap();
+        legacy.synchronize().unwrap();
+        let mut bad = Vec::new();
+        for mode in [
+            Mode::CU_STREAM_CAPTURE_MODE_RELAXED,
+            Mode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL,
+            Mode::CU_STREAM_CAPTURE_MODE_GLOBAL,
+        ] {
+            let _ = ctx.check_err();
+            blocking.stream().begin_capture(mode).unwrap();
+            // SAFETY: the null handle is the current context's legacy stream (begin_capture
+            // bound the context).
+            let asked =
+                unsafe { crate::cuda::result::stream::capture_status(std::ptr::null_mut()) };
+            if asked != Err(CUresult::CUDA_ERROR_STREAM_CAPTURE_IMPLICIT) {
+                bad.push(format!(
+                    "{mode:?}: control: the legacy stream's query answered {asked:?}, not CUDA_ERROR_STREAM_CAPTURE_IMPLICIT"
+                ));
+            }
+            let (tx, rx) = std::sync::mpsc::channel();
+            let (answers, captured) = std::thread::scope(|sc| {
+                let (f, dev) = (&f, &mut dev);
+                sc.spawn(move || {
+                    let read = f.read_to_device(dev, 0).map(|r| r.bytes);
+                    let write = f.write_from_device(&*dev, 0).map(|r| r.bytes);
+                    let _ = tx.send([("read_to_device", read), ("write_from_device", write)]);
+                });
+                let early = rx.recv_timeout(Duration::from_secs(5));
+                let captured = crate::storage::testkit::end_capture_counting(blocking.stream());
+                let answers = early.map_err(|_| {
+                    rx.recv_timeout(Duration::from_secs(120))
+                        .expect("no answer two minutes after the capture ended")
+                });
+                (answers, captured)
+            });
+            match captured {
+                Ok(0) => {}
+                Ok(n) => bad.push(format!("{mode:?}: {n} operations went into the capture")),
+                Err(e) => bad.push(format!("{mode:?}: {e}")),
+            }
+            let answers = answers.unwrap_or_else(|late| {
+                bad.push(format!(
+                    "{mode:?}: answered only once the capture was ended: {late:?}"
+                ));
+                late
+            });
+            for (call, r) in answers {
+                match &r {
+                    Err(Error::Unsupported { what, cause })
+                        if what.contains("legacy default stream")
+                            && cause.fix().contains("new_stream")
+                            && cause.fix().contains("cuStreamEndCapture") => {}
+                    r => bad.push(format!(
+                        "{mode:?}: {call}: not refused as unsupported on the legacy stream, with its fix: {r:?}"
+                    )),
+                }
+            }
+            if let Err(e) = legacy.synchronize() {
+                bad.push(format!(
+                    "{mode:?}: the legacy stream after the capture: {e}"
+                ));
+            }
+        }
+        match legacy.clone_dtoh(&dev) {
+            Ok(back) if back == other => {}
+            Ok(_) => bad.push("the buffer changed".into()),
+            Err(e) => bad.push(format!("reading the buffer back: {e}")),
+        }
+        if std::fs::read(&p).unwrap() != data {
+            bad.push("the file changed".into());
+        }
+        drop(f);
+        std::fs::remove_file(&p).unwrap();
+        assert!(bad.is_empty(), "{}", bad.join("\n"));
+    }
+
     /// The batches refuse a stream that is capturing a CUDA graph as the single transfers do
     /// (above): at once, with [`Error::Unsupported`] naming the call, before any file is opened
     /// or byte moved. Each case begins a capture on a destination's (or source's) stream and
