@@ -297,7 +297,9 @@ pub fn device_attribute(ordinal: usize, attr: sys::CUdevice_attribute) -> Result
 /// which only its owner (the caller) can do: a call that enqueues work there and waits for it
 /// would wait for itself. Checked before anything is enqueued. The query runs with the
 /// stream's context current (the thread's current context is put back after): a default stream
-/// (a null handle) means the current context's, and the calling thread may have none.
+/// (a null handle) means the current context's, and the calling thread may have none. The
+/// legacy default stream while a blocking stream of its context captures is refused too
+/// ([`capture_refusal`]).
 pub(crate) fn refuse_capturing(stream: &CudaStream, what: &str) -> Result<()> {
     let _current = CurrentContext::bind(stream.context())?;
     // SAFETY: the stream is alive (borrowed), in the current context.
@@ -312,7 +314,11 @@ pub(crate) fn refuse_capturing(stream: &CudaStream, what: &str) -> Result<()> {
 
 /// What a call refusing capturing streams makes of a stream's capture status (`status`, from
 /// `cuStreamIsCapturing`): `Ok` for a stream not capturing, else [`Error::Unsupported`] naming
-/// `what`, whose cause says `message` and `fix`; a failed query is [`Error::Cuda`].
+/// `what`, whose cause says `message` and `fix`. The legacy default stream (a null handle)
+/// queried while a blocking stream (one made without `CU_STREAM_NON_BLOCKING`: not cudarc's) of
+/// its context captures answers `CUDA_ERROR_STREAM_CAPTURE_IMPLICIT`, and CUDA refuses work on
+/// it until that capture ends: [`Error::Unsupported`] naming the legacy default stream, with
+/// its own fix. Any other failed query is [`Error::Cuda`].
 pub(crate) fn capture_refusal(
     what: &str,
     message: &str,
@@ -326,6 +332,21 @@ pub(crate) fn capture_refusal(
             cause: crate::Cause::Other {
                 message: message.into(),
                 fix: fix.into(),
+            },
+        }),
+        Err(sys::CUresult::CUDA_ERROR_STREAM_CAPTURE_IMPLICIT) => Err(Error::Unsupported {
+            what: format!(
+                "{what} on the legacy default stream while a blocking stream of its context is capturing a CUDA graph"
+            ),
+            cause: crate::Cause::Other {
+                message: "work on the legacy default stream would wait for the capturing stream, \
+                          which CUDA refuses until the capture ends \
+                          (cuStreamIsCapturing: CUDA_ERROR_STREAM_CAPTURE_IMPLICIT)"
+                    .into(),
+                fix: "pass a stream of your own (CudaContext::new_stream makes non-blocking \
+                      streams, which a capture leaves alone), or make the call before \
+                      cuStreamBeginCapture or after cuStreamEndCapture on the capturing stream"
+                    .into(),
             },
         }),
         Err(rc) => Err(Error::cuda(
