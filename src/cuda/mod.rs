@@ -307,14 +307,27 @@ pub(crate) fn refuse_capturing(stream: &CudaStream, what: &str) -> Result<()> {
     capture_refusal(
         what,
         "the transfer waits for its own work on the stream, which a capture does not run",
-        "make the call before cuStreamBeginCapture or after cuStreamEndCapture, or on another stream",
         status,
     )
 }
 
+/// The fix a capture refusal gives. Another stream helps only as far as the capture's mode
+/// allows, and CUDA does not say which mode a capture runs in (`cuStreamIsCapturing` and
+/// `cuStreamGetCaptureInfo` give its status, id, graph and dependencies), so the fix names all
+/// three (`cuThreadExchangeStreamCaptureMode`'s rules): during a relaxed capture nothing else
+/// is restricted; during a thread-local one the capturing thread may not make the calls CUDA
+/// deems unsafe in a capture (`cuMemAlloc` among them); during a global one no thread in
+/// CUDA's default mode may (gpudirect's transfer and engine threads are), until it ends.
+pub(crate) const CAPTURE_FIX: &str = "make the call before cuStreamBeginCapture or after \
+    cuStreamEndCapture, or pass a stream that is not capturing: from any thread while the \
+    capture is in CU_STREAM_CAPTURE_MODE_RELAXED, from a thread other than the capturing one \
+    in CU_STREAM_CAPTURE_MODE_THREAD_LOCAL, and not at all in CU_STREAM_CAPTURE_MODE_GLOBAL \
+    (CUDA then refuses on every thread the calls it deems unsafe during a capture, such as \
+    cuMemAlloc, which a transfer may make)";
+
 /// What a call refusing capturing streams makes of a stream's capture status (`status`, from
 /// `cuStreamIsCapturing`): `Ok` for a stream not capturing, else [`Error::Unsupported`] naming
-/// `what`, whose cause says `message` and `fix`. The legacy default stream (a null handle)
+/// `what`, whose cause says `message` and [`CAPTURE_FIX`]. The legacy default stream (a null handle)
 /// queried while a blocking stream (one made without `CU_STREAM_NON_BLOCKING`: not cudarc's) of
 /// its context captures answers `CUDA_ERROR_STREAM_CAPTURE_IMPLICIT`, and CUDA refuses work on
 /// it until that capture ends: [`Error::Unsupported`] naming the legacy default stream, with
@@ -322,7 +335,6 @@ pub(crate) fn refuse_capturing(stream: &CudaStream, what: &str) -> Result<()> {
 pub(crate) fn capture_refusal(
     what: &str,
     message: &str,
-    fix: &str,
     status: std::result::Result<sys::CUstreamCaptureStatus, sys::CUresult>,
 ) -> Result<()> {
     match status {
@@ -331,7 +343,7 @@ pub(crate) fn capture_refusal(
             what: format!("{what} on a stream that is capturing a CUDA graph"),
             cause: crate::Cause::Other {
                 message: message.into(),
-                fix: fix.into(),
+                fix: CAPTURE_FIX.into(),
             },
         }),
         Err(sys::CUresult::CUDA_ERROR_STREAM_CAPTURE_IMPLICIT) => Err(Error::Unsupported {
@@ -460,7 +472,7 @@ mod tests {
     #[test]
     fn capture_statuses_make_their_refusals() {
         use sys::CUstreamCaptureStatus as S;
-        let refusal = |status| capture_refusal("a call", "its message", "its fix", status);
+        let refusal = |status| capture_refusal("a call", "its message", status);
         assert!(refusal(Ok(S::CU_STREAM_CAPTURE_STATUS_NONE)).is_ok());
         for status in [
             S::CU_STREAM_CAPTURE_STATUS_ACTIVE,
@@ -476,7 +488,10 @@ mod tests {
                             && what.contains("capturing a CUDA graph"),
                         "{status:?}: {what}"
                     );
-                    assert_eq!((message.as_str(), fix.as_str()), ("its message", "its fix"));
+                    assert_eq!(
+                        (message.as_str(), fix.as_str()),
+                        ("its message", CAPTURE_FIX)
+                    );
                 }
                 other => panic!("{status:?}: {}", shown(&other)),
             }
@@ -500,7 +515,6 @@ mod tests {
         let r = capture_refusal(
             "a call",
             "its message",
-            "its fix",
             Err(sys::CUresult::CUDA_ERROR_STREAM_CAPTURE_IMPLICIT),
         );
         match r {
@@ -520,6 +534,61 @@ mod tests {
                     "{fix}"
                 );
             }
+            other => panic!("{}", shown(&other)),
+        }
+    }
+
+    /// What a capture refusal's fix must say to be right in every capture mode (CUDA does not
+    /// say a capture's mode): before the capture or after it, or a stream that is not
+    /// capturing, as the mode allows: any thread in relaxed mode, another thread than the
+    /// capturing one in thread-local mode, and not in global mode. What it lacks, one line per
+    /// finding.
+    fn capture_fix_findings(fix: &str) -> Vec<String> {
+        let mut bad = Vec::new();
+        for (needed, why) in [
+            ("before cuStreamBeginCapture", "the call before the capture"),
+            ("after cuStreamEndCapture", "the call after the capture"),
+            ("not capturing", "a stream that is not capturing"),
+            ("CU_STREAM_CAPTURE_MODE_RELAXED", "the relaxed mode's rule"),
+            (
+                "CU_STREAM_CAPTURE_MODE_THREAD_LOCAL",
+                "the thread-local mode's rule",
+            ),
+            (
+                "other than the capturing",
+                "the thread-local mode's other thread",
+            ),
+            ("CU_STREAM_CAPTURE_MODE_GLOBAL", "the global mode's rule"),
+            (
+                "not at all",
+                "that another stream does not help in global mode",
+            ),
+        ] {
+            if !fix.contains(needed) {
+                bad.push(format!("no {why} ({needed:?})"));
+            }
+        }
+        bad
+    }
+
+    /// Review (capture modes): a capture refusal's fix used to send the caller to "another
+    /// stream" unconditionally (refuse_capturing's "make the call before cuStreamBeginCapture
+    /// or after cuStreamEndCapture, or on another stream"; the cuFile stream calls' "enqueue
+    /// the IO outside the capture, or use synchronous reads", which a capture refuses as
+    /// well), which during a global-mode capture fails on every thread and during a
+    /// thread-local one on the capturing thread. The fix every refusal gives
+    /// ([`CAPTURE_FIX`], through [`capture_refusal`]) names each mode's rule.
+    #[test]
+    fn a_capture_refusals_fix_holds_in_every_capture_mode() {
+        let bad = capture_fix_findings(CAPTURE_FIX);
+        assert!(bad.is_empty(), "{CAPTURE_FIX}:\n{}", bad.join("\n"));
+        let r = capture_refusal(
+            "a call",
+            "its message",
+            Ok(sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_ACTIVE),
+        );
+        match r {
+            Err(Error::Unsupported { cause, .. }) => assert_eq!(cause.fix(), CAPTURE_FIX),
             other => panic!("{}", shown(&other)),
         }
     }

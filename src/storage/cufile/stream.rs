@@ -211,7 +211,6 @@ impl StreamIo {
                 "CuFileHandle::read_async"
             },
             "cuFile's stream API does not work during CUDA graph capture",
-            "enqueue the IO outside the capture, or use synchronous reads",
             status,
         )?;
         // `record` lives until the IO is enqueued (see io_pointer).
