@@ -2026,7 +2026,12 @@ mod tests {
     /// On the code before the fix the loads failed with the batch's raw CUDA error
     /// (cuEventSynchronize of the event the capture took) after opening the checkpoint, an
     /// owned load after allocating its tensors, and a save after creating its temporary file:
-    /// "not refused as unsupported".
+    /// "not refused as unsupported". The multi-GPU loads run on the capturing stream alone:
+    /// `load_replicated` onto one GPU (the plain load's path) and `load_placed` with every
+    /// tensor put on that GPU (the fan-out's path: its warm-up and reading threads); both refuse
+    /// every stream they are given before the plan (`refuse_capturing_any`). A capture on one
+    /// of several GPUs' streams needs two GPUs: two streams of one GPU are refused before the
+    /// capture check, as `InvalidArgument`.
     #[test]
     #[ignore = "needs a CUDA GPU"]
     fn gpu_safetensors_calls_on_a_capturing_stream_are_refused_at_once() {
@@ -2037,6 +2042,8 @@ mod tests {
             ("safetensors::load", small),
             ("safetensors::load_owned", large),
             ("safetensors::save", small),
+            ("safetensors::load_replicated", small),
+            ("safetensors::load_placed", large),
         ];
         // The loads read a checkpoint of one u8 tensor holding the random bytes.
         let prepare = |case: &str, p: &std::path::Path, data: Vec<u8>| -> Vec<u8> {
@@ -2061,6 +2068,16 @@ mod tests {
                 "safetensors::load_owned" => {
                     crate::safetensors::load_owned(p, s).map(|c| c.report().bytes as usize)
                 }
+                "safetensors::load_replicated" => {
+                    crate::safetensors::load_replicated(p, std::slice::from_ref(s))
+                        .map(|c| c.report().bytes as usize)
+                }
+                "safetensors::load_placed" => crate::safetensors::load_placed(
+                    p,
+                    &crate::safetensors::Placement::new().put("*", [s.context().ordinal()]),
+                    std::slice::from_ref(s),
+                )
+                .map(|c| c.report().bytes as usize),
                 "safetensors::save" => crate::safetensors::save(
                     out,
                     [("t", crate::safetensors::SaveTensor::from_slice(&*dev))],
