@@ -954,6 +954,41 @@ mod tests {
         );
     }
 
+    /// Review (fan-out threads, follow-up): when the OS refuses a reading thread after others
+    /// started, a started reader's own error is the load's error, not the refusal, which only
+    /// stopped the readers after it (the code before returned the `pthread_create` error and
+    /// dropped the started readers' results, errors too). The hook lets 1, then 2 of 3 threads
+    /// start: with 1, item 0 fails at once; with 2, item 0 waits for the cancel and returns
+    /// fine while item 1 fails. Each must come back as that item's error. A refusal with no
+    /// failed reader stays the `pthread_create` error (the test above).
+    #[test]
+    fn a_started_readers_error_is_not_hidden_by_a_refused_thread() {
+        use std::time::{Duration, Instant};
+        for (allowed, failing) in [(1usize, 0usize), (2, 1)] {
+            let cancel = AtomicBool::new(false);
+            SPAWNS_LEFT.with(|c| c.set(Some(allowed)));
+            let t0 = Instant::now();
+            let r = on_threads(vec![0usize, 1, 2], &cancel, |i| {
+                if i == failing {
+                    return Err(Error::InvalidArgument(format!("item {i}'s own error")));
+                }
+                while t0.elapsed() < Duration::from_secs(10) && !cancel.load(Ordering::Relaxed) {
+                    std::thread::sleep(Duration::from_millis(1));
+                }
+                Ok(i)
+            });
+            SPAWNS_LEFT.with(|c| c.set(None));
+            match &r {
+                Err(Error::InvalidArgument(m)) if *m == format!("item {failing}'s own error") => {}
+                Err(e) => panic!("{allowed} started, item {failing} failed: the load says `{e}`"),
+                Ok(v) => panic!(
+                    "{allowed} started, item {failing} failed: Ok ({} results)",
+                    v.len()
+                ),
+            }
+        }
+    }
+
     /// With the OS refusing every thread for real (a child process, see `NO_THREADS_CHILD`),
     /// the readers' threads are an [`Error::Io`] of `pthread_create`, and no item runs.
     #[test]
