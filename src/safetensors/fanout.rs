@@ -668,9 +668,11 @@ impl Drop for CancelOnUnwind<'_> {
 /// the reading GPUs: at most one per GPU of the machine (each GPU once, `check_devices`), so the
 /// count needs no further cap. A `work` that fails, or panics (an [`Error::InvalidArgument`]
 /// then), sets `cancel`, which the others check between segments. A thread the OS refuses sets
-/// `cancel` and starts no further one, and is the error ([`Error::Io`] of `pthread_create`)
-/// once the threads already started have returned (their results are dropped): no panic, and
-/// no thread is left waiting for one that never started (the readers wait for no other).
+/// `cancel` and starts no further one; once the threads already started have returned, the
+/// error is the first of their own errors, in item order (what failed in a reader that ran is
+/// the load's failure; the refusal is then logged), else the refusal ([`Error::Io`] of
+/// `pthread_create`); their other results are dropped. No panic, and no thread is left waiting
+/// for one that never started (the readers wait for no other).
 fn on_threads<I: Send, T: Send>(
     items: Vec<I>,
     cancel: &AtomicBool,
@@ -709,8 +711,16 @@ fn on_threads<I: Send, T: Send>(
             })
             .collect();
         match refused {
-            Some(e) => Err(e),
             None => Ok(parts),
+            Some(refusal) => match parts.into_iter().find_map(|p| p.err()) {
+                Some(own) => {
+                    tracing::warn!(
+                        "a fan-out reading thread was refused ({refusal}) after a started reader failed; reporting the reader's error"
+                    );
+                    Err(own)
+                }
+                None => Err(refusal),
+            },
         }
     })
 }
