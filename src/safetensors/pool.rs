@@ -43,6 +43,11 @@ pub(super) fn map_indexed<T: Send>(
     };
     let spawned = std::thread::scope(|s| {
         for _ in 0..n.min(MAX_WORKERS) {
+            #[cfg(test)]
+            if tests::spawn_refused() {
+                stop.store(true, Ordering::Relaxed);
+                return Err(std::io::Error::other("test: spawn refused"));
+            }
             if let Err(e) = std::thread::Builder::new().spawn_scoped(s, work) {
                 stop.store(true, Ordering::Relaxed);
                 return Err(e);
@@ -75,6 +80,61 @@ pub(super) fn map_indexed<T: Send>(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Test hook: asked before each worker thread starts; `true` refuses it.
+    type SpawnHook = Box<dyn FnMut() -> bool>;
+
+    thread_local! {
+        /// The hook of the calling thread's `map_indexed` calls (`None`: no hook).
+        static SPAWN_HOOK: std::cell::RefCell<Option<SpawnHook>> = const { std::cell::RefCell::new(None) };
+    }
+
+    /// Whether the hook refuses this spawn.
+    pub(super) fn spawn_refused() -> bool {
+        SPAWN_HOOK.with(|h| h.borrow_mut().as_mut().is_some_and(|f| f()))
+    }
+
+    /// A worker that ran an index which failed must be the call's error when the OS refuses a
+    /// later worker thread, not the `pthread_create` refusal (which only stopped the workers
+    /// from taking further indices). The hook lets one worker start and refuses the second
+    /// once that worker has run index 0, which fails; the call's first error, in index order,
+    /// must be index 0's. The code before returned the refusal and dropped every result.
+    #[test]
+    fn a_started_workers_error_is_not_hidden_by_a_refused_thread() {
+        use std::sync::Arc;
+        use std::time::{Duration, Instant};
+        let ran0 = Arc::new(AtomicBool::new(false));
+        let seen = Arc::clone(&ran0);
+        let mut spawns = 0;
+        SPAWN_HOOK.with(|h| {
+            *h.borrow_mut() = Some(Box::new(move || {
+                spawns += 1;
+                if spawns == 1 {
+                    return false;
+                }
+                let t0 = Instant::now();
+                while !seen.load(Ordering::SeqCst) && t0.elapsed() < Duration::from_secs(10) {
+                    std::thread::sleep(Duration::from_millis(1));
+                }
+                true
+            }))
+        });
+        let r = map_indexed(4, 0, |i| {
+            if i == 0 {
+                ran0.store(true, Ordering::SeqCst);
+                return Err(Error::InvalidArgument("index 0's own error".into()));
+            }
+            Ok(i)
+        });
+        SPAWN_HOOK.with(|h| *h.borrow_mut() = None);
+        assert!(ran0.load(Ordering::SeqCst), "control: index 0 never ran");
+        let first: Result<Vec<usize>> = r.and_then(|v| v.into_iter().collect());
+        match first {
+            Err(Error::InvalidArgument(m)) if m == "index 0's own error" => {}
+            Err(e) => panic!("the call says `{e}`"),
+            Ok(v) => panic!("Ok: {v:?}"),
+        }
+    }
 
     /// Every index once, results in order, never more than MAX_WORKERS at once; a panic is an
     /// error.
