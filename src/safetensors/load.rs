@@ -1062,9 +1062,7 @@ fn open_files(
         Ok(Some(f))
     };
     // One on the calling thread; more on the room's capped pool (at most 16 opens at once).
-    super::pool::map_indexed(shards.len(), 1, open)?
-        .into_iter()
-        .collect()
+    super::pool::map_indexed(shards.len(), 1, open)
 }
 
 pub(super) fn check_memory(stream: &Arc<CudaStream>, cat: &Catalog, needed: u64) -> Result<()> {

@@ -12,21 +12,24 @@ use crate::error::{Error, Result};
 /// The most threads one call runs.
 pub(super) const MAX_WORKERS: usize = 16;
 
-/// `f(0)`, …, `f(n - 1)`, in order: on the calling thread when `n <= alone`, else on
-/// `min(n, MAX_WORKERS)` scoped threads. A thread the OS refuses is an [`Error::Io`]
-/// (`pthread_create`: no further index is started, the threads already running finish theirs);
-/// a panic in `f` is an [`Error::InvalidArgument`] naming it, not a panic of the caller.
+/// `f(0)`, …, `f(n - 1)`, in order: on the calling thread when `n <= alone` (stopping at the
+/// first error), else on `min(n, MAX_WORKERS)` scoped threads. The error is the first, in index
+/// order, of those the indices that ran returned; a panic in `f` is an
+/// [`Error::InvalidArgument`] naming it, not a panic of the caller (and no further index
+/// starts). A thread the OS refuses is an [`Error::Io`] (`pthread_create`: no further index is
+/// started, the threads already running finish theirs) when no index that ran failed (else it
+/// is logged).
 pub(super) fn map_indexed<T: Send>(
     n: usize,
     alone: usize,
-    f: impl Fn(usize) -> T + Sync,
+    f: impl Fn(usize) -> Result<T> + Sync,
 ) -> Result<Vec<T>> {
     if n <= alone {
-        return Ok((0..n).map(f).collect());
+        return (0..n).map(f).collect();
     }
     let next = AtomicUsize::new(0);
     let stop = AtomicBool::new(false);
-    let slots: Vec<Mutex<Option<std::thread::Result<T>>>> =
+    let slots: Vec<Mutex<Option<std::thread::Result<Result<T>>>>> =
         (0..n).map(|_| Mutex::new(None)).collect();
     let work = || {
         while !stop.load(Ordering::Relaxed) {
@@ -55,26 +58,42 @@ pub(super) fn map_indexed<T: Send>(
         }
         Ok(())
     });
-    spawned.map_err(|e| Error::io("pthread_create", None, e))?;
-    slots
-        .into_iter()
-        .map(|m| match m.into_inner().unwrap_or_else(|e| e.into_inner()) {
-            Some(Ok(v)) => Ok(v),
+    let mut out = Vec::with_capacity(n);
+    let mut first = None;
+    for m in slots {
+        match m.into_inner().unwrap_or_else(|e| e.into_inner()) {
+            Some(Ok(Ok(v))) => out.push(v),
+            Some(Ok(Err(e))) => {
+                first.get_or_insert(e);
+            }
             Some(Err(p)) => {
                 let what = p
                     .downcast_ref::<&str>()
                     .map(|s| s.to_string())
                     .or_else(|| p.downcast_ref::<String>().cloned())
                     .unwrap_or_default();
-                Err(Error::InvalidArgument(format!(
+                first.get_or_insert(Error::InvalidArgument(format!(
                     "a checkpoint worker thread panicked (a bug in gpudirect, please report it): {what}"
-                )))
+                )));
             }
-            None => Err(Error::InvalidArgument(
-                "a checkpoint worker thread stopped before its work (another one panicked)".into(),
-            )),
-        })
-        .collect()
+            // Not started: a refused thread or a panic stopped the workers (reported here).
+            None => {}
+        }
+    }
+    match (first, spawned) {
+        (Some(e), Err(refusal)) => {
+            tracing::warn!(
+                "a checkpoint worker thread was refused ({refusal}) after a started one failed; reporting that failure"
+            );
+            Err(e)
+        }
+        (Some(e), Ok(())) => Err(e),
+        (None, Err(refusal)) => Err(Error::io("pthread_create", None, refusal)),
+        (None, Ok(())) if out.len() == n => Ok(out),
+        (None, Ok(())) => Err(Error::InvalidArgument(
+            "internal: a checkpoint worker thread stopped before its work".into(),
+        )),
+    }
 }
 
 #[cfg(test)]
@@ -128,8 +147,7 @@ mod tests {
         });
         SPAWN_HOOK.with(|h| *h.borrow_mut() = None);
         assert!(ran0.load(Ordering::SeqCst), "control: index 0 never ran");
-        let first: Result<Vec<usize>> = r.and_then(|v| v.into_iter().collect());
-        match first {
+        match r {
             Err(Error::InvalidArgument(m)) if m == "index 0's own error" => {}
             Err(e) => panic!("the call says `{e}`"),
             Ok(v) => panic!("Ok: {v:?}"),
@@ -150,7 +168,7 @@ mod tests {
                 threads.lock().unwrap().insert(std::thread::current().id());
                 std::thread::sleep(std::time::Duration::from_millis(2));
                 running.fetch_sub(1, Ordering::SeqCst);
-                i * 3
+                Ok(i * 3)
             })
             .unwrap();
             assert_eq!(v, (0..n).map(|i| i * 3).collect::<Vec<_>>());
@@ -166,7 +184,7 @@ mod tests {
             if i == 2 {
                 panic!("index two")
             }
-            i
+            Ok(i)
         });
         assert!(
             matches!(r, Err(Error::InvalidArgument(ref m)) if m.contains("panicked")),
@@ -176,7 +194,7 @@ mod tests {
 
     fn threads_contain_caller(n: usize) -> bool {
         let me = std::thread::current().id();
-        map_indexed(n, 1, |_| std::thread::current().id() == me)
+        map_indexed(n, 1, |_| Ok(std::thread::current().id() == me))
             .unwrap()
             .into_iter()
             .any(|x| x)

@@ -287,8 +287,7 @@ pub(crate) fn read_shards(r: &Resolved) -> Result<Vec<Shard>> {
     // Two in turn; more on the room's capped pool (at most 16 headers in flight).
     let headers = super::pool::map_indexed(r.files.len(), 2, |i| header::read(&r.files[i]))?;
     let mut shards = Vec::with_capacity(r.files.len());
-    for (path, h) in r.files.iter().zip(headers) {
-        let (header, stamp) = h?;
+    for (path, (header, stamp)) in r.files.iter().zip(headers) {
         shards.push(Shard {
             path: path.clone(),
             header,
