@@ -122,9 +122,11 @@ mod tests {
     /// ([`BufferError`](super::BufferError)), the three calls that own their buffer dropped it
     /// inside the call, and its free went into the capture ("operations went into the caller's
     /// graph", an ending that failed, or "a CUDA error in the context object"; read from cudarc
-    /// 0.19.10's `CudaSlice` drop and the driver's `cuMemFreeAsync` contract in a capture, not
-    /// yet seen on a GPU); now the buffer must come back with its bytes, and take a read after
-    /// the capture. Needs the cuFile driver to register files: run with
+    /// 0.19.10's `CudaSlice` drop and the driver's `cuMemFreeAsync` contract in a capture). On
+    /// the H200 (2026-12-02, main `c065100`, the test's earlier form, which then only checked
+    /// the stream after the capture) all three failed so: "the stream after the capture:
+    /// CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED"; now the buffer must come back with its bytes,
+    /// and take a read after the capture. Needs the cuFile driver to register files: run with
     /// `GPUDIRECT_TEST_UDEV_FIX=1` (as root) where `/run/udev` is missing; without it, a
     /// registration refused for the missing udev record (the machine's documented state) is
     /// reported and checks nothing further. Run alone (scripts/gpu-suite): a capture makes
