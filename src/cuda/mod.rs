@@ -239,15 +239,24 @@ pub fn context(ordinal: usize) -> Result<Arc<CudaContext>> {
 }
 
 /// A stream of `ctx`'s context for gpudirect's own work (the storage engine's ring and worker
-/// lanes, small transfers' side streams, peer-copy lanes), created through a `CudaContext`
-/// object of gpudirect's own for that device whose event tracking is off. cudarc's
-/// `CudaContext::new_stream` synchronizes the whole context (`cuCtxSynchronize`) when it creates
+/// lanes, small transfers' side streams, peer-copy lanes), created through [`own_object`].
+/// cudarc's `CudaContext::new_stream` synchronizes the whole context (`cuCtxSynchronize`) when it creates
 /// the first stream of an object that tracks events, as an object used only through
 /// `default_stream()` is: inside a transfer that would wait for every other stream's work in
-/// the process. The object is used for streams and events only, never to allocate a cudarc
-/// slice (whose uses it would then not track). Falls back to `ctx.new_stream()` for a context
-/// that is not its device's primary one.
+/// the process.
 pub(crate) fn own_stream(ctx: &Arc<CudaContext>) -> Result<Arc<CudaStream>> {
+    // cudarc binds the context it creates the stream in: put back what was.
+    let _restore = CurrentContext::save();
+    own_object(ctx)
+        .new_stream()
+        .map_err(|e| Error::cuda("cuStreamCreate", e))
+}
+
+/// gpudirect's own `CudaContext` object for `ctx`'s context, whose event tracking is off (made
+/// once per context and kept for the process), for gpudirect's streams and events. The object
+/// is used for streams and events only, never to allocate a cudarc slice (whose uses it would
+/// then not track). `ctx` itself for a context that is not its device's primary one.
+pub(crate) fn own_object(ctx: &Arc<CudaContext>) -> Arc<CudaContext> {
     static OWN: std::sync::Mutex<Vec<Arc<CudaContext>>> = std::sync::Mutex::new(Vec::new());
     // cudarc's CudaContext::new binds the primary context to this thread: put back what was.
     let _restore = CurrentContext::save();
@@ -270,10 +279,7 @@ pub(crate) fn own_stream(ctx: &Arc<CudaContext>) -> Result<Arc<CudaStream>> {
             },
         }
     };
-    own.as_ref()
-        .unwrap_or(ctx)
-        .new_stream()
-        .map_err(|e| Error::cuda("cuStreamCreate", e))
+    own.unwrap_or_else(|| ctx.clone())
 }
 
 /// Whether `ctx`'s device's primary context is active (`cuDevicePrimaryCtxGetState`; false
