@@ -54,6 +54,7 @@ mod bits;
 mod current;
 pub mod device;
 pub(crate) mod dmabuf;
+pub(crate) mod events;
 mod memory;
 mod pointer;
 pub(crate) mod result;

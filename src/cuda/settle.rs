@@ -175,7 +175,7 @@ fn poll(
 ///
 /// # Safety
 /// `ctx` must be a live context.
-unsafe fn make_current(ctx: sys::CUcontext) -> sys::CUresult {
+pub(super) unsafe fn make_current(ctx: sys::CUcontext) -> sys::CUresult {
     if super::result::ctx::current() == Some(ctx) {
         return sys::CUresult::CUDA_SUCCESS;
     }

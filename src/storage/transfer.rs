@@ -109,9 +109,11 @@ impl TransferControl {
     }
 }
 
-/// An event recorded on a buffer's stream at a transfer's call, and which stream that was.
+/// An event recorded on a buffer's stream at a transfer's call, and which stream that was. The
+/// event is the context's pooled one (`crate::cuda::events`): the call makes no event, and the
+/// gate gives it back when dropped, after the IO whose waits it orders.
 pub(super) struct Gate {
-    event: CudaEvent,
+    event: crate::cuda::events::Events,
     /// `(context, stream)` handles, as addresses.
     on: (usize, usize),
 }
@@ -168,7 +170,7 @@ impl<'a> Ctl<'a> {
     fn gate_on(&self, stream: &CudaStream) -> Option<&'a CudaEvent> {
         self.gate
             .filter(|g| g.on == stream_key(stream))
-            .map(|g| &g.event)
+            .map(|g| &g.event[0])
     }
 
     /// Refuses a transfer of `total` bytes whose control is cancelled before it starts, and
@@ -381,7 +383,9 @@ impl<B> Shared<B> {
 /// The IO runs on a transfer thread (a small pool that grows with the transfers in flight and
 /// shrinks after `GPUDIRECT_ENGINE_IDLE_MS`, 5 s by default), which runs the same code as the blocking calls;
 /// the calling thread only records where the transfer sits in the buffer's stream (one
-/// `cuEventRecord`) and hands the work over, which takes microseconds.
+/// `cuEventRecord`, of an event kept from earlier transfers: the call makes none, as
+/// `cuEventCreate` waits while another thread of the process unregisters host memory) and
+/// hands the work over, which takes microseconds.
 ///
 /// # Stream order
 /// At the call, the buffer's stream is made to wait for the buffer's pending users on other
@@ -479,9 +483,16 @@ impl<B: Send + 'static> Transfer<B> {
                     State::Panicked(p)
                 }
             };
-            // The gate is dropped after the IO that waited for it.
+            // The gate is given back after the IO that waited for it (its event's every
+            // cuStreamWaitEvent was made, every host wait on it returned: `ctl` borrowed it).
+            let events = gate.as_ref().map(|g| g.event.pool().clone());
             drop(gate);
             s.complete(end);
+            // Off every caller's path: idle events ready for the next calls (making one may
+            // wait, see crate::cuda::events).
+            if let Some(Err(e)) = events.map(|p| p.top_up()) {
+                tracing::debug!(%e, "gpudirect: topping up the transfer events failed");
+            }
         }));
         Transfer { shared }
     }
@@ -708,7 +719,7 @@ fn gate_dst<D: DeviceDst + ?Sized>(dst: &mut D, call: &str) -> Result<Gate> {
     crate::cuda::refuse_capturing(&stream, &format!("{call}: a read into device memory"))?;
     let (_ptr, _record) = v.device_ptr_mut(&stream);
     Ok(Gate {
-        event: record(&stream)?,
+        event: crate::cuda::events::record(&stream)?,
         on: stream_key(&stream),
     })
 }
@@ -719,7 +730,7 @@ fn gate_src<S: DeviceSrc + ?Sized>(src: &S, call: &str) -> Result<Gate> {
     crate::cuda::refuse_capturing(&stream, &format!("{call}: a write from device memory"))?;
     let (_ptr, _record) = v.device_ptr(&stream);
     Ok(Gate {
-        event: record(&stream)?,
+        event: crate::cuda::events::record(&stream)?,
         on: stream_key(&stream),
     })
 }
