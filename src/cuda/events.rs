@@ -236,10 +236,76 @@ pub(crate) fn take(ctx: &Arc<CudaContext>, n: usize) -> Result<Events> {
 /// An event of `stream`'s context recorded on `stream` now (`cuEventRecord` through the result
 /// layer, after making the stream's context current: an error an earlier call left in a cudarc
 /// object does not fail it).
-pub(crate) fn record(stream: &Arc<CudaStream>) -> Result<Events> {
+pub(crate) fn record(stream: &CudaStream) -> Result<Events> {
     let e = take(stream.context(), 1)?;
     record_on(&e[0], stream)?;
     Ok(e)
+}
+
+/// Events recorded now, one on each of some streams ([`record_each`]): pooled when the streams
+/// share a context, made for the call otherwise.
+pub(crate) enum Recorded {
+    /// From the streams' context's pool.
+    Pooled(Events),
+    /// Made now (streams of several contexts, or none).
+    Made(Vec<CudaEvent>),
+}
+
+impl Recorded {
+    /// No event (no stream to order after).
+    pub(crate) fn none() -> Recorded {
+        Recorded::Made(Vec::new())
+    }
+}
+
+impl Deref for Recorded {
+    type Target = [CudaEvent];
+
+    fn deref(&self) -> &[CudaEvent] {
+        match self {
+            Recorded::Pooled(e) => e,
+            Recorded::Made(v) => v,
+        }
+    }
+}
+
+/// An event recorded now on each distinct stream of `streams` (by context and handle: every
+/// context's default stream is the null handle), in the order they first appear. From the
+/// pool of their context when they share one (the batches': one context per batch); made now,
+/// as cudarc's `record_event` does, when they span several.
+pub(crate) fn record_each<S: AsRef<CudaStream>>(
+    streams: impl IntoIterator<Item = S>,
+) -> Result<Recorded> {
+    let mut distinct: Vec<S> = Vec::new();
+    for s in streams {
+        let key = |s: &CudaStream| (s.context().cu_ctx(), s.cu_stream());
+        if !distinct.iter().any(|d| key(d.as_ref()) == key(s.as_ref())) {
+            distinct.push(s);
+        }
+    }
+    let Some(first) = distinct.first() else {
+        return Ok(Recorded::none());
+    };
+    let ctx = first.as_ref().context();
+    if distinct
+        .iter()
+        .all(|s| s.as_ref().context().cu_ctx() == ctx.cu_ctx())
+    {
+        let events = take(ctx, distinct.len())?;
+        for (e, s) in events.iter().zip(&distinct) {
+            record_on(e, s.as_ref())?;
+        }
+        return Ok(Recorded::Pooled(events));
+    }
+    distinct
+        .iter()
+        .map(|s| {
+            s.as_ref()
+                .record_event(Some(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING))
+                .map_err(|e| Error::cuda("cuEventRecord", e))
+        })
+        .collect::<Result<Vec<_>>>()
+        .map(Recorded::Made)
 }
 
 /// `cuEventRecord` of `event` on `stream` (of the same context), through the result layer.

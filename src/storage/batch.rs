@@ -1849,25 +1849,13 @@ fn clone_open_error(e: &Error) -> Error {
     }
 }
 
-/// An event recorded now on every distinct stream of `streams`. The caller waits for them
-/// before the job (the work queued on the streams before now, not what other threads queue
-/// later: the engine runs one job per GPU at a time, so its jobs must not wait for kernels on
-/// the device), and the engine's copies wait for them too.
-fn stream_events(streams: &[Arc<CudaStream>]) -> Result<Vec<cudarc::driver::CudaEvent>> {
-    let mut seen: Vec<cudarc::driver::sys::CUstream> = Vec::new();
-    let mut events = Vec::new();
-    for s in streams {
-        if !seen.contains(&s.cu_stream()) {
-            events.push(
-                s.record_event(Some(
-                    cudarc::driver::sys::CUevent_flags::CU_EVENT_DISABLE_TIMING,
-                ))
-                .map_err(|e| Error::cuda("cuEventRecord", e))?,
-            );
-            seen.push(s.cu_stream());
-        }
-    }
-    Ok(events)
+/// An event recorded now on every distinct stream of `streams` (pooled: the call makes none,
+/// see `crate::cuda::events`). The caller waits for them before the job (the work queued on
+/// the streams before now, not what other threads queue later: the engine runs one job per GPU
+/// at a time, so its jobs must not wait for kernels on the device), and the engine's copies
+/// wait for them too; the events go back to their pool when the result drops, after the job.
+fn stream_events(streams: &[Arc<CudaStream>]) -> Result<crate::cuda::events::Recorded> {
+    crate::cuda::events::record_each(streams)
 }
 
 /// One item of [`read_many`]: `len` bytes at `file_offset` of `path` into the destination at
@@ -2251,7 +2239,7 @@ impl<'a> WriteBatch<'a> {
             let after = if ctx.is_some() {
                 stream_events(&streams)?
             } else {
-                Vec::new()
+                crate::cuda::events::Recorded::none()
             };
             ctl.wait_for(&after, total)?;
             let dev = ctx.as_ref().map(|c| c.ordinal());

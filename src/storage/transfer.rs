@@ -10,9 +10,7 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::task::Waker;
 use std::time::{Duration, Instant};
 
-use cudarc::driver::{
-    sys, CudaContext, CudaEvent, CudaStream, DevicePtr, DevicePtrMut, DeviceSlice,
-};
+use cudarc::driver::{CudaContext, CudaEvent, CudaStream, DevicePtr, DevicePtrMut, DeviceSlice};
 
 use super::engine::{self, Control, Outcome};
 use super::file::{dst_bytes, elem_size, src_bytes, DeviceDst, DeviceSrc, GpuFile, IoReport};
@@ -235,21 +233,18 @@ impl<'a> Ctl<'a> {
 
     /// The events an engine job on `stream` waits for: the call's gate, or one recorded on
     /// `stream` now (after the caller's `device_ptr(_mut)` made it wait for the buffer's other
-    /// users) into `own`.
+    /// users) into `own`, a pooled one (given back when `own` drops, after the job).
     pub fn gates<'g>(
         &self,
         stream: &CudaStream,
-        own: &'g mut Option<CudaEvent>,
+        own: &'g mut Option<crate::cuda::events::Events>,
     ) -> Result<&'g [CudaEvent]>
     where
         'a: 'g,
     {
         match self.gate_on(stream) {
             Some(g) => Ok(std::slice::from_ref(g)),
-            None => {
-                let e = record(stream)?;
-                Ok(std::slice::from_ref(own.insert(e)))
-            }
+            None => Ok(own.insert(crate::cuda::events::record(stream)?)),
         }
     }
 
@@ -304,13 +299,6 @@ impl<'a> Ctl<'a> {
             None => Ok(()),
         }
     }
-}
-
-/// An event recorded on `stream` now.
-fn record(stream: &CudaStream) -> Result<CudaEvent> {
-    stream
-        .record_event(Some(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING))
-        .map_err(|e| Error::cuda("cuEventRecord", e))
 }
 
 thread_local! {
