@@ -22,9 +22,10 @@
 //! simply overwritten by the next one.
 //!
 //! Bounds: a pool keeps at most [`KEEP`] idle events (more given back at once are destroyed);
-//! [`Pool::top_up`] makes up to [`SPARE`] idle ones off the transfers' paths (after a
-//! non-blocking transfer completed); the events lent out are the transfers in flight. One pool
-//! per context used (a process has one per GPU in practice). Events are made through gpudirect's own context
+//! [`top_up`] makes up to [`SPARE`] idle ones off the transfers' paths (after a non-blocking
+//! transfer completed, in `GpuFile::warm_up`); the events lent out are the transfers in flight.
+//! One pool per context used (a process has one per GPU in practice); [`release_idle`]
+//! (`storage::release_engines`) destroys the idle events of all of them. Events are made through gpudirect's own context
 //! object ([`super::own_object`]), never a caller's, so that an error an earlier call left in a
 //! caller's cudarc object never fails another caller's transfer.
 
@@ -135,6 +136,13 @@ impl<M: Make> Pool<M> {
         };
         drop(surplus);
         Ok(n)
+    }
+
+    /// Drops every idle item (outside the lock); returns how many. Items lent out come back
+    /// as usual.
+    pub(crate) fn drain(&self) -> usize {
+        let idle = std::mem::take(&mut self.shelf().idle);
+        idle.len()
     }
 
     /// Idle items now.
@@ -319,6 +327,24 @@ pub(crate) fn record_on(event: &CudaEvent, stream: &CudaStream) -> Result<()> {
     super::result::check("cuEventRecord", r)
 }
 
+/// Makes idle events in `ctx`'s pool until [`SPARE`] are idle (see [`Pool::top_up`]); for
+/// places nothing waits on (after a transfer completed, a warm-up).
+pub(crate) fn top_up(ctx: &Arc<CudaContext>) -> Result<usize> {
+    pool(ctx).top_up()
+}
+
+/// Destroys the idle events of every context's pool; returns how many. Makes no CUDA call when
+/// no pool exists (a process without libcuda may call it).
+pub(crate) fn release_idle() -> usize {
+    let pools: Vec<Arc<EventPool>> = pools().iter().map(|(_, p)| p.clone()).collect();
+    if pools.is_empty() {
+        return 0;
+    }
+    // cudarc's event drop binds the event's context: put back what was current.
+    let _restore = super::CurrentContext::save();
+    pools.iter().map(|p| p.drain()).sum()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -469,6 +495,19 @@ mod tests {
         assert!(p.top_up().is_ok());
         let three = p.take(3).unwrap();
         assert_eq!(ids(&three), vec![0, 1, 2]);
+    }
+
+    #[test]
+    fn a_drained_pool_takes_back_what_was_lent_before() {
+        let p = Pool::new(Counter::default(), 8, 0);
+        let a = p.take(2).unwrap();
+        drop(p.take(3).unwrap());
+        assert_eq!(p.drain(), 3);
+        assert_eq!(p.make.dropped.load(SeqCst), 3);
+        assert_eq!(p.idle(), 0);
+        drop(a);
+        assert_eq!((p.lent(), p.idle()), (0, 2));
+        assert!(Arc::ptr_eq(p.take(1).unwrap().pool(), &p));
     }
 
     /// Threads take and give back at random; each marks its items in use while it holds them:

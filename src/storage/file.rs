@@ -363,17 +363,21 @@ impl GpuFile {
     /// rate); `warm_up` only moves that few-millisecond cost before the clock. It also moves
     /// the page-locking (`cuMemHostRegister`) out of the transfers: CUDA lists page-locking
     /// among the implicitly synchronizing operations, so a first transfer that locks the ring
-    /// may wait for work pending on other streams of the device. A no-op for files
-    /// whose device reads go through cuFile. What it set up is released like any engine state
+    /// may wait for work pending on other streams of the device. It also makes the CUDA events
+    /// the transfers order with (`cuEventCreate` waits while another thread of the process
+    /// unregisters host memory), for every backend; that is all it does for files whose
+    /// device reads go through cuFile. What it set up is released like any engine state
     /// ([`release_engines`](super::release_engines), or after `GPUDIRECT_ENGINE_IDLE_MS` when
     /// that is set).
     ///
     /// Errors: [`Error::Cuda`] (no such device, pinning refused).
     pub fn warm_up(&self, device: usize) -> Result<()> {
+        let ctx = crate::cuda::context(device)?;
+        // The events the transfers of any backend order with (kept, see crate::cuda::events).
+        crate::cuda::events::top_up(&ctx)?;
         if self.cufile.is_some() {
             return Ok(());
         }
-        let ctx = crate::cuda::context(device)?;
         let engine = engine::engine(Some(device), self.cfg.numa_pin)?;
         let threads = self.threads_for(Some(device), false);
         engine.prepare_workers(&ctx, threads);

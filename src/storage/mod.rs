@@ -109,8 +109,10 @@ pub struct Released {
 }
 
 /// Gives back what the engine holds between transfers: stops its worker threads and frees its
-/// pinned staging memory (waiting for transfers in progress first). Nothing else changes: the
-/// next transfer starts the workers again and pins as it reads, without a warm-up pause.
+/// pinned staging memory (waiting for transfers in progress first), and destroys the idle CUDA
+/// events kept for transfers to order with (at most 64 per GPU). Nothing else changes: the
+/// next transfer starts the workers again and pins as it reads, without a warm-up pause (its
+/// calls make events again until some are kept).
 ///
 /// It waits for all the GPU's work, not only gpudirect's: CUDA's `cuMemHostUnregister`, which
 /// frees the pinned memory, waits for every stream of the context, and other threads'
@@ -132,6 +134,7 @@ pub struct Released {
 /// (at most 1024).
 pub fn release_engines() -> Released {
     let r = engine::release_all();
+    crate::cuda::events::release_idle();
     Released {
         threads: r.threads,
         ring_bytes: r.ring_bytes,
