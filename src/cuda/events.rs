@@ -2,32 +2,42 @@
 //!
 //! Why: `cuEventCreate` waits while another thread of the process is in
 //! `cuMemHostUnregister`, and that call waits for all the context's work (H200, driver 580:
-//! 241 ms behind a stream held 300 ms; CONTRIBUTING.md, "What we measured", page-locking). A
-//! transfer that made its events when it was called (a non-blocking read's gate, a blocking
-//! read's ordering event, a batch's) then waited for the other thread's unregister, and so for
-//! kernels it has nothing to do with. `cuEventRecord`, `cuStreamWaitEvent` on a made event and
-//! async copies did not wait there.
+//! the unregister 291 ms behind a stream held 300 ms, another thread's `cuEventCreate`
+//! meanwhile 241 ms; CONTRIBUTING.md, "What we measured", page-locking). A transfer that made
+//! its events when it was called (a non-blocking call's gate, a blocking engine transfer's
+//! ordering event, a batch's) then waited for the other thread's unregister, and so for kernels
+//! it has nothing to do with. (Whether `cuEventRecord`, `cuStreamWaitEvent` and `cuEventQuery`
+//! wait there too is what tests/storage_gpu_stall_events.rs times beside an unregister.)
 //!
-//! An event taken from the pool ([`record`], [`take`]) is the taker's alone until the
-//! [`Lent`] is dropped, which gives it back. Reuse is what CUDA documents events for: "
-//! `cuEventRecord()` can be called multiple times on the same event and will overwrite the
-//! previously captured state. Other APIs such as `cuStreamWaitEvent()` use the most recently
-//! captured state at the time of the API call, and are not affected by later calls to
-//! `cuEventRecord()`" (CUDA Driver API, Event Management, `cuEventRecord`). So an event may be
-//! recorded again, by its next taker, once every `cuStreamWaitEvent` on it was made (they keep
-//! the state they saw) and every host wait on it (`cuEventQuery`, `cuEventSynchronize`, which
-//! look at the latest record) returned. A holder gives its events back only then: each user
-//! in gpudirect keeps its `Lent` until its last wait returned, which the borrow checker holds
-//! it to (the waits borrow the events), and a record still pending when it is given back is
-//! simply overwritten by the next one.
+//! An event taken from the pool ([`record`], [`record_each`], [`take`]) is the taker's alone
+//! until the [`Lent`] is dropped, which gives it back. CUDA documents reuse: "`cuEventRecord()`
+//! can be called multiple times on the same event and will overwrite the previously captured
+//! state. Other APIs such as `cuStreamWaitEvent()` use the most recently captured state at the
+//! time of the API call, and are not affected by later calls to `cuEventRecord()`" (CUDA Driver
+//! API, Event Management, `cuEventRecord`). So an event may be recorded again, by its next
+//! taker, once every `cuStreamWaitEvent` on it was made (they keep the state they saw) and every
+//! host wait on it (`cuEventQuery`, `cuEventSynchronize`, which look at the latest record)
+//! returned. A holder gives its events back only then: each user in gpudirect keeps its `Lent`
+//! until its job (whose waits borrow the events) is over, and a record still pending when it is
+//! given back (a cancelled transfer's) is simply overwritten by the next one.
 //!
 //! Bounds: a pool keeps at most [`KEEP`] idle events (more given back at once are destroyed);
 //! [`top_up`] makes up to [`SPARE`] idle ones off the transfers' paths (after a non-blocking
 //! transfer completed, in `GpuFile::warm_up`); the events lent out are the transfers in flight.
 //! One pool per context used (a process has one per GPU in practice); [`release_idle`]
-//! (`storage::release_engines`) destroys the idle events of all of them. Events are made through gpudirect's own context
-//! object ([`super::own_object`]), never a caller's, so that an error an earlier call left in a
-//! caller's cudarc object never fails another caller's transfer.
+//! (`storage::release_engines`) destroys the idle events of all of them. Events are made
+//! through gpudirect's own context object ([`super::own_object`]), never a caller's, so that an
+//! error an earlier call left in a caller's cudarc object never fails another caller's
+//! transfer.
+//!
+//! Events still made inside a storage transfer (not pooled): the segment ring's one per slot
+//! and the workers' lanes' two per worker and context, made with the ring or lane they belong
+//! to (a context's first ring read, a larger ring; a worker's first GPU write or lane read) and
+//! kept with it (`GpuFile::warm_up` builds the ring ahead); the timing events of a job traced
+//! with `GPUDIRECT_TRACE=timing`; the mark after a failed synchronize (`settle::Mark`); a batch
+//! whose streams span several contexts ([`record_each`]); and cudarc's two per `CudaSlice`
+//! that a transfer allocates for its caller (`read_to_gpu`, a batch's new destination, a
+//! checkpoint's tensors), which the slice owns.
 
 use std::ops::Deref;
 use std::sync::{Arc, Mutex, MutexGuard};
