@@ -440,12 +440,12 @@ pub unsafe fn copy_peer_async_with<T, Src: DevicePtr<T>, Dst: DevicePtrMut<T>>(
         };
         policy.check(&planned.report.path)?;
         if !same_ctx && !tracked {
-            let ev = src
-                .stream()
-                .record_event(None)
-                .map_err(|e| Error::cuda("cuEventRecord", e))?;
+            // A pooled event (no cuEventCreate, which waits while another thread unregisters
+            // host memory), given back once the wait is enqueued: the wait keeps the state it
+            // saw (crate::cuda::events).
+            let ev = crate::cuda::events::record(src.stream())?;
             stream
-                .wait(&ev)
+                .wait(&ev[0])
                 .map_err(|e| Error::cuda("cuStreamWaitEvent", e))?;
         }
         if bytes > 0 {
