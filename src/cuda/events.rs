@@ -337,6 +337,17 @@ pub(crate) fn record_on(event: &CudaEvent, stream: &CudaStream) -> Result<()> {
     super::result::check("cuEventRecord", r)
 }
 
+/// `cuEventSynchronize` of `event` after making its context current, both through the result
+/// layer (an error an earlier call left in the cudarc object the event was made through does
+/// not fail it).
+pub(crate) fn synchronize(event: &CudaEvent) -> Result<()> {
+    // SAFETY: the event holds its context alive.
+    let r = unsafe { super::settle::make_current(event.context().cu_ctx()) };
+    super::result::check("cuCtxSetCurrent", r)?;
+    // SAFETY: the event is alive (borrowed), of the context now current.
+    unsafe { super::result::event::synchronize(event.cu_event()) }
+}
+
 /// Makes idle events in `ctx`'s pool until [`SPARE`] are idle (see [`Pool::top_up`]); for
 /// places nothing waits on (after a transfer completed, a warm-up).
 pub(crate) fn top_up(ctx: &Arc<CudaContext>) -> Result<usize> {

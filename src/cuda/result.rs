@@ -463,6 +463,17 @@ pub(crate) mod event {
         unsafe { sys::cuEventRecord(event, stream) }
     }
 
+    /// `cuEventSynchronize`: waits until the work before the event's latest record completed.
+    ///
+    /// # Safety
+    /// `event` must be live; its context current.
+    pub(crate) unsafe fn synchronize(event: sys::CUevent) -> Result<()> {
+        // SAFETY: the caller's contract.
+        check("cuEventSynchronize", unsafe {
+            sys::cuEventSynchronize(event)
+        })
+    }
+
     /// `cuEventQuery`, its code raw (`CUDA_ERROR_NOT_READY`: the work before the record has
     /// not completed).
     ///
