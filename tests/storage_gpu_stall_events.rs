@@ -21,6 +21,12 @@
 //!
 //! Its own binary: it holds a stream and makes the whole context wait; nothing else may run
 //! beside it. Run on a GPU machine: `bash .device/run --include-ignored gpu_storage_stall`.
+//!
+//! **Both tests fail on the current code** (H200, 2026-12-02, main `b6eb8cf`): the events now
+//! come from a pool, but `cuEventRecord` waits behind the unregister as `cuEventCreate` does
+//! (2.77 s each), so a `write_async` gate and `read_exact_to_device`'s ordering event still
+//! wait. The problem is open (CONTRIBUTING.md, page-locking); `scripts/gpu-suite` runs these
+//! two as known open problems, apart from the others.
 
 mod common;
 
