@@ -367,7 +367,9 @@ impl<B> Shared<B> {
 /// `mem::forget` of the handle can only leak (the transfer still finishes; the buffer stays
 /// with the forgotten state, never freed under the IO). Dropping a transfer that is still
 /// running cancels it and lets it finish in the background (its buffer is dropped there, after
-/// its last copy): like dropping a future, it never blocks.
+/// its last copy): like dropping a future, it never blocks. A panic in code of yours that runs
+/// on the transfer thread — that buffer's `Drop`, or the task's waker with the `async`
+/// feature — is reported by the panic hook and costs the transfer threads nothing.
 ///
 /// The IO runs on a transfer thread (a small pool that grows with the transfers in flight and
 /// shrinks after `GPUDIRECT_ENGINE_IDLE_MS`, 5 s by default), which runs the same code as the blocking calls;
@@ -468,7 +470,10 @@ impl<B: Send + 'static> Transfer<B> {
                 Ok(r) => State::Done(r, buf),
                 Err(p) => {
                     // Dropped here, after every copy of the transfer drained (as `wait` says).
-                    drop(buf);
+                    // A buffer whose drop panics as well must not keep the transfer from
+                    // completing: `wait` resumes the work's panic; the drop's was reported by
+                    // the panic hook.
+                    let _ = catch_unwind(AssertUnwindSafe(|| drop(buf)));
                     State::Panicked(p)
                 }
             };
@@ -626,6 +631,13 @@ mod drivers {
         lock().live
     }
 
+    /// Transfer threads alive and idle now, as the pool counts them (for tests).
+    #[cfg(test)]
+    pub(super) fn counts() -> (usize, usize) {
+        let p = lock();
+        (p.live, p.idle)
+    }
+
     /// Queues `w` and makes sure a thread will run it. When no thread can be started and none
     /// is alive, the queued work is refused (each gets the error and returns at once).
     pub(super) fn submit(w: Work) {
@@ -671,7 +683,11 @@ mod drivers {
         loop {
             if let Some(w) = p.queue.pop_front() {
                 drop(p);
-                w(None);
+                // The work runs user code beyond its transfer's own `catch_unwind`: the task's
+                // waker (`Shared::complete`) and the drop of a buffer whose handle is gone. A
+                // panic there (reported by the panic hook) must not end this thread, which
+                // `live` counts and the queue relies on: the thread goes on with the next work.
+                let _ = catch_unwind(AssertUnwindSafe(|| w(None)));
                 p = lock();
                 continue;
             }
@@ -1141,6 +1157,182 @@ mod tests {
         assert_eq!(r.unwrap().bytes, 4096);
         assert_eq!(buf, std::fs::read(&p).unwrap());
         std::fs::remove_file(&p).unwrap();
+    }
+
+    /// Set in the child process of
+    /// `user_code_that_panics_on_a_transfer_thread_costs_the_pool_nothing`.
+    const POOL_CHILD: &str = "GPUDIRECT_TEST_TRANSFER_POOL_CHILD";
+
+    /// Threads of this process named as transfer threads (`gpudirect-transfer`, which the
+    /// kernel's 16-byte `comm` cuts to `gpudirect-trans`).
+    fn transfer_threads() -> usize {
+        std::fs::read_dir("/proc/self/task")
+            .unwrap()
+            .filter_map(|t| std::fs::read_to_string(t.ok()?.path().join("comm")).ok())
+            .filter(|c| c.trim_end() == "gpudirect-trans")
+            .count()
+    }
+
+    /// Waits up to 5 s for the pool to settle with its count right: every thread it counts as
+    /// live idle, and as many transfer threads existing (in a process where none exits when
+    /// idle, and no transfer runs).
+    fn pool_count_matches(after: &str) {
+        let t = Instant::now();
+        loop {
+            let (live, idle) = drivers::counts();
+            let real = transfer_threads();
+            if live == real && idle == live {
+                return;
+            }
+            assert!(
+                t.elapsed() < Duration::from_secs(5),
+                "after {after}: the pool counts {live} live transfer threads ({idle} idle), \
+                 {real} exist (a thread that died kept its place: once the count reaches {} no \
+                 thread starts any more and queued transfers never run)",
+                drivers::MAX
+            );
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+
+    /// A host buffer whose `as_mut` says it was reached, then waits for `go` (or panics, with
+    /// no `go`), and whose drop says it ran, then panics: user code that panics on the transfer
+    /// thread outside the transfer's work.
+    struct DropBomb {
+        buf: Vec<u8>,
+        reached: std::sync::mpsc::Sender<()>,
+        go: Option<std::sync::mpsc::Receiver<()>>,
+        dropped: std::sync::mpsc::Sender<()>,
+    }
+    impl AsMut<[u8]> for DropBomb {
+        fn as_mut(&mut self) -> &mut [u8] {
+            let _ = self.reached.send(());
+            match &self.go {
+                Some(go) => {
+                    let _ = go.recv_timeout(Duration::from_secs(30));
+                }
+                None => panic!("test: a buffer that panics"),
+            }
+            &mut self.buf
+        }
+    }
+    impl Drop for DropBomb {
+        fn drop(&mut self) {
+            let _ = self.dropped.send(());
+            panic!("test: a buffer whose drop panics");
+        }
+    }
+
+    /// User code that panics on a transfer thread outside the transfer's work — a buffer's
+    /// `Drop` (after the work panicked, or of a transfer whose handle was dropped, so the
+    /// thread holds the last reference) and, with the `async` feature, a task's waker — costs
+    /// the pool nothing: the transfer still completes, the pool's count of live threads stays
+    /// the number that exist, and later transfers run. Run in a child process (the pool is the
+    /// process's), whose threads never exit for idleness. On the code before the fix the
+    /// panics unwound out of the thread: the first transfer never completed (its buffer's drop
+    /// panicked before the state was set, so `wait` blocked forever: "never completed"), and
+    /// each of the other two left the dead thread counted in `live` (each case alone: "the pool
+    /// counts 1 live transfer threads (0 idle), 0 exist"), which after `drivers::MAX` of them
+    /// starts no thread any more.
+    #[test]
+    fn user_code_that_panics_on_a_transfer_thread_costs_the_pool_nothing() {
+        const NAME: &str = "storage::transfer::tests::user_code_that_panics_on_a_transfer_thread_costs_the_pool_nothing";
+        if std::env::var_os(POOL_CHILD).is_none() {
+            let out = crate::storage::testkit::run_test_in_child(
+                NAME,
+                &[(POOL_CHILD, "1"), ("GPUDIRECT_ENGINE_IDLE_MS", "600000")],
+            );
+            assert!(out.contains("child: the pool survived"), "{out}");
+            return;
+        }
+        use std::sync::mpsc::channel;
+        let p = scratch("pool-panics");
+        let data = random(4096, 40);
+        std::fs::write(&p, &data).unwrap();
+        let f = Arc::new(GpuFile::open(&p).unwrap());
+        let bomb = |go| {
+            let (reached_tx, reached) = channel();
+            let (dropped_tx, dropped) = channel();
+            let b = DropBomb {
+                buf: vec![0u8; 4096],
+                reached: reached_tx,
+                go,
+                dropped: dropped_tx,
+            };
+            (b, reached, dropped)
+        };
+
+        // The work panics, then the buffer's drop (on the transfer thread) panics too.
+        let (b, _reached, dropped) = bomb(None);
+        let t = f.pread_host_async(b, 0);
+        assert!(
+            t.wait_timeout(Duration::from_secs(10)),
+            "a transfer whose buffer's drop panicked after its work panicked never completed"
+        );
+        dropped.recv_timeout(Duration::from_secs(10)).unwrap();
+        let r = catch_unwind(AssertUnwindSafe(|| t.wait()));
+        let msg = r.err().expect("wait returned although the work panicked");
+        assert_eq!(
+            msg.downcast_ref::<&str>().copied(),
+            Some("test: a buffer that panics"),
+            "wait resumes the work's panic"
+        );
+        pool_count_matches("a buffer's drop panicked after the work panicked");
+
+        // A transfer whose handle is dropped while it runs: its buffer is dropped on the
+        // transfer thread, and that drop panics.
+        let (go_tx, go) = channel();
+        let (b, reached, dropped) = bomb(Some(go));
+        let t = f.pread_host_async(b, 0);
+        reached.recv_timeout(Duration::from_secs(10)).unwrap();
+        drop(t);
+        go_tx.send(()).unwrap();
+        dropped
+            .recv_timeout(Duration::from_secs(10))
+            .expect("the dropped transfer's buffer was never dropped");
+        pool_count_matches("a dropped transfer's buffer panicked in its drop");
+
+        // A task's waker that panics when the transfer thread wakes it.
+        #[cfg(feature = "async")]
+        {
+            use std::future::Future;
+            struct PanickingWaker;
+            impl std::task::Wake for PanickingWaker {
+                fn wake(self: Arc<Self>) {
+                    panic!("test: a waker that panics")
+                }
+            }
+            let (go_tx, go) = channel();
+            let (dropped_tx, _dropped) = channel();
+            let held = Held {
+                buf: vec![0u8; 4096],
+                go,
+                dropped: dropped_tx,
+            };
+            let mut t = f.pread_host_async(held, 0);
+            let waker = std::task::Waker::from(Arc::new(PanickingWaker));
+            let mut cx = std::task::Context::from_waker(&waker);
+            assert!(std::pin::Pin::new(&mut t).poll(&mut cx).is_pending());
+            go_tx.send(()).unwrap();
+            assert!(t.wait_timeout(Duration::from_secs(10)));
+            let (r, held) = t.wait();
+            assert_eq!(r.unwrap().bytes, 4096);
+            assert!(held.buf == data);
+            pool_count_matches("a waker panicked");
+        }
+
+        // Later transfers run.
+        let t = f.pread_host_async(vec![0u8; 4096], 0);
+        assert!(
+            t.wait_timeout(Duration::from_secs(10)),
+            "a transfer after the panics never completed"
+        );
+        let (r, buf) = t.wait();
+        assert_eq!(r.unwrap().bytes, 4096);
+        assert!(buf == data);
+        pool_count_matches("the last transfer");
+        std::fs::remove_file(&p).unwrap();
+        eprintln!("child: the pool survived");
     }
 
     #[test]
