@@ -477,23 +477,7 @@ impl GpuFile {
     /// Reads a file of unknown size (see [`readable`](Self::readable)) from `off` into host
     /// memory, on the calling thread, until `len` bytes or end of file.
     fn read_unsized(&self, off: u64, len: usize) -> Result<Vec<u8>> {
-        let mut out = Vec::new();
-        let mut pos = off;
-        while out.len() < len {
-            let chunk = (len - out.len()).min(1 << 20);
-            let at = out.len();
-            out.resize(at + chunk, 0);
-            // SAFETY: out[at..at + chunk] is initialized and ours.
-            let n =
-                unsafe { io::pread_full(&self.fds.buffered, out.as_mut_ptr().add(at), chunk, pos) }
-                    .map_err(|e| self.fds.err("pread", e))?;
-            out.truncate(at + n);
-            if n < chunk {
-                break;
-            }
-            pos += n as u64;
-        }
-        Ok(out)
+        read_unsized_from(&self.fds.buffered, off, len).map_err(|e| self.fds.err("pread", e))
     }
 
     /// Copies `bytes` into the start of `view` and waits for the copy.
@@ -1159,7 +1143,7 @@ pub fn read_to_gpu<T: AnyBitPattern>(
     }
     if size == 0 && f.readable(0, 1)?.is_none() {
         // `fstat` says 0 but the file has content (`/proc`, sysfs, some FUSE): read it all.
-        let bytes = f.read_unsized(0, usize::MAX)?;
+        let bytes = read_whole_unsized(&f.fds.buffered).map_err(|e| f.fds.err("pread", e))?;
         if !bytes.len().is_multiple_of(esz) {
             return Err(f.eof(0, bytes.len().next_multiple_of(esz), bytes.len()));
         }
@@ -1192,6 +1176,36 @@ pub fn read_to_gpu<T: AnyBitPattern>(
     }
     r.elapsed = t0.elapsed();
     Ok((buf, r))
+}
+
+/// Reads all of a file of unknown size (see [`GpuFile::readable`]) from `fd` into host
+/// memory, on the calling thread, to end of file.
+fn read_whole_unsized(fd: &impl io::PositionalRead) -> std::io::Result<Vec<u8>> {
+    read_unsized_from(fd, 0, usize::MAX)
+}
+
+/// Reads from `fd` at `off` into host memory until `len` bytes or end of file, growing the
+/// buffer by at most 1 MiB per read.
+fn read_unsized_from(
+    fd: &impl io::PositionalRead,
+    off: u64,
+    len: usize,
+) -> std::io::Result<Vec<u8>> {
+    let mut out = Vec::new();
+    let mut pos = off;
+    while out.len() < len {
+        let chunk = (len - out.len()).min(1 << 20);
+        let at = out.len();
+        out.resize(at + chunk, 0);
+        // SAFETY: out[at..at + chunk] is initialized and ours.
+        let n = unsafe { io::pread_full(fd, out.as_mut_ptr().add(at), chunk, pos) }?;
+        out.truncate(at + n);
+        if n < chunk {
+            break;
+        }
+        pos += n as u64;
+    }
+    Ok(out)
 }
 
 /// Leaks a destination that copies may still be queued into: never freed under them.

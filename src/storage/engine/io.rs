@@ -456,7 +456,7 @@ fn read_loop(fd: &impl PositionalRead, buf: *mut u8, len: usize, off: u64) -> io
 /// # Safety
 /// `buf` must be valid for writes of `len` bytes for the duration of the call.
 pub(in crate::storage) unsafe fn pread_full(
-    fd: &File,
+    fd: &impl PositionalRead,
     buf: *mut u8,
     len: usize,
     off: u64,
