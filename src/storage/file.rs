@@ -1103,9 +1103,14 @@ pub(super) fn seg_params_of(cfg: &StorageConfig) -> Option<SegParams> {
 /// come back first: a loop that reads and drops on one stream near the device's capacity does
 /// not fail for memory it already gave back.
 ///
+/// A file whose size is unknown (`fstat` says 0 but it has content: procfs, sysfs, some FUSE
+/// filesystems) is read to its end through host memory, at most [`UNSIZED_READ_LIMIT`] bytes.
+///
 /// Errors as [`GpuFile::open`] and [`GpuFile::read_to_device`]; a file whose length is not a
 /// multiple of `size_of::<T>()` is an [`Error::Io`] of kind `InvalidData` (nothing is read); a
-/// file that shrinks while it is read is an [`Error::Io`] of kind `UnexpectedEof`. The buffer
+/// file that shrinks while it is read is an [`Error::Io`] of kind `UnexpectedEof`; a file of
+/// unknown size that holds more than [`UNSIZED_READ_LIMIT`] bytes is an [`Error::Io`] of kind
+/// `FileTooLarge` naming the file (nothing is allocated on the device). The buffer
 /// allocated for the read is leaked, never freed, when copies into it may still be queued
 /// (the engine could not drain them and their state stayed unknown: the error is then an
 /// [`Error::Cuda`], and the context is most likely unusable); on every other error it is
@@ -1143,7 +1148,7 @@ pub fn read_to_gpu<T: AnyBitPattern>(
     }
     if size == 0 && f.readable(0, 1)?.is_none() {
         // `fstat` says 0 but the file has content (`/proc`, sysfs, some FUSE): read it all.
-        let bytes = read_whole_unsized(&f.fds.buffered).map_err(|e| f.fds.err("pread", e))?;
+        let bytes = read_whole_unsized(&f.fds.buffered).map_err(|e| f.fds.err("read_to_gpu", e))?;
         if !bytes.len().is_multiple_of(esz) {
             return Err(f.eof(0, bytes.len().next_multiple_of(esz), bytes.len()));
         }
@@ -1178,10 +1183,49 @@ pub fn read_to_gpu<T: AnyBitPattern>(
     Ok((buf, r))
 }
 
+/// The most bytes [`read_to_gpu`] reads of a file whose size is unknown (`fstat` says 0 but it
+/// has content: procfs, sysfs, some FUSE filesystems), 256 MiB. Such a file is read through
+/// host memory on the calling thread, as nothing says how large a buffer it needs, and a
+/// stream that never ends would otherwise grow that memory without bound. Files of that kind
+/// in procfs and sysfs hold kilobytes; for a larger one, read it with
+/// [`GpuFile::read_to_device`] into a buffer of the size you expect (which reads until the
+/// buffer is full or the file ends).
+pub const UNSIZED_READ_LIMIT: usize = 256 << 20;
+
 /// Reads all of a file of unknown size (see [`GpuFile::readable`]) from `fd` into host
-/// memory, on the calling thread, to end of file.
+/// memory, on the calling thread, to end of file: at most [`UNSIZED_READ_LIMIT`] bytes; a file
+/// that holds more is an error of kind `FileTooLarge` that says what to do.
 fn read_whole_unsized(fd: &impl io::PositionalRead) -> std::io::Result<Vec<u8>> {
-    read_unsized_from(fd, 0, usize::MAX)
+    read_unsized_capped(fd, UNSIZED_READ_LIMIT)?.ok_or_else(|| {
+        std::io::Error::new(
+            std::io::ErrorKind::FileTooLarge,
+            format!(
+                "the file's size is unknown (fstat says 0 but it has content, as files on procfs, \
+                 sysfs and some FUSE filesystems do) and it holds more than {} MiB, the most \
+                 read_to_gpu reads of such a file (a stream may never end): read it with \
+                 GpuFile::read_to_device into a buffer of the size you expect",
+                UNSIZED_READ_LIMIT >> 20
+            ),
+        )
+    })
+}
+
+/// All of `fd` from offset 0 when it holds at most `limit` bytes, `None` when it holds more
+/// (found with one small read past `limit`: no more than `limit` bytes of host memory).
+fn read_unsized_capped(
+    fd: &impl io::PositionalRead,
+    limit: usize,
+) -> std::io::Result<Option<Vec<u8>>> {
+    let bytes = read_unsized_from(fd, 0, limit)?;
+    if bytes.len() < limit {
+        return Ok(Some(bytes));
+    }
+    // 4 KiB at an offset a multiple of 8 (what procfs files of fixed-size records, such as
+    // pagemap, accept).
+    let mut probe = [0u8; 4096];
+    // SAFETY: `probe` is ours and 4096 bytes long.
+    let more = unsafe { io::pread_full(fd, probe.as_mut_ptr(), probe.len(), limit as u64) }?;
+    Ok((more == 0).then_some(bytes))
 }
 
 /// Reads from `fd` at `off` into host memory until `len` bytes or end of file, growing the
@@ -1239,6 +1283,107 @@ mod tests {
     use crate::storage::testkit::{gpu, random_file};
     use crate::storage::Backend;
     use cudarc::driver::{sys, CudaContext};
+
+    /// A file of unknown size that never ends (a FUSE stream reporting size 0): every read
+    /// fills all it is asked for. Asked for a byte at or past 1 GiB it panics: no bounded read
+    /// of it gets there. Records the furthest byte asked for.
+    struct Endless {
+        furthest: std::sync::atomic::AtomicU64,
+    }
+    impl io::PositionalRead for Endless {
+        unsafe fn pread_once(&self, buf: *mut u8, len: usize, off: u64) -> std::io::Result<usize> {
+            assert!(
+                off < 1 << 30,
+                "asked for bytes at {off} of a file that never ends: nothing bounds the read"
+            );
+            self.furthest
+                .fetch_max(off + len as u64, std::sync::atomic::Ordering::Relaxed);
+            // SAFETY: the caller guarantees buf[..len] is writable.
+            unsafe { std::ptr::write_bytes(buf, 0xA5, len) };
+            Ok(len)
+        }
+    }
+
+    /// Review N3: `read_to_gpu` of a file whose `fstat` size is 0 but that has content reads it
+    /// whole through host memory; one that never ends (a FUSE stream) grew the host buffer
+    /// without bound (an OOM abort, or a hang). Now it stops after `UNSIZED_READ_LIMIT` bytes
+    /// with a typed error that names the file and the fix, having asked for at most one probe
+    /// past the limit. On the code before the fix the read ran on until the fake's 1 GiB guard
+    /// ("asked for bytes at 1073741824 of a file that never ends"). Bounded `/proc` files are
+    /// still read whole.
+    #[test]
+    fn a_file_of_unknown_size_that_never_ends_is_refused_after_a_bounded_read() {
+        let endless = Endless { furthest: 0.into() };
+        let e = read_whole_unsized(&endless).expect_err("a file that never ends was read whole");
+        let furthest = endless.furthest.load(std::sync::atomic::Ordering::Relaxed);
+        assert!(
+            furthest <= (UNSIZED_READ_LIMIT + 4096) as u64,
+            "read {furthest} bytes"
+        );
+        assert_eq!(e.kind(), std::io::ErrorKind::FileTooLarge, "{e}");
+        let f = GpuFile::open("/proc/version").unwrap();
+        let msg = f.fds.err("read_to_gpu", e).to_string();
+        for want in [
+            "/proc/version",
+            "size is unknown",
+            "256 MiB",
+            "read_to_device",
+        ] {
+            assert!(msg.contains(want), "{want:?} missing from: {msg}");
+        }
+        for p in ["/proc/version", "/proc/self/mountinfo"] {
+            let f = GpuFile::open(p).unwrap();
+            assert_eq!(f.len().unwrap(), 0, "{p} has a size here");
+            let got = read_whole_unsized(&f.fds.buffered).unwrap();
+            let expect = std::fs::read(p).unwrap();
+            assert!(!expect.is_empty());
+            if p == "/proc/version" {
+                assert!(got == expect, "{p}");
+            } else {
+                // Changes between reads only when a mount does: the same length at least.
+                assert!(got.len().abs_diff(expect.len()) < 4096, "{p}");
+            }
+        }
+    }
+
+    /// A file of unknown size holding `len` bytes, byte `i` being `i % 251`.
+    struct Finite {
+        len: u64,
+    }
+    impl io::PositionalRead for Finite {
+        unsafe fn pread_once(&self, buf: *mut u8, len: usize, off: u64) -> std::io::Result<usize> {
+            let n = self.len.saturating_sub(off).min(len as u64) as usize;
+            for i in 0..n {
+                // SAFETY: the caller guarantees buf[..len] is writable; i < n <= len.
+                unsafe { *buf.add(i) = ((off + i as u64) % 251) as u8 };
+            }
+            Ok(n)
+        }
+    }
+
+    /// The cap's edges: a file of exactly the limit is read whole, one byte more is refused;
+    /// every byte of what is read is the file's.
+    #[test]
+    fn a_file_of_unknown_size_is_read_whole_up_to_the_limit() {
+        let limit = (3 << 20) + 5;
+        for len in [
+            0,
+            1,
+            limit as u64 - 1,
+            limit as u64,
+            limit as u64 + 1,
+            5 << 20,
+        ] {
+            let got = read_unsized_capped(&Finite { len }, limit).unwrap();
+            if len > limit as u64 {
+                assert!(got.is_none(), "{len} bytes read with a limit of {limit}");
+                continue;
+            }
+            let got = got.unwrap_or_else(|| panic!("{len} bytes refused with a limit of {limit}"));
+            assert_eq!(got.len() as u64, len);
+            assert!(got.iter().enumerate().all(|(i, &b)| b == (i % 251) as u8));
+        }
+    }
 
     /// Test hook: the addresses of the destinations `leak_dst` leaked.
     pub(in crate::storage) static LEAKED: std::sync::Mutex<Vec<sys::CUdeviceptr>> =

@@ -87,7 +87,7 @@ pub use batch::{
     read_many, BatchDst, BatchReport, BatchSrc, PathShare, ReadBatch, ReadItem, WriteBatch,
 };
 pub use config::{CompatMode, ODirect, Pipeline, StorageConfig};
-pub use file::{read_to_gpu, DeviceDst, DeviceSrc, GpuFile, IoReport};
+pub use file::{read_to_gpu, DeviceDst, DeviceSrc, GpuFile, IoReport, UNSIZED_READ_LIMIT};
 pub use options::GpuFileOptions;
 pub use transfer::{Progress, Transfer, TransferControl};
 
