@@ -1485,3 +1485,332 @@ fn gpu_cufile_batch_reads_stop_at_end_of_file() {
     drop(h);
     std::fs::remove_file(&path).unwrap();
 }
+
+/// One view of a case in [`gpu_cufile_readv_and_batch_reads_stay_inside_their_views`]: buffer
+/// `buf`, bytes `start .. start + len` (`start` counted from the buffer's first 4 KiB-aligned
+/// device address), receiving the file's bytes from `file_pos`.
+#[derive(Clone, Copy)]
+struct View {
+    buf: usize,
+    start: usize,
+    len: usize,
+    file_pos: u64,
+}
+
+/// Calls `f` with the views `views` of `bufs`, in the order of `views` (at most two per
+/// buffer, the second after the first).
+fn with_views<R>(
+    bufs: &mut [CudaSlice<u8>],
+    views: &[View],
+    f: impl for<'x> FnOnce(Vec<gpudirect::cudarc::driver::CudaViewMut<'x, u8>>) -> R,
+) -> R {
+    use gpudirect::cudarc::driver::CudaViewMut;
+    let mine = |b: usize| -> Vec<(usize, View)> {
+        let m: Vec<(usize, View)> = views
+            .iter()
+            .copied()
+            .enumerate()
+            .filter(|(_, v)| v.buf == b)
+            .collect();
+        assert!(m.len() <= 2, "at most two views per buffer");
+        assert!(m.len() < 2 || m[0].1.start + m[0].1.len <= m[1].1.start);
+        m
+    };
+    // Each buffer with two views split at the second's start.
+    let mut halves: Vec<(CudaViewMut<'_, u8>, Option<CudaViewMut<'_, u8>>)> = bufs
+        .iter_mut()
+        .enumerate()
+        .map(|(b, s)| match mine(b).get(1) {
+            Some(&(_, second)) => {
+                let (lo, hi) = s.split_at_mut(second.start);
+                (lo, Some(hi))
+            }
+            None => (s.as_view_mut(), None),
+        })
+        .collect();
+    let mut out: Vec<(usize, CudaViewMut<'_, u8>)> = Vec::new();
+    for (b, (lo, hi)) in halves.iter_mut().enumerate() {
+        let m = mine(b);
+        let Some(&(i0, v0)) = m.first() else {
+            continue;
+        };
+        out.push((i0, lo.slice_mut(v0.start..v0.start + v0.len)));
+        if let (Some(hi), Some(&(i1, v1))) = (hi.as_mut(), m.get(1)) {
+            out.push((i1, hi.slice_mut(..v1.len)));
+        }
+    }
+    out.sort_by_key(|x| x.0);
+    f(out.into_iter().map(|x| x.1).collect())
+}
+
+/// What went wrong in `after` (one copy of each buffer), given `before` and the views: bytes
+/// outside every view that changed (an overrun: `outside`), and view bytes that are not the
+/// file's (`wrong`); every view gets the file's bytes up to end of file, nothing past it.
+fn check_views(
+    name: &str,
+    file: &[u8],
+    views: &[View],
+    before: &[Vec<u8>],
+    after: &[Vec<u8>],
+) -> Vec<String> {
+    let mut problems = Vec::new();
+    for (b, (pre, post)) in before.iter().zip(after).enumerate() {
+        let mut expect = pre.clone();
+        let mut inside = vec![false; pre.len()];
+        for v in views.iter().filter(|v| v.buf == b) {
+            let k = v.len.min(file.len().saturating_sub(v.file_pos as usize));
+            let f = v.file_pos as usize;
+            expect[v.start..v.start + k].copy_from_slice(&file[f..f + k]);
+            inside[v.start..v.start + v.len]
+                .iter_mut()
+                .for_each(|x| *x = true);
+        }
+        let changed: Vec<usize> = (0..pre.len()).filter(|&i| post[i] != expect[i]).collect();
+        let outside: Vec<usize> = changed.iter().copied().filter(|&i| !inside[i]).collect();
+        let wrong = changed.len() - outside.len();
+        if !outside.is_empty() {
+            problems.push(format!(
+                "{name}: buffer {b}: {} bytes outside the views were written (offsets {}..={} \
+                 of the buffer; views of it: {:?})",
+                outside.len(),
+                outside[0],
+                outside[outside.len() - 1],
+                views
+                    .iter()
+                    .filter(|v| v.buf == b)
+                    .map(|v| v.start..v.start + v.len)
+                    .collect::<Vec<_>>()
+            ));
+        }
+        if wrong > 0 {
+            problems.push(format!(
+                "{name}: buffer {b}: {wrong} bytes inside the views differ from the file (or \
+                 bytes past end of file were written)"
+            ));
+        }
+    }
+    problems
+}
+
+/// Review N2: `CuFileHandle::read` writes no byte outside its view (the tail of the read
+/// goes through a scratch buffer, see [`gpu_cufile_read_stays_inside_the_view`]); `readv` and
+/// batch reads must not either. A cuFile that writes past an element (its compatibility path
+/// moves whole 4 KiB blocks, and gpudirect guards 64 KiB past every read) would land outside
+/// the caller's views: for `readv`, past any view but the last (the brief's
+/// `readv(&mut [a.slice_mut(0..5000), b.slice_mut(..)], 0)`), for a batch read, past its
+/// view (only end of file was clamped). Each case's views sit in random buffers with 128 KiB
+/// of guard around them (or a random gap between views of one buffer), on a buffered and an
+/// O_DIRECT descriptor; every buffer byte is checked: the views hold the file's bytes up to end
+/// of file, nothing else changed.
+///
+/// Prints the handle's path (`handle buffered ...`: GDS, or compatibility mode and why): the
+/// cases check what that path does. On code without the protection they fail wherever cuFile
+/// writes past an element on that path (`gpu_cufile_read_stays_inside_the_view`'s RAW lines
+/// show whether raw `cuFileRead` does); with it they pass either way. `readv` needs cuFile 1.19+:
+/// with an older library it is refused before any byte moves, which is checked and printed
+/// ("readv not checked"), and only the batch cases run.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gpu_cufile_readv_and_batch_reads_stay_inside_their_views() {
+    let stream = gpu();
+    let d = driver();
+    let path = scratch("overrun-v");
+    let file = random((1 << 20) + 333);
+    let Some(first) = register(&d, &path, &file) else {
+        return std::fs::remove_file(&path).unwrap();
+    };
+    drop(first);
+    let size = file.len() as u64;
+    let g = GUARD;
+    let v = |buf, start, len, file_pos| View {
+        buf,
+        start,
+        len,
+        file_pos,
+    };
+    // (name, buffer sizes, views in file order from the first view's file position).
+    let readv_cases: Vec<(&str, Vec<usize>, Vec<View>)> = vec![
+        (
+            "interior view of 5000 bytes, then another allocation",
+            vec![2 * g + 5000, 2 * g + 70_000],
+            vec![v(0, g + 13, 5000, 4097), v(1, g, 70_000, 4097 + 5000)],
+        ),
+        (
+            "two views of one allocation with a gap between them",
+            vec![3 * g + 25_000],
+            vec![
+                v(0, g + 13, 5000, 4097),
+                v(0, 2 * g + 5013, 20_000, 4097 + 5000),
+            ],
+        ),
+        (
+            "adjacent views of one allocation",
+            vec![2 * g + 105_000],
+            vec![v(0, g, 5000, 1), v(0, g + 5000, 100_000, 5001)],
+        ),
+        (
+            "small views of four allocations, crossing end of file",
+            vec![2 * g + 1, 2 * g + 4096, 2 * g + 5000, 2 * g + 9000],
+            vec![
+                v(0, g + 7, 1, size - 10_097),
+                v(1, g, 4096, size - 10_096),
+                v(2, g + 3, 5000, size - 6000),
+                v(3, g, 9000, size - 1000),
+            ],
+        ),
+        (
+            "aligned control",
+            vec![2 * g + 8192, 2 * g + 8192],
+            vec![v(0, g, 8192, 8192), v(1, g, 8192, 16_384)],
+        ),
+    ];
+    // Batch operations (each its own view, in file order of nothing: any offsets).
+    let batch_cases: Vec<(&str, Vec<usize>, Vec<View>)> = vec![
+        (
+            "interior unaligned, one byte, 100 000 bytes, crossing end of file, aligned",
+            vec![
+                2 * g + 5000,
+                2 * g + 1,
+                2 * g + 100_000,
+                2 * g + 10_000,
+                2 * g + 8192,
+            ],
+            vec![
+                v(0, g + 13, 5000, 4097),
+                v(1, g + 5, 1, 7),
+                v(2, g + 1, 100_000, 13),
+                v(3, g, 10_000, size - 3000),
+                v(4, g, 8192, 8192),
+            ],
+        ),
+        (
+            "adjacent views of one allocation, other file offsets",
+            vec![2 * g + 10_000],
+            vec![v(0, g, 5000, 4097), v(0, g + 5000, 5000, 100_001)],
+        ),
+    ];
+    // Random buffers with their views' starts moved to a 4 KiB-aligned device address.
+    let make = |sizes: &[usize], views: &[View]| {
+        let bufs: Vec<CudaSlice<u8>> = sizes
+            .iter()
+            .map(|&n| stream.clone_htod(&random(n + 4096)).unwrap())
+            .collect();
+        let views: Vec<View> = views
+            .iter()
+            .map(|x| View {
+                start: x.start + aligned_offset(&bufs[x.buf]),
+                ..*x
+            })
+            .collect();
+        let before: Vec<Vec<u8>> = bufs.iter().map(|b| dtoh(&stream, b)).collect();
+        (bufs, views, before)
+    };
+    let mut failures = Vec::new();
+    let mut readv_checked = 0;
+    for o_direct in [false, true] {
+        let kind = if o_direct { "O_DIRECT" } else { "buffered" };
+        let h = CuFileHandle::open_with(Arc::clone(&d), &path, OpenMode::Read, o_direct).unwrap();
+        eprintln!(
+            "handle {kind} (o_direct {}): {}",
+            h.is_o_direct(),
+            h.path_report()
+        );
+        for (name, sizes, views) in &readv_cases {
+            let name = format!("readv {kind} {name}");
+            let (mut bufs, views, before) = make(sizes, views);
+            let got = with_views(&mut bufs, &views, |mut vs| {
+                h.readv(&mut vs, views[0].file_pos)
+            });
+            let after: Vec<Vec<u8>> = bufs.iter().map(|b| dtoh(&stream, b)).collect();
+            match got {
+                Err(Error::SymbolUnavailable { symbol, .. }) => {
+                    assert_eq!(symbol, "cuFileReadv");
+                    assert!(
+                        d.version() < 1190,
+                        "cuFile {} lacks cuFileReadv",
+                        d.version()
+                    );
+                    assert!(after == before, "{name}: bytes moved before the refusal");
+                }
+                Ok(n) => {
+                    readv_checked += 1;
+                    let total: usize = views.iter().map(|x| x.len).sum();
+                    let want = (size - views[0].file_pos).min(total as u64) as usize;
+                    if n != want {
+                        failures.push(format!("{name}: read {n} bytes, not {want}"));
+                    }
+                    let p = check_views(&name, &file, &views, &before, &after);
+                    eprintln!(
+                        "{name}: {}",
+                        if p.is_empty() { "inside" } else { "OUTSIDE" }
+                    );
+                    failures.extend(p);
+                }
+                Err(e) => failures.push(format!("{name}: {e}")),
+            }
+        }
+        match BatchIo::new(Arc::clone(&d), 8) {
+            Err(e) => {
+                eprintln!("batch setup refused: {e}");
+                assert!(matches!(e, Error::CuFile { .. }), "{e:?}");
+            }
+            Ok(mut batch) => {
+                for (name, sizes, views) in &batch_cases {
+                    let name = format!("batch {kind} {name}");
+                    let (mut bufs, views, before) = make(sizes, views);
+                    let done = with_views(&mut bufs, &views, |vs| {
+                        let mut ops: Vec<BatchOp<'_>> = vs
+                            .into_iter()
+                            .zip(&views)
+                            .map(|(dst, x)| BatchOp::Read {
+                                handle: &h,
+                                dst,
+                                file_offset: x.file_pos,
+                            })
+                            .collect();
+                        batch.run(&mut ops, Duration::from_secs(30))
+                    });
+                    assert_eq!(batch.in_flight(), 0);
+                    let after: Vec<Vec<u8>> = bufs.iter().map(|b| dtoh(&stream, b)).collect();
+                    match done {
+                        Err(e) => {
+                            eprintln!("{name}: batch submission refused: {e}");
+                            assert!(
+                                matches!(e, Error::CuFile { .. } | Error::Io { .. }),
+                                "{e:?}"
+                            );
+                            continue;
+                        }
+                        Ok(done) => {
+                            for (i, c) in done.iter().enumerate() {
+                                let x = views[i];
+                                let want = (size - x.file_pos).min(x.len as u64) as usize;
+                                match &c.result {
+                                    Ok(n) if *n == want => {}
+                                    other => failures.push(format!(
+                                        "{name}: op {i}: {other:?}, not {want} bytes"
+                                    )),
+                                }
+                            }
+                        }
+                    }
+                    let p = check_views(&name, &file, &views, &before, &after);
+                    eprintln!(
+                        "{name}: {}",
+                        if p.is_empty() { "inside" } else { "OUTSIDE" }
+                    );
+                    failures.extend(p);
+                }
+            }
+        }
+        drop(h);
+    }
+    if readv_checked == 0 {
+        eprintln!(
+            "readv not checked: cuFile {} has no cuFileReadv (1.19+)",
+            d.version()
+        );
+    }
+    assert!(failures.is_empty(), "{failures:#?}");
+    std::fs::remove_file(&path).unwrap();
+}
