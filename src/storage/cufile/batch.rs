@@ -26,7 +26,7 @@
 //! neither ends them within 30 s it aborts the process with a message — returning would release buffers the
 //! device may still write, and waiting without bound is a hang.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::ffi::c_void;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -35,7 +35,7 @@ use cudarc::driver::{CudaStream, CudaView, CudaViewMut, DevicePtr, DevicePtrMut,
 use cufile_sys as sys;
 
 use super::buffer::allocation_range;
-use super::file_handle::{clamp_to_eof, HandleInner};
+use super::file_handle::{clamp_to_eof, protected_tail, HandleInner, Scratch, READ_OVERRUN};
 use super::status::IoReturn;
 use super::{result, CuFileHandle, Driver};
 use crate::error::{Error, Result};
@@ -45,7 +45,11 @@ use crate::error::{Error, Result};
 pub enum BatchOp<'a> {
     /// Read `dst.len()` bytes at `file_offset` into `dst`, stopping at end of file as it is at
     /// submission (bytes of `dst` past it are not written; a read at or past it completes at
-    /// once with 0 bytes).
+    /// once with 0 bytes). No byte outside `dst` is written either: as for
+    /// [`CuFileHandle::read`], the read's last bytes (up to 68 KiB) go through a scratch device
+    /// buffer (allocated at submission on `dst`'s stream), which takes a second of cuFile's
+    /// entries, and are copied into place on `dst`'s stream when the operation's completion is
+    /// collected ([`BatchIo::poll`], [`BatchIo::run`]); the rest is read in place.
     Read {
         /// The file.
         handle: &'a CuFileHandle,
@@ -86,9 +90,13 @@ pub struct BatchCompletion {
 pub struct BatchIo {
     handle: sys::CUfileBatchHandle_t,
     capacity: u32,
-    /// The cookies of the operations submitted to cuFile and neither reported nor ended by a
-    /// cancel. A completion whose cookie is not here is not counted (see `get_status`).
+    /// The cookies of the cuFile entries submitted and neither reported nor ended by a cancel
+    /// (one or two per operation, see [`cookie`]). A completion whose cookie is not here is not
+    /// counted (see `get_status`).
     outstanding: HashSet<usize>,
+    /// The operations with entries in `outstanding`, by `(submission, index)`: what their
+    /// entries reported so far, and where a read's scratch bytes go.
+    ops: HashMap<(u64, usize), Pending>,
     /// The number the next submission gets; part of every cookie (see [`cookie`]).
     next_submission: u64,
     /// Completions not handed out yet: reads that start at or past end of file (never
@@ -119,20 +127,26 @@ impl std::fmt::Debug for BatchIo {
 unsafe impl Send for BatchIo {}
 
 impl BatchIo {
-    /// Creates a batch context for up to `capacity` operations (`cuFileBatchIOSetUp`);
-    /// `capacity` must be within the driver's `max_batch_io_size`.
+    /// Creates a batch context for up to `capacity` operations in flight
+    /// (`cuFileBatchIOSetUp` of `2 * capacity` entries: a read takes up to two, see
+    /// [`BatchOp::Read`]); `2 * capacity` must be within the driver's `max_batch_io_size`.
     pub fn new(driver: Arc<Driver>, capacity: u32) -> Result<Self> {
         let max = driver.properties().max_batch_io_size();
-        if capacity == 0 || (max > 0 && capacity > max) || capacity as usize > MAX_INDEX {
+        let entries = capacity.saturating_mul(ENTRIES_PER_OP);
+        if capacity == 0 || (max > 0 && entries > max) || capacity as usize > MAX_INDEX {
             return Err(Error::InvalidArgument(format!(
-                "batch capacity {capacity} is outside 1..={max} (the driver's max_batch_io_size)"
+                "batch capacity {capacity} is outside 1..={} (half the driver's \
+                 max_batch_io_size {max}: a read takes up to two of cuFile's entries, its last \
+                 bytes going through a scratch buffer)",
+                max / ENTRIES_PER_OP
             )));
         }
-        let handle = result::batch_setup(driver.lib(), capacity)?;
+        let handle = result::batch_setup(driver.lib(), entries)?;
         Ok(BatchIo {
             handle,
             capacity,
             outstanding: HashSet::new(),
+            ops: HashMap::new(),
             next_submission: 0,
             ready: Vec::new(),
             holds: Vec::new(),
@@ -140,13 +154,14 @@ impl BatchIo {
         })
     }
 
-    /// Creates a batch context of the driver's maximum capacity.
+    /// Creates a batch context of the driver's maximum capacity: half its `max_batch_io_size`
+    /// (see [`new`](Self::new)).
     pub fn with_max_capacity(driver: Arc<Driver>) -> Result<Self> {
-        let cap = driver.properties().max_batch_io_size().max(1);
+        let cap = (driver.properties().max_batch_io_size() / ENTRIES_PER_OP).max(1);
         Self::new(driver, cap)
     }
 
-    /// The capacity given at setup.
+    /// The capacity given at setup (operations).
     pub fn capacity(&self) -> u32 {
         self.capacity
     }
@@ -155,7 +170,7 @@ impl BatchIo {
     /// start at end of file, which complete at once with 0 bytes, and operations a cancel
     /// ended, whose completions the next poll hands out).
     pub fn in_flight(&self) -> usize {
-        self.outstanding.len() + self.ready.len()
+        self.ops.len() + self.ready.len()
     }
 
     /// Submits `ops`, waits for all of them (each poll waits up to `timeout`; the whole run
@@ -250,7 +265,8 @@ impl BatchIo {
     ///
     /// # Safety
     /// Every buffer named in `ops` must stay allocated and unaccessed by anything else until
-    /// its completion has been returned by [`poll`](Self::poll), or until
+    /// its completion has been returned by [`poll`](Self::poll) (which copies a read's last
+    /// bytes into place on the buffer's stream first, see [`BatchOp::Read`]), or until
     /// [`cancel`](Self::cancel) has returned `Ok` (dropping the `BatchIo` cancels: its drop
     /// returns only when nothing is in flight, or aborts as [`run`](Self::run) does). A
     /// `BatchIo` passed to `mem::forget` with operations in flight never cancels them: their
@@ -271,7 +287,7 @@ impl BatchIo {
     /// As for [`submit`](Self::submit).
     unsafe fn submit_as(&mut self, ops: &mut [BatchOp<'_>], call: &str) -> Result<u64> {
         let _restore = crate::cuda::CurrentContext::save();
-        let free = self.capacity as usize - self.outstanding.len();
+        let free = self.capacity as usize - self.ops.len();
         if ops.len() > free {
             return Err(Error::InvalidArgument(format!(
                 "{} operations exceed the batch's free capacity {free}",
@@ -288,9 +304,32 @@ impl BatchIo {
             call,
         )?;
         let submission = self.next_submission;
-        let mut params = Vec::with_capacity(ops.len());
+        let mut params = Vec::with_capacity(ops.len() * ENTRIES_PER_OP as usize);
+        let mut pending = Vec::with_capacity(ops.len());
         let mut holds = Vec::with_capacity(ops.len());
         let mut ready = Vec::new();
+        // SAFETY: all-zero is valid for CUfileIOParams_t (integers and null pointers).
+        let zero: sys::CUfileIOParams_t = unsafe { std::mem::zeroed() };
+        let entry = |handle: &CuFileHandle,
+                     opcode,
+                     ptr: cudarc::driver::sys::CUdeviceptr,
+                     base: cudarc::driver::sys::CUdeviceptr,
+                     file_offset: u64,
+                     size: usize,
+                     cookie| {
+            let mut p = zero;
+            p.mode = sys::CUFILE_BATCH;
+            p.u.batch = sys::CUfileIOParams__bindgen_ty_1__bindgen_ty_1 {
+                devPtr_base: base as *mut c_void,
+                file_offset: file_offset as i64,
+                devPtr_offset: (ptr - base) as i64,
+                size,
+            };
+            p.fh = handle.inner().fh;
+            p.opcode = opcode;
+            p.cookie = cookie;
+            p
+        };
         for (i, op) in ops.iter_mut().enumerate() {
             let (handle, ptr, len, file_offset, opcode, stream) = match op {
                 BatchOp::Read {
@@ -322,14 +361,35 @@ impl BatchIo {
                     "operation {i}: file offset {file_offset} is too large"
                 )));
             }
-            self.driver.enter(&stream, true)?;
+            if opcode == sys::CUFILE_WRITE {
+                self.driver.enter(&stream, true)?;
+                if len == 0 {
+                    ready.push(BatchCompletion {
+                        submission,
+                        index: i,
+                        status: sys::CUFILE_COMPLETE,
+                        result: Ok(0),
+                    });
+                    continue;
+                }
+                let (base, _) = allocation_range(ptr)?;
+                params.push(entry(
+                    handle,
+                    opcode,
+                    ptr,
+                    base,
+                    file_offset,
+                    len,
+                    cookie(submission, i, PART_IN_PLACE),
+                ));
+                pending.push(((submission, i), Pending::new(len, None)));
+                holds.push(Arc::clone(handle.inner()));
+                continue;
+            }
+            self.driver.enter(&stream, false)?;
             // Reads stop at end of file as it is now, as CuFileHandle::read's do: cuFile's
             // compatibility path may write past what it reports when a read crosses it.
-            let len = if opcode == sys::CUFILE_READ {
-                clamp_to_eof(handle.file(), handle.path(), file_offset, len)?
-            } else {
-                len
-            };
+            let len = clamp_to_eof(handle.file(), handle.path(), file_offset, len)?;
             if len == 0 {
                 ready.push(BatchCompletion {
                     submission,
@@ -339,20 +399,44 @@ impl BatchIo {
                 });
                 continue;
             }
+            // As CuFileHandle::read_inside: the last bytes through a scratch buffer with
+            // READ_OVERRUN bytes to spare, the rest in place (what cuFile may write past it
+            // lands in the last bytes of `dst`, which the copy from scratch writes after both
+            // entries completed).
             let (base, _) = allocation_range(ptr)?;
-            // SAFETY: all-zero is valid for CUfileIOParams_t (integers and null pointers).
-            let mut p: sys::CUfileIOParams_t = unsafe { std::mem::zeroed() };
-            p.mode = sys::CUFILE_BATCH;
-            p.u.batch = sys::CUfileIOParams__bindgen_ty_1__bindgen_ty_1 {
-                devPtr_base: base as *mut c_void,
-                file_offset: file_offset as i64,
-                devPtr_offset: (ptr - base) as i64,
-                size: len,
+            let tail = protected_tail(file_offset, len);
+            let body = len - tail;
+            let scratch = Scratch::alloc(&stream, tail + READ_OVERRUN)?;
+            let (sbase, _) = allocation_range(scratch.ptr())?;
+            // After the scratch allocation, which is ordered on `stream`.
+            self.driver.enter(&stream, true)?;
+            if body > 0 {
+                params.push(entry(
+                    handle,
+                    opcode,
+                    ptr,
+                    base,
+                    file_offset,
+                    body,
+                    cookie(submission, i, PART_IN_PLACE),
+                ));
+            }
+            params.push(entry(
+                handle,
+                opcode,
+                scratch.ptr(),
+                sbase,
+                file_offset + body as u64,
+                tail,
+                cookie(submission, i, PART_SCRATCH),
+            ));
+            let t = Tail {
+                scratch,
+                stream,
+                dst: ptr + body as u64,
+                len: tail,
             };
-            p.fh = handle.inner().fh;
-            p.opcode = opcode;
-            p.cookie = cookie(submission, i);
-            params.push(p);
+            pending.push(((submission, i), Pending::new(body, Some(t))));
             holds.push(Arc::clone(handle.inner()));
         }
         if !params.is_empty() {
@@ -365,6 +449,7 @@ impl BatchIo {
         self.ready.extend(ready);
         self.outstanding
             .extend(params.iter().map(|p| p.cookie as usize));
+        self.ops.extend(pending);
         self.holds.extend(holds);
         self.next_submission = self.next_submission.wrapping_add(1);
         Ok(submission)
@@ -446,12 +531,26 @@ impl BatchIo {
                     )),
                 }
             };
-            let (submission, index) = decode_cookie(ev.cookie);
+            let (submission, index, part) = decode_cookie(ev.cookie);
+            let key = (submission, index);
+            let Some(op) = self.ops.get_mut(&key) else {
+                tracing::warn!(
+                    submission,
+                    index,
+                    "cuFileBatchIOGetStatus reported an entry of no operation in flight; ignored"
+                );
+                continue;
+            };
+            if !op.record(part, status, result) {
+                continue;
+            }
+            let op = self.ops.remove(&key).expect("found above");
+            let status = op.status;
             out.push(BatchCompletion {
                 submission,
                 index,
                 status,
-                result,
+                result: op.finish(),
             });
         }
         if self.outstanding.is_empty() {
@@ -492,7 +591,9 @@ impl BatchIo {
         }
         // A cuFile that does report the operations it cancelled: take those reports.
         self.collect_now();
-        let ended = end_all(&mut self.outstanding);
+        self.outstanding.clear();
+        // Their scratch buffers are freed here: nothing of the batch runs any more.
+        let ended = end_all(self.ops.drain().map(|(key, _)| key));
         self.ready.extend(ended);
         self.holds.clear();
         Ok(())
@@ -518,51 +619,189 @@ impl BatchIo {
 /// A cancel that takes this long met IO cuFile had to wait for (see [`BatchIo::cancel`]).
 const SLOW_CANCEL: Duration = Duration::from_secs(1);
 
-/// Completions for every operation in `outstanding`, which a successful cancel ended before
-/// cuFile reported it (status `CUFILE_CANCELED`), in cookie order; `outstanding` is left empty.
-fn end_all(outstanding: &mut HashSet<usize>) -> Vec<BatchCompletion> {
-    let mut cookies: Vec<usize> = outstanding.drain().collect();
-    cookies.sort_unstable();
-    cookies
-        .into_iter()
-        .map(|c| {
-            let (submission, index) = decode_cookie(c as *mut c_void);
-            BatchCompletion {
-                submission,
-                index,
-                status: sys::CUFILE_CANCELED,
-                result: Err(Error::Io {
-                    op: "cuFileBatchIOCancel",
-                    path: None,
-                    source: std::io::Error::new(
-                        std::io::ErrorKind::Interrupted,
-                        "the operation was cancelled before cuFile reported it; the bytes of its \
+/// Completions for the operations `(submission, index)` of `ended`, which a successful cancel
+/// ended before cuFile reported all their entries (status `CUFILE_CANCELED`), in order.
+fn end_all(ended: impl Iterator<Item = (u64, usize)>) -> Vec<BatchCompletion> {
+    let mut keys: Vec<(u64, usize)> = ended.collect();
+    keys.sort_unstable();
+    keys.into_iter()
+        .map(|(submission, index)| BatchCompletion {
+            submission,
+            index,
+            status: sys::CUFILE_CANCELED,
+            result: Err(Error::Io {
+                op: "cuFileBatchIOCancel",
+                path: None,
+                source: std::io::Error::new(
+                    std::io::ErrorKind::Interrupted,
+                    "the operation was cancelled before cuFile reported it; the bytes of its \
                          destination are unspecified",
-                    ),
-                }),
-            }
+                ),
+            }),
         })
         .collect()
 }
 
 /// Bits of a cookie holding the operation's index in its submission (the capacity is bounded
-/// to fit); the bits above hold the submission's number, modulo what fits.
+/// to fit), above the entry's part (bit 0); the bits above hold the submission's number,
+/// modulo what fits.
 const INDEX_BITS: u32 = 24;
 const MAX_INDEX: usize = (1 << INDEX_BITS) - 1;
 
-/// The cookie of operation `index` of submission `submission`: distinct for every operation
-/// of the last 2^40 submissions (64-bit), so completions of one submission are never taken for
-/// another's.
-fn cookie(submission: u64, index: usize) -> *mut c_void {
-    debug_assert!(index <= MAX_INDEX);
-    let sub = (submission as usize) & (usize::MAX >> INDEX_BITS);
-    ((sub << INDEX_BITS) | (index & MAX_INDEX)) as *mut c_void
+/// cuFile entries an operation takes at most (a read: in place, and its last bytes through
+/// scratch).
+const ENTRIES_PER_OP: u32 = 2;
+/// The part of an operation an entry is: all of a write, a read's bytes read in place.
+const PART_IN_PLACE: usize = 0;
+/// A read's last bytes, read into its scratch buffer.
+const PART_SCRATCH: usize = 1;
+
+/// The cookie of part `part` of operation `index` of submission `submission`: distinct for
+/// every entry of the last 2^39 submissions (64-bit), so completions of one submission are
+/// never taken for another's.
+fn cookie(submission: u64, index: usize, part: usize) -> *mut c_void {
+    debug_assert!(index <= MAX_INDEX && part <= 1);
+    let sub = (submission as usize) & (usize::MAX >> (INDEX_BITS + 1));
+    ((sub << (INDEX_BITS + 1)) | ((index & MAX_INDEX) << 1) | (part & 1)) as *mut c_void
 }
 
-/// The inverse of [`cookie`]: `(submission, index)`, the submission modulo the bits it has.
-fn decode_cookie(c: *mut c_void) -> (u64, usize) {
+/// The inverse of [`cookie`]: `(submission, index, part)`, the submission modulo the bits it
+/// has.
+fn decode_cookie(c: *mut c_void) -> (u64, usize, usize) {
     let v = c as usize;
-    ((v >> INDEX_BITS) as u64, v & MAX_INDEX)
+    ((v >> (INDEX_BITS + 1)) as u64, (v >> 1) & MAX_INDEX, v & 1)
+}
+
+/// An operation submitted and not finished: what its entries reported so far (a write's one;
+/// a read's in-place entry, when it has bytes before its last ones, and its scratch entry), and
+/// where a read's scratch bytes go.
+struct Pending {
+    /// Bytes asked of the in-place entry; 0 when there is none.
+    body: usize,
+    /// What the in-place entry reported, once it did.
+    body_got: Option<Result<usize>>,
+    /// A read's last bytes, and what their entry reported, once it did.
+    tail: Option<(Tail, Option<Result<usize>>)>,
+    /// Entries not reported yet.
+    left: u8,
+    /// `CUFILE_COMPLETE`, or the status of an entry that did not complete.
+    status: u32,
+}
+
+/// A read's last bytes: `len` bytes read into `scratch`, copied to `dst` on `stream` (the
+/// destination's) when the read completes.
+struct Tail {
+    scratch: Scratch,
+    stream: Arc<CudaStream>,
+    dst: cudarc::driver::sys::CUdeviceptr,
+    len: usize,
+}
+
+impl Pending {
+    /// An operation of `body` bytes in place (0: none) and, for a read, its last bytes.
+    fn new(body: usize, tail: Option<Tail>) -> Pending {
+        Pending {
+            body,
+            body_got: None,
+            left: u8::from(body > 0) + u8::from(tail.is_some()),
+            tail: tail.map(|t| (t, None)),
+            status: sys::CUFILE_COMPLETE,
+        }
+    }
+
+    /// Records what the entry of `part` reported; true when every entry has.
+    fn record(&mut self, part: usize, status: u32, r: Result<usize>) -> bool {
+        if status & sys::CUFILE_COMPLETE == 0 && self.status == sys::CUFILE_COMPLETE {
+            self.status = status;
+        }
+        let slot = match (part, &mut self.tail) {
+            (PART_SCRATCH, Some((_, got))) => got,
+            _ => &mut self.body_got,
+        };
+        if slot.is_none() {
+            self.left = self.left.saturating_sub(1);
+        }
+        *slot = Some(r);
+        self.left == 0
+    }
+
+    /// The operation's result once every entry reported: for a read whose last bytes arrived,
+    /// after copying them into place (and waiting for the copy).
+    fn finish(self) -> Result<usize> {
+        let (tail, tail_got) = match self.tail {
+            Some((t, got)) => (Some(t), got),
+            None => (None, None),
+        };
+        let reported = tail.as_ref().map(|t| t.len).zip(tail_got);
+        match settle(self.body, self.body_got, reported) {
+            Settled::Done(r) => r,
+            Settled::Copy { before, len } => {
+                let t = tail.expect("settle copies only a read's last bytes");
+                copy_into_place(&t, len).map(|()| before + len)
+            }
+        }
+    }
+}
+
+/// What a finished operation still needs.
+#[derive(Debug)]
+enum Settled {
+    /// Nothing: this is its result.
+    Done(Result<usize>),
+    /// Its first `len` scratch bytes copied into place; then `before + len` bytes are in.
+    Copy { before: usize, len: usize },
+}
+
+/// The outcome of an operation whose entries all reported: `body` bytes asked in place and
+/// what that entry reported (`None`: there was none), and the scratch entry's length and
+/// report (`None`: none). The bytes in place come first: an error there, or fewer than asked
+/// (the file shrank), is the result, and the scratch bytes are not copied.
+fn settle(
+    body: usize,
+    body_got: Option<Result<usize>>,
+    tail: Option<(usize, Result<usize>)>,
+) -> Settled {
+    let before = match body_got {
+        Some(Err(e)) => return Settled::Done(Err(e)),
+        Some(Ok(b)) if b < body || tail.is_none() => return Settled::Done(Ok(b.min(body))),
+        Some(Ok(_)) => body,
+        None => 0,
+    };
+    match tail {
+        None => Settled::Done(Ok(before)),
+        Some((_, Err(e))) => Settled::Done(Err(e)),
+        Some((_, Ok(0))) => Settled::Done(Ok(before)),
+        Some((len, Ok(t))) => Settled::Copy {
+            before,
+            len: t.min(len),
+        },
+    }
+}
+
+/// Copies the first `len` bytes of a read's scratch buffer to its place on the destination's
+/// stream and waits for the copy. A stream capturing a CUDA graph by now cannot run it:
+/// [`Error::Unsupported`] (the destination's last bytes are then unspecified).
+fn copy_into_place(t: &Tail, len: usize) -> Result<()> {
+    crate::cuda::refuse_capturing(&t.stream, "BatchIo: copying a read's last bytes into place")?;
+    t.stream
+        .context()
+        .bind_to_thread()
+        .map_err(|e| Error::cuda("cuCtxSetCurrent", e))?;
+    // SAFETY: `dst .. + len` lies inside the operation's destination (its last bytes, which
+    // the batch borrows until this completion is handed out) and `scratch .. + len` inside the
+    // scratch buffer, both in the stream's context, which is current; every entry of the
+    // operation has completed; the copy is waited for below, before the scratch buffer is freed.
+    unsafe {
+        crate::cuda::result::mem::memcpy_dtod_async(
+            t.dst,
+            t.scratch.ptr(),
+            len,
+            t.stream.cu_stream(),
+        )
+    }?;
+    t.stream
+        .synchronize()
+        .map_err(|e| Error::cuda("cuStreamSynchronize", e))
 }
 
 /// What draining needs from a batch: the seam that lets the drain policy be tested without
@@ -679,6 +918,8 @@ impl Drop for BatchIo {
         // drop to keep their borrowed buffers safe.
         self.cancel_and_drain();
         let _restore = crate::cuda::CurrentContext::save();
+        // Empty by now (the drain ended every operation); freed inside the guard otherwise.
+        self.ops.clear();
         // SAFETY: the handle is live and nothing is in flight.
         unsafe { result::batch_destroy(self.driver.lib(), self.handle) };
     }
@@ -764,16 +1005,56 @@ mod tests {
     #[test]
     fn cookies_are_distinct_across_submissions_and_decode() {
         let mut seen = std::collections::HashSet::new();
-        for sub in [0u64, 1, 2, 77, (1 << 40) - 1] {
+        for sub in [0u64, 1, 2, 77, (1 << 39) - 1] {
             for i in [0usize, 1, 2, 255, MAX_INDEX] {
-                let c = cookie(sub, i);
-                assert!(seen.insert(c as usize), "cookie of ({sub}, {i}) repeats");
-                assert_eq!(decode_cookie(c), (sub, i));
+                for part in [PART_IN_PLACE, PART_SCRATCH] {
+                    let c = cookie(sub, i, part);
+                    assert!(
+                        seen.insert(c as usize),
+                        "cookie of ({sub}, {i}, {part}) repeats"
+                    );
+                    assert_eq!(decode_cookie(c), (sub, i, part));
+                }
             }
         }
         // The first operation of two submissions: the collision the old cookies (the index
         // alone) had.
-        assert_ne!(cookie(0, 0), cookie(1, 0));
+        assert_ne!(cookie(0, 0, 0), cookie(1, 0, 0));
+    }
+
+    /// Review N2: a batch read's result from its entries (in place, then its last bytes through
+    /// scratch): the last bytes are copied only when the bytes before them all arrived, and the
+    /// result counts what is in place, never a byte past a gap.
+    #[test]
+    fn a_split_read_settles_to_the_bytes_in_place() {
+        let err = || Error::InvalidArgument("entry failed".into());
+        let done = |s: Settled| match s {
+            Settled::Done(r) => r.map_err(|e| e.to_string()),
+            Settled::Copy { before, len } => panic!("copies {len} after {before}"),
+        };
+        let copy = |s: Settled| match s {
+            Settled::Copy { before, len } => (before, len),
+            Settled::Done(r) => panic!("no copy: {r:?}"),
+        };
+        // Both entries whole: the tail is copied after the body.
+        assert_eq!(
+            copy(settle(100, Some(Ok(100)), Some((70, Ok(70))))),
+            (100, 70)
+        );
+        // Only a scratch entry (a read of at most 68 KiB).
+        assert_eq!(copy(settle(0, None, Some((5000, Ok(5000))))), (0, 5000));
+        // The file shrank: a short tail is copied as far as it got, a short body ends it.
+        assert_eq!(
+            copy(settle(100, Some(Ok(100)), Some((70, Ok(30))))),
+            (100, 30)
+        );
+        assert_eq!(done(settle(100, Some(Ok(40)), Some((70, Ok(70))))), Ok(40));
+        assert_eq!(done(settle(100, Some(Ok(100)), Some((70, Ok(0))))), Ok(100));
+        // A failed entry fails the operation.
+        assert!(done(settle(100, Some(Err(err())), Some((70, Ok(70))))).is_err());
+        assert!(done(settle(100, Some(Ok(100)), Some((70, Err(err()))))).is_err());
+        // A write: its one entry.
+        assert_eq!(done(settle(4096, Some(Ok(4096)), None)), Ok(4096));
     }
 
     /// cuFile 1.15 never reports the operations a successful cancel ended (the GPU suite hung on
@@ -788,10 +1069,9 @@ mod tests {
         assert_eq!((b.cancels, b.reaps), (1, 0), "one cancel, no waiting");
         assert!(took < Duration::from_secs(1), "{took:?}");
 
-        let mut outstanding: HashSet<usize> = (0..5).map(|i| cookie(3, i) as usize).collect();
-        outstanding.remove(&(cookie(3, 2) as usize)); // reported before the cancel
-        let ended = end_all(&mut outstanding);
-        assert!(outstanding.is_empty());
+        let mut left: HashSet<(u64, usize)> = (0..5).map(|i| (3, i)).collect();
+        left.remove(&(3, 2)); // reported before the cancel
+        let ended = end_all(left.into_iter());
         let idx: Vec<(u64, usize)> = ended.iter().map(|c| (c.submission, c.index)).collect();
         assert_eq!(idx, [(3, 0), (3, 1), (3, 3), (3, 4)]);
         for c in &ended {

@@ -430,8 +430,7 @@ impl CuFileHandle {
         if len == 0 {
             return Ok(0);
         }
-        let to_block = ((file_offset + len as u64) % 4096) as usize;
-        let tail = len.min(READ_OVERRUN + to_block);
+        let tail = protected_tail(file_offset, len);
         let body = len - tail;
         let mut got = 0;
         if body > 0 {
@@ -477,6 +476,57 @@ impl CuFileHandle {
 /// Bytes a cuFile read may write past its range, as far as gpudirect guards against (see
 /// `CuFileHandle::read_inside`).
 pub(super) const READ_OVERRUN: usize = 64 << 10;
+
+/// The last bytes of a read of `len` bytes at `file_offset` that go through a scratch buffer
+/// (see `CuFileHandle::read_inside`): [`READ_OVERRUN`] plus the bytes from the last 4 KiB file
+/// boundary to the end, or all of the read when it is shorter. Whatever cuFile writes past
+/// the rest (up to `READ_OVERRUN`) lands in these bytes, which the copy from scratch then
+/// writes.
+pub(super) fn protected_tail(file_offset: u64, len: usize) -> usize {
+    let to_block = ((file_offset + len as u64) % 4096) as usize;
+    len.min(READ_OVERRUN + to_block)
+}
+
+/// Device memory that the protected last bytes of a read go through (see
+/// `CuFileHandle::read_inside`), from a stream's allocator, with [`READ_OVERRUN`] bytes to
+/// spare after what cuFile is asked to write. Freed with its context bound: cudarc's
+/// `CudaSlice` frees without binding, which fails (and leaks) on a thread whose current
+/// context is another device's or none.
+pub(super) struct Scratch {
+    buf: Option<cudarc::driver::CudaSlice<u8>>,
+    ptr: cudarc::driver::sys::CUdeviceptr,
+}
+
+impl Scratch {
+    /// `len` bytes on `stream` (stream-ordered: `stream` must be synchronised before cuFile,
+    /// which is ordered with no stream, uses them).
+    pub(super) fn alloc(stream: &Arc<CudaStream>, len: usize) -> Result<Scratch> {
+        // SAFETY: u8 needs no initialisation; only the bytes cuFile reports are copied out.
+        let mut buf =
+            unsafe { stream.alloc::<u8>(len) }.map_err(|e| Error::cuda("cuMemAlloc", e))?;
+        let ptr = buf.device_ptr_mut(stream).0;
+        Ok(Scratch {
+            buf: Some(buf),
+            ptr,
+        })
+    }
+
+    /// The device address of the first byte.
+    pub(super) fn ptr(&self) -> cudarc::driver::sys::CUdeviceptr {
+        self.ptr
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        if let Some(buf) = self.buf.take() {
+            // The caller's current context is its business: every caller holds a
+            // `CurrentContext` guard that puts it back.
+            let _ = buf.context().bind_to_thread();
+            drop(buf);
+        }
+    }
+}
 
 /// `len`, shortened so that `file_offset + len` does not pass the end of `file` (0 at or past
 /// it), from `fstat` at the time of the call.
