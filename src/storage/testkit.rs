@@ -250,3 +250,54 @@ pub(crate) fn refused_on_a_capturing_stream(
     }
     bad
 }
+
+/// Holds a stream at a host function until released (or 30 s pass), like a long kernel: work
+/// queued on the stream after [`StreamGate::block`] waits for [`StreamGate::release`] (or the
+/// drop). Hold [`HOST_FUNCTION_GATES`](crate::cuda::HOST_FUNCTION_GATES) while one is in use:
+/// CUDA may run every host function of the process on one thread.
+pub(crate) struct StreamGate(Option<std::sync::mpsc::Sender<()>>);
+
+/// The host function of a [`StreamGate`]: waits for the release (30 s at most).
+unsafe extern "C" fn wait_for_release(data: *mut std::ffi::c_void) {
+    // SAFETY: `data` is the Box<Receiver> leaked by `StreamGate::block`, handed over exactly
+    // once; the callback makes no CUDA call.
+    let rx = unsafe { Box::from_raw(data.cast::<std::sync::mpsc::Receiver<()>>()) };
+    let _ = rx.recv_timeout(std::time::Duration::from_secs(30));
+}
+
+impl StreamGate {
+    /// Holds `stream` from now on (its context is made current on this thread).
+    pub(crate) fn block(stream: &cudarc::driver::CudaStream) -> StreamGate {
+        let (tx, rx) = std::sync::mpsc::channel::<()>();
+        let rx = Box::into_raw(Box::new(rx));
+        stream.context().bind_to_thread().unwrap();
+        // SAFETY: the stream is alive, its context current; the callback makes no CUDA call
+        // and owns `rx` once launched.
+        let launched = unsafe {
+            crate::cuda::result::stream::launch_host_func(
+                stream.cu_stream(),
+                wait_for_release,
+                rx.cast(),
+            )
+        };
+        if let Err(e) = launched {
+            // SAFETY: a failed launch did not hand `rx` over.
+            drop(unsafe { Box::from_raw(rx) });
+            panic!("{e}");
+        }
+        StreamGate(Some(tx))
+    }
+
+    /// Lets the stream go on.
+    pub(crate) fn release(&mut self) {
+        if let Some(tx) = self.0.take() {
+            let _ = tx.send(());
+        }
+    }
+}
+
+impl Drop for StreamGate {
+    fn drop(&mut self) {
+        self.release();
+    }
+}

@@ -907,6 +907,7 @@ impl GpuFile {
 mod tests {
     use super::*;
     use crate::storage::{GpuFileOptions, Pipeline};
+    use cudarc::driver::sys;
     use std::path::PathBuf;
 
     use crate::storage::testkit::random;
@@ -1595,5 +1596,323 @@ mod tests {
         let same = on_disk.iter().zip(&data).filter(|(a, b)| a == b).count();
         assert_eq!(same, moved);
         std::fs::remove_file(&p).unwrap();
+    }
+
+    /// A device buffer that holds the transfer thread: its second `as_dst` / `as_src` (the
+    /// transfer thread's; the first is the `*_async` call's own, on the caller's thread) waits
+    /// until `go` fires (30 s at most), so that a test can act on the buffer's stream after the
+    /// call returned and before the transfer thread does anything.
+    struct HeldDev {
+        buf: cudarc::driver::CudaSlice<u8>,
+        calls: AtomicUsize,
+        go: std::sync::mpsc::Receiver<()>,
+    }
+    impl HeldDev {
+        fn hold(&self) {
+            if self.calls.fetch_add(1, Ordering::SeqCst) == 1 {
+                let _ = self.go.recv_timeout(Duration::from_secs(30));
+            }
+        }
+    }
+    impl DeviceDst for HeldDev {
+        type Elem = u8;
+        fn as_dst(&mut self) -> cudarc::driver::CudaViewMut<'_, u8> {
+            self.hold();
+            self.buf.as_view_mut()
+        }
+    }
+    impl DeviceSrc for HeldDev {
+        type Elem = u8;
+        fn as_src(&self) -> cudarc::driver::CudaView<'_, u8> {
+            self.hold();
+            self.buf.as_view()
+        }
+    }
+
+    /// A host function that does nothing: the node a test puts into its own capture.
+    unsafe extern "C" fn nothing(_: *mut std::ffi::c_void) {}
+
+    /// Which `*_async` call [`beside_a_capture`] makes.
+    #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+    enum AsyncCall {
+        Read,
+        ReadExact,
+        Write,
+    }
+
+    /// One non-blocking transfer of `len` bytes through a file opened with `opts`, while the
+    /// caller captures a CUDA graph (`mode`) on the buffer's stream: the buffer's stream is
+    /// held at a host function, work the transfer must follow is queued behind it (a read's
+    /// buffer is zeroed, a write's buffer gets the bytes to write), the call is made, and the
+    /// transfer thread is held (in the buffer's `as_dst` / `as_src`) while this thread begins a
+    /// capture on the stream and puts one node of its own there; then the transfer thread goes
+    /// on, the stream's host function is released 100 ms later, and the transfer must end
+    /// within 20 s while the capture lasts. Checks: the transfer succeeded with every byte
+    /// (the file's bytes in the buffer, or the buffer's in the file), the graph holds exactly
+    /// the test's node (nothing of the transfer's, and the capture was not invalidated), no
+    /// error was left in the caller's context object, the stream works after the capture, and
+    /// the buffer is usable on another stream (cudarc orders that stream after the buffer's
+    /// last recorded write). The file and the transfer thread are warmed up first with the same
+    /// transfer, outside any capture: first-use work is not what is tested. Returns what went
+    /// wrong, one line per finding.
+    fn beside_a_capture(
+        ctx: &Arc<CudaContext>,
+        what: &str,
+        call: AsyncCall,
+        len: usize,
+        opts: GpuFileOptions,
+        mode: sys::CUstreamCaptureMode,
+    ) -> Vec<String> {
+        use crate::storage::testkit::{end_capture_counting, StreamGate};
+        let mut bad = Vec::new();
+        let _ = ctx.check_err();
+        let stream = ctx.new_stream().unwrap();
+        let other = ctx.new_stream().unwrap();
+        let write = call == AsyncCall::Write;
+        let data = random(len, 60 + len as u64 + write as u64);
+        let p = scratch(&format!(
+            "beside-capture-{}",
+            what.replace([' ', ',', '(', ')', ':'], "")
+        ));
+        std::fs::write(
+            &p,
+            if write {
+                complement(&data)
+            } else {
+                data.clone()
+            },
+        )
+        .unwrap();
+        let f = Arc::new(opts.write(true).open(&p).unwrap());
+        let start = |f: &Arc<GpuFile>, held: HeldDev| match call {
+            AsyncCall::Read => f.read_async(held, 0),
+            AsyncCall::ReadExact => f.read_exact_async(held, 0),
+            AsyncCall::Write => f.write_async(held, 0),
+        };
+        let src = stream.clone_htod(&data).unwrap();
+        let (go_tx, go) = std::sync::mpsc::channel();
+        let warm = HeldDev {
+            buf: stream.clone_htod(&data).unwrap(),
+            calls: AtomicUsize::new(2),
+            go,
+        };
+        let (r, warm) = start(&f, warm).wait();
+        if let Err(e) = r {
+            bad.push(format!(
+                "{what}: the warm-up transfer (no capture) failed: {e}"
+            ));
+            return bad;
+        }
+        std::fs::write(
+            &p,
+            if write {
+                complement(&data)
+            } else {
+                data.clone()
+            },
+        )
+        .unwrap();
+        let mut buf = warm.buf;
+        stream.memcpy_htod(&complement(&data), &mut buf).unwrap();
+        stream.synchronize().unwrap();
+
+        let mut gate = StreamGate::block(&stream);
+        // Queued before the call, behind the gate: the transfer must come after it.
+        if write {
+            stream.memcpy_dtod(&src, &mut buf).unwrap();
+        } else {
+            stream.memset_zeros(&mut buf).unwrap();
+        }
+        let held = HeldDev {
+            buf,
+            calls: AtomicUsize::new(0),
+            go: warm.go,
+        };
+        let t = start(&f, held);
+        stream.begin_capture(mode).unwrap();
+        // SAFETY: the stream is alive, its context current (begin_capture bound it); `nothing`
+        // makes no CUDA call and takes no data.
+        unsafe {
+            crate::cuda::result::stream::launch_host_func(
+                stream.cu_stream(),
+                nothing,
+                std::ptr::null_mut(),
+            )
+        }
+        .unwrap();
+        go_tx.send(()).unwrap();
+        std::thread::sleep(Duration::from_millis(100));
+        gate.release();
+        let done = t.wait_timeout(Duration::from_secs(20));
+        let captured = end_capture_counting(&stream);
+        assert!(
+            t.wait_timeout(Duration::from_secs(120)),
+            "{what}: no answer two minutes after the capture ended"
+        );
+        let (r, held) = t.wait();
+        if !done {
+            bad.push(format!(
+                "{what}: ended only once the capture was ended (it waited for the caller's stream): {r:?}"
+            ));
+        }
+        match captured {
+            Ok(1) => {}
+            Ok(n) => bad.push(format!(
+                "{what}: the caller's graph holds {n} nodes, not the one the test put there"
+            )),
+            Err(e) => bad.push(format!("{what}: {e}")),
+        }
+        match &r {
+            Ok(rep) if rep.bytes == len => {}
+            r => bad.push(format!("{what}: not every byte moved: {r:?}")),
+        }
+        if let Err(e) = ctx.check_err() {
+            bad.push(format!(
+                "{what}: an error was left in the caller's context object: {e}"
+            ));
+        }
+        if let Err(e) = stream.synchronize() {
+            bad.push(format!("{what}: the stream after the capture: {e}"));
+        }
+        match other.clone_dtoh(&held.buf) {
+            Ok(back) if back == data => {}
+            Ok(back) if back.iter().all(|&b| b == 0) => bad.push(format!(
+                "{what}: the buffer, read on another stream, is still zeroed: the read did not land"
+            )),
+            Ok(_) => bad.push(format!(
+                "{what}: the buffer, read on another stream, does not hold the bytes it should"
+            )),
+            Err(e) => bad.push(format!(
+                "{what}: the buffer could not be read on another stream: {e}"
+            )),
+        }
+        if let Err(e) = ctx.check_err() {
+            bad.push(format!(
+                "{what}: using the buffer on another stream left an error in the context object: {e}"
+            ));
+        }
+        if write && std::fs::read(&p).unwrap() != data {
+            bad.push(format!("{what}: the file does not hold the buffer's bytes"));
+        }
+        drop(f);
+        std::fs::remove_file(&p).unwrap();
+        bad
+    }
+
+    /// Review (async transfers and the caller's stream): after a `*_async` call
+    /// returned, the caller may capture a CUDA graph on the buffer's stream (to capture the next
+    /// step while weights load, say): the transfer thread must never enqueue on, synchronize,
+    /// or query that stream again. Through [`beside_a_capture`] (a relaxed-mode capture begun
+    /// after the call and before the transfer thread starts): small reads and writes (one copy
+    /// through a pinned buffer), 8 MiB reads through the segment ring and the lanes, an 8 MiB
+    /// write, each through gpudirect's engine. Each must succeed with every byte, while the
+    /// capture lasts, leaving only the test's node in the graph and no error in the context,
+    /// with the buffer usable on another stream afterwards. On the code before the fix the
+    /// transfer thread checks the stream for a capture again and refuses every case
+    /// ("not every byte moved: Err(Unsupported { .. capturing a CUDA graph .. })", the read's
+    /// buffer "still zeroed", the write's file unchanged); were the check skipped, its
+    /// `device_ptr_mut` wait and record on the caller's stream would land in the graph (or
+    /// invalidate it) and leave cudarc's write event captured. Run alone
+    /// (scripts/gpu-suite): a capture makes other tests' `cuCtxSynchronize` fail.
+    #[test]
+    #[ignore = "needs a CUDA GPU"]
+    fn gpu_transfer_async_transfers_leave_a_capturing_stream_alone() {
+        use crate::storage::Backend;
+        let _gates = crate::cuda::HOST_FUNCTION_GATES
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        let ctx = gpu();
+        let small = 4096 + 13;
+        let large = (8 << 20) + 13;
+        let engine = || GpuFile::options().backend(Backend::Engine);
+        let cases = [
+            ("read_async, small", AsyncCall::Read, small, engine()),
+            (
+                "read_exact_async, 8 MiB, segments",
+                AsyncCall::ReadExact,
+                large,
+                engine().pipeline(Pipeline::Segments),
+            ),
+            (
+                "read_async, 8 MiB, lanes",
+                AsyncCall::Read,
+                large,
+                engine().pipeline(Pipeline::Lanes),
+            ),
+            ("write_async, small", AsyncCall::Write, small, engine()),
+            ("write_async, 8 MiB", AsyncCall::Write, large, engine()),
+        ];
+        let mut bad = Vec::new();
+        for (what, call, len, opts) in cases {
+            bad.extend(beside_a_capture(
+                &ctx,
+                what,
+                call,
+                len,
+                opts,
+                sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED,
+            ));
+        }
+        assert!(bad.is_empty(), "{}", bad.join("\n"));
+    }
+
+    /// [`gpu_transfer_async_transfers_leave_a_capturing_stream_alone`] through cuFile
+    /// (`Backend::CuFile`: on the machines at hand its compat path): a small read, an 8 MiB
+    /// read (whose tail goes through a scratch buffer), a small write. The same checks. On the
+    /// code before the fix every case is refused as unsupported (the transfer thread's capture
+    /// check); past it, the read synchronized the caller's stream (illegal during a capture),
+    /// allocated its scratch buffer there and copied its tail there. Needs libcufile
+    /// (`GPUDIRECT_CUFILE_LIB`) and a registrable file: without the udev record cuFile looks
+    /// for it reports the machine's state and checks nothing (set `GPUDIRECT_TEST_UDEV_FIX=1`,
+    /// as root, as scripts/gpu-suite does). Run alone.
+    #[test]
+    #[ignore = "needs a CUDA GPU"]
+    fn gpu_cufile_async_transfers_leave_a_capturing_stream_alone() {
+        use crate::storage::Backend;
+        let _gates = crate::cuda::HOST_FUNCTION_GATES
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        let ctx = gpu();
+        let probe = scratch("beside-capture-cufile-probe");
+        std::fs::write(&probe, random(4096, 70)).unwrap();
+        crate::storage::testkit::udev_fix(&probe);
+        let opened = GpuFile::options().backend(Backend::CuFile).open(&probe);
+        std::fs::remove_file(&probe).unwrap();
+        if let Err(e) = opened {
+            let fixed = std::env::var("GPUDIRECT_TEST_UDEV_FIX").is_ok_and(|v| v == "1");
+            if !fixed
+                && matches!(
+                    e,
+                    Error::Unsupported {
+                        cause: crate::Cause::UdevDataMissing { .. },
+                        ..
+                    }
+                )
+            {
+                eprintln!("cuFile refused the file as this machine's state predicts ({e}); set GPUDIRECT_TEST_UDEV_FIX=1 (as root) to run this check");
+                return;
+            }
+            panic!(
+                "cuFile did not open the file: {e} (set GPUDIRECT_CUFILE_LIB to libcufile.so.0)"
+            );
+        }
+        let cufile = || GpuFile::options().backend(Backend::CuFile);
+        let cases = [
+            ("cuFile read_async, small", AsyncCall::Read, 4096 + 13),
+            ("cuFile read_async, 8 MiB", AsyncCall::Read, (8 << 20) + 13),
+            ("cuFile write_async, small", AsyncCall::Write, 4096 + 13),
+        ];
+        let mut bad = Vec::new();
+        for (what, call, len) in cases {
+            bad.extend(beside_a_capture(
+                &ctx,
+                what,
+                call,
+                len,
+                cufile(),
+                sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED,
+            ));
+        }
+        assert!(bad.is_empty(), "{}", bad.join("\n"));
     }
 }
