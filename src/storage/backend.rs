@@ -2,8 +2,9 @@
 //! choice at open, and where `GpuFile` meets the cuFile layer.
 
 use std::path::Path;
+use std::sync::Arc;
 
-use cudarc::driver::CudaViewMut;
+use cudarc::driver::{CudaStream, CudaViewMut};
 use serde::Serialize;
 
 use super::config::{CompatMode, StorageConfig};
@@ -290,15 +291,17 @@ pub(super) mod cufile_glue {
     /// clamped to end of file) through cuFile into the start of `view`. No byte of `view` past
     /// `n` (nor outside it) is written: [`CuFileHandle::read`] sends the tail of every read
     /// through a scratch buffer, because cuFile's compat path was seen writing device bytes
-    /// past what it reported.
+    /// past what it reported. The call's own CUDA work goes on `on`, a stream of the view's
+    /// context (see [`CuFileHandle::read_after_capture_check`]).
     pub(in crate::storage) fn read_clamped(
         cf: &CuFileHandle,
         view: &mut CudaViewMut<'_, u8>,
         off: u64,
         n: usize,
+        on: &Arc<CudaStream>,
     ) -> Result<usize> {
         // The callers (GpuFile's reads, ReadBatch) refused a capturing stream already.
-        cf.read_after_capture_check(&mut view.slice_mut(..n), off)
+        cf.read_after_capture_check(&mut view.slice_mut(..n), off, on)
     }
 
     /// Opens the driver and registers the file `GpuFile` opened with cuFile: a duplicate of

@@ -985,7 +985,8 @@ impl<'a> ReadBatch<'a> {
                 ));
             };
             let mut v = view.slice_mut(it.dst_offset..it.dst_offset + it.len);
-            let r = cufile_glue::read_clamped(cf, &mut v, it.file_offset, it.len);
+            let on = v.stream().clone();
+            let r = cufile_glue::read_clamped(cf, &mut v, it.file_offset, it.len, &on);
             if let Ok(n) = r {
                 (moved[i], complete[i]) = (n, n == it.len);
                 ctl.moved(n);

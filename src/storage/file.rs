@@ -480,12 +480,16 @@ impl GpuFile {
         read_unsized_from(&self.fds.buffered, off, len).map_err(|e| self.fds.err("pread", e))
     }
 
-    /// Copies `bytes` into the start of `view` and waits for the copy.
-    fn upload(view: &mut CudaViewMut<'_, u8>, bytes: &[u8]) -> Result<()> {
+    /// Copies `bytes` into the start of `view` on `stream` (a stream of the view's context) and
+    /// waits for the copy.
+    fn upload(
+        view: &mut CudaViewMut<'_, u8>,
+        bytes: &[u8],
+        stream: &Arc<CudaStream>,
+    ) -> Result<()> {
         if bytes.is_empty() {
             return Ok(());
         }
-        let stream = view.stream().clone();
         stream
             .memcpy_htod(bytes, &mut view.slice_mut(..bytes.len()))
             .map_err(|e| Error::cuda("cuMemcpyHtoDAsync", e))?;
@@ -494,7 +498,8 @@ impl GpuFile {
             .map_err(|e| Error::cuda("cuStreamSynchronize", e))
     }
 
-    /// A read of a file of unknown size into `view`: to end of file through host memory.
+    /// A read of a file of unknown size into `view`: to end of file through host memory, the
+    /// upload on `on` (a stream of the view's context).
     fn read_unsized_to_device(
         &self,
         view: &mut CudaViewMut<'_, u8>,
@@ -502,11 +507,12 @@ impl GpuFile {
         esz: usize,
         path: PathReport,
         ctl: &Ctl<'_>,
+        on: &Arc<CudaStream>,
     ) -> Result<IoReport> {
         let len = view.len();
         let bytes = self.read_unsized(off, len)?;
         self.whole_elements(off, bytes.len(), len, esz)?;
-        Self::upload(view, &bytes)?;
+        Self::upload(view, &bytes, on)?;
         ctl.moved(bytes.len());
         Ok(IoReport::new(bytes.len(), path, false, ctl.elapsed()))
     }
@@ -566,13 +572,20 @@ impl GpuFile {
         if let Some(cf) = &self.cufile {
             let Some(n) = self.readable_whole(file_offset, len, esz)? else {
                 let path = cf.path_report().clone();
-                return Ok(self.read_unsized_to_device(view, file_offset, esz, path, ctl)?);
+                return Ok(self.read_unsized_to_device(
+                    view,
+                    file_offset,
+                    esz,
+                    path,
+                    ctl,
+                    &stream,
+                )?);
             };
             let bytes = if n == 0 {
                 0
             } else {
                 ctl.wait_gate(&stream, len)?;
-                cufile_glue::read_clamped(cf, view, file_offset, n)?
+                cufile_glue::read_clamped(cf, view, file_offset, n, &stream)?
             };
             ctl.moved(bytes);
             return Ok(IoReport::new(
@@ -620,7 +633,7 @@ impl GpuFile {
         }
         let Some(n) = self.readable_whole(file_offset, len, esz)? else {
             let path = self.engine_report();
-            return Ok(self.read_unsized_to_device(view, file_offset, esz, path, ctl)?);
+            return Ok(self.read_unsized_to_device(view, file_offset, esz, path, ctl, &stream)?);
         };
         if n == 0 {
             return Ok(IoReport::new(0, self.engine_report(), false, ctl.elapsed()));
@@ -737,7 +750,7 @@ impl GpuFile {
                 0
             } else {
                 ctl.wait_gate(&stream, len)?;
-                cf.write_after_capture_check(view, file_offset)?
+                cf.write_after_capture_check(view, file_offset, &stream)?
             };
             ctl.moved(bytes);
             (bytes, cf.path_report().clone(), false)
@@ -1156,7 +1169,7 @@ pub fn read_to_gpu<T: AnyBitPattern>(
         // T accepts any bit pattern.
         let mut buf = unsafe { stream.alloc::<T>(bytes.len() / esz) }
             .map_err(|e| Error::cuda("cuMemAlloc", e))?;
-        GpuFile::upload(&mut dst_bytes(&mut buf.as_view_mut()), &bytes)?;
+        GpuFile::upload(&mut dst_bytes(&mut buf.as_view_mut()), &bytes, stream)?;
         return Ok((
             buf,
             IoReport::new(bytes.len(), f.report.clone(), false, t0.elapsed()),

@@ -242,27 +242,30 @@ impl CuFileHandle {
     /// is enqueued (the call synchronises the stream, which a capture forbids).
     pub fn read<D: DevicePtrMut<u8>>(&self, dst: &mut D, file_offset: u64) -> Result<usize> {
         crate::cuda::refuse_capturing(dst.stream(), "CuFileHandle::read")?;
-        self.read_after_capture_check(dst, file_offset)
+        let on = Arc::clone(dst.stream());
+        self.read_after_capture_check(dst, file_offset, &on)
     }
 
     /// [`read`](Self::read) without its capture check, for the storage engine's calls, which
-    /// refused a capturing stream once per call already.
+    /// refused a capturing stream once per call already. The call's own CUDA work (cudarc's
+    /// access to `dst`, the synchronize before cuFile, the tail's scratch buffer and its copy)
+    /// goes on `on`, a stream of `dst`'s context: `dst`'s own stream for [`read`](Self::read).
     pub(in crate::storage) fn read_after_capture_check<D: DevicePtrMut<u8>>(
         &self,
         dst: &mut D,
         file_offset: u64,
+        on: &Arc<CudaStream>,
     ) -> Result<usize> {
         let len = dst.len();
         if len == 0 {
             return Ok(0);
         }
         check_range(file_offset, len)?;
-        let stream: Arc<CudaStream> = Arc::clone(dst.stream());
         // Taken before cudarc's pointer and dropped after its record (both bind the buffer's
         // context): the caller's current context is put back as it was, also when none was.
         let _restore = crate::cuda::CurrentContext::save();
-        let (ptr, sync) = dst.device_ptr_mut(&stream);
-        let done = self.sync_io(false, &stream, ptr, len, file_offset, false);
+        let (ptr, sync) = dst.device_ptr_mut(on);
+        let done = self.sync_io(false, on, ptr, len, file_offset, false);
         drop(sync);
         done
     }
@@ -295,27 +298,29 @@ impl CuFileHandle {
     /// is enqueued (as for [`read`](Self::read)).
     pub fn write<S: DevicePtr<u8>>(&self, src: &S, file_offset: u64) -> Result<usize> {
         crate::cuda::refuse_capturing(src.stream(), "CuFileHandle::write")?;
-        self.write_after_capture_check(src, file_offset)
+        self.write_after_capture_check(src, file_offset, src.stream())
     }
 
     /// [`write`](Self::write) without its capture check, for the storage engine's calls, which
-    /// refused a capturing stream once per call already.
+    /// refused a capturing stream once per call already. The call's own CUDA work (cudarc's
+    /// access to `src`, the synchronize before cuFile) goes on `on`, a stream of `src`'s
+    /// context: `src`'s own stream for [`write`](Self::write).
     pub(in crate::storage) fn write_after_capture_check<S: DevicePtr<u8>>(
         &self,
         src: &S,
         file_offset: u64,
+        on: &Arc<CudaStream>,
     ) -> Result<usize> {
         let len = src.len();
         if len == 0 {
             return Ok(0);
         }
         check_range(file_offset, len)?;
-        let stream: Arc<CudaStream> = Arc::clone(src.stream());
         // Taken before cudarc's pointer and dropped after its record (both bind the buffer's
         // context): the caller's current context is put back as it was, also when none was.
         let _restore = crate::cuda::CurrentContext::save();
-        let (ptr, sync) = src.device_ptr(&stream);
-        let done = self.sync_io(true, &stream, ptr, len, file_offset, true);
+        let (ptr, sync) = src.device_ptr(on);
+        let done = self.sync_io(true, on, ptr, len, file_offset, true);
         drop(sync);
         done
     }
@@ -324,13 +329,14 @@ impl CuFileHandle {
     /// name matches `pread(2)` for readers coming from POSIX).
     pub fn pread<D: DevicePtrMut<u8>>(&self, dst: &mut D, file_offset: u64) -> Result<usize> {
         crate::cuda::refuse_capturing(dst.stream(), "CuFileHandle::pread")?;
-        self.read_after_capture_check(dst, file_offset)
+        let on = Arc::clone(dst.stream());
+        self.read_after_capture_check(dst, file_offset, &on)
     }
 
     /// Positional write, the same as [`write`](Self::write).
     pub fn pwrite<S: DevicePtr<u8>>(&self, src: &S, file_offset: u64) -> Result<usize> {
         crate::cuda::refuse_capturing(src.stream(), "CuFileHandle::pwrite")?;
-        self.write_after_capture_check(src, file_offset)
+        self.write_after_capture_check(src, file_offset, src.stream())
     }
 
     fn sync_io(
