@@ -255,8 +255,10 @@ pub(crate) fn own_stream(ctx: &Arc<CudaContext>) -> Result<Arc<CudaStream>> {
 
 /// gpudirect's own `CudaContext` object for `ctx`'s context, whose event tracking is off (made
 /// once per context and kept for the process), for gpudirect's streams and events. The object
-/// is used for streams and events only, never to allocate a cudarc slice (whose uses it would
-/// then not track). `ctx` itself for a context that is not its device's primary one.
+/// allocates no cudarc slice that is used on another stream than the one it was allocated on
+/// (it does not track a slice's uses: cuFile's scratch buffer for a read on a storage transfer's
+/// side stream is allocated, used and freed on that stream alone). `ctx` itself for a context
+/// that is not its device's primary one.
 pub(crate) fn own_object(ctx: &Arc<CudaContext>) -> Arc<CudaContext> {
     static OWN: std::sync::Mutex<Vec<Arc<CudaContext>>> = std::sync::Mutex::new(Vec::new());
     // cudarc's CudaContext::new binds the primary context to this thread: put back what was.
@@ -269,8 +271,9 @@ pub(crate) fn own_object(ctx: &Arc<CudaContext>) -> Arc<CudaContext> {
             None if !primary_active(ctx) => None,
             None => match CudaContext::new(ctx.ordinal()) {
                 Ok(c) if c.cu_ctx() == ctx.cu_ctx() => {
-                    // SAFETY: no cudarc slice is ever allocated through this object (only
-                    // streams and events), so no slice goes untracked.
+                    // SAFETY: a cudarc slice allocated through this object is used on the
+                    // stream it was allocated on alone (its allocation, uses and free are
+                    // ordered by that stream), so none needs cudarc's tracking across streams.
                     unsafe { c.disable_event_tracking() };
                     v.push(c.clone());
                     Some(c)

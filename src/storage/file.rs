@@ -175,14 +175,17 @@ pub(super) fn elem_size<T>() -> Result<usize> {
 /// and waited for by the engine's copies. They return when every byte is in place (device
 /// memory for reads, the file for writes; `durable` adds `fsync`): no copy is in flight after
 /// a call returns, so later work on any stream sees the bytes. Through cuFile (which orders on
-/// no stream) the buffer's stream is synchronized.
+/// no stream) a blocking call synchronizes the buffer's stream.
 ///
 /// # Non-blocking transfers
 /// [`read_async`](Self::read_async), [`read_exact_async`](Self::read_exact_async),
 /// [`write_async`](Self::write_async), [`pread_host_async`](Self::pread_host_async) and
 /// [`pwrite_host_async`](Self::pwrite_host_async) move an owned buffer in and return a
 /// [`Transfer`](super::Transfer) at once (a `Future` with the `async` feature), with progress
-/// and cancellation.
+/// and cancellation. A device transfer touches its buffer's stream only during the call (it
+/// records its event there): afterwards the caller may queue work on that stream, synchronize
+/// it or capture a CUDA graph on it while the transfer runs (see
+/// [Stream order](super::Transfer#stream-order)).
 ///
 /// # End of file
 /// A read stops at end of file and reports the bytes it moved ([`IoReport::bytes`]); bytes of
@@ -499,7 +502,7 @@ impl GpuFile {
     }
 
     /// A read of a file of unknown size into `view`: to end of file through host memory, the
-    /// upload on `on` (a stream of the view's context).
+    /// upload on `on` (the stream [`Ctl::work_stream`] gave).
     fn read_unsized_to_device(
         &self,
         view: &mut CudaViewMut<'_, u8>,
@@ -512,6 +515,7 @@ impl GpuFile {
         let len = view.len();
         let bytes = self.read_unsized(off, len)?;
         self.whole_elements(off, bytes.len(), len, esz)?;
+        ctl.wait_gate_on(on, len)?;
         Self::upload(view, &bytes, on)?;
         ctl.moved(bytes.len());
         Ok(IoReport::new(bytes.len(), path, false, ctl.elapsed()))
@@ -567,25 +571,21 @@ impl GpuFile {
         let ctx = stream.context().clone();
         self.check_device(ctx.ordinal())?;
         self.check_policy()?;
-        crate::cuda::refuse_capturing(&stream, "a read into device memory")?;
+        // The buffer's stream for a blocking call (refused while capturing); a stream of
+        // gpudirect's for a non-blocking transfer, which touches its caller's stream only at the
+        // call (see Ctl::work_stream).
+        let on = ctl.work_stream(&stream, "a read into device memory")?;
         ctl.start(len)?;
         if let Some(cf) = &self.cufile {
             let Some(n) = self.readable_whole(file_offset, len, esz)? else {
                 let path = cf.path_report().clone();
-                return Ok(self.read_unsized_to_device(
-                    view,
-                    file_offset,
-                    esz,
-                    path,
-                    ctl,
-                    &stream,
-                )?);
+                return Ok(self.read_unsized_to_device(view, file_offset, esz, path, ctl, &on)?);
             };
             let bytes = if n == 0 {
                 0
             } else {
-                ctl.wait_gate(&stream, len)?;
-                cufile_glue::read_clamped(cf, view, file_offset, n, &stream)?
+                ctl.wait_gate_on(&on, len)?;
+                cufile_glue::read_clamped(cf, view, file_offset, n, &on)?
             };
             ctl.moved(bytes);
             return Ok(IoReport::new(
@@ -603,13 +603,14 @@ impl GpuFile {
                 return Ok(IoReport::new(0, self.engine_report(), false, ctl.elapsed()));
             }
             let direct = self.read_direct(file_offset, len);
-            let (dptr, record) = view.device_ptr_mut(&stream);
-            let copy = ctl.small_stream(&ctx, &stream, len)?;
+            let (dptr, record) = view.device_ptr_mut(&on);
+            ctl.same_buffer(dptr, len)?;
+            ctl.wait_gate_on(&on, len)?;
             let whole = |n: usize| self.whole_elements(file_offset, n, len, esz);
             // SAFETY: dptr..dptr+len is `dst`'s device memory in `ctx`, exclusively borrowed for
-            // this call; device_ptr_mut ordered `stream` after the buffer's other users, and
-            // `copy` is `stream` or waits for an event recorded on it after that (the call's);
-            // small::read copies at most len bytes and waits for its copy.
+            // this call; device_ptr_mut ordered `on` after the buffer's other users, and `on` is
+            // the buffer's stream or waits for the call's event (recorded on that stream after
+            // its work then); small::read copies at most len bytes and waits for its copy.
             let (bytes, odirect) = unsafe {
                 small::read(
                     &self.fds,
@@ -619,7 +620,7 @@ impl GpuFile {
                     &whole,
                     &ctx,
                     dptr,
-                    copy.cu_stream(),
+                    on.cu_stream(),
                 )
             }?;
             forget_completed(record);
@@ -633,7 +634,7 @@ impl GpuFile {
         }
         let Some(n) = self.readable_whole(file_offset, len, esz)? else {
             let path = self.engine_report();
-            return Ok(self.read_unsized_to_device(view, file_offset, esz, path, ctl, &stream)?);
+            return Ok(self.read_unsized_to_device(view, file_offset, esz, path, ctl, &on)?);
         };
         if n == 0 {
             return Ok(IoReport::new(0, self.engine_report(), false, ctl.elapsed()));
@@ -642,12 +643,14 @@ impl GpuFile {
         let engine = engine::engine(Some(ctx.ordinal()), self.cfg.numa_pin)?;
         let threads = self.threads_for(Some(ctx.ordinal()), direct);
         let tasks = plan(file_offset, n, piece, Dir::Read, direct);
-        let (dptr, _record) = view.device_ptr_mut(&stream);
+        let (dptr, _record) = view.device_ptr_mut(&on);
+        ctl.same_buffer(dptr, len)?;
         // Instead of synchronizing `stream`: an event recorded on it after device_ptr_mut made
-        // it wait for the buffer's other users (or at the call), waited for before the job and
-        // by the engine's copies.
+        // it wait for the buffer's other users (a blocking call), or the call's event (a
+        // non-blocking one; see Ctl::gates), waited for before the job and by the engine's
+        // copies.
         let mut own = None;
-        let after = ctl.gates(&stream, &mut own)?;
+        let after = ctl.gates(&on, &mut own)?;
         ctl.wait_for(after, len)?;
         // SAFETY: dptr..dptr+len is `dst`'s device memory in `ctx`, exclusively borrowed for
         // this call; every task lies within [0, n) with n <= len; no copy starts before the
@@ -743,14 +746,15 @@ impl GpuFile {
         let ctx = stream.context().clone();
         self.check_device(ctx.ordinal())?;
         self.check_policy()?;
-        crate::cuda::refuse_capturing(&stream, "a write from device memory")?;
+        // As for reads: see Ctl::work_stream.
+        let on = ctl.work_stream(&stream, "a write from device memory")?;
         ctl.start(len)?;
         let (bytes, path, odirect) = if let Some(cf) = &self.cufile {
             let bytes = if len == 0 {
                 0
             } else {
-                ctl.wait_gate(&stream, len)?;
-                cf.write_after_capture_check(view, file_offset, &stream)?
+                ctl.wait_gate_on(&on, len)?;
+                cf.write_after_capture_check(view, file_offset, &on)?
             };
             ctl.moved(bytes);
             (bytes, cf.path_report().clone(), false)
@@ -759,12 +763,13 @@ impl GpuFile {
         } else if len <= small::SMALL_MAX.min(self.cfg.piece_size()) {
             let direct = self.write_direct();
             self.prepare_write(direct, file_offset, len)?;
-            let (dptr, record) = view.device_ptr(&stream);
-            let copy = ctl.small_stream(&ctx, &stream, len)?;
+            let (dptr, record) = view.device_ptr(&on);
+            ctl.same_buffer(dptr, len)?;
+            ctl.wait_gate_on(&on, len)?;
             // SAFETY: dptr..dptr+len is `src`'s device memory in `ctx`, borrowed for this call;
-            // device_ptr ordered `stream` after the buffer's writers, and `copy` is `stream` or
-            // waits for an event recorded on it after that (the call's); small::write waits for
-            // its copy.
+            // device_ptr ordered `on` after the buffer's writers, and `on` is the buffer's stream
+            // or waits for the call's event (recorded on that stream after its work then);
+            // small::write waits for its copy.
             let odirect = unsafe {
                 small::write(
                     &self.fds,
@@ -773,7 +778,7 @@ impl GpuFile {
                     len,
                     &ctx,
                     dptr,
-                    copy.cu_stream(),
+                    on.cu_stream(),
                 )
             }?;
             forget_completed(record);
@@ -787,9 +792,10 @@ impl GpuFile {
             let piece = self.cfg.piece_size();
             self.prepare_write(direct, file_offset, len)?;
             let tasks = plan(file_offset, len, piece, Dir::Write, direct);
-            let (dptr, _record) = view.device_ptr(&stream);
+            let (dptr, _record) = view.device_ptr(&on);
+            ctl.same_buffer(dptr, len)?;
             let mut own = None;
-            let after = ctl.gates(&stream, &mut own)?;
+            let after = ctl.gates(&on, &mut own)?;
             ctl.wait_for(after, len)?;
             // SAFETY: dptr..dptr+len is `src`'s device memory in `ctx`, borrowed for this
             // call; tasks lie within [0, len); no copy starts before the buffer's pending
@@ -1282,10 +1288,11 @@ pub(super) fn leak_dst<T>(b: CudaSlice<T>) {
 /// took 0.46-0.88 µs per call on the H200 (bench oneshot's `rand4k-parts`) against 9 µs for a
 /// 4 KiB read (skipping the record moved the 4 KiB ratio of BENCHMARKS' run B16 by nothing
 /// measurable). The buffer's earlier events stay as they were. Only on success: on an error
-/// the guard drops and records on the buffer's stream as before, which orders no later user
-/// after a copy that ran on a side stream (a non-blocking call's); a failed synchronize of
-/// that copy is settled first (`engine::small` waits until it completed or its context is
-/// dead), so it does not outlive the call either.
+/// the guard drops and records on the stream the access was made on (the buffer's for a
+/// blocking call; for a non-blocking one the transfer thread's side stream, where gpudirect's
+/// own cudarc object records nothing); a failed synchronize of the copy is settled first
+/// (`engine::small` waits until it completed or its context is dead), so it does not outlive
+/// the call either.
 fn forget_completed(record: cudarc::driver::SyncOnDrop<'_>) {
     std::mem::forget(record);
 }

@@ -10,7 +10,9 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::task::Waker;
 use std::time::{Duration, Instant};
 
-use cudarc::driver::{CudaContext, CudaEvent, CudaStream, DevicePtr, DevicePtrMut, DeviceSlice};
+use cudarc::driver::{
+    sys, CudaContext, CudaEvent, CudaStream, DevicePtr, DevicePtrMut, DeviceSlice,
+};
 
 use super::engine::{self, Control, Outcome};
 use super::file::{dst_bytes, elem_size, src_bytes, DeviceDst, DeviceSrc, GpuFile, IoReport};
@@ -107,22 +109,61 @@ impl TransferControl {
     }
 }
 
-/// An event recorded on a buffer's stream at a transfer's call, and which stream that was. The
+/// An event recorded on a buffer's stream at a transfer's call, and which buffer that was. The
 /// event is the context's pooled one (`crate::cuda::events`): the call makes no event, and the
 /// gate gives it back when dropped, after the IO whose waits it orders.
 pub(super) struct Gate {
     event: crate::cuda::events::Events,
-    /// `(context, stream)` handles, as addresses.
+    /// `(context, stream)` handles of the buffer's stream, as addresses.
     on: (usize, usize),
+    /// The buffer's device address and length in bytes.
+    buf: (sys::CUdeviceptr, usize),
 }
 
 fn stream_key(s: &CudaStream) -> (usize, usize) {
     (s.context().cu_ctx() as usize, s.cu_stream() as usize)
 }
 
+/// Where a call's own CUDA work on its buffer goes ([`Ctl::work_stream`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum WorkOn {
+    /// The buffer's stream (a blocking call, on the caller's thread).
+    Buffer,
+    /// A stream of gpudirect's (a transfer ordered at its call: the caller's stream is not
+    /// touched after the call).
+    Own,
+}
+
+/// [`Ctl::work_stream`]'s choice for a buffer on the stream `now` (`(context, stream)`
+/// addresses), `gated` the stream of the call's event (`None`: a blocking call).
+fn work_on(gated: Option<(usize, usize)>, now: (usize, usize)) -> Result<WorkOn> {
+    match gated {
+        None => Ok(WorkOn::Buffer),
+        Some(at) if at == now => Ok(WorkOn::Own),
+        Some(_) => Err(other_buffer("on another stream")),
+    }
+}
+
+/// [`Ctl::same_buffer`]'s check: the buffer the transfer thread was handed, `now` (device
+/// address, bytes), against the call's, `at`.
+fn same_buffer(at: (sys::CUdeviceptr, usize), now: (sys::CUdeviceptr, usize)) -> Result<()> {
+    if at == now {
+        Ok(())
+    } else {
+        Err(other_buffer("at another address or of another length"))
+    }
+}
+
+/// The refusal of a buffer the transfer thread was handed that is not the call's (`how`).
+fn other_buffer(how: &str) -> Error {
+    Error::InvalidArgument(format!(
+        "the buffer's as_dst / as_src handed the transfer thread another buffer than at the call ({how}): a non-blocking transfer orders after its buffer's users only at the call (it never touches the buffer's stream afterwards); hand out the same buffer each time"
+    ))
+}
+
 /// How one transfer runs (crate-private): when it started, the event it orders after (`None`:
-/// record one on the buffer's stream when the IO starts, as the blocking calls do), and the
-/// control that counts and cancels it.
+/// a blocking call, on the caller's thread, which orders on the buffer's stream itself; see
+/// [`Ctl::work_stream`]), and the control that counts and cancels it.
 pub(super) struct Ctl<'a> {
     t0: Instant,
     gate: Option<&'a Gate>,
@@ -163,12 +204,40 @@ impl<'a> Ctl<'a> {
         self.t0.elapsed()
     }
 
-    /// The call's event, when it was recorded on `stream` (the buffer's stream now: a
-    /// `DeviceDst` that hands out another buffer than at the call gets an event recorded now).
-    fn gate_on(&self, stream: &CudaStream) -> Option<&'a CudaEvent> {
-        self.gate
-            .filter(|g| g.on == stream_key(stream))
-            .map(|g| &g.event[0])
+    /// The stream this call's own CUDA work on its buffer goes on, the buffer's stream being
+    /// `stream`: cudarc's access to the buffer (`device_ptr(_mut)`: its waits for the buffer's
+    /// other users, its record), a small transfer's copy, the synchronize before cuFile and
+    /// cuFile's scratch buffer, an upload. For a blocking call, `stream` itself, refused while it
+    /// is capturing a CUDA graph ([`Error::Unsupported`] naming `what`): the call waits for its
+    /// own work there. For a transfer ordered at its call (a non-blocking one, on a transfer
+    /// thread), this thread's side stream of the context, never `stream`: once the call
+    /// returned, the caller may feed, synchronize or capture its stream (the call refused a
+    /// capture already, and ordered the transfer after the stream's work before it through its
+    /// event); a buffer on another stream than at the call (a [`DeviceDst`] or [`DeviceSrc`]
+    /// that hands out another buffer) is refused ([`Error::InvalidArgument`]), nothing having
+    /// ordered the transfer after that stream's work (see also
+    /// [`same_buffer`](Self::same_buffer)).
+    pub fn work_stream(&self, stream: &Arc<CudaStream>, what: &str) -> Result<Arc<CudaStream>> {
+        match work_on(self.gate.map(|g| g.on), stream_key(stream))? {
+            WorkOn::Buffer => {
+                crate::cuda::refuse_capturing(stream, what)?;
+                Ok(stream.clone())
+            }
+            WorkOn::Own => side_stream(stream.context()),
+        }
+    }
+
+    /// Refuses, for a transfer ordered at its call, a buffer at another address or of another
+    /// length than at the call (`dptr`, `bytes`: what cudarc's access on the side stream gave):
+    /// the call's event ordered the transfer after the call's buffer's users only. Checked where
+    /// a copy outside the side stream's order uses the address (the engine's) and before a
+    /// small copy; the cuFile and upload paths synchronize the side stream after cudarc's waits
+    /// for the buffer they were handed.
+    pub fn same_buffer(&self, dptr: sys::CUdeviceptr, bytes: usize) -> Result<()> {
+        match self.gate {
+            Some(g) => same_buffer(g.buf, (dptr, bytes)),
+            None => Ok(()),
+        }
     }
 
     /// Refuses a transfer of `total` bytes whose control is cancelled before it starts, and
@@ -232,20 +301,22 @@ impl<'a> Ctl<'a> {
         }
     }
 
-    /// The events an engine job on `stream` waits for: the call's gate, or one recorded on
-    /// `stream` now (after the caller's `device_ptr(_mut)` made it wait for the buffer's other
-    /// users) into `own`, a pooled one (given back when `own` drops, after the job).
+    /// The events an engine job waits for, its buffer's cudarc access made on `on` (the stream
+    /// [`work_stream`](Self::work_stream) gave): for a blocking call, one recorded on `on` (the
+    /// buffer's stream) now, after the access made it wait for the buffer's other users, into
+    /// `own`, a pooled one (given back when `own` drops, after the job); for a transfer ordered
+    /// at its call, the call's event (check [`same_buffer`](Self::same_buffer) first).
     pub fn gates<'g>(
         &self,
-        stream: &CudaStream,
+        on: &CudaStream,
         own: &'g mut Option<crate::cuda::events::Events>,
     ) -> Result<&'g [CudaEvent]>
     where
         'a: 'g,
     {
-        match self.gate_on(stream) {
-            Some(g) => Ok(std::slice::from_ref(g)),
-            None => Ok(own.insert(crate::cuda::events::record(stream)?)),
+        match self.gate {
+            Some(g) => Ok(&g.event),
+            None => Ok(own.insert(crate::cuda::events::record(on)?)),
         }
     }
 
@@ -273,32 +344,20 @@ impl<'a> Ctl<'a> {
         out.single()
     }
 
-    /// The stream a small transfer of `total` bytes of `ctx`'s memory copies on: the buffer's
-    /// own `stream` (ordered by it) for a blocking call; for a transfer ordered at its call,
-    /// this thread's side stream of `ctx`, after the call's event (waited for here, and by the
-    /// side stream), so work queued on the buffer's stream since does not hold the copy up.
-    pub fn small_stream(
-        &self,
-        ctx: &Arc<CudaContext>,
-        stream: &Arc<CudaStream>,
-        total: usize,
-    ) -> Result<Arc<CudaStream>> {
-        let Some(g) = self.gate_on(stream) else {
-            return Ok(stream.clone());
+    /// Orders `on` (the stream [`work_stream`](Self::work_stream) gave, where cudarc's access
+    /// made it wait for the buffer's other users) for work of `total` bytes outside the engine:
+    /// a small transfer's copy, an upload, cuFile (which orders on no stream: its call
+    /// synchronizes `on` first). For a blocking call `on` is the buffer's stream, ordered by it:
+    /// nothing to do. For a transfer ordered at its call, the call's event is waited for on this
+    /// thread (cancellably), and by `on`, so work queued on the buffer's stream since does not
+    /// hold the transfer up.
+    pub fn wait_gate_on(&self, on: &CudaStream, total: usize) -> Result<()> {
+        let Some(g) = self.gate else {
+            return Ok(());
         };
-        self.wait_for(std::slice::from_ref(g), total)?;
-        let s = side_stream(ctx)?;
-        s.wait(g).map_err(|e| Error::cuda("cuStreamWaitEvent", e))?;
-        Ok(s)
-    }
-
-    /// Waits on this thread for the call's event on `stream` (before cuFile, which orders on
-    /// no stream and synchronizes `stream` itself).
-    pub fn wait_gate(&self, stream: &CudaStream, total: usize) -> Result<()> {
-        match self.gate_on(stream) {
-            Some(g) => self.wait_for(std::slice::from_ref(g), total),
-            None => Ok(()),
-        }
+        self.wait_for(&g.event, total)?;
+        on.wait(&g.event[0])
+            .map_err(|e| Error::cuda("cuStreamWaitEvent", e))
     }
 }
 
@@ -307,8 +366,11 @@ thread_local! {
     static SIDE: std::cell::RefCell<Vec<Arc<CudaStream>>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
-/// This thread's side stream of `ctx`, created on first use (a small transfer's copy waits
-/// for its call's event there and is synchronized before the transfer returns).
+/// This thread's side stream of `ctx`, created on first use: where a transfer ordered at its
+/// call does its own CUDA work on the buffer instead of the caller's stream (cudarc's access, a
+/// small copy, cuFile's synchronize and scratch buffer; see [`Ctl::work_stream`]). What is
+/// queued there is waited for before the transfer ends (a small copy, cuFile's work) or is
+/// only cudarc's waits for the buffer's users (which the call's event covers already).
 fn side_stream(ctx: &Arc<CudaContext>) -> Result<Arc<CudaStream>> {
     SIDE.with(|v| {
         let mut v = v.borrow_mut();
@@ -379,17 +441,36 @@ impl<B> Shared<B> {
 /// hands the work over, which takes microseconds.
 ///
 /// # Stream order
-/// At the call, the buffer's stream is made to wait for the buffer's pending users on other
-/// streams (cudarc's `device_ptr_mut` / `device_ptr`: its read and write events) and an event
-/// is recorded on it: the IO orders after every kernel and copy queued on the buffer's stream
-/// before the call, and after the buffer's users elsewhere, while work queued later on that
-/// stream does not hold it up. Nobody synchronizes the stream: the transfer thread waits for
-/// that event (cancellably) before the IO enters the engine, whose copies also wait for it on
-/// their streams (`cuStreamWaitEvent`). (The engine runs one job per GPU at a time, so a job
-/// must not sit in it waiting for a kernel: other transfers to that GPU would queue behind.)
-/// The transfer is done when every byte is in place (device memory for reads, the file for
-/// writes): the buffer comes back with no copy in flight, so any later use of it, on any
-/// stream, sees the bytes.
+/// At the call, on the calling thread, the buffer's stream is made to wait for the buffer's
+/// pending users on other streams (cudarc's `device_ptr_mut` / `device_ptr`: its read and write
+/// events), an event is recorded on it, and cudarc records the buffer's event there: the IO
+/// orders after every kernel and copy queued on the buffer's stream before the call, and after
+/// the buffer's users elsewhere, while work queued later on that stream does not hold it up.
+/// That is the only time the transfer touches the buffer's stream: once the call returned,
+/// nothing is enqueued on that stream, synchronized on it or asked of it for the transfer, on
+/// any thread. The transfer thread waits for the call's event (cancellably) before the IO
+/// enters the engine, whose copies also wait for it on their own streams
+/// (`cuStreamWaitEvent`); the transfer's own CUDA work on the buffer (cudarc's access, a small
+/// transfer's copy, an upload) goes on a stream of gpudirect's, the transfer thread's. Through
+/// cuFile, which orders on no stream, the transfer thread waits for the call's event and
+/// synchronizes its own stream, not the buffer's. (The engine runs one job per GPU at a time,
+/// so a job must not sit in it waiting for a kernel: other transfers to that GPU would queue
+/// behind.) The transfer is done when every byte is in place (device memory for reads, the file
+/// for writes): the buffer comes back with no copy in flight, so any later use of it, on any
+/// stream, sees the bytes (cudarc orders a use on another stream after the buffer's stream as
+/// it was at the call, outside any later capture).
+///
+/// So, while a transfer is in flight, the buffer's stream is the caller's alone: queue work
+/// there (it does not hold the transfer up), synchronize it, or capture a CUDA graph on it
+/// (`cuStreamBeginCapture`, to capture the next step while weights load, say): the graph gets
+/// nothing of the transfer, and the transfer neither fails for the capture nor waits for it to
+/// end. A stream that is capturing at the call is refused ([`Error::Unsupported`]). Capture in
+/// relaxed or thread-local mode (`CU_STREAM_CAPTURE_MODE_RELAXED`, `_THREAD_LOCAL`): while a
+/// capture in global mode (CUDA's default) lasts, CUDA refuses the calls it deems unsafe during
+/// a capture (allocations, event queries and the like, on any stream) on every thread whose own
+/// mode is global (`cuThreadExchangeStreamCaptureMode`), gpudirect's transfer and engine
+/// threads included: a transfer running then may fail, and the refused call invalidate the
+/// capture.
 ///
 /// # Cancellation
 /// [`Transfer::cancel`] (or [`TransferControl::cancel`] from anywhere, or dropping the
@@ -714,18 +795,23 @@ mod drivers {
 
 /// Records, on the caller's thread at the call, where a device transfer sits in its buffer's
 /// stream: the stream is made to wait for the buffer's users elsewhere (`device_ptr_mut` for a
-/// read, which writes the buffer; `device_ptr` for a write), then an event is recorded on it.
-/// A stream capturing a CUDA graph is refused first ([`Error::Unsupported`]): the wait and the
-/// record would go into the caller's graph.
+/// read, which writes the buffer; `device_ptr` for a write), then an event is recorded on it
+/// (and cudarc records the buffer's event there: later users on other streams wait for the
+/// stream's work up to the call; the transfer's own copies have completed before the buffer is
+/// handed back). The only time a non-blocking transfer touches the buffer's stream. A stream
+/// capturing a CUDA graph is refused first ([`Error::Unsupported`]): the wait and the records
+/// would go into the caller's graph.
 fn gate_dst<D: DeviceDst + ?Sized>(dst: &mut D, call: &str) -> Result<Gate> {
     let mut v = dst.as_dst();
     let stream = v.stream().clone();
     // Before the gate touches the stream (a wait, an event record would go into the capture).
     crate::cuda::refuse_capturing(&stream, &format!("{call}: a read into device memory"))?;
-    let (_ptr, _record) = v.device_ptr_mut(&stream);
+    let bytes = v.num_bytes();
+    let (ptr, _record) = v.device_ptr_mut(&stream);
     Ok(Gate {
         event: crate::cuda::events::record(&stream)?,
         on: stream_key(&stream),
+        buf: (ptr, bytes),
     })
 }
 
@@ -733,10 +819,11 @@ fn gate_src<S: DeviceSrc + ?Sized>(src: &S, call: &str) -> Result<Gate> {
     let v = src.as_src();
     let stream = v.stream().clone();
     crate::cuda::refuse_capturing(&stream, &format!("{call}: a write from device memory"))?;
-    let (_ptr, _record) = v.device_ptr(&stream);
+    let (ptr, _record) = v.device_ptr(&stream);
     Ok(Gate {
         event: crate::cuda::events::record(&stream)?,
         on: stream_key(&stream),
+        buf: (ptr, v.num_bytes()),
     })
 }
 
@@ -745,10 +832,14 @@ impl GpuFile {
     /// at once; [`Transfer::wait`] (or `.await`) gives `dst` back with the result. Stops at end
     /// of file ([`IoReport::bytes`] says how far it got). The read orders after the work
     /// queued on `dst`'s stream and on `dst` elsewhere before this call, without
-    /// synchronizing anything (see [`Transfer`]).
+    /// synchronizing anything, and touches `dst`'s stream only during this call: afterwards the
+    /// caller may queue work there, synchronize it or capture a graph on it (see
+    /// [Stream order](Transfer#stream-order)).
     ///
-    /// Errors (in the result) as [`read_to_device`](Self::read_to_device), and
-    /// [`Error::Cancelled`].
+    /// Errors (in the result) as [`read_to_device`](Self::read_to_device) (`dst`'s stream
+    /// capturing a graph at this call: [`Error::Unsupported`]), [`Error::Cancelled`], and
+    /// [`Error::InvalidArgument`] when `dst.as_dst()` hands the transfer thread another buffer
+    /// than at the call (on another stream, at another address or of another length).
     pub fn read_async<D>(self: &Arc<Self>, dst: D, file_offset: u64) -> Transfer<D>
     where
         D: DeviceDst + Send + 'static,
@@ -807,8 +898,13 @@ impl GpuFile {
     /// [`write_from_device`](Self::write_from_device) without blocking: moves `src` in and
     /// returns at once; [`Transfer::wait`] (or `.await`) gives it back with the result. The
     /// write orders after the work queued on `src`'s stream and the writers of `src` elsewhere
-    /// before this call (see [`Transfer`]); it is done when the bytes are in the file (and on
+    /// before this call, and touches `src`'s stream only during this call (see
+    /// [Stream order](Transfer#stream-order)); it is done when the bytes are in the file (and on
     /// stable storage with [`durable`](super::GpuFileOptions::durable)).
+    ///
+    /// Errors (in the result) as [`write_from_device`](Self::write_from_device),
+    /// [`Error::Cancelled`], and [`Error::InvalidArgument`] when `src.as_src()` hands the
+    /// transfer thread another buffer than at the call (as for [`read_async`](Self::read_async)).
     pub fn write_async<S>(self: &Arc<Self>, src: S, file_offset: u64) -> Transfer<S>
     where
         S: DeviceSrc + Send + 'static,
@@ -907,7 +1003,6 @@ impl GpuFile {
 mod tests {
     use super::*;
     use crate::storage::{GpuFileOptions, Pipeline};
-    use cudarc::driver::sys;
     use std::path::PathBuf;
 
     use crate::storage::testkit::random;
@@ -1490,6 +1585,39 @@ mod tests {
         send_sync::<Transfer<Vec<u8>>>();
         send_sync::<Transfer<cudarc::driver::CudaSlice<f32>>>();
         send_sync::<TransferControl>();
+    }
+
+    /// Where a call's own CUDA work on its buffer goes (no GPU needed): a blocking call's on
+    /// the buffer's stream; a transfer ordered at its call on a stream of gpudirect's, never
+    /// the caller's; a buffer that the transfer thread is handed on another stream than at the
+    /// call (another stream handle, or another context's stream of the same handle: every
+    /// context's default stream is the null handle), or at another address or of another
+    /// length, is refused, saying what to do.
+    #[test]
+    fn a_transfer_ordered_at_its_call_never_works_on_the_callers_stream() {
+        let refused = |r: Result<()>, what: &str| match r {
+            Err(Error::InvalidArgument(m)) => assert!(
+                m.contains("another buffer than at the call")
+                    && m.contains(what)
+                    && m.contains("hand out the same buffer"),
+                "{m}"
+            ),
+            r => panic!("{what}: a buffer other than the call's gave {r:?}"),
+        };
+        let at = (0x1000, 0x2000);
+        assert_eq!(work_on(None, at).unwrap(), WorkOn::Buffer);
+        assert_eq!(work_on(Some(at), at).unwrap(), WorkOn::Own);
+        for now in [(0x1000, 0x3000), (0x1100, 0x2000)] {
+            refused(work_on(Some(at), now).map(|_| ()), "on another stream");
+        }
+        let buf = (0x7f00_0000_0000, 4096 + 13);
+        same_buffer(buf, buf).unwrap();
+        for now in [(buf.0 + 512, buf.1), (buf.0, buf.1 - 1)] {
+            refused(
+                same_buffer(buf, now),
+                "at another address or of another length",
+            );
+        }
     }
 
     #[test]

@@ -446,6 +446,8 @@ impl CuFileHandle {
                 return Ok(got);
             }
         }
+        // Allocated, used and freed on `stream` alone (for a non-blocking transfer, its side
+        // stream, whose cudarc object tracks no slice: see `crate::cuda::own_stream`).
         // SAFETY: u8 needs no initialisation; only the bytes cuFile reports are copied out.
         let mut scratch = unsafe { stream.alloc::<u8>(tail + READ_OVERRUN) }
             .map_err(|e| Error::cuda("cuMemAlloc", e))?;
