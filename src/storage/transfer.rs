@@ -1927,21 +1927,40 @@ mod tests {
         bad
     }
 
+    /// The capture modes the capture tests below run under: relaxed (other threads' calls are
+    /// not restricted), and global (CUDA's default: it restricts every other thread whose own
+    /// mode is global, as gpudirect's transfer and engine threads had).
+    const CAPTURE_MODES: [(sys::CUstreamCaptureMode, &str); 2] = [
+        (
+            sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED,
+            "relaxed",
+        ),
+        (
+            sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_GLOBAL,
+            "global",
+        ),
+    ];
+
     /// Review (async transfers and the caller's stream): after a `*_async` call
     /// returned, the caller may capture a CUDA graph on the buffer's stream (to capture the next
     /// step while weights load, say): the transfer thread must never enqueue on, synchronize,
-    /// or query that stream again. Through [`beside_a_capture`] (a relaxed-mode capture begun
-    /// after the call and before the transfer thread starts): small reads and writes (one copy
-    /// through a pinned buffer), 8 MiB reads through the segment ring and the lanes, an 8 MiB
-    /// write, each through gpudirect's engine. Each must succeed with every byte, while the
-    /// capture lasts, leaving only the test's node in the graph and no error in the context,
-    /// with the buffer usable on another stream afterwards. On the code before the fix the
-    /// transfer thread checks the stream for a capture again and refuses every case
-    /// ("not every byte moved: Err(Unsupported { .. capturing a CUDA graph .. })", the read's
-    /// buffer "still zeroed", the write's file unchanged); were the check skipped, its
+    /// or query that stream again. Through [`beside_a_capture`] (a capture begun after the call
+    /// and before the transfer thread starts, in each of [`CAPTURE_MODES`]): small reads and
+    /// writes (one copy through a pinned buffer), 8 MiB reads through the segment ring and the
+    /// lanes, an 8 MiB write, each through gpudirect's engine. Each must succeed with every
+    /// byte, while the capture lasts, leaving only the test's node in the graph and no error in
+    /// the context, with the buffer usable on another stream afterwards. On the code before the
+    /// first fix the transfer thread checks the stream for a capture again and refuses every
+    /// case ("not every byte moved: Err(Unsupported { .. capturing a CUDA graph .. })", the
+    /// read's buffer "still zeroed", the write's file unchanged); were the check skipped, its
     /// `device_ptr_mut` wait and record on the caller's stream would land in the graph (or
-    /// invalidate it) and leave cudarc's write event captured. Run alone
-    /// (scripts/gpu-suite): a capture makes other tests' `cuCtxSynchronize` fail.
+    /// invalidate it) and leave cudarc's write event captured. On the code before the second
+    /// (gpudirect's threads ignore other threads' captures) the global-mode cases are expected
+    /// to fail: the transfer thread's `cuEventQuery` of the call's event (and the engine
+    /// workers' calls) are refused while a global capture lasts, which invalidates it ("not
+    /// every byte moved: .. CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED", "ending the capture
+    /// failed"); PyTorch's NCCL watchdog met this (pytorch/pytorch#104555), not yet seen here.
+    /// Run alone (scripts/gpu-suite): a capture makes other tests' `cuCtxSynchronize` fail.
     #[test]
     #[ignore = "needs a CUDA GPU"]
     fn gpu_transfer_async_transfers_leave_a_capturing_stream_alone() {
@@ -1971,25 +1990,30 @@ mod tests {
             ("write_async, 8 MiB", AsyncCall::Write, large, engine()),
         ];
         let mut bad = Vec::new();
-        for (what, call, len, opts) in cases {
-            bad.extend(beside_a_capture(
-                &ctx,
-                what,
-                call,
-                len,
-                opts,
-                sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED,
-            ));
+        for (mode, name) in CAPTURE_MODES {
+            for (what, call, len, opts) in &cases {
+                let what = format!("{what}, {name} capture");
+                bad.extend(beside_a_capture(
+                    &ctx,
+                    &what,
+                    *call,
+                    *len,
+                    opts.clone(),
+                    mode,
+                ));
+            }
         }
         assert!(bad.is_empty(), "{}", bad.join("\n"));
     }
 
     /// [`gpu_transfer_async_transfers_leave_a_capturing_stream_alone`] through cuFile
     /// (`Backend::CuFile`: on the machines at hand its compat path): a small read, an 8 MiB
-    /// read (whose tail goes through a scratch buffer), a small write. The same checks. On the
-    /// code before the fix every case is refused as unsupported (the transfer thread's capture
-    /// check); past it, the read synchronized the caller's stream (illegal during a capture),
-    /// allocated its scratch buffer there and copied its tail there. Needs libcufile
+    /// read (whose tail goes through a scratch buffer), a small write, in each of
+    /// [`CAPTURE_MODES`]. The same checks. On the code before the first fix every case is
+    /// refused as unsupported (the transfer thread's capture check); past it, the read
+    /// synchronized the caller's stream (illegal during a capture), allocated its scratch
+    /// buffer there and copied its tail there. A global-mode case can also fail for libcufile's
+    /// own CUDA calls, which gpudirect does not control: that would show as a cuFile error. Needs libcufile
     /// (`GPUDIRECT_CUFILE_LIB`) and a registrable file: without the udev record cuFile looks
     /// for it reports the machine's state and checks nothing (set `GPUDIRECT_TEST_UDEV_FIX=1`,
     /// as root, as scripts/gpu-suite does). Run alone.
@@ -2031,15 +2055,11 @@ mod tests {
             ("cuFile write_async, small", AsyncCall::Write, 4096 + 13),
         ];
         let mut bad = Vec::new();
-        for (what, call, len) in cases {
-            bad.extend(beside_a_capture(
-                &ctx,
-                what,
-                call,
-                len,
-                cufile(),
-                sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED,
-            ));
+        for (mode, name) in CAPTURE_MODES {
+            for (what, call, len) in cases {
+                let what = format!("{what}, {name} capture");
+                bad.extend(beside_a_capture(&ctx, &what, call, len, cufile(), mode));
+            }
         }
         assert!(bad.is_empty(), "{}", bad.join("\n"));
     }
