@@ -378,6 +378,29 @@ pub(crate) fn capture_refusal(
     }
 }
 
+/// Makes the calling thread, one of gpudirect's own (a storage transfer thread, an engine
+/// worker), ignore CUDA graph captures that other threads run: its capture interaction mode
+/// becomes thread-local (`cuThreadExchangeStreamCaptureMode`). A capture in global mode (CUDA's
+/// default) otherwise makes CUDA refuse the calls it deems unsafe during a capture (event
+/// queries, allocations and the like) on every other thread whose mode is global, and a refused
+/// call invalidates that capture; this thread captures nothing and none of its work goes into
+/// another thread's graph, so no such call of its can spoil one. Once per thread; a no-op
+/// without libcuda, and a failure only logged (the thread then keeps CUDA's default mode).
+pub(crate) fn ignore_other_threads_captures() {
+    thread_local! {
+        static SET: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+    }
+    if SET.with(|s| s.get()) || driver_version().is_err() {
+        return;
+    }
+    match result::stream::exchange_capture_mode(
+        sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL,
+    ) {
+        Ok(_) => SET.with(|s| s.set(true)),
+        Err(e) => tracing::debug!(%e, "gpudirect: this thread keeps CUDA's capture mode"),
+    }
+}
+
 /// [`refuse_capturing`] for each distinct stream of `streams` (a job's buffers' streams).
 pub(crate) fn refuse_capturing_any<S: AsRef<CudaStream>>(
     streams: impl IntoIterator<Item = S>,
@@ -621,6 +644,31 @@ mod tests {
             .collect();
         assert_eq!(features, BINDINGS);
         assert!(BINDINGS.contains(&(sys::CUDA_VERSION as i32)));
+    }
+
+    /// [`ignore_other_threads_captures`] leaves the calling thread in thread-local capture
+    /// mode (read back by exchanging it for the global mode, then put back), on a thread of
+    /// its own so that no other test's thread changes. Without libcuda it must return quietly
+    /// (this test then fails in `context`, with the setup hint).
+    #[test]
+    #[ignore = "needs a CUDA GPU"]
+    fn gpu_own_threads_ignore_other_threads_captures() {
+        use sys::CUstreamCaptureMode as M;
+        let mode = std::thread::spawn(|| {
+            ignore_other_threads_captures();
+            let _ = context(0).unwrap_or_else(|e| {
+                panic!("this test needs a CUDA GPU ({e}): run it on a GPU machine, see CONTRIBUTING.md")
+            });
+            let was = result::stream::exchange_capture_mode(M::CU_STREAM_CAPTURE_MODE_GLOBAL);
+            // Called again: the thread is marked done, so it changes nothing.
+            ignore_other_threads_captures();
+            let now = result::stream::exchange_capture_mode(M::CU_STREAM_CAPTURE_MODE_GLOBAL);
+            (was, now)
+        })
+        .join()
+        .unwrap();
+        assert_eq!(mode.0.unwrap(), M::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL);
+        assert_eq!(mode.1.unwrap(), M::CU_STREAM_CAPTURE_MODE_GLOBAL);
     }
 
     /// What this machine is told to have: `GPUDIRECT_EXPECT_CUDA=absent|present|nodevice`

@@ -351,6 +351,20 @@ pub(crate) mod stream {
         })
     }
 
+    /// `cuThreadExchangeStreamCaptureMode`: sets the calling thread's capture interaction mode
+    /// to `mode` (which calls CUDA refuses on this thread while captures last) and returns the
+    /// mode it had. Needs no context.
+    pub(crate) fn exchange_capture_mode(
+        mode: sys::CUstreamCaptureMode,
+    ) -> Result<sys::CUstreamCaptureMode> {
+        let mut m = mode;
+        // SAFETY: `m` is a valid in/out pointer for the call.
+        check("cuThreadExchangeStreamCaptureMode", unsafe {
+            sys::cuThreadExchangeStreamCaptureMode(&mut m)
+        })?;
+        Ok(m)
+    }
+
     /// `cuStreamEndCapture` of a capture this thread began on `stream`, then the number of
     /// nodes of the graph it made (`cuGraphGetNodes`; the graph is destroyed): what work was
     /// captured (tests of calls that must refuse a capturing stream).

@@ -464,13 +464,15 @@ impl<B> Shared<B> {
 /// there (it does not hold the transfer up), synchronize it, or capture a CUDA graph on it
 /// (`cuStreamBeginCapture`, to capture the next step while weights load, say): the graph gets
 /// nothing of the transfer, and the transfer neither fails for the capture nor waits for it to
-/// end. A stream that is capturing at the call is refused ([`Error::Unsupported`]). Capture in
-/// relaxed or thread-local mode (`CU_STREAM_CAPTURE_MODE_RELAXED`, `_THREAD_LOCAL`): while a
-/// capture in global mode (CUDA's default) lasts, CUDA refuses the calls it deems unsafe during
-/// a capture (allocations, event queries and the like, on any stream) on every thread whose own
-/// mode is global (`cuThreadExchangeStreamCaptureMode`), gpudirect's transfer and engine
-/// threads included: a transfer running then may fail, and the refused call invalidate the
-/// capture.
+/// end. A stream that is capturing at the call is refused ([`Error::Unsupported`]). Any capture
+/// mode will do: while a capture in global mode (CUDA's default) lasts, CUDA refuses the calls
+/// it deems unsafe during a capture (allocations, event queries and the like, on any stream) on
+/// every other thread whose own mode is global, and the refused call invalidates the capture;
+/// gpudirect's transfer threads and the storage engine's workers ignore other threads'
+/// captures (their mode is thread-local, `cuThreadExchangeStreamCaptureMode`), so their calls
+/// are not refused. Not covered by that: libcufile's own CUDA calls (a transfer through cuFile
+/// during a global capture), and the caller's other threads, which keep the modes they have
+/// (a blocking gpudirect call made on one of them during a global capture).
 ///
 /// # Cancellation
 /// [`Transfer::cancel`] (or [`TransferControl::cancel`] from anywhere, or dropping the
@@ -882,6 +884,7 @@ impl GpuFile {
             control,
             dst,
             move |dst, ctl| {
+                crate::cuda::ignore_other_threads_captures();
                 let esz = elem_size::<D::Elem>()?;
                 let mut typed = dst.as_dst();
                 let mut view = dst_bytes(&mut typed);
@@ -932,6 +935,7 @@ impl GpuFile {
             control,
             src,
             move |src, ctl| {
+                crate::cuda::ignore_other_threads_captures();
                 let typed = src.as_src();
                 let view = src_bytes(&typed);
                 file.write_dev(&view, file_offset, ctl)

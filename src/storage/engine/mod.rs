@@ -951,6 +951,11 @@ pub(in crate::storage) fn engine(device: Option<usize>, numa_pin: bool) -> Resul
             if !cpus.is_empty() && !numa::pin_current_thread(&cpus) {
                 tracing::debug!("could not pin an IO worker to the GPU's NUMA node");
             }
+            // A device engine's workers call CUDA while the caller may capture a graph on
+            // another thread (a non-blocking transfer's caller, say).
+            if device.is_some() {
+                crate::cuda::ignore_other_threads_captures();
+            }
         });
         let weak = weak.clone();
         cfg.on_idle = Some(Box::new(move || {
