@@ -327,12 +327,7 @@ fn child(args: &[String]) -> Res<()> {
                     let off = rng.random_range(0..blocks) * 4096;
                     let t = Instant::now();
                     // SAFETY: pinned holds 4096 bytes.
-                    let r = unsafe {
-                        libc::pread(raw.as_raw_fd(), pinned.cast(), 4096, off as libc::off_t)
-                    };
-                    if r != 4096 {
-                        return Err("pread".into());
-                    }
+                    unsafe { pread_4k(&raw, pinned, off) }?;
                     // SAFETY: both hold 4096 bytes.
                     unsafe { sys::cuMemcpyHtoD_v2(dptr, pinned.cast(), 4096) }.result()?;
                     if round > 1 {
@@ -388,83 +383,58 @@ fn child(args: &[String]) -> Res<()> {
                 "ours_null",
                 "ours_own",
             ];
-            let mut v: Vec<Vec<f64>> = vec![Vec::new(); names.len()];
-            let mut rng = rand::rngs::StdRng::seed_from_u64(4097);
-            let pread = |off: u64| -> Res<()> {
-                // SAFETY: pinned holds 4096 bytes.
-                let r = unsafe {
-                    libc::pread(raw.as_raw_fd(), pinned.cast(), 4096, off as libc::off_t)
-                };
-                if r == 4096 {
-                    Ok(())
-                } else {
-                    Err("pread".into())
-                }
-            };
-            for round in 0..(ops / 250 + 2) {
-                for (k, samples) in v.iter_mut().enumerate() {
-                    for _ in 0..250 {
-                        let off = rng.random_range(0..blocks) * 4096;
-                        let t = Instant::now();
-                        // SAFETY: pinned and the device buffers hold 4096 bytes; every copy
-                        // is waited for before the next use.
-                        unsafe {
-                            match k {
-                                0 => {
-                                    pread(off)?;
-                                    sys::cuMemcpyHtoD_v2(dptr, pinned.cast(), 4096).result()?;
-                                }
-                                1 => pread(off)?,
-                                2 => sys::cuMemcpyHtoD_v2(dptr, pinned.cast(), 4096).result()?,
-                                3 => {
-                                    sys::cuMemcpyHtoDAsync_v2(
-                                        dptr,
-                                        pinned.cast(),
-                                        4096,
-                                        std::ptr::null_mut(),
-                                    )
-                                    .result()?;
-                                    sys::cuStreamSynchronize(std::ptr::null_mut()).result()?;
-                                }
-                                4 => {
-                                    sys::cuMemcpyHtoDAsync_v2(dptr, pinned.cast(), 4096, cs)
-                                        .result()?;
-                                    sys::cuStreamSynchronize(cs).result()?;
-                                }
-                                5 => {
-                                    pread(off)?;
-                                    sys::cuMemcpyHtoDAsync_v2(dptr, pinned.cast(), 4096, cs)
-                                        .result()?;
-                                    sys::cuStreamSynchronize(cs).result()?;
-                                }
-                                6 => {
-                                    use gpudirect::cudarc::driver::DevicePtrMut;
-                                    let (_p, g) = buf_own.device_ptr_mut(&own);
-                                    drop(g);
-                                }
-                                7 => {
-                                    f.read_to_device(&mut buf0, off)?;
-                                }
-                                _ => {
-                                    f.read_to_device(&mut buf_own, off)?;
-                                }
-                            }
+            // SAFETY: pinned holds 4096 bytes, freed only at the end.
+            let pread = |off: u64| unsafe { pread_4k(&raw, pinned, off) };
+            let v = interleaved(ops, names.len(), 4097, blocks, |k, off| {
+                // SAFETY: pinned and the device buffers hold 4096 bytes; every copy
+                // is waited for before the next use.
+                unsafe {
+                    match k {
+                        0 => {
+                            pread(off)?;
+                            sys::cuMemcpyHtoD_v2(dptr, pinned.cast(), 4096).result()?;
                         }
-                        if round > 1 {
-                            samples.push(t.elapsed().as_secs_f64() * 1e6);
+                        1 => pread(off)?,
+                        2 => sys::cuMemcpyHtoD_v2(dptr, pinned.cast(), 4096).result()?,
+                        3 => {
+                            sys::cuMemcpyHtoDAsync_v2(
+                                dptr,
+                                pinned.cast(),
+                                4096,
+                                std::ptr::null_mut(),
+                            )
+                            .result()?;
+                            sys::cuStreamSynchronize(std::ptr::null_mut()).result()?;
+                        }
+                        4 => {
+                            sys::cuMemcpyHtoDAsync_v2(dptr, pinned.cast(), 4096, cs).result()?;
+                            sys::cuStreamSynchronize(cs).result()?;
+                        }
+                        5 => {
+                            pread(off)?;
+                            sys::cuMemcpyHtoDAsync_v2(dptr, pinned.cast(), 4096, cs).result()?;
+                            sys::cuStreamSynchronize(cs).result()?;
+                        }
+                        6 => {
+                            use gpudirect::cudarc::driver::DevicePtrMut;
+                            let (_p, g) = buf_own.device_ptr_mut(&own);
+                            drop(g);
+                        }
+                        7 => {
+                            f.read_to_device(&mut buf0, off)?;
+                        }
+                        _ => {
+                            f.read_to_device(&mut buf_own, off)?;
                         }
                     }
                 }
-            }
+                Ok(())
+            })?;
             own.synchronize()?;
             // SAFETY: allocated above; every copy was waited for.
             unsafe { result::free_host(pinned.cast()) }?;
             let mut out = serde_json::Map::new();
-            for (name, mut s) in names.iter().zip(v) {
-                s.sort_by(f64::total_cmp);
-                out.insert(format!("{name}_median_us"), json!(s[s.len() / 2]));
-                out.insert(format!("{name}_p99_us"), json!(s[(s.len() - 1) * 99 / 100]));
-            }
+            quantiles(&names, v, &mut out);
             emit(Value::Object(out));
         }
         "rand4k-kernel" => {
@@ -500,19 +470,8 @@ fn child(args: &[String]) -> Res<()> {
             ];
             // A pageable (not page-locked) buffer: the driver stages its copies itself.
             let mut pageable = vec![0u8; 4096];
-            let mut v: Vec<Vec<f64>> = vec![Vec::new(); names.len()];
-            let mut rng = rand::rngs::StdRng::seed_from_u64(4098);
-            let pread = |off: u64| -> Res<()> {
-                // SAFETY: pinned holds 4096 bytes.
-                let r = unsafe {
-                    libc::pread(raw.as_raw_fd(), pinned.cast(), 4096, off as libc::off_t)
-                };
-                if r == 4096 {
-                    Ok(())
-                } else {
-                    Err("pread".into())
-                }
-            };
+            // SAFETY: pinned holds 4096 bytes, freed only at the end.
+            let pread = |off: u64| unsafe { pread_4k(&raw, pinned, off) };
             let launch = |threads: u32| -> Res<()> {
                 use gpudirect::cudarc::driver::{LaunchConfig, PushKernelArg};
                 let cfg = LaunchConfig {
@@ -536,88 +495,67 @@ fn child(args: &[String]) -> Res<()> {
             if stream.clone_dtoh(&plain)? != exp {
                 return Err("the kernel's copy differs from the file".into());
             }
-            for round in 0..(ops / 250 + 2) {
-                for (k, samples) in v.iter_mut().enumerate() {
-                    for _ in 0..250 {
-                        let off = rng.random_range(0..blocks) * 4096;
-                        let t = Instant::now();
-                        match k {
-                            0 => {
-                                pread(off)?;
-                                // SAFETY: both hold 4096 bytes.
-                                unsafe { sys::cuMemcpyHtoD_v2(dptr, pinned.cast(), 4096) }
-                                    .result()?;
-                            }
-                            1 => {
-                                pread(off)?;
-                                // SAFETY: both hold 4096 bytes; synchronized right below.
-                                unsafe {
-                                    sys::cuMemcpyHtoDAsync_v2(
-                                        dptr,
-                                        pinned.cast(),
-                                        4096,
-                                        std::ptr::null_mut(),
-                                    )
-                                }
-                                .result()?;
-                                // SAFETY: the legacy stream.
-                                unsafe { sys::cuStreamSynchronize(std::ptr::null_mut()) }
-                                    .result()?;
-                            }
-                            2 => launch(256)?,
-                            3 => {
-                                pread(off)?;
-                                launch(256)?;
-                            }
-                            4 => {
-                                pread(off)?;
-                                launch(32)?;
-                            }
-                            _ => {
-                                std::os::unix::fs::FileExt::read_exact_at(
-                                    &raw,
-                                    &mut pageable,
-                                    off,
-                                )?;
-                                if k == 5 {
-                                    // SAFETY: both hold 4096 bytes; synchronous.
-                                    unsafe {
-                                        sys::cuMemcpyHtoD_v2(dptr, pageable.as_ptr().cast(), 4096)
-                                    }
-                                    .result()?;
-                                } else {
-                                    // SAFETY: both hold 4096 bytes; synchronized right below,
-                                    // before `pageable` is written again.
-                                    unsafe {
-                                        sys::cuMemcpyHtoDAsync_v2(
-                                            dptr,
-                                            pageable.as_ptr().cast(),
-                                            4096,
-                                            std::ptr::null_mut(),
-                                        )
-                                    }
-                                    .result()?;
-                                    // SAFETY: the legacy stream.
-                                    unsafe { sys::cuStreamSynchronize(std::ptr::null_mut()) }
-                                        .result()?;
-                                }
-                            }
+            let v = interleaved(ops, names.len(), 4098, blocks, |k, off| {
+                match k {
+                    0 => {
+                        pread(off)?;
+                        // SAFETY: both hold 4096 bytes.
+                        unsafe { sys::cuMemcpyHtoD_v2(dptr, pinned.cast(), 4096) }.result()?;
+                    }
+                    1 => {
+                        pread(off)?;
+                        // SAFETY: both hold 4096 bytes; synchronized right below.
+                        unsafe {
+                            sys::cuMemcpyHtoDAsync_v2(
+                                dptr,
+                                pinned.cast(),
+                                4096,
+                                std::ptr::null_mut(),
+                            )
                         }
-                        if round > 1 {
-                            samples.push(t.elapsed().as_secs_f64() * 1e6);
+                        .result()?;
+                        // SAFETY: the legacy stream.
+                        unsafe { sys::cuStreamSynchronize(std::ptr::null_mut()) }.result()?;
+                    }
+                    2 => launch(256)?,
+                    3 => {
+                        pread(off)?;
+                        launch(256)?;
+                    }
+                    4 => {
+                        pread(off)?;
+                        launch(32)?;
+                    }
+                    _ => {
+                        std::os::unix::fs::FileExt::read_exact_at(&raw, &mut pageable, off)?;
+                        if k == 5 {
+                            // SAFETY: both hold 4096 bytes; synchronous.
+                            unsafe { sys::cuMemcpyHtoD_v2(dptr, pageable.as_ptr().cast(), 4096) }
+                                .result()?;
+                        } else {
+                            // SAFETY: both hold 4096 bytes; synchronized right below,
+                            // before `pageable` is written again.
+                            unsafe {
+                                sys::cuMemcpyHtoDAsync_v2(
+                                    dptr,
+                                    pageable.as_ptr().cast(),
+                                    4096,
+                                    std::ptr::null_mut(),
+                                )
+                            }
+                            .result()?;
+                            // SAFETY: the legacy stream.
+                            unsafe { sys::cuStreamSynchronize(std::ptr::null_mut()) }.result()?;
                         }
                     }
                 }
-            }
+                Ok(())
+            })?;
             // SAFETY: allocated above; every copy was waited for.
             unsafe { result::free_host(pinned.cast()) }?;
             let mut out = serde_json::Map::new();
             out.insert("module_load_ms".into(), json!(load_ms));
-            for (name, mut s) in names.iter().zip(v) {
-                s.sort_by(f64::total_cmp);
-                out.insert(format!("{name}_median_us"), json!(s[s.len() / 2]));
-                out.insert(format!("{name}_p99_us"), json!(s[(s.len() - 1) * 99 / 100]));
-            }
+            quantiles(&names, v, &mut out);
             emit(Value::Object(out));
         }
         "raw" => {
@@ -631,6 +569,57 @@ fn child(args: &[String]) -> Res<()> {
         other => return Err(format!("unknown child mode {other:?}").into()),
     }
     Ok(())
+}
+
+/// `pread` of 4096 bytes of `file` at `off` into `buf`.
+///
+/// # Safety
+/// `buf` must be writable for 4096 bytes.
+unsafe fn pread_4k(file: &File, buf: *mut u8, off: u64) -> Res<()> {
+    // SAFETY: buf is writable for 4096 bytes (the caller's contract).
+    let r = unsafe { libc::pread(file.as_raw_fd(), buf.cast(), 4096, off as libc::off_t) };
+    if r == 4096 {
+        Ok(())
+    } else {
+        Err("pread".into())
+    }
+}
+
+/// The 4 KiB probes' loop: `variants` variants, 250 calls of each per round, interleaved, at
+/// random 4 KiB-aligned offsets below `blocks` blocks (one generator seeded with `seed`), for
+/// `ops / 250 + 2` rounds, rounds 0-1 discarded. `f(variant, offset)` is one call; returns each
+/// variant's times in µs.
+fn interleaved(
+    ops: usize,
+    variants: usize,
+    seed: u64,
+    blocks: u64,
+    mut f: impl FnMut(usize, u64) -> Res<()>,
+) -> Res<Vec<Vec<f64>>> {
+    let mut v: Vec<Vec<f64>> = vec![Vec::new(); variants];
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    for round in 0..(ops / 250 + 2) {
+        for (k, samples) in v.iter_mut().enumerate() {
+            for _ in 0..250 {
+                let off = rng.random_range(0..blocks) * 4096;
+                let t = Instant::now();
+                f(k, off)?;
+                if round > 1 {
+                    samples.push(t.elapsed().as_secs_f64() * 1e6);
+                }
+            }
+        }
+    }
+    Ok(v)
+}
+
+/// Each variant's median and p99 into `out` (`NAME_median_us`, `NAME_p99_us`).
+fn quantiles(names: &[&str], v: Vec<Vec<f64>>, out: &mut serde_json::Map<String, Value>) {
+    for (name, mut s) in names.iter().zip(v) {
+        s.sort_by(f64::total_cmp);
+        out.insert(format!("{name}_median_us"), json!(s[s.len() / 2]));
+        out.insert(format!("{name}_p99_us"), json!(s[(s.len() - 1) * 99 / 100]));
+    }
 }
 
 /// Probe knob `GPUDIRECT_BENCH_PREHEAT=KIND:MS` (not used by the table): before a `gd` child's
