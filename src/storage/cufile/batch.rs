@@ -361,18 +361,26 @@ impl BatchIo {
                     "operation {i}: file offset {file_offset} is too large"
                 )));
             }
-            if opcode == sys::CUFILE_WRITE {
-                self.driver.enter(&stream, true)?;
-                if len == 0 {
-                    ready.push(BatchCompletion {
-                        submission,
-                        index: i,
-                        status: sys::CUFILE_COMPLETE,
-                        result: Ok(0),
-                    });
-                    continue;
-                }
-                let (base, _) = allocation_range(ptr)?;
+            let write = opcode == sys::CUFILE_WRITE;
+            self.driver.enter(&stream, write)?;
+            // Reads stop at end of file as it is now, as CuFileHandle::read's do: cuFile's
+            // compatibility path may write past what it reports when a read crosses it.
+            let len = if write {
+                len
+            } else {
+                clamp_to_eof(handle.file(), handle.path(), file_offset, len)?
+            };
+            if len == 0 {
+                ready.push(BatchCompletion {
+                    submission,
+                    index: i,
+                    status: sys::CUFILE_COMPLETE,
+                    result: Ok(0),
+                });
+                continue;
+            }
+            let (base, _) = allocation_range(ptr)?;
+            if write {
                 params.push(entry(
                     handle,
                     opcode,
@@ -386,24 +394,10 @@ impl BatchIo {
                 holds.push(Arc::clone(handle.inner()));
                 continue;
             }
-            self.driver.enter(&stream, false)?;
-            // Reads stop at end of file as it is now, as CuFileHandle::read's do: cuFile's
-            // compatibility path may write past what it reports when a read crosses it.
-            let len = clamp_to_eof(handle.file(), handle.path(), file_offset, len)?;
-            if len == 0 {
-                ready.push(BatchCompletion {
-                    submission,
-                    index: i,
-                    status: sys::CUFILE_COMPLETE,
-                    result: Ok(0),
-                });
-                continue;
-            }
             // As CuFileHandle::read_inside: the last bytes through a scratch buffer with
             // READ_OVERRUN bytes to spare, the rest in place (what cuFile may write past it
             // lands in the last bytes of `dst`, which the copy from scratch writes after both
             // entries completed).
-            let (base, _) = allocation_range(ptr)?;
             let tail = protected_tail(file_offset, len);
             let body = len - tail;
             let scratch = Scratch::alloc(&stream, tail + READ_OVERRUN)?;
