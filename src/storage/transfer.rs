@@ -1806,15 +1806,14 @@ mod tests {
             "beside-capture-{}",
             what.replace([' ', ',', '(', ')', ':'], "")
         ));
-        std::fs::write(
-            &p,
-            if write {
-                complement(&data)
-            } else {
-                data.clone()
-            },
-        )
-        .unwrap();
+        // What the file holds before each transfer: the read's bytes, or the complement of the
+        // bytes a write must leave there.
+        let before = if write {
+            complement(&data)
+        } else {
+            data.clone()
+        };
+        std::fs::write(&p, &before).unwrap();
         let f = Arc::new(opts.write(true).open(&p).unwrap());
         let start = |f: &Arc<GpuFile>, held: HeldDev| match call {
             AsyncCall::Read => f.read_async(held, 0),
@@ -1835,15 +1834,7 @@ mod tests {
             ));
             return bad;
         }
-        std::fs::write(
-            &p,
-            if write {
-                complement(&data)
-            } else {
-                data.clone()
-            },
-        )
-        .unwrap();
+        std::fs::write(&p, &before).unwrap();
         let mut buf = warm.buf;
         stream.memcpy_htod(&complement(&data), &mut buf).unwrap();
         stream.synchronize().unwrap();
