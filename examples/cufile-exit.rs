@@ -191,7 +191,7 @@ fn work(workload: &str, strategy: Strategy, library: ExitStrategy) -> Res<()> {
                 match h
                     .read_async(abuf, 0, 1 << 16, 4096)
                     .map_err(gpudirect::Error::from)
-                    .and_then(|io| io.wait())
+                    .and_then(|io| io.wait().map_err(gpudirect::Error::from))
                 {
                     Ok((n, b)) => {
                         println!("cuFileReadAsync: {n} bytes");

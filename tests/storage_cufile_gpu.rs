@@ -387,7 +387,7 @@ fn gpu_cufile_stream_ordered_io() {
         let (n, buf) = h
             .read_async(buf, 11, 65_537, 4097)
             .map_err(Error::from)
-            .and_then(|io| io.wait())
+            .and_then(|io| io.wait().map_err(Error::from))
             .unwrap_or_else(|e| panic!("unaligned cuFileReadAsync on {}: {e}", h.path_report()));
         assert_eq!(n, 65_537);
         let got = dtoh(&stream, &buf);
@@ -404,7 +404,7 @@ fn gpu_cufile_stream_ordered_io() {
         let (n, tail) = h
             .read_async(tail, 0, 5000, file.len() as u64 - 1000)
             .map_err(Error::from)
-            .and_then(|io| io.wait())
+            .and_then(|io| io.wait().map_err(Error::from))
             .unwrap();
         assert_eq!(n, 1000);
         let got = dtoh(&stream, &tail);
@@ -419,7 +419,7 @@ fn gpu_cufile_stream_ordered_io() {
         let (n, _) = h
             .write_async(src, 0, 4099, 100)
             .map_err(Error::from)
-            .and_then(|io| io.wait())
+            .and_then(|io| io.wait().map_err(Error::from))
             .unwrap_or_else(|e| panic!("unaligned cuFileWriteAsync: {e}"));
         assert_eq!(n, 4099);
         h.file().sync_data().unwrap();
@@ -471,7 +471,7 @@ fn gpu_cufile_stream_ordered_io() {
     let (n, buf) = h
         .read_async(buf, a0, 64 * 1024, 2 * a as u64)
         .map_err(Error::from)
-        .and_then(|io| io.wait())
+        .and_then(|io| io.wait().map_err(Error::from))
         .unwrap_or_else(|e| panic!("aligned cuFileReadAsync on O_DIRECT: {e}"));
     assert_eq!(n, 64 * 1024);
     let got = dtoh(&stream, &buf);
@@ -486,7 +486,7 @@ fn gpu_cufile_stream_ordered_io() {
     let (n, _) = h
         .write_async(src, a0, 2 * a, 3 * a as u64)
         .map_err(Error::from)
-        .and_then(|io| io.wait())
+        .and_then(|io| io.wait().map_err(Error::from))
         .unwrap_or_else(|e| panic!("aligned cuFileWriteAsync on O_DIRECT: {e}"));
     assert_eq!(n, 2 * a);
     h.file().sync_data().unwrap();
@@ -727,7 +727,7 @@ fn gpu_cufile_exit_child() {
         let _ = h
             .read_async(abuf, 0, 8192, 4096)
             .map_err(Error::from)
-            .and_then(|io| io.wait());
+            .and_then(|io| io.wait().map_err(Error::from));
     }
     drop(stats);
     std::fs::remove_file(&path).unwrap();

@@ -22,16 +22,21 @@ pub(in crate::storage) fn allocation_range(
 
 /// The error of a cuFile call that was handed a device buffer by value and did not keep it
 /// ([`CuFileHandle::read_async`](super::CuFileHandle::read_async),
-/// [`write_async`](super::CuFileHandle::write_async), [`RegisteredBuffer::register`]): the
-/// [`Error`], and the buffer given back as it came in.
+/// [`write_async`](super::CuFileHandle::write_async), [`RegisteredBuffer::register`], and
+/// [`StreamIo::wait`](super::StreamIo::wait) of an IO that failed): the [`Error`], and the
+/// buffer given back.
 ///
-/// These calls fail before any IO is enqueued or anything is registered, so the buffer comes
-/// back with its bytes unchanged and usable (and a refused capturing stream untouched), instead
-/// of being dropped inside the call: cudarc's `CudaSlice` drop frees with `cuMemFreeAsync` on
-/// the buffer's stream, which on a stream capturing a CUDA graph (a refusal's most likely
-/// cause) would put the free into the caller's graph or fail. As `std::io::IntoInnerError` and
-/// `String::from_utf8`'s `FromUtf8Error` hand back what they were given, and as
-/// [`GpuFile`](crate::storage::GpuFile)'s transfers give back their buffer with their result:
+/// `read_async`, `write_async` and `register` fail before any IO is enqueued or anything is
+/// registered, so the buffer comes back with its bytes unchanged and usable (and a refused
+/// capturing stream untouched), instead of being dropped inside the call: cudarc's `CudaSlice`
+/// drop frees with `cuMemFreeAsync` on the buffer's stream, which on a stream capturing a CUDA
+/// graph (a refusal's most likely cause) would put the free into the caller's graph or fail.
+/// `wait` gives it back once the stream has synchronised and the IO is over (in a
+/// [`WaitError::Io`](super::WaitError::Io)): after a failed write it is unchanged, after a
+/// failed read part of the range it was given may have been written. As
+/// `std::io::IntoInnerError` and `String::from_utf8`'s `FromUtf8Error` hand back what they were
+/// given, and as [`GpuFile`](crate::storage::GpuFile)'s transfers give back their buffer with
+/// their result:
 ///
 /// ```no_run
 /// # fn main() -> gpudirect::Result<()> {
@@ -41,7 +46,7 @@ pub(in crate::storage) fn allocation_range(
 /// let h = CuFileHandle::open(Driver::open()?, Path::new("weights.bin"), OpenMode::Read)?;
 /// let buf = stream.alloc_zeros::<u8>(1 << 20)?;
 /// let (n, buf) = match h.read_async(buf, 0, 1 << 20, 0) {
-///     Ok(io) => io.wait()?,
+///     Ok(io) => io.wait()?, // a failed IO: see WaitError to keep the buffer
 ///     Err(refused) => {
 ///         eprintln!("not enqueued: {refused}");
 ///         // Still ours, its bytes unchanged: read it synchronously instead.
@@ -73,7 +78,8 @@ impl BufferError {
         &self.parts().0
     }
 
-    /// The buffer the call was given, unchanged.
+    /// The buffer the call was given: unchanged, except after a failed stream-ordered read
+    /// ([`StreamIo::wait`](super::StreamIo::wait)), which may have written part of its range.
     pub fn buffer(&self) -> &CudaSlice<u8> {
         &self.parts().1
     }
@@ -83,7 +89,7 @@ impl BufferError {
         *self.0.take().expect("present until consumed")
     }
 
-    /// The buffer, unchanged (the error is dropped).
+    /// The buffer (see [`buffer`](Self::buffer)); the error is dropped.
     pub fn into_buffer(self) -> CudaSlice<u8> {
         self.into_parts().1
     }

@@ -8,7 +8,8 @@
 //!   compatibility mode, and why.
 //! - [`RegisteredBuffer`]: a device buffer registered with cuFile for its lifetime.
 //! - [`BufferError`]: the error of a call handed a buffer by value, with the buffer given back.
-//! - [`StreamIo`]: stream-ordered IO whose guard owns its parameter block and buffer.
+//! - [`StreamIo`]: stream-ordered IO whose guard owns its parameter block and buffer;
+//!   [`StreamIo::wait`] gives the buffer back with a failed IO's error, in a [`WaitError`].
 //! - [`BatchIo`]: batch IO; [`BatchIo::run`] is safe and blocking, `submit`/`poll` overlap.
 //! - [`Stats`]: cuFile's process-wide counters, including which path each GPU's IO took.
 //! - `CuFileHandle::readv`/`writev` where the library has them (cuFile 1.19+).
@@ -18,7 +19,9 @@
 //! call, before anything is enqueued, registered or submitted: the calls synchronise the stream
 //! (or, stream-ordered, are not supported in a capture), which a capture forbids. The calls that
 //! take the buffer by value (`CuFileHandle::read_async`/`write_async`,
-//! [`RegisteredBuffer::register`]) give it back with any error, in a [`BufferError`].
+//! [`RegisteredBuffer::register`]) give it back with any error, in a [`BufferError`], as
+//! [`StreamIo::wait`] does with a failed IO's error (not when the stream fails to synchronise:
+//! see [`WaitError`]).
 //!
 //! Every C call goes through the private `result` module; statuses decode through
 //! [`CuFileStatus`] (`status.rs`).
@@ -44,7 +47,7 @@ mod vectored;
 pub use batch::{BatchCompletion, BatchIo, BatchOp};
 pub use stats::{OpCounter, PerGpuStats, Stats, StatsL1, StatsSnapshot};
 pub use status::{CuFileStatus, IoReturn};
-pub use stream::{StreamIo, StreamRegistration, STREAM_COMPAT_ODIRECT_ALIGN};
+pub use stream::{StreamIo, StreamRegistration, WaitError, STREAM_COMPAT_ODIRECT_ALIGN};
 
 pub use buffer::{BufferError, RegisteredBuffer};
 pub use driver::{

@@ -261,22 +261,103 @@ impl StreamIo {
         Ok(params)
     }
 
-    /// Synchronises the stream and returns `(bytes moved, buffer)`. A failed transfer gives the
-    /// decoded error (the buffer is then dropped after the stream is idle).
-    pub fn wait(mut self) -> Result<(usize, CudaSlice<u8>)> {
+    /// Synchronises the stream and returns `(bytes moved, buffer)`.
+    ///
+    /// Errors, in a [`WaitError`]: the IO ran and failed (cuFile's decoded count: an
+    /// [`Error::Io`] or [`Error::CuFile`]) → [`WaitError::Io`], whose [`BufferError`] gives the
+    /// buffer back (a failed read may have written part of the range it was given); the stream
+    /// did not synchronise → [`WaitError::Sync`], and the buffer is not given back: cuFile may
+    /// still write it, so the guard's drop synchronises again and frees it only if that
+    /// succeeds, else leaks it. `?` turns either into an [`Error`].
+    pub fn wait(mut self) -> Result<(usize, CudaSlice<u8>), WaitError> {
         let _restore = crate::cuda::CurrentContext::save();
-        self.stream
-            .synchronize()
-            .map_err(|e| Error::cuda("cuStreamSynchronize", e))?;
+        if let Err(e) = self.stream.synchronize() {
+            // `buf` stays in the guard, for Drop to free or leak.
+            return Err(WaitError::Sync(Error::cuda("cuStreamSynchronize", e)));
+        }
         let bytes = self.params.as_ref().map_or(0, |p| p.bytes);
-        let n = decode_bytes(self.write, bytes)?;
         let buf = self.buf.take().expect("buffer present until wait or drop");
-        Ok((n, buf))
+        settle(self.write, bytes, buf).map_err(|(e, buf)| WaitError::Io(BufferError::new(e, buf)))
     }
 
     /// The stream the IO is ordered on.
     pub fn stream(&self) -> &Arc<CudaStream> {
         &self.stream
+    }
+}
+
+/// The error of [`StreamIo::wait`]: the IO failed, with the buffer given back, or the stream
+/// did not synchronise, and the buffer could not be.
+///
+/// `?` (through `From<WaitError> for Error`) and [`into_error`](Self::into_error) keep the
+/// error (and free a given-back buffer, as [`BufferError`] does); match to keep the buffer:
+///
+/// ```no_run
+/// # fn main() -> gpudirect::Result<()> {
+/// use std::path::Path;
+/// use gpudirect::storage::cufile::{CuFileHandle, Driver, OpenMode, WaitError};
+/// let stream = gpudirect::cuda::context(0)?.new_stream()?;
+/// let h = CuFileHandle::open(Driver::open()?, Path::new("weights.bin"), OpenMode::Read)?;
+/// let buf = stream.alloc_zeros::<u8>(1 << 20)?;
+/// let (n, buf) = match h.read_async(buf, 0, 1 << 20, 0)?.wait() {
+///     Ok(done) => done,
+///     Err(WaitError::Io(failed)) => {
+///         eprintln!("stream-ordered read failed: {failed}");
+///         // Still ours (part of it may have been written): read it synchronously instead.
+///         let mut buf = failed.into_buffer();
+///         (h.read(&mut buf, 0)?, buf)
+///     }
+///     Err(broken) => return Err(broken.into()),
+/// };
+/// # drop((n, buf)); Ok(()) }
+/// ```
+///
+/// Display and `source` are the error's own, as [`BufferError`]'s.
+#[derive(Debug, thiserror::Error)]
+pub enum WaitError {
+    /// The stream synchronised and the IO had failed: the decoded error, with the buffer given
+    /// back. A failed read may have written part of the range it was given; a failed write
+    /// leaves the buffer unchanged.
+    #[error(transparent)]
+    Io(BufferError),
+    /// The stream did not synchronise (`cuStreamSynchronize` failed: [`Error::Cuda`]). cuFile
+    /// may still read or write the buffer, so it is not given back: [`StreamIo`]'s drop
+    /// synchronises once more and frees it only if that succeeds, else leaks it.
+    #[error(transparent)]
+    Sync(Error),
+}
+
+impl WaitError {
+    /// Why the wait failed.
+    pub fn error(&self) -> &Error {
+        match self {
+            WaitError::Io(failed) => failed.error(),
+            WaitError::Sync(e) => e,
+        }
+    }
+
+    /// The error; a given-back buffer is freed (see [`BufferError`]).
+    pub fn into_error(self) -> Error {
+        match self {
+            WaitError::Io(failed) => failed.into_error(),
+            WaitError::Sync(e) => e,
+        }
+    }
+}
+
+impl From<WaitError> for Error {
+    fn from(e: WaitError) -> Self {
+        e.into_error()
+    }
+}
+
+/// What [`StreamIo::wait`] hands back once the stream has synchronised: the byte count and the
+/// buffer, or the IO's decoded error ([`decode_bytes`]) and the buffer. Generic over the buffer
+/// so that host tests can check that a failure keeps it.
+fn settle<B>(write: bool, bytes: isize, buf: B) -> std::result::Result<(usize, B), (Error, B)> {
+    match decode_bytes(write, bytes) {
+        Ok(n) => Ok((n, buf)),
+        Err(e) => Err((e, buf)),
     }
 }
 
@@ -463,6 +544,131 @@ mod tests {
             })
         ));
         assert_eq!(decode_bytes(false, 4099).unwrap(), 4099);
+    }
+
+    /// Once the stream has synchronised, a failed IO's decoded error comes with the buffer
+    /// (here a host stand-in: it must come back as it went in), for [`StreamIo::wait`] to give
+    /// back in a [`WaitError::Io`]; a count of bytes comes with it too. On the code before the
+    /// fix `wait` returned the bare error and dropped the buffer (there was no way to get it).
+    #[test]
+    fn a_failed_stream_io_keeps_its_buffer() {
+        let buf = vec![7u8, 1, 250, 3, 99];
+        let cases = [
+            (false, -(libc::EIO as isize), "cuFileReadAsync"),
+            (true, -(libc::ENOSPC as isize), "cuFileWriteAsync"),
+            (false, -1, "cuFileReadAsync"),
+            (true, -5011, "cuFileWriteAsync"),
+        ];
+        for (write, bytes, op) in cases {
+            match settle(write, bytes, buf.clone()) {
+                Err((e, back)) => {
+                    assert_eq!(back, buf, "count {bytes}: the buffer came back changed");
+                    let msg = e.to_string();
+                    assert!(msg.contains(op), "count {bytes}: {msg}");
+                }
+                Ok((n, _)) => panic!("count {bytes} decoded as {n} bytes moved"),
+            }
+        }
+        match settle(true, -(libc::ENOSPC as isize), ()) {
+            Err((Error::Io { op, source, .. }, ())) => {
+                assert_eq!(op, "cuFileWriteAsync");
+                assert_eq!(source.raw_os_error(), Some(libc::ENOSPC));
+            }
+            other => panic!("{other:?}"),
+        }
+        assert_eq!(
+            settle(false, 4099, buf.clone()).unwrap(),
+            (4099, buf.clone())
+        );
+        assert_eq!(settle(true, 0, buf.clone()).unwrap(), (0, buf));
+    }
+
+    /// [`StreamIo::wait`] of an IO that ran and failed gives the buffer back: a
+    /// [`WaitError::Io`] with the decoded error, and the buffer with its length and bytes
+    /// (nothing wrote them). The failure is planted: a guard made here over a registered
+    /// handle, a real buffer and stream, with the count cuFile would have written in its
+    /// parameter block and no IO enqueued, so the check runs on either cuFile path (gpudirect
+    /// refuses real stream-ordered IO in compatibility mode). On the code before the fix `wait`
+    /// returned a bare `Error` and freed the buffer. Needs the cuFile driver to register a file:
+    /// run with `GPUDIRECT_TEST_UDEV_FIX=1` (as root) where `/run/udev` is missing; without it,
+    /// a registration refused for the missing udev record (the machine's documented state) is
+    /// reported and checks nothing further.
+    #[test]
+    #[ignore = "needs a CUDA GPU"]
+    fn gpu_stream_io_wait_gives_back_the_buffer_of_a_failed_io() {
+        use crate::storage::cufile::{classify_registration_failure, Driver, OpenMode};
+        use crate::storage::testkit;
+        let ctx = testkit::gpu();
+        let stream = ctx.new_stream().unwrap();
+        let driver = Driver::open().unwrap_or_else(|e| {
+            panic!(
+                "the cuFile driver did not open: {e} (set GPUDIRECT_CUFILE_LIB to libcufile.so.0)"
+            )
+        });
+        let (path, _) = testkit::random_file("stream-wait-failed", 4096, 151);
+        testkit::udev_fix(&path);
+        let opened = CuFileHandle::open(Arc::clone(&driver), &path, OpenMode::ReadWrite);
+        let h = match opened {
+            Ok(h) => h,
+            Err(e) => {
+                let cause = classify_registration_failure(&e, &path);
+                std::fs::remove_file(&path).unwrap();
+                let fixed = std::env::var("GPUDIRECT_TEST_UDEV_FIX").is_ok_and(|v| v == "1");
+                if !fixed && matches!(cause, crate::Cause::UdevDataMissing { .. }) {
+                    eprintln!("registration refused as this machine's state predicts ({cause}); set GPUDIRECT_TEST_UDEV_FIX=1 (as root) to run this check");
+                    return;
+                }
+                panic!("cuFile registration failed: {e} (cause: {cause})");
+            }
+        };
+        let cases = [
+            (false, -(libc::EIO as isize), "cuFileReadAsync"),
+            (true, -5011, "cuFileWriteAsync"),
+        ];
+        for (i, (write, bytes, op)) in cases.into_iter().enumerate() {
+            let sent = testkit::random(70_001, 152 + i as u64);
+            let buf = stream.clone_htod(&sent).unwrap();
+            stream.synchronize().unwrap();
+            let io = StreamIo {
+                params: Some(Box::new(Params {
+                    size: sent.len(),
+                    file_offset: 0,
+                    buf_offset: 0,
+                    bytes,
+                })),
+                stream: Arc::clone(buf.stream()),
+                buf: Some(buf),
+                handle: Arc::clone(h.inner()),
+                write,
+            };
+            match io.wait() {
+                Err(WaitError::Io(failed)) => {
+                    let msg = failed.to_string();
+                    assert!(msg.contains(op), "count {bytes}: {msg}");
+                    let (e, back) = failed.into_parts();
+                    match (&e, write) {
+                        (Error::Io { source, .. }, false) => {
+                            assert_eq!(source.raw_os_error(), Some(libc::EIO), "{e}")
+                        }
+                        (Error::CuFile { .. }, true) => {}
+                        _ => panic!("count {bytes} decoded as {e:?}"),
+                    }
+                    assert_eq!(
+                        back.len(),
+                        sent.len(),
+                        "the buffer came back with another length"
+                    );
+                    assert!(
+                        stream.clone_dtoh(&back).unwrap() == sent,
+                        "the buffer came back changed"
+                    );
+                }
+                Err(other) => panic!("count {bytes}: not an IO failure: {other:?}"),
+                Ok((n, _)) => panic!("count {bytes} decoded as {n} bytes moved"),
+            }
+        }
+        drop(h);
+        std::fs::remove_file(&path).unwrap();
     }
 
     /// A stream-ordered *read* writes the buffer, so its stream must wait for reads of the
