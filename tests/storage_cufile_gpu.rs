@@ -1040,6 +1040,27 @@ fn gpu_cufile_batch_run_after_submit_is_refused() {
 /// `GpuFile`'s workaround assumes cuFile may write past a read.
 const GUARD: usize = 128 << 10;
 
+/// What [`registered_scratch`] sets up: GPU 0's stream, the driver, and the scratch file's path
+/// and bytes.
+type Scratch = (Arc<CudaStream>, Arc<Driver>, PathBuf, Vec<u8>);
+
+/// The setup of the tests that check reads stay inside their views: scratch file `name`
+/// holding `(1 << 20) + 333` random bytes, registered once (writing the udev record when asked)
+/// and the handle dropped, so that the test measures with one registration of the file at a
+/// time. `None` (the file removed) where [`register`] reports the machine's documented refusal.
+fn registered_scratch(name: &str) -> Option<Scratch> {
+    let stream = gpu();
+    let d = driver();
+    let path = scratch(name);
+    let file = random((1 << 20) + 333);
+    let Some(first) = register(&d, &path, &file) else {
+        std::fs::remove_file(&path).unwrap();
+        return None;
+    };
+    drop(first);
+    Some((stream, d, path, file))
+}
+
 /// How far outside `[start, start + n)` the bytes of `after` differ from `before` (which was
 /// random, so a write of file bytes shows with probability 255/256 per byte): `(bytes before
 /// the range, bytes past it)`, each the distance to the furthest changed byte.
@@ -1120,16 +1141,9 @@ fn raw_cufile_read(
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn gpu_cufile_read_stays_inside_the_view() {
-    let stream = gpu();
-    let d = driver();
-    let path = scratch("overrun");
-    let file = random((1 << 20) + 333);
-    // Registers once (and writes the udev record when asked), then measures with one
-    // registration of the file at a time.
-    let Some(first) = register(&d, &path, &file) else {
-        return std::fs::remove_file(&path).unwrap();
+    let Some((stream, d, path, file)) = registered_scratch("overrun") else {
+        return;
     };
-    drop(first);
     let size = file.len() as u64;
     // (name, length asked, file offset, extra offset of the view inside the guard)
     let cases: [(&str, usize, u64, usize); 4] = [
@@ -1612,14 +1626,9 @@ fn check_views(
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn gpu_cufile_readv_and_batch_reads_stay_inside_their_views() {
-    let stream = gpu();
-    let d = driver();
-    let path = scratch("overrun-v");
-    let file = random((1 << 20) + 333);
-    let Some(first) = register(&d, &path, &file) else {
-        return std::fs::remove_file(&path).unwrap();
+    let Some((stream, d, path, file)) = registered_scratch("overrun-v") else {
+        return;
     };
-    drop(first);
     let size = file.len() as u64;
     let g = GUARD;
     let v = |buf, start, len, file_pos| View {
