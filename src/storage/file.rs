@@ -647,11 +647,10 @@ impl GpuFile {
         ctl.same_buffer(dptr, len)?;
         // Instead of synchronizing `stream`: an event recorded on it after device_ptr_mut made
         // it wait for the buffer's other users (a blocking call), or the call's event (a
-        // non-blocking one; see Ctl::gates), waited for before the job and by the engine's
+        // non-blocking one; see Ctl::order_job), waited for before the job and by the engine's
         // copies.
         let mut own = None;
-        let after = ctl.gates(&on, &mut own)?;
-        ctl.wait_for(after, len)?;
+        let after = ctl.order_job(&on, &mut own, len)?;
         // SAFETY: dptr..dptr+len is `dst`'s device memory in `ctx`, exclusively borrowed for
         // this call; every task lies within [0, n) with n <= len; no copy starts before the
         // work pending on the buffer (`after`); Engine::run returns only after all copies
@@ -795,8 +794,7 @@ impl GpuFile {
             let (dptr, _record) = view.device_ptr(&on);
             ctl.same_buffer(dptr, len)?;
             let mut own = None;
-            let after = ctl.gates(&on, &mut own)?;
-            ctl.wait_for(after, len)?;
+            let after = ctl.order_job(&on, &mut own, len)?;
             // SAFETY: dptr..dptr+len is `src`'s device memory in `ctx`, borrowed for this
             // call; tasks lie within [0, len); no copy starts before the buffer's pending
             // writers (`after`); Engine::run returns after all copies completed.

@@ -71,6 +71,7 @@ pub mod config;
 pub mod cufile;
 pub(in crate::storage) mod engine;
 mod file;
+mod gate;
 mod options;
 #[cfg(test)]
 pub(crate) mod testkit;

@@ -1,0 +1,140 @@
+//! The gate of a non-blocking device transfer: where, at the call, the transfer sits in its
+//! buffer's stream ([`gate_dst`], [`gate_src`], on the caller's thread), and the checks that the
+//! transfer thread is handed the buffer of the call ([`work_on`], [`same_buffer`]). The
+//! transfer's [`Ctl`] waits for the gate; see
+//! [`Transfer`](super::Transfer)'s "Stream order".
+
+use cudarc::driver::{sys, CudaStream, DevicePtr, DevicePtrMut, DeviceSlice};
+
+use super::file::{DeviceDst, DeviceSrc};
+#[cfg(doc)]
+use super::transfer::Ctl;
+use crate::error::{Error, Result};
+
+/// An event recorded on a buffer's stream at a transfer's call, and which buffer that was. The
+/// event is the context's pooled one (`crate::cuda::events`): the call makes no event, and the
+/// gate gives it back when dropped, after the IO whose waits it orders.
+pub(super) struct Gate {
+    pub(super) event: crate::cuda::events::Events,
+    /// `(context, stream)` handles of the buffer's stream, as addresses.
+    pub(super) on: (usize, usize),
+    /// The buffer's device address and length in bytes.
+    pub(super) buf: (sys::CUdeviceptr, usize),
+}
+
+/// `(context, stream)` handles of `s`, as addresses.
+pub(super) fn stream_key(s: &CudaStream) -> (usize, usize) {
+    (s.context().cu_ctx() as usize, s.cu_stream() as usize)
+}
+
+/// Where a call's own CUDA work on its buffer goes ([`Ctl::work_stream`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum WorkOn {
+    /// The buffer's stream (a blocking call, on the caller's thread).
+    Buffer,
+    /// A stream of gpudirect's (a transfer ordered at its call: the caller's stream is not
+    /// touched after the call).
+    Own,
+}
+
+/// [`Ctl::work_stream`]'s choice for a buffer on the stream `now` (`(context, stream)`
+/// addresses), `gated` the stream of the call's event (`None`: a blocking call).
+pub(super) fn work_on(gated: Option<(usize, usize)>, now: (usize, usize)) -> Result<WorkOn> {
+    match gated {
+        None => Ok(WorkOn::Buffer),
+        Some(at) if at == now => Ok(WorkOn::Own),
+        Some(_) => Err(other_buffer("on another stream")),
+    }
+}
+
+/// [`Ctl::same_buffer`]'s check: the buffer the transfer thread was handed, `now` (device
+/// address, bytes), against the call's, `at`.
+pub(super) fn same_buffer(
+    at: (sys::CUdeviceptr, usize),
+    now: (sys::CUdeviceptr, usize),
+) -> Result<()> {
+    if at == now {
+        Ok(())
+    } else {
+        Err(other_buffer("at another address or of another length"))
+    }
+}
+
+/// The refusal of a buffer the transfer thread was handed that is not the call's (`how`).
+fn other_buffer(how: &str) -> Error {
+    Error::InvalidArgument(format!(
+        "the buffer's as_dst / as_src handed the transfer thread another buffer than at the call ({how}): a non-blocking transfer orders after its buffer's users only at the call (it never touches the buffer's stream afterwards); hand out the same buffer each time"
+    ))
+}
+
+/// Records, on the caller's thread at the call, where a device transfer sits in its buffer's
+/// stream: the stream is made to wait for the buffer's users elsewhere (`device_ptr_mut` for a
+/// read, which writes the buffer; `device_ptr` for a write), then an event is recorded on it
+/// (and cudarc records the buffer's event there: later users on other streams wait for the
+/// stream's work up to the call; the transfer's own copies have completed before the buffer is
+/// handed back). The only time a non-blocking transfer touches the buffer's stream. A stream
+/// capturing a CUDA graph is refused first ([`Error::Unsupported`]): the wait and the records
+/// would go into the caller's graph.
+pub(super) fn gate_dst<D: DeviceDst + ?Sized>(dst: &mut D, call: &str) -> Result<Gate> {
+    let mut v = dst.as_dst();
+    let stream = v.stream().clone();
+    // Before the gate touches the stream (a wait, an event record would go into the capture).
+    crate::cuda::refuse_capturing(&stream, &format!("{call}: a read into device memory"))?;
+    let bytes = v.num_bytes();
+    let (ptr, _record) = v.device_ptr_mut(&stream);
+    Ok(Gate {
+        event: crate::cuda::events::record(&stream)?,
+        on: stream_key(&stream),
+        buf: (ptr, bytes),
+    })
+}
+
+pub(super) fn gate_src<S: DeviceSrc + ?Sized>(src: &S, call: &str) -> Result<Gate> {
+    let v = src.as_src();
+    let stream = v.stream().clone();
+    crate::cuda::refuse_capturing(&stream, &format!("{call}: a write from device memory"))?;
+    let (ptr, _record) = v.device_ptr(&stream);
+    Ok(Gate {
+        event: crate::cuda::events::record(&stream)?,
+        on: stream_key(&stream),
+        buf: (ptr, v.num_bytes()),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Where a call's own CUDA work on its buffer goes (no GPU needed): a blocking call's on
+    /// the buffer's stream; a transfer ordered at its call on a stream of gpudirect's, never
+    /// the caller's; a buffer that the transfer thread is handed on another stream than at the
+    /// call (another stream handle, or another context's stream of the same handle: every
+    /// context's default stream is the null handle), or at another address or of another
+    /// length, is refused, saying what to do.
+    #[test]
+    fn a_transfer_ordered_at_its_call_never_works_on_the_callers_stream() {
+        let refused = |r: Result<()>, what: &str| match r {
+            Err(Error::InvalidArgument(m)) => assert!(
+                m.contains("another buffer than at the call")
+                    && m.contains(what)
+                    && m.contains("hand out the same buffer"),
+                "{m}"
+            ),
+            r => panic!("{what}: a buffer other than the call's gave {r:?}"),
+        };
+        let at = (0x1000, 0x2000);
+        assert_eq!(work_on(None, at).unwrap(), WorkOn::Buffer);
+        assert_eq!(work_on(Some(at), at).unwrap(), WorkOn::Own);
+        for now in [(0x1000, 0x3000), (0x1100, 0x2000)] {
+            refused(work_on(Some(at), now).map(|_| ()), "on another stream");
+        }
+        let buf = (0x7f00_0000_0000, 4096 + 13);
+        same_buffer(buf, buf).unwrap();
+        for now in [(buf.0 + 512, buf.1), (buf.0, buf.1 - 1)] {
+            refused(
+                same_buffer(buf, now),
+                "at another address or of another length",
+            );
+        }
+    }
+}
