@@ -1,9 +1,12 @@
 # Which driver calls wait while another thread is in cuMemHostUnregister behind a held stream?
-# (The storage engine's gates record events; tests/storage_gpu_stall_events.rs found
+# (The storage engine's gates recorded events; tests/storage_gpu_stall_events.rs found
 # cuEventRecord waiting there like cuEventCreate, H200, driver 580. Its probe timed the calls one
 # after another on one thread, so the calls after the first that waited said nothing.) Here every
 # call runs on its own thread, all started together once the unregister waits, each bound to the
-# context beforehand. Run on the GPU machine:  python3 scripts/probes/stall-calls.py [ROUNDS]
+# context beforehand, except cuCtxSetCurrent's, which binds it while the unregister waits (a
+# non-blocking gpudirect call on a thread with another context current makes that call; this
+# line was added after the first run). Run on the GPU machine:
+#   python3 scripts/probes/stall-calls.py [ROUNDS]
 # Prints one line per round: each call's time in ms, and the unregister's.
 import ctypes as C, sys, threading, time
 from cudactx import cu, ck, ctx, new_stream
@@ -45,11 +48,13 @@ for r in range(rounds):
         "cuLaunchHostFunc": lambda i: cu.cuLaunchHostFunc(B[i], noop_cb, None),
         "cuMemcpyHtoDAsync 4 KiB": lambda i: cu.cuMemcpyHtoDAsync_v2(dptr, pin, C.c_size_t(4096), B[i]),
         "cuCtxGetCurrent": lambda i: cu.cuCtxGetCurrent(C.byref(cur)),
+        # Its thread has no context current beforehand (see `one`): a real bind.
+        "cuCtxSetCurrent": lambda i: cu.cuCtxSetCurrent(ctx),
         "cuStreamCreate": lambda i: cu.cuStreamCreate(C.byref(ns), 1),
     }
     go = threading.Event(); res = {}
     def one(i, name, f):
-        ck(cu.cuCtxSetCurrent(ctx), "bind"); go.wait()
+        ck(cu.cuCtxSetCurrent(None if name == "cuCtxSetCurrent" else ctx), "bind"); go.wait()
         a = time.perf_counter(); rc = f(i); res[name] = (1e3 * (time.perf_counter() - a), rc)
     th = [threading.Thread(target=one, args=(i, n, f)) for i, (n, f) in enumerate(calls.items())]
     [t.start() for t in th]

@@ -6,8 +6,11 @@
 //! meanwhile 241 ms; CONTRIBUTING.md, "What we measured", page-locking). A transfer that made
 //! its events when it was called (a non-blocking call's gate, a blocking engine transfer's
 //! ordering event, a batch's) then waited for the other thread's unregister, and so for kernels
-//! it has nothing to do with. (Whether `cuEventRecord`, `cuStreamWaitEvent` and `cuEventQuery`
-//! wait there too is what tests/storage_gpu_stall_events.rs times beside an unregister.)
+//! it has nothing to do with. `cuEventRecord` waits there too (`scripts/probes/stall-calls.py`:
+//! 1.43 s inside a 1.48 s unregister; `cuStreamWaitEvent` and `cuEventQuery` do not), so the
+//! pool does not remove the stall for a call that records: a non-blocking call's gate is a
+//! host-visible fence instead ([`super::fences`]), and the pooled events serve blocking
+//! transfers, batches and the fences' fallback, whose callers wait for their copies anyway.
 //!
 //! An event taken from the pool ([`record`], [`record_each`], [`take`]) is the taker's alone
 //! until the [`Lent`] is dropped, which gives it back. CUDA documents reuse: "`cuEventRecord()`

@@ -55,6 +55,7 @@ mod current;
 pub mod device;
 pub(crate) mod dmabuf;
 pub(crate) mod events;
+pub(crate) mod fences;
 mod memory;
 mod pointer;
 pub(crate) mod result;

@@ -424,6 +424,32 @@ pub(crate) mod stream {
         unsafe { sys::cuStreamQuery(stream) }
     }
 
+    /// `cuStreamWriteValue32_v2(stream, addr, value, CU_STREAM_WRITE_VALUE_DEFAULT)`, its code
+    /// raw (`CUDA_ERROR_NOT_SUPPORTED`: no stream memory operations on this device or driver).
+    /// The device writes `value` to `addr` once the work queued on `stream` before the call
+    /// completed, after a memory barrier (the default flag): what that work wrote is visible
+    /// before the value is.
+    ///
+    /// # Safety
+    /// `stream` must be a live stream of the current context (or null: its legacy default
+    /// stream); `addr` a device address of 4 writable, 4-byte-aligned bytes (not managed
+    /// memory) that stay allocated for as long as the write may still land.
+    pub(crate) unsafe fn write_value32(
+        stream: sys::CUstream,
+        addr: sys::CUdeviceptr,
+        value: u32,
+    ) -> sys::CUresult {
+        // SAFETY: the caller's contract.
+        unsafe {
+            sys::cuStreamWriteValue32_v2(
+                stream,
+                addr,
+                value,
+                sys::CUstreamWriteValue_flags::CU_STREAM_WRITE_VALUE_DEFAULT as std::ffi::c_uint,
+            )
+        }
+    }
+
     /// `cuLaunchHostFunc`: `f(data)` runs on a driver thread once the work before it on
     /// `stream` completed (tests hold or feed streams with it).
     ///
@@ -592,6 +618,44 @@ pub(crate) mod mem {
         check("cuMemHostUnregister", unsafe {
             sys::cuMemHostUnregister(ptr.cast())
         })
+    }
+
+    /// `cuMemHostAlloc(bytes, CU_MEMHOSTALLOC_DEVICEMAP)`: page-locked host memory of the
+    /// current context that its device can reach ([`host_device_pointer`]); its contents are
+    /// undefined. Free it with [`free_host`].
+    ///
+    /// # Safety
+    /// A context must be current.
+    pub(crate) unsafe fn host_alloc_mapped(bytes: usize) -> Result<*mut c_void> {
+        let mut p: *mut c_void = std::ptr::null_mut();
+        // SAFETY: a context is current (the caller's contract); `p` is a valid out-pointer.
+        check("cuMemHostAlloc", unsafe {
+            sys::cuMemHostAlloc(&mut p, bytes, sys::CU_MEMHOSTALLOC_DEVICEMAP)
+        })?;
+        Ok(p)
+    }
+
+    /// `cuMemHostGetDevicePointer_v2(p, 0)`: the device's address of mapped host memory.
+    ///
+    /// # Safety
+    /// `p` must come from [`host_alloc_mapped`] in the current context and not be freed.
+    pub(crate) unsafe fn host_device_pointer(p: *mut c_void) -> Result<sys::CUdeviceptr> {
+        let mut d: sys::CUdeviceptr = 0;
+        // SAFETY: the caller's contract; `d` is a valid out-pointer; the flags must be 0.
+        check("cuMemHostGetDevicePointer", unsafe {
+            sys::cuMemHostGetDevicePointer_v2(&mut d, p, 0)
+        })?;
+        Ok(d)
+    }
+
+    /// `cuMemFreeHost`.
+    ///
+    /// # Safety
+    /// `p` must come from [`host_alloc_mapped`], be freed once, and no device work or host
+    /// code may use it any more.
+    pub(crate) unsafe fn free_host(p: *mut c_void) -> Result<()> {
+        // SAFETY: the caller's contract.
+        check("cuMemFreeHost", unsafe { sys::cuMemFreeHost(p) })
     }
 
     /// `cuMemcpyHtoDAsync_v2`.

@@ -170,12 +170,20 @@ pub(super) fn elem_size<T>() -> Result<usize> {
 /// # Ordering
 /// Device transfers order themselves after the work queued on the buffer's stream before the
 /// call (and, through cudarc's events, after the buffer's users on other streams) without
-/// synchronizing that stream: an event is recorded on it, waited for before the transfer
-/// enters the engine (work queued on the stream later, by other threads, does not hold it up),
-/// and waited for by the engine's copies. They return when every byte is in place (device
-/// memory for reads, the file for writes; `durable` adds `fsync`): no copy is in flight after
-/// a call returns, so later work on any stream sees the bytes. Through cuFile (which orders on
-/// no stream) a blocking call synchronizes the buffer's stream.
+/// synchronizing that stream: a blocking call records an event on it, waited for before the
+/// transfer enters the engine (work queued on the stream later, by other threads, does not hold
+/// it up) and by the engine's copies; a non-blocking call queues a fence there instead (see
+/// [Stream order](super::Transfer#stream-order)). They return when every byte is in place
+/// (device memory for reads, the file for writes; `durable` adds `fsync`): no copy is in flight
+/// after a call returns, so later work on any stream sees the bytes. Through cuFile (which
+/// orders on no stream) a blocking call synchronizes the buffer's stream.
+///
+/// While another thread of the process is in `cuMemHostUnregister` (which waits for all the
+/// context's work, kernels on other streams included), CUDA holds the copies and event records
+/// a blocking call queues until it returns: a blocking call then takes as long, whatever
+/// gpudirect does. The non-blocking calls return at once beside it where the device has stream
+/// memory operations (after [`warm_up`](Self::warm_up), or any earlier non-blocking call, made
+/// the context's flag page).
 ///
 /// # Non-blocking transfers
 /// [`read_async`](Self::read_async), [`read_exact_async`](Self::read_exact_async),
@@ -183,7 +191,7 @@ pub(super) fn elem_size<T>() -> Result<usize> {
 /// [`pwrite_host_async`](Self::pwrite_host_async) move an owned buffer in and return a
 /// [`Transfer`](super::Transfer) at once (a `Future` with the `async` feature), with progress
 /// and cancellation. A device transfer touches its buffer's stream only during the call (it
-/// records its event there): afterwards the caller may queue work on that stream, synchronize
+/// queues its fence there): afterwards the caller may queue work on that stream, synchronize
 /// it or capture a CUDA graph on it while the transfer runs (see
 /// [Stream order](super::Transfer#stream-order)).
 ///
@@ -368,16 +376,22 @@ impl GpuFile {
     /// among the implicitly synchronizing operations, so a first transfer that locks the ring
     /// may wait for work pending on other streams of the device. It also makes the CUDA events
     /// the transfers order with (`cuEventCreate` waits while another thread of the process
-    /// unregisters host memory), for every backend; that is all it does for files whose
-    /// device reads go through cuFile. What it set up is released like any engine state
+    /// unregisters host memory) and the page of flag words the non-blocking calls' fences use
+    /// (`cuMemHostAlloc`, 4 KiB per device, kept for the process; without it the first such
+    /// call makes it), for every backend; that is all it does for files whose device reads go
+    /// through cuFile. What it set up is released like any engine state
     /// ([`release_engines`](super::release_engines), or after `GPUDIRECT_ENGINE_IDLE_MS` when
     /// that is set).
     ///
     /// Errors: [`Error::Cuda`] (no such device, pinning refused).
     pub fn warm_up(&self, device: usize) -> Result<()> {
         let ctx = crate::cuda::context(device)?;
-        // The events the transfers of any backend order with (kept, see crate::cuda::events).
+        // The events the transfers of any backend order with (kept, see crate::cuda::events),
+        // and the fence words the non-blocking calls mark their buffers' streams with (a page,
+        // kept for the process, see crate::cuda::fences; without stream memory operations
+        // their gates are events).
         crate::cuda::events::top_up(&ctx)?;
+        crate::cuda::fences::prepare(&ctx);
         if self.cufile.is_some() {
             return Ok(());
         }
@@ -609,8 +623,10 @@ impl GpuFile {
             let whole = |n: usize| self.whole_elements(file_offset, n, len, esz);
             // SAFETY: dptr..dptr+len is `dst`'s device memory in `ctx`, exclusively borrowed for
             // this call; device_ptr_mut ordered `on` after the buffer's other users, and `on` is
-            // the buffer's stream or waits for the call's event (recorded on that stream after
-            // its work then); small::read copies at most len bytes and waits for its copy.
+            // the buffer's stream, or the call's gate (queued on that stream after its work
+            // then) was waited for on this thread (a fence that landed: that work completed;
+            // the fallback's event, which `on` waits for too); small::read copies at most len
+            // bytes and waits for its copy.
             let (bytes, odirect) = unsafe {
                 small::read(
                     &self.fds,
@@ -646,15 +662,15 @@ impl GpuFile {
         let (dptr, _record) = view.device_ptr_mut(&on);
         ctl.same_buffer(dptr, len)?;
         // Instead of synchronizing `stream`: an event recorded on it after device_ptr_mut made
-        // it wait for the buffer's other users (a blocking call), or the call's event (a
-        // non-blocking one; see Ctl::order_job), waited for before the job and by the engine's
-        // copies.
+        // it wait for the buffer's other users (a blocking call), or the call's gate (a
+        // non-blocking one; see Ctl::order_job), waited for before the job (and, for an event,
+        // by the engine's copies).
         let mut own = None;
         let after = ctl.order_job(&on, &mut own, len)?;
         // SAFETY: dptr..dptr+len is `dst`'s device memory in `ctx`, exclusively borrowed for
         // this call; every task lies within [0, n) with n <= len; no copy starts before the
-        // work pending on the buffer (`after`); Engine::run returns only after all copies
-        // completed.
+        // work pending on the buffer (`after`, or a call's fence, which order_job saw land:
+        // that work completed); Engine::run returns only after all copies completed.
         let mut job = unsafe { Job::new(&self.fds, tasks, piece, Target::DevRead { ctx, dptr }) }
             .with_control(ctl.engine(after));
         if let Some(p) = self.seg_params() {
@@ -767,8 +783,8 @@ impl GpuFile {
             ctl.wait_gate_on(&on, len)?;
             // SAFETY: dptr..dptr+len is `src`'s device memory in `ctx`, borrowed for this call;
             // device_ptr ordered `on` after the buffer's writers, and `on` is the buffer's stream
-            // or waits for the call's event (recorded on that stream after its work then);
-            // small::write waits for its copy.
+            // or the call's gate (queued on that stream after its work then) was waited for on
+            // this thread (as for reads); small::write waits for its copy.
             let odirect = unsafe {
                 small::write(
                     &self.fds,
@@ -797,7 +813,8 @@ impl GpuFile {
             let after = ctl.order_job(&on, &mut own, len)?;
             // SAFETY: dptr..dptr+len is `src`'s device memory in `ctx`, borrowed for this
             // call; tasks lie within [0, len); no copy starts before the buffer's pending
-            // writers (`after`); Engine::run returns after all copies completed.
+            // writers (`after`, or a call's fence, which order_job saw land); Engine::run
+            // returns after all copies completed.
             let job = unsafe { Job::new(&self.fds, tasks, piece, Target::DevWrite { ctx, dptr }) }
                 .with_control(ctl.engine(after));
             let out = engine.run(job, threads).map_err(Failed::into_error)?;
@@ -1827,7 +1844,7 @@ mod tests {
     /// asynchronous ones name the call), put nothing into the caller's graph (the capture ends
     /// valid, with no node), and leave the buffer and the file as they were. The asynchronous
     /// calls (`read_async`, `write_async`) are refused at the call, before their gate waits for
-    /// the buffer's users and records its event on the stream: before that fix (review of
+    /// the buffer's users and queues its fence on the stream: before that fix (review of
     /// 2026-12-02, finding 2) the gate's wait for the buffer's own earlier write, an event
     /// recorded outside the capture, most likely invalidated the capture
     /// (`CUDA_ERROR_STREAM_CAPTURE_ISOLATION`, as the small reads did; not run on the old code).

@@ -11,11 +11,14 @@ use super::file::{DeviceDst, DeviceSrc};
 use super::transfer::Ctl;
 use crate::error::{Error, Result};
 
-/// An event recorded on a buffer's stream at a transfer's call, and which buffer that was. The
-/// event is the context's pooled one (`crate::cuda::events`): the call makes no event, and the
-/// gate gives it back when dropped, after the IO whose waits it orders.
+/// Where a buffer's stream stood at a transfer's call, and which buffer that was. The mark is
+/// a host-visible fence (`crate::cuda::fences`: a flag word of the context's pool that the
+/// stream writes once its work before the call completed), or, where the device has no stream
+/// memory operations, the context's pooled event recorded there (`crate::cuda::events`). The
+/// call makes no event; the gate gives its mark back when dropped, after the IO that waited for
+/// it.
 pub(super) struct Gate {
-    pub(super) event: crate::cuda::events::Events,
+    pub(super) mark: crate::cuda::fences::Mark,
     /// `(context, stream)` handles of the buffer's stream, as addresses.
     pub(super) on: (usize, usize),
     /// The buffer's device address and length in bytes.
@@ -38,7 +41,7 @@ pub(super) enum WorkOn {
 }
 
 /// [`Ctl::work_stream`]'s choice for a buffer on the stream `now` (`(context, stream)`
-/// addresses), `gated` the stream of the call's event (`None`: a blocking call).
+/// addresses), `gated` the stream of the call's gate (`None`: a blocking call).
 pub(super) fn work_on(gated: Option<(usize, usize)>, now: (usize, usize)) -> Result<WorkOn> {
     match gated {
         None => Ok(WorkOn::Buffer),
@@ -67,38 +70,70 @@ fn other_buffer(how: &str) -> Error {
     ))
 }
 
-/// Records, on the caller's thread at the call, where a device transfer sits in its buffer's
-/// stream: the stream is made to wait for the buffer's users elsewhere (`device_ptr_mut` for a
-/// read, which writes the buffer; `device_ptr` for a write), then an event is recorded on it
-/// (and cudarc records the buffer's event there: later users on other streams wait for the
-/// stream's work up to the call; the transfer's own copies have completed before the buffer is
-/// handed back). The only time a non-blocking transfer touches the buffer's stream. A stream
-/// capturing a CUDA graph is refused first ([`Error::Unsupported`]): the wait and the records
-/// would go into the caller's graph.
+/// Marks, on the caller's thread at the call, where a device transfer sits in its buffer's
+/// stream: the stream is made to wait for the buffer's users elsewhere (cudarc's
+/// `device_ptr_mut` for a read, which writes the buffer; `device_ptr` for a write: its
+/// `cuStreamWaitEvent`s), then a fence is queued on it ([`crate::cuda::fences::mark`]). The
+/// only time a non-blocking transfer touches the buffer's stream, and no call made here waits
+/// while another thread of the process unregisters host memory (`cuStreamIsCapturing`,
+/// `cuCtxGetCurrent`, `cuStreamWaitEvent`, `cuStreamWriteValue32`; see `crate::cuda::fences`),
+/// except where the fence falls back to an event. A stream capturing a CUDA graph is refused
+/// first ([`Error::Unsupported`]): the waits and the fence would go into the caller's graph.
+///
+/// cudarc's access guard is not dropped here but forgotten ([`forget_access`]): its drop would
+/// record the buffer's cudarc event on the stream (`cuEventRecord`, which waits beside an
+/// unregister).
 pub(super) fn gate_dst<D: DeviceDst + ?Sized>(dst: &mut D, call: &str) -> Result<Gate> {
     let mut v = dst.as_dst();
     let stream = v.stream().clone();
-    // Before the gate touches the stream (a wait, an event record would go into the capture).
+    // Before the gate touches the stream (a wait, the fence would go into the capture).
     crate::cuda::refuse_capturing(&stream, &format!("{call}: a read into device memory"))?;
     let bytes = v.num_bytes();
-    let (ptr, _record) = v.device_ptr_mut(&stream);
+    let (ptr, record) = v.device_ptr_mut(&stream);
+    forget_access(record);
     Ok(Gate {
-        event: crate::cuda::events::record(&stream)?,
+        mark: crate::cuda::fences::mark(&stream)?,
         on: stream_key(&stream),
         buf: (ptr, bytes),
     })
 }
 
+/// [`gate_dst`] for a write from device memory (cudarc's `device_ptr`: the stream waits for
+/// the buffer's writers).
 pub(super) fn gate_src<S: DeviceSrc + ?Sized>(src: &S, call: &str) -> Result<Gate> {
     let v = src.as_src();
     let stream = v.stream().clone();
     crate::cuda::refuse_capturing(&stream, &format!("{call}: a write from device memory"))?;
-    let (ptr, _record) = v.device_ptr(&stream);
+    let (ptr, record) = v.device_ptr(&stream);
+    forget_access(record);
     Ok(Gate {
-        event: crate::cuda::events::record(&stream)?,
+        mark: crate::cuda::fences::mark(&stream)?,
         on: stream_key(&stream),
         buf: (ptr, v.num_bytes()),
     })
+}
+
+/// Drops cudarc's access guard of a gated buffer without its record (`std::mem::forget`: it
+/// only borrows the buffer's event and stream, so nothing leaks). Its waits were made when the
+/// access was (the buffer's stream waits for the buffer's earlier users elsewhere, before the
+/// fence), and the record is not needed for what comes after:
+/// - the transfer owns the buffer until its copies completed (the transfer thread waits for
+///   them; `Transfer::wait` hands the buffer back only then), so no later user of the buffer
+///   can exist while any of its work is pending;
+/// - the work the record would have covered (the buffer's stream up to the call, and through
+///   its waits the buffer's earlier users) has completed before the transfer's first copy: the
+///   transfer thread waits for the fence (or the fallback's event) first;
+/// - so a later user on any stream that waits for the buffer's earlier cudarc records waits for
+///   work that completed, and the bytes it reads (or overwrites) are the transfer's, complete.
+///   The transfer thread's own access (on its side stream) makes that stream wait for the same
+///   earlier records; it records nothing for a primary context (the side stream is gpudirect's
+///   own object's, which tracks no events), else it records on the side stream, after those
+///   waits, on the transfer thread: either way later users order after completed work.
+///
+/// A gate that fails after the access (the fence could not be queued) hands the buffer back at
+/// once with its earlier records, nothing of the transfer's having touched it.
+fn forget_access(record: cudarc::driver::SyncOnDrop<'_>) {
+    std::mem::forget(record);
 }
 
 #[cfg(test)]

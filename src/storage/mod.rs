@@ -111,7 +111,9 @@ pub struct Released {
 
 /// Gives back what the engine holds between transfers: stops its worker threads and frees its
 /// pinned staging memory (waiting for transfers in progress first), and destroys the idle CUDA
-/// events kept for transfers to order with (at most 64 per GPU). Nothing else changes: the
+/// events kept for transfers to order with (at most 64 per GPU). The non-blocking calls' flag
+/// words (a 4 KiB page per GPU, at most 32 KiB) are kept for the process: a device write may
+/// still be pending on a word a cancelled transfer gave back. Nothing else changes: the
 /// next transfer starts the workers again and pins as it reads, without a warm-up pause (its
 /// calls make events again until some are kept).
 ///

@@ -15,6 +15,7 @@ use cudarc::driver::{sys, CudaContext, CudaEvent, CudaStream};
 use super::engine::{self, Control, Outcome};
 use super::file::{dst_bytes, elem_size, src_bytes, DeviceDst, DeviceSrc, GpuFile, IoReport};
 use super::gate::{gate_dst, gate_src, same_buffer, stream_key, work_on, Gate, WorkOn};
+use crate::cuda::fences::{Mark, Stop};
 use crate::error::{Error, Result};
 
 /// How far a transfer has come ([`Transfer::progress`], [`TransferControl::progress`]).
@@ -108,7 +109,7 @@ impl TransferControl {
     }
 }
 
-/// How one transfer runs (crate-private): when it started, the event it orders after (`None`:
+/// How one transfer runs (crate-private): when it started, the gate it orders after (`None`:
 /// a blocking call, on the caller's thread, which orders on the buffer's stream itself; see
 /// [`Ctl::work_stream`]), and the control that counts and cancels it.
 pub(super) struct Ctl<'a> {
@@ -160,7 +161,7 @@ impl<'a> Ctl<'a> {
     /// thread), this thread's side stream of the context, never `stream`: once the call
     /// returned, the caller may feed, synchronize or capture its stream (the call refused a
     /// capture already, and ordered the transfer after the stream's work before it through its
-    /// event); a buffer on another stream than at the call (a [`DeviceDst`] or [`DeviceSrc`]
+    /// gate); a buffer on another stream than at the call (a [`DeviceDst`] or [`DeviceSrc`]
     /// that hands out another buffer) is refused ([`Error::InvalidArgument`]), nothing having
     /// ordered the transfer after that stream's work (see also
     /// [`same_buffer`](Self::same_buffer)).
@@ -176,7 +177,7 @@ impl<'a> Ctl<'a> {
 
     /// Refuses, for a transfer ordered at its call, a buffer at another address or of another
     /// length than at the call (`dptr`, `bytes`: what cudarc's access on the side stream gave):
-    /// the call's event ordered the transfer after the call's buffer's users only. Checked where
+    /// the call's gate ordered the transfer after the call's buffer's users only. Checked where
     /// a copy outside the side stream's order uses the address (the engine's) and before a
     /// small copy; the cuFile and upload paths synchronize the side stream after cudarc's waits
     /// for the buffer they were handed.
@@ -249,12 +250,17 @@ impl<'a> Ctl<'a> {
     }
 
     /// Orders an engine job of `total` bytes, its buffer's cudarc access made on `on` (the
-    /// stream [`work_stream`](Self::work_stream) gave): waits on this thread (see
-    /// [`wait_for`](Self::wait_for)) for the events the job is ordered after, and returns them
-    /// for the engine's copies to wait for too. For a blocking call, one recorded on `on` (the
-    /// buffer's stream) now, after the access made it wait for the buffer's other users, into
-    /// `own`, a pooled one (given back when `own` drops, after the job); for a transfer ordered
-    /// at its call, the call's event (check [`same_buffer`](Self::same_buffer) first).
+    /// stream [`work_stream`](Self::work_stream) gave): waits on this thread for what the job
+    /// is ordered after, and returns the events the engine's copies must wait for too. For a
+    /// blocking call, an event recorded on `on` (the buffer's stream) now, after the access made
+    /// it wait for the buffer's other users, into `own`, a pooled one (given back when `own`
+    /// drops, after the job), waited for as [`wait_for`](Self::wait_for) says and returned. For
+    /// a transfer ordered at its call (check [`same_buffer`](Self::same_buffer) first), the
+    /// call's gate, waited for as [`wait_gate`](Self::wait_gate) says; then nothing for a fence
+    /// (the engine's copies are queued after it landed: the work before the call completed
+    /// and is visible to any stream, so they need no device wait; the transfer thread's access
+    /// on `on` only made that stream wait for records the call's stream had waited for before
+    /// its fence), the event for the fallback (as before the fence).
     pub fn order_job<'g>(
         &self,
         on: &CudaStream,
@@ -264,12 +270,39 @@ impl<'a> Ctl<'a> {
     where
         'a: 'g,
     {
-        let after: &'g [CudaEvent] = match self.gate {
-            Some(g) => &g.event,
-            None => own.insert(crate::cuda::events::record(on)?),
-        };
-        self.wait_for(after, total)?;
-        Ok(after)
+        match self.gate {
+            Some(g) => {
+                self.wait_gate(g, on, total)?;
+                Ok(g.mark.events())
+            }
+            None => {
+                let after: &'g [CudaEvent] = own.insert(crate::cuda::events::record(on)?);
+                self.wait_for(after, total)?;
+                Ok(after)
+            }
+        }
+    }
+
+    /// Waits on this thread, cancellably ([`Error::Cancelled`], nothing moved), for the gate of
+    /// a transfer of `total` bytes ordered at its call: the work queued on its buffer's stream
+    /// before the call (which had waited for the buffer's users elsewhere) is then complete.
+    /// A fence is polled ([`crate::cuda::fences::Fence::wait`]), `on` (this thread's side
+    /// stream) asked about every millisecond whether the context still works: its error
+    /// (a sticky one such as an illegal address, named with its code) fails the transfer
+    /// instead of a wait that would never end. The fallback's event is waited for as
+    /// [`wait_for`](Self::wait_for) says.
+    fn wait_gate(&self, g: &Gate, on: &CudaStream, total: usize) -> Result<()> {
+        match &g.mark {
+            Mark::Event(e) => self.wait_for(e, total),
+            Mark::Fence(f) => f.wait(|| self.cancelled(), on).map_err(|stop| match stop {
+                Stop::Cancelled => Error::Cancelled {
+                    moved: 0,
+                    prefix: 0,
+                    total,
+                },
+                Stop::Broken(e) => e,
+            }),
+        }
     }
 
     /// The engine's control for a job ordered after `after`.
@@ -300,16 +333,23 @@ impl<'a> Ctl<'a> {
     /// made it wait for the buffer's other users) for work of `total` bytes outside the engine:
     /// a small transfer's copy, an upload, cuFile (which orders on no stream: its call
     /// synchronizes `on` first). For a blocking call `on` is the buffer's stream, ordered by it:
-    /// nothing to do. For a transfer ordered at its call, the call's event is waited for on this
-    /// thread (cancellably), and by `on`, so work queued on the buffer's stream since does not
-    /// hold the transfer up.
+    /// nothing to do. For a transfer ordered at its call, the call's gate is waited for on this
+    /// thread ([`wait_gate`](Self::wait_gate)), so work queued on the buffer's stream since does
+    /// not hold the transfer up. After a fence that is all: the small copy and the upload are
+    /// queued on `on`, and cuFile called, only after it landed, when the work before the call
+    /// had completed and its writes were visible. The fallback's event is also waited for by
+    /// `on` (as before the fence; the host wait already covers it).
     pub fn wait_gate_on(&self, on: &CudaStream, total: usize) -> Result<()> {
         let Some(g) = self.gate else {
             return Ok(());
         };
-        self.wait_for(&g.event, total)?;
-        on.wait(&g.event[0])
-            .map_err(|e| Error::cuda("cuStreamWaitEvent", e))
+        self.wait_gate(g, on, total)?;
+        match &g.mark {
+            Mark::Fence(_) => Ok(()),
+            Mark::Event(e) => on
+                .wait(&e[0])
+                .map_err(|e| Error::cuda("cuStreamWaitEvent", e)),
+        }
     }
 }
 
@@ -322,7 +362,8 @@ thread_local! {
 /// call does its own CUDA work on the buffer instead of the caller's stream (cudarc's access, a
 /// small copy, cuFile's synchronize and scratch buffer; see [`Ctl::work_stream`]). What is
 /// queued there is waited for before the transfer ends (a small copy, cuFile's work) or is
-/// only cudarc's waits for the buffer's users (which the call's event covers already).
+/// only cudarc's waits for the buffer's users (which the call's gate covers already). It is
+/// also what a fence's wait asks about the context's health (`crate::cuda::fences::healthy`).
 fn side_stream(ctx: &Arc<CudaContext>) -> Result<Arc<CudaStream>> {
     SIDE.with(|v| {
         let mut v = v.borrow_mut();
@@ -387,30 +428,53 @@ impl<B> Shared<B> {
 ///
 /// The IO runs on a transfer thread (a small pool that grows with the transfers in flight and
 /// shrinks after `GPUDIRECT_ENGINE_IDLE_MS`, 5 s by default), which runs the same code as the blocking calls;
-/// the calling thread only records where the transfer sits in the buffer's stream (one
-/// `cuEventRecord`, of an event kept from earlier transfers: the call makes none, as
-/// `cuEventCreate` waits while another thread of the process unregisters host memory) and
+/// the calling thread only marks where the transfer sits in the buffer's stream (one
+/// `cuStreamWriteValue32` of a flag word made ahead, see [Stream order](#stream-order)) and
 /// hands the work over, which takes microseconds.
 ///
 /// # Stream order
 /// At the call, on the calling thread, the buffer's stream is made to wait for the buffer's
 /// pending users on other streams (cudarc's `device_ptr_mut` / `device_ptr`: its read and write
-/// events), an event is recorded on it, and cudarc records the buffer's event there: the IO
-/// orders after every kernel and copy queued on the buffer's stream before the call, and after
-/// the buffer's users elsewhere, while work queued later on that stream does not hold it up.
-/// That is the only time the transfer touches the buffer's stream: once the call returned,
-/// nothing is enqueued on that stream, synchronized on it or asked of it for the transfer, on
-/// any thread. The transfer thread waits for the call's event (cancellably) before the IO
-/// enters the engine, whose copies also wait for it on their own streams
-/// (`cuStreamWaitEvent`); the transfer's own CUDA work on the buffer (cudarc's access, a small
-/// transfer's copy, an upload) goes on a stream of gpudirect's, the transfer thread's. Through
-/// cuFile, which orders on no stream, the transfer thread waits for the call's event and
-/// synchronizes its own stream, not the buffer's. (The engine runs one job per GPU at a time,
-/// so a job must not sit in it waiting for a kernel: other transfers to that GPU would queue
-/// behind.) The transfer is done when every byte is in place (device memory for reads, the file
-/// for writes): the buffer comes back with no copy in flight, so any later use of it, on any
-/// stream, sees the bytes (cudarc orders a use on another stream after the buffer's stream as
-/// it was at the call, outside any later capture).
+/// events, `cuStreamWaitEvent`), then a fence is queued on it: `cuStreamWriteValue32` of a
+/// ticket into a 32-bit flag word in page-locked host memory the device writes once the work
+/// queued on the stream before it completed, after a memory barrier. The IO orders after every
+/// kernel and copy queued on the buffer's stream before the call, and after the buffer's users
+/// elsewhere, while work queued later on that stream does not hold it up. That is the only time
+/// the transfer touches the buffer's stream: once the call returned, nothing is enqueued on
+/// that stream, synchronized on it or asked of it for the transfer, on any thread. The transfer
+/// thread polls the flag (cancellably) before the IO enters the engine or cuFile, and before a
+/// small transfer's copy or an upload; once it reads its ticket, the work before the call is
+/// complete, so the copies the transfer queues afterwards, on the engine's streams or its own,
+/// need no device-side wait. While it polls it asks about once a millisecond, through a stream
+/// of its own, whether the context still works: a context broken meanwhile (a kernel's illegal
+/// address, say) fails the transfer with that error ([`Error::Cuda`]) instead of a wait without
+/// end. The transfer's own CUDA work on the buffer (cudarc's access, a small transfer's copy,
+/// an upload) goes on a stream of gpudirect's, the transfer thread's. Through cuFile, which
+/// orders on no stream, the transfer thread synchronizes its own stream, not the buffer's. (The
+/// engine runs one job per GPU at a time, so a job must not sit in it waiting for a kernel:
+/// other transfers to that GPU would queue behind.) The transfer is done when every byte is in
+/// place (device memory for reads, the file for writes): the buffer comes back with no copy in
+/// flight, so any later use of it, on any stream, sees the bytes. (cudarc's record of the
+/// buffer's use is not made at the call, where `cuEventRecord` could wait, see below: its
+/// earlier records stand, and what they cover completed before the transfer's first copy.)
+///
+/// Where the device or driver has no stream memory operations (`cuStreamWriteValue32` answers
+/// `CUDA_ERROR_NOT_SUPPORTED`) or cannot map host memory, or while every flag word of the
+/// context is in use (1024 per 4 KiB page, at most 8 pages per device, kept for the process),
+/// the call records a pooled event on the stream instead (logged at debug level), which orders
+/// the same way. The fence or the event is how the transfer orders after its caller's work, not
+/// a path for its bytes: [`IoReport::path`] is the same either way.
+///
+/// Another thread's `cuMemHostUnregister` (or a free of pinned memory) waits for all the
+/// context's work, and meanwhile CUDA holds other threads' `cuEventCreate`, `cuEventRecord`,
+/// `cuLaunchHostFunc`, `cuStreamCreate` and async copies until it returns (H200, driver 580:
+/// 1.43 s behind a stream held 1.5 s), but not `cuStreamWriteValue32`, `cuStreamWaitEvent` or
+/// `cuStreamIsCapturing`: so the calls return at once beside it, except a context's first call
+/// when [`GpuFile::warm_up`] did not make its flag page, and the event fallback. The transfer
+/// thread's copies wait for the unregister like any CUDA work. Blocking calls
+/// ([`GpuFile::read_to_device`] and the others, batches) queue their copies and events while
+/// their caller waits, so they return only after another thread's unregister does; no CUDA
+/// program can avoid that (CONTRIBUTING.md, "What we measured", page-locking).
 ///
 /// So, while a transfer is in flight, the buffer's stream is the caller's alone: queue work
 /// there (it does not hold the transfer up), synchronize it, or capture a CUDA graph on it
@@ -512,15 +576,16 @@ impl<B: Send + 'static> Transfer<B> {
                     State::Panicked(p)
                 }
             };
-            // The gate is given back after the IO that waited for it (its event's every
-            // cuStreamWaitEvent was made, every host wait on it returned: `ctl` borrowed it).
-            let events = gate.as_ref().map(|g| g.event.pool().clone());
+            // The gate is given back after the IO that waited for it (an event's every
+            // cuStreamWaitEvent was made, every host wait on it returned: `ctl` borrowed it; a
+            // fence's word is parked unless it landed).
+            let refill = gate.as_ref().map(|g| g.mark.refill());
             drop(gate);
             s.complete(end);
-            // Off every caller's path: idle events ready for the next calls (making one may
-            // wait, see crate::cuda::events).
-            if let Some(Err(e)) = events.map(|p| p.top_up()) {
-                tracing::debug!(%e, "gpudirect: topping up the transfer events failed");
+            // Off every caller's path: fence words or idle events ready for the next calls
+            // (making them may wait, see crate::cuda::fences).
+            if let Some(r) = refill {
+                r.top_up();
             }
         }));
         Transfer { shared }
@@ -757,9 +822,11 @@ impl GpuFile {
     /// [Stream order](Transfer#stream-order)).
     ///
     /// Errors (in the result) as [`read_to_device`](Self::read_to_device) (`dst`'s stream
-    /// capturing a graph at this call: [`Error::Unsupported`]), [`Error::Cancelled`], and
+    /// capturing a graph at this call: [`Error::Unsupported`]), [`Error::Cancelled`],
     /// [`Error::InvalidArgument`] when `dst.as_dst()` hands the transfer thread another buffer
-    /// than at the call (on another stream, at another address or of another length).
+    /// than at the call (on another stream, at another address or of another length), and
+    /// [`Error::Cuda`] naming `cuStreamQuery` and the code when the context failed while the
+    /// transfer waited for the work queued before the call (nothing moved).
     pub fn read_async<D>(self: &Arc<Self>, dst: D, file_offset: u64) -> Transfer<D>
     where
         D: DeviceDst + Send + 'static,
@@ -824,8 +891,8 @@ impl GpuFile {
     /// stable storage with [`durable`](super::GpuFileOptions::durable)).
     ///
     /// Errors (in the result) as [`write_from_device`](Self::write_from_device),
-    /// [`Error::Cancelled`], and [`Error::InvalidArgument`] when `src.as_src()` hands the
-    /// transfer thread another buffer than at the call (as for [`read_async`](Self::read_async)).
+    /// [`Error::Cancelled`], and [`Error::InvalidArgument`] or [`Error::Cuda`] as for
+    /// [`read_async`](Self::read_async).
     pub fn write_async<S>(self: &Arc<Self>, src: S, file_offset: u64) -> Transfer<S>
     where
         S: DeviceSrc + Send + 'static,
@@ -1805,6 +1872,221 @@ mod tests {
         drop(f);
         std::fs::remove_file(&p).unwrap();
         bad
+    }
+
+    /// One non-blocking transfer of `len` bytes through a file opened with `opts`, its gate a
+    /// fence, or the event fallback when `events` (forced on this thread), ordered after work
+    /// queued on the buffer's stream before the call and held there: the stream is held at a
+    /// host function, then a device copy into the buffer is queued (a write's buffer gets the
+    /// bytes to write over their complement; a read's buffer gets the complement of the file's
+    /// bytes, which the read must then overwrite), then the call is made. The copy is a raw
+    /// `cuMemcpyDtoDAsync` that cudarc does not track: no cudarc event covers it, so the gate is
+    /// the only thing that can order the transfer (its engine copies, or its small copy on the
+    /// side stream) after it. The transfer must not
+    /// end while the stream is held (150 ms), and after the release the file (a write) or the
+    /// buffer (a read) must hold the file's bytes, every one: a gate that did not wait for the
+    /// copy leaves the complement there (a write read the buffer before the copy; a read's
+    /// bytes were overwritten by it). Then the same call on the idle stream, with the stream
+    /// held again right after the call: work queued after the call must not hold the transfer
+    /// up (it ends within 20 s while the stream is held). Checks that the gate asked for was
+    /// the one used. Returns what went wrong, one line per finding.
+    fn ordered_after_earlier_work(
+        ctx: &Arc<CudaContext>,
+        what: &str,
+        call: AsyncCall,
+        len: usize,
+        opts: GpuFileOptions,
+        events: bool,
+    ) -> Vec<String> {
+        use crate::storage::testkit::StreamGate;
+        let mut bad = Vec::new();
+        let stream = ctx.new_stream().unwrap();
+        let write = call == AsyncCall::Write;
+        let data = random(len, 80 + len as u64 + write as u64);
+        let p = scratch(&format!(
+            "ordered-{}",
+            what.replace([' ', ',', '(', ')', ':'], "")
+        ));
+        let start = |f: &Arc<GpuFile>, buf: cudarc::driver::CudaSlice<u8>| {
+            crate::cuda::fences::force_events_here(events);
+            let fenced = crate::cuda::fences::fenced_here();
+            let t = match call {
+                AsyncCall::Read => f.read_async(buf, 0),
+                AsyncCall::ReadExact => f.read_exact_async(buf, 0),
+                AsyncCall::Write => f.write_async(buf, 0),
+            };
+            let used_fence = crate::cuda::fences::fenced_here() > fenced;
+            crate::cuda::fences::force_events_here(false);
+            (t, used_fence)
+        };
+        let src = stream.clone_htod(&data).unwrap();
+        let other = stream.clone_htod(&complement(&data)).unwrap();
+        let buf = stream.clone_htod(&random(len, 90 + len as u64)).unwrap();
+        stream.synchronize().unwrap();
+        std::fs::write(
+            &p,
+            if write {
+                complement(&data)
+            } else {
+                data.clone()
+            },
+        )
+        .unwrap();
+        let f = Arc::new(opts.write(true).open(&p).unwrap());
+        use cudarc::driver::DevicePtr;
+        let addr = |s: &cudarc::driver::CudaSlice<u8>| {
+            let (a, record) = s.device_ptr(&stream);
+            // Nothing to record: the test's raw copy is to stay untracked.
+            std::mem::forget(record);
+            a
+        };
+        let (dst, from) = (addr(&buf), addr(if write { &src } else { &other }));
+
+        // Ordered after the copy queued before the call.
+        let mut gate = StreamGate::block(&stream);
+        // SAFETY: `from` and `dst` are `len` bytes of live device memory of the stream's
+        // context (the gate made it current); `src`, `other` and the buffer (moved into the
+        // transfer, then back here) outlive the copy: the stream is synchronized before they
+        // are dropped.
+        unsafe { crate::cuda::result::mem::memcpy_dtod_async(dst, from, len, stream.cu_stream()) }
+            .unwrap();
+        let (t, used_fence) = start(&f, buf);
+        if used_fence == events {
+            bad.push(format!(
+                "{what}: the call's gate was {} (a device without stream memory operations?)",
+                if used_fence { "a fence" } else { "an event" }
+            ));
+        }
+        std::thread::sleep(Duration::from_millis(150));
+        if t.is_done() {
+            bad.push(format!(
+                "{what}: the transfer ended while the work queued before the call was held"
+            ));
+        }
+        gate.release();
+        if !t.wait_timeout(Duration::from_secs(20)) {
+            bad.push(format!(
+                "{what}: no result 20 s after the stream was released"
+            ));
+            assert!(t.wait_timeout(Duration::from_secs(120)), "{what}: hung");
+        }
+        let (r, buf) = t.wait();
+        stream.synchronize().unwrap();
+        match &r {
+            Ok(rep) if rep.bytes == len => {}
+            r => bad.push(format!("{what}: not every byte moved: {r:?}")),
+        }
+        let got = if write {
+            std::fs::read(&p).unwrap()
+        } else {
+            stream.clone_dtoh(&buf).unwrap()
+        };
+        let (wrong, complemented) = got.iter().zip(&data).fold((0, 0), |(w, c), (&g, &d)| {
+            (w + (g != d) as usize, c + (g == !d) as usize)
+        });
+        if got.len() != len || wrong > 0 {
+            bad.push(format!(
+                "{what}: {wrong} of {len} bytes of the {} differ from the file's bytes ({complemented} hold the copy queued before the call: the gate did not wait for it)",
+                if write { "file" } else { "buffer" }
+            ));
+        }
+
+        // Not held up by work queued after the call.
+        std::fs::write(
+            &p,
+            if write {
+                complement(&data)
+            } else {
+                data.clone()
+            },
+        )
+        .unwrap();
+        let mut buf = buf;
+        stream
+            .memcpy_dtod(if write { &src } else { &other }, &mut buf)
+            .unwrap();
+        stream.synchronize().unwrap();
+        let (t, _) = start(&f, buf);
+        let mut gate = StreamGate::block(&stream);
+        if !t.wait_timeout(Duration::from_secs(20)) {
+            bad.push(format!(
+                "{what}: work queued on the stream after the call held the transfer up"
+            ));
+        }
+        gate.release();
+        let (r, buf) = t.wait();
+        stream.synchronize().unwrap();
+        match &r {
+            Ok(rep) if rep.bytes == len => {}
+            r => bad.push(format!("{what}, stream held after the call: {r:?}")),
+        }
+        let got = if write {
+            std::fs::read(&p).unwrap()
+        } else {
+            stream.clone_dtoh(&buf).unwrap()
+        };
+        if got != data {
+            bad.push(format!(
+                "{what}, stream held after the call: the {} does not hold the file's bytes",
+                if write { "file" } else { "buffer" }
+            ));
+        }
+        drop(f);
+        std::fs::remove_file(&p).unwrap();
+        bad
+    }
+
+    /// A non-blocking transfer orders after the work queued on its buffer's stream before the
+    /// call, with its gate a fence (the default where the device has stream memory operations)
+    /// and with the event fallback, and is not held up by work queued there after the call
+    /// (through [`ordered_after_earlier_work`]): small reads and writes (one copy on the
+    /// transfer thread's side stream), 8 MiB reads through the segment ring and the lanes and an
+    /// 8 MiB write (the engine's copies), every byte checked. A fence that did not order after
+    /// the stream's earlier work leaves the complement the held copy puts there ("bytes ...
+    /// hold the copy queued before the call"), or ends while the stream is held.
+    #[test]
+    #[ignore = "needs a CUDA GPU"]
+    fn gpu_transfer_async_gates_order_after_the_work_queued_before_the_call() {
+        use crate::storage::Backend;
+        let _gates = crate::cuda::HOST_FUNCTION_GATES
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        let ctx = gpu();
+        let small = 4096 + 13;
+        let large = (8 << 20) + 13;
+        let engine = || GpuFile::options().backend(Backend::Engine);
+        let cases = [
+            ("read_async, small", AsyncCall::Read, small, engine()),
+            (
+                "read_exact_async, 8 MiB, segments",
+                AsyncCall::ReadExact,
+                large,
+                engine().pipeline(Pipeline::Segments),
+            ),
+            (
+                "read_async, 8 MiB, lanes",
+                AsyncCall::Read,
+                large,
+                engine().pipeline(Pipeline::Lanes),
+            ),
+            ("write_async, small", AsyncCall::Write, small, engine()),
+            ("write_async, 8 MiB", AsyncCall::Write, large, engine()),
+        ];
+        let mut bad = Vec::new();
+        for (events, gate) in [(false, "fence"), (true, "event fallback")] {
+            for (what, call, len, opts) in &cases {
+                let what = format!("{what}, {gate}");
+                bad.extend(ordered_after_earlier_work(
+                    &ctx,
+                    &what,
+                    *call,
+                    *len,
+                    opts.clone(),
+                    events,
+                ));
+            }
+        }
+        assert!(bad.is_empty(), "{}", bad.join("\n"));
     }
 
     /// The capture modes the capture tests below run under: relaxed (other threads' calls are

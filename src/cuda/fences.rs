@@ -1,0 +1,1077 @@
+//! Host-visible fences: where a stream's work stands at a call, marked without a CUDA call that
+//! waits while another thread of the process is in `cuMemHostUnregister`.
+//!
+//! Why: `cuMemHostUnregister` waits for all the context's work, and while it waits the driver
+//! holds other threads' `cuEventCreate`, `cuEventRecord`, `cuLaunchHostFunc`, `cuStreamCreate`
+//! and a 4 KiB `cuMemcpyHtoDAsync` from pinned memory as long (H200, driver 580,
+//! `scripts/probes/stall-calls.py`: 1.43 s each inside a 1.48 s unregister, three rounds), but
+//! not `cuStreamIsCapturing`, `cuEventQuery`, `cuStreamWaitEvent`, `cuStreamQuery`,
+//! `cuCtxGetCurrent` nor `cuStreamWriteValue32` (0.02–0.5 ms). A non-blocking transfer's call
+//! that recorded an event on its buffer's stream (its gate) therefore waited for kernels it has
+//! nothing to do with, on another thread's behalf (CONTRIBUTING.md, "What we measured",
+//! page-locking).
+//!
+//! So the gate is a fence ([`mark`]): a 32-bit flag word in page-locked host memory the device
+//! can write (`cuMemHostAlloc` with `CU_MEMHOSTALLOC_DEVICEMAP`, its device address from
+//! `cuMemHostGetDevicePointer`). At the call the word is taken from its context's pool, the host
+//! stores 0 in it, and `cuStreamWriteValue32(stream, word, ticket,
+//! CU_STREAM_WRITE_VALUE_DEFAULT)` is queued: the device writes the ticket once the work queued
+//! on the stream before the call completed, and with the default flag "a memory fence before the
+//! write, which has similar semantics to `__threadfence_system()` but is scoped to the stream"
+//! (CUDA Driver API, `CUstreamWriteValue_flags`), so what that work wrote is visible before the
+//! ticket is. The transfer thread polls the word ([`Fence::wait`]: an `Acquire` load, backing off
+//! to 1 ms, cancellable) and, about every millisecond of waiting ([`HEALTH_EVERY`]), asks
+//! `cuStreamQuery` of a stream of its own ([`healthy`]: it does not wait beside an unregister,
+//! and answers a context's sticky error), so that a fence in a broken context fails the transfer
+//! with that error instead of hanging it. Once the word reads its ticket, the caller's work
+//! before the call is complete: CUDA work the transfer queues afterwards, on any stream, follows
+//! it without waiting on the device. (CUDA warns that ordering made with stream memory
+//! operations is invisible to its scheduler, which matters to device-side waits such as
+//! `cuStreamWaitValue32`; nothing here waits on the device, the host does.)
+//!
+//! Word reuse: a ticket is never 0 and is new for each take ([`next_ticket`]), so a word reads
+//! its taker's ticket only once that taker's write landed ([`landed`]). A word is handed out
+//! again only after it read its ticket; one given back before that (a cancelled transfer, a
+//! failed context, a write that could not be queued) is parked and taken back
+//! ([`FlagPool::take`], [`FlagPool::top_up`]) only once it reads its ticket, so never if its write
+//! never lands. No page is ever freed: a pending write to it would land in freed memory. The pool
+//! holds its context (gpudirect's own object for it) and lives for the process.
+//!
+//! Bounds: a page is 4 KiB, [`WORDS`] words; the first is made ahead by [`prepare`]
+//! (`GpuFile::warm_up`) or at the context's first gated call, another only while fewer than
+//! [`LOW`] words are free (made after a transfer, off the calls' paths, or by a call that finds
+//! none free), at most [`MAX_PAGES`] per context (32 KiB). With every word in use or parked the
+//! call uses an event instead. In practice a process holds one page per GPU it transfers to.
+//!
+//! Fallback: a device or driver without stream memory operations answers the write
+//! `CUDA_ERROR_NOT_SUPPORTED` (the deprecated `CU_DEVICE_ATTRIBUTE_CAN_USE_STREAM_MEM_OPS_V1` is
+//! not asked: since CUDA 12 the driver API no longer says the operations need enabling); a
+//! device that cannot map host memory fails the first page. From then on that context's gates
+//! are pooled events recorded on the stream ([`super::events::record`]), which order the same
+//! way but may wait beside an unregister; logged at debug level. A fence or an event is how a
+//! transfer orders after its caller's work, not a path for its bytes: path reports do not change.
+
+use std::sync::atomic::{fence, AtomicBool, AtomicU32, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use cudarc::driver::{sys, CudaContext, CudaEvent, CudaStream};
+
+use super::events::{self, Events, MakeEvent, Pool};
+use crate::error::{Error, Result};
+
+/// Bytes of a page of flag words.
+pub(crate) const PAGE_BYTES: usize = 4096;
+
+/// Flag words in a page.
+pub(crate) const WORDS: usize = PAGE_BYTES / 4;
+
+/// Pages a context's pool makes at most.
+pub(crate) const MAX_PAGES: usize = 8;
+
+/// Free words below which [`FlagPool::top_up`] makes another page.
+pub(crate) const LOW: usize = 128;
+
+/// How often [`Fence::wait`] asks whether the context is still healthy while it waits.
+pub(crate) const HEALTH_EVERY: Duration = Duration::from_millis(1);
+
+/// What [`Fence::wait`] names when the health check fails.
+pub(crate) const HEALTH_OP: &str = "cuStreamQuery of the transfer thread's own stream (the \
+    context's health, asked while the transfer waited for the work queued on its buffer's stream \
+    before the call)";
+
+/// Whether a flag word that reads `read` shows that the write of `ticket` landed. Tickets are
+/// never 0, and a taken word is reset to 0 before its write is queued.
+pub(crate) fn landed(read: u32, ticket: u32) -> bool {
+    read == ticket
+}
+
+/// The ticket after `t`: the next one, never 0 (a word's value while its write is pending).
+pub(crate) fn next_ticket(t: u32) -> u32 {
+    match t.wrapping_add(1) {
+        0 => 1,
+        n => n,
+    }
+}
+
+/// A page of flag words the device can write (page-locked, device-mapped host memory; plain
+/// memory in the host tests).
+pub(crate) trait Page: Send + Sync + 'static {
+    /// Words in the page.
+    fn words(&self) -> usize;
+    /// Word `i` now (an `Acquire` load: what the device wrote before it is visible after).
+    fn load(&self, i: usize) -> u32;
+    /// Stores 0 into word `i` from the host. Only for a word on which no device write is
+    /// pending.
+    fn reset(&self, i: usize);
+    /// Word `i`'s address for the device.
+    fn device_addr(&self, i: usize) -> sys::CUdeviceptr;
+}
+
+/// How a pool makes its pages.
+pub(crate) trait MakePage: Send + Sync + 'static {
+    /// What it makes (all words 0).
+    type Page: Page;
+    /// Makes one.
+    fn make(&self) -> Result<Self::Page>;
+}
+
+/// `(page, word)` indices.
+type At = (usize, usize);
+
+struct Slots<P> {
+    /// Every page made; never dropped while the pool lives.
+    pages: Vec<Arc<P>>,
+    /// Words on which no device write is pending.
+    free: Vec<At>,
+    /// Words given back before their write landed, with their ticket.
+    parked: Vec<(At, u32)>,
+    /// Pages being made now (outside the lock).
+    making: usize,
+    /// The last ticket handed out.
+    last: u32,
+}
+
+impl<P: Page> Slots<P> {
+    /// Moves every parked word that reads its ticket back to the free words.
+    fn reclaim(&mut self) {
+        let Slots {
+            pages,
+            free,
+            parked,
+            ..
+        } = self;
+        parked.retain(|&((p, w), t)| {
+            if landed(pages[p].load(w), t) {
+                free.push((p, w));
+                false
+            } else {
+                true
+            }
+        });
+    }
+}
+
+/// Flag words made by `M`, a page at a time, each lent to one holder ([`take`](Self::take))
+/// until its write landed.
+pub(crate) struct FlagPool<M: MakePage> {
+    make: M,
+    max_pages: usize,
+    low: usize,
+    slots: Mutex<Slots<M::Page>>,
+}
+
+/// A flag word lent by a [`FlagPool`] with its ticket: the holder's alone. Dropping it gives
+/// the word back: free once it read its ticket, parked until then.
+pub(crate) struct Flag<M: MakePage> {
+    pool: Arc<FlagPool<M>>,
+    page: Arc<M::Page>,
+    at: At,
+    ticket: u32,
+}
+
+impl<M: MakePage> FlagPool<M> {
+    /// An empty pool of at most `max_pages` pages, [`top_up`](Self::top_up) making one while
+    /// fewer than `low` words are free.
+    pub(crate) fn new(make: M, max_pages: usize, low: usize) -> Arc<Self> {
+        Arc::new(FlagPool {
+            make,
+            max_pages,
+            low,
+            slots: Mutex::new(Slots {
+                pages: Vec::new(),
+                free: Vec::new(),
+                parked: Vec::new(),
+                making: 0,
+                last: 0,
+            }),
+        })
+    }
+
+    fn slots(&self) -> MutexGuard<'_, Slots<M::Page>> {
+        self.slots.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Makes a page (outside the lock) and adds its words to the free ones; `Ok(false)` when
+    /// the pool has (or is making) `max_pages` already.
+    fn grow(&self) -> Result<bool> {
+        {
+            let mut s = self.slots();
+            if s.pages.len() + s.making >= self.max_pages {
+                return Ok(false);
+            }
+            s.making += 1;
+        }
+        let made = self.make.make();
+        let mut s = self.slots();
+        s.making -= 1;
+        let page = made?;
+        let p = s.pages.len();
+        let n = page.words();
+        s.pages.push(Arc::new(page));
+        s.free.extend((0..n).rev().map(|w| (p, w)));
+        Ok(true)
+    }
+
+    /// A free word with a new ticket, reset to 0 (no write is pending on it): parked words
+    /// that landed are taken back first when none is free, then a page is made (which may wait,
+    /// see the module's docs). `Ok(None)` when every word of `max_pages` pages is lent or
+    /// parked; an error when a page could not be made.
+    pub(crate) fn take(self: &Arc<Self>) -> Result<Option<Flag<M>>> {
+        loop {
+            {
+                let mut s = self.slots();
+                if s.free.is_empty() {
+                    s.reclaim();
+                }
+                if let Some(at) = s.free.pop() {
+                    s.last = next_ticket(s.last);
+                    let ticket = s.last;
+                    let page = s.pages[at.0].clone();
+                    drop(s);
+                    page.reset(at.1);
+                    // The reset is in memory before the caller queues the device's write.
+                    fence(Ordering::SeqCst);
+                    return Ok(Some(Flag {
+                        pool: self.clone(),
+                        page,
+                        at,
+                        ticket,
+                    }));
+                }
+            }
+            if !self.grow()? {
+                return Ok(None);
+            }
+        }
+    }
+
+    /// Takes back the parked words that landed, then makes a page when fewer than `low` words
+    /// are free (and fewer than `max_pages` exist); returns how many pages it made. Call it
+    /// where nothing waits for it.
+    pub(crate) fn top_up(&self) -> Result<usize> {
+        let want = {
+            let mut s = self.slots();
+            s.reclaim();
+            s.free.len() < self.low
+        };
+        if want && self.grow()? {
+            return Ok(1);
+        }
+        Ok(0)
+    }
+
+    /// Pages made.
+    pub(crate) fn pages(&self) -> usize {
+        self.slots().pages.len()
+    }
+
+    /// Free words now.
+    #[cfg(test)]
+    pub(crate) fn free(&self) -> usize {
+        self.slots().free.len()
+    }
+
+    /// Parked words now.
+    #[cfg(test)]
+    pub(crate) fn parked(&self) -> usize {
+        self.slots().parked.len()
+    }
+
+    fn give_back(&self, at: At, ticket: u32, landed_now: bool) {
+        let mut s = self.slots();
+        if landed_now {
+            s.free.push(at);
+        } else {
+            s.parked.push((at, ticket));
+        }
+    }
+}
+
+impl<M: MakePage> Flag<M> {
+    /// The value the device's write stores.
+    pub(crate) fn ticket(&self) -> u32 {
+        self.ticket
+    }
+
+    /// The word's device address.
+    pub(crate) fn device_addr(&self) -> sys::CUdeviceptr {
+        self.page.device_addr(self.at.1)
+    }
+
+    /// True once the word reads its ticket: the write landed.
+    pub(crate) fn landed(&self) -> bool {
+        landed(self.page.load(self.at.1), self.ticket)
+    }
+}
+
+impl<M: MakePage> Drop for Flag<M> {
+    fn drop(&mut self) {
+        let now = self.landed();
+        self.pool.give_back(self.at, self.ticket, now);
+    }
+}
+
+/// Why [`wait_until`] stopped before the fence landed.
+#[derive(Debug)]
+pub(crate) enum Stop {
+    /// The waiter's control asked it to stop.
+    Cancelled,
+    /// The health check failed (its error).
+    Broken(Error),
+}
+
+/// How long [`wait_until`] spins (cheap loads) before it sleeps: a stream with nothing queued
+/// writes the ticket within microseconds.
+const SPIN: Duration = Duration::from_micros(50);
+
+/// Polls `landed` until it is true: spinning for [`SPIN`], then sleeping 20 µs, doubling to
+/// 1 ms. Stops when `cancelled` says so, and asks `health` after each `every` of waiting
+/// (never before), stopping with its error.
+pub(crate) fn wait_until(
+    mut landed: impl FnMut() -> bool,
+    mut cancelled: impl FnMut() -> bool,
+    mut health: impl FnMut() -> Result<()>,
+    every: Duration,
+) -> std::result::Result<(), Stop> {
+    let t0 = Instant::now();
+    let mut checked = t0;
+    let mut nap = Duration::from_micros(20);
+    loop {
+        if landed() {
+            return Ok(());
+        }
+        if cancelled() {
+            return Err(Stop::Cancelled);
+        }
+        if checked.elapsed() >= every {
+            health().map_err(Stop::Broken)?;
+            checked = Instant::now();
+        }
+        if t0.elapsed() < SPIN {
+            std::hint::spin_loop();
+            continue;
+        }
+        std::thread::sleep(nap);
+        nap = (nap * 2).min(Duration::from_millis(1));
+    }
+}
+
+/// A page of flag words in page-locked host memory mapped for the device of one context
+/// (`cuMemHostAlloc` with `CU_MEMHOSTALLOC_DEVICEMAP`). Never freed (see the module's docs).
+pub(crate) struct Mapped {
+    host: std::ptr::NonNull<u32>,
+    dev: sys::CUdeviceptr,
+    /// The context the memory belongs to, kept alive with it.
+    _ctx: Arc<CudaContext>,
+}
+
+// SAFETY: the page is plain host memory that lives for the process (it is never freed) and that
+// the host reaches only through atomic loads and stores ([`Page`]); CUDA's driver API may be
+// called from any thread ("The CUDA Driver API is thread-safe", CUDA Programming Guide), and the
+// device writes the words only through stream memory operations.
+unsafe impl Send for Mapped {}
+// SAFETY: as for Send: every host access is atomic.
+unsafe impl Sync for Mapped {}
+
+impl Mapped {
+    fn word(&self, i: usize) -> &AtomicU32 {
+        assert!(i < WORDS, "flag word {i} of a {WORDS}-word page");
+        // SAFETY: `host` points to PAGE_BYTES of page-aligned memory that is never freed, so
+        // word `i < WORDS` is valid and 4-byte aligned for the life of `self`; the host reaches
+        // it only through this atomic (loads and stores), the device only through
+        // `cuStreamWriteValue32` of a whole aligned word (one write the host sees whole, as
+        // any device-to-host flag relies on: the Rust memory model does not describe device
+        // writes, and an atomic load is what the host can do).
+        unsafe { AtomicU32::from_ptr(self.host.as_ptr().add(i)) }
+    }
+}
+
+impl Page for Mapped {
+    fn words(&self) -> usize {
+        WORDS
+    }
+
+    fn load(&self, i: usize) -> u32 {
+        self.word(i).load(Ordering::Acquire)
+    }
+
+    fn reset(&self, i: usize) {
+        self.word(i).store(0, Ordering::Release);
+    }
+
+    fn device_addr(&self, i: usize) -> sys::CUdeviceptr {
+        assert!(i < WORDS, "flag word {i} of a {WORDS}-word page");
+        self.dev + 4 * i as sys::CUdeviceptr
+    }
+}
+
+/// Makes [`Mapped`] pages of one context (through gpudirect's own object for it).
+pub(crate) struct MakeMapped(Arc<CudaContext>);
+
+impl MakePage for MakeMapped {
+    type Page = Mapped;
+
+    fn make(&self) -> Result<Mapped> {
+        let _restore = super::CurrentContext::save();
+        // SAFETY: the object holds its context alive.
+        let r = unsafe { super::settle::make_current(self.0.cu_ctx()) };
+        super::result::check("cuCtxSetCurrent", r)?;
+        // SAFETY: a context is current (just made so).
+        let p = unsafe { super::result::mem::host_alloc_mapped(PAGE_BYTES) }?;
+        // SAFETY: `p` was just allocated in the current context.
+        let dev = match unsafe { super::result::mem::host_device_pointer(p) } {
+            Ok(d) => d,
+            Err(e) => {
+                // SAFETY: `p` is ours, unused and freed once here.
+                if let Err(f) = unsafe { super::result::mem::free_host(p) } {
+                    tracing::debug!(%f, "gpudirect: freeing an unmappable fence page failed");
+                }
+                return Err(e);
+            }
+        };
+        let host = std::ptr::NonNull::new(p.cast::<u32>()).ok_or_else(|| {
+            Error::InvalidArgument(
+                "cuMemHostAlloc returned a null pointer (a driver bug: please report it)".into(),
+            )
+        })?;
+        // SAFETY: PAGE_BYTES of fresh host memory, ours alone (nothing was queued on it yet).
+        unsafe { std::ptr::write_bytes(host.as_ptr().cast::<u8>(), 0, PAGE_BYTES) };
+        Ok(Mapped {
+            host,
+            dev,
+            _ctx: self.0.clone(),
+        })
+    }
+}
+
+/// A context's flag words, and whether its stream memory operations work.
+pub(crate) struct Fences {
+    pool: Arc<FlagPool<MakeMapped>>,
+    /// False once the context's device or driver refused a fence: its gates are events.
+    ops: AtomicBool,
+}
+
+impl Fences {
+    /// Gates of this context are events from now on (`why`, logged).
+    fn disable(&self, why: &dyn std::fmt::Display) {
+        if self.ops.swap(false, Ordering::Relaxed) {
+            tracing::debug!(
+                %why,
+                "gpudirect: no host-visible fences in this context; non-blocking transfers order with events, which may wait while another thread unregisters host memory"
+            );
+        }
+    }
+
+    /// [`FlagPool::top_up`], a failure logged (and, with no page yet, taken as no support).
+    fn top_up(&self) {
+        if !self.ops.load(Ordering::Relaxed) {
+            return;
+        }
+        if let Err(e) = self.pool.top_up() {
+            if self.pool.pages() == 0 {
+                self.disable(&e);
+            } else {
+                tracing::debug!(%e, "gpudirect: making a fence page failed");
+            }
+        }
+    }
+}
+
+fn registry() -> MutexGuard<'static, Vec<(usize, Arc<Fences>)>> {
+    static FENCES: Mutex<Vec<(usize, Arc<Fences>)>> = Mutex::new(Vec::new());
+    FENCES.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// `ctx`'s context's fences, made (without a page) on first use.
+fn fences(ctx: &Arc<CudaContext>) -> Arc<Fences> {
+    let key = ctx.cu_ctx() as usize;
+    if let Some((_, f)) = registry().iter().find(|(k, _)| *k == key) {
+        return f.clone();
+    }
+    // Outside the registry's lock: the first use of a context may make gpudirect's own object.
+    let own = super::own_object(ctx);
+    let mut v = registry();
+    if let Some((_, f)) = v.iter().find(|(k, _)| *k == key) {
+        return f.clone();
+    }
+    let f = Arc::new(Fences {
+        pool: FlagPool::new(MakeMapped(own), MAX_PAGES, LOW),
+        ops: AtomicBool::new(true),
+    });
+    v.push((key, f.clone()));
+    f
+}
+
+/// Makes `ctx`'s first page of flag words ahead of the transfers (`GpuFile::warm_up`); a
+/// failure is logged and leaves that context's gates to events.
+pub(crate) fn prepare(ctx: &Arc<CudaContext>) {
+    fences(ctx).top_up();
+}
+
+#[cfg(test)]
+thread_local! {
+    /// Test hook: this thread's [`mark`]s are events (the fallback), as without stream memory
+    /// operations.
+    static FORCE_EVENTS: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+    /// Test hook: fences this thread's [`mark`] made.
+    static FENCED: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
+}
+
+/// Test hook: this thread's later [`mark`]s are events (`true`) or as usual.
+#[cfg(test)]
+pub(crate) fn force_events_here(on: bool) {
+    FORCE_EVENTS.with(|f| f.set(on));
+}
+
+/// Test hook: how many fences this thread's [`mark`]s made.
+#[cfg(test)]
+pub(crate) fn fenced_here() -> usize {
+    FENCED.with(|f| f.get())
+}
+
+/// A fence queued on a stream: its flag word, which reads the ticket once the work queued on
+/// the stream before it completed.
+pub(crate) struct Fence {
+    flag: Flag<MakeMapped>,
+    fences: Arc<Fences>,
+}
+
+impl Fence {
+    /// Waits on this thread until the fence landed (see [`wait_until`]), stopping when
+    /// `cancelled` says so, or when `health_on` (a stream of the fence's context that only this
+    /// thread feeds, such as a transfer thread's side stream) answers an error: [`HEALTH_OP`]
+    /// with its code, which names the cause (a kernel's illegal address, a context destroyed).
+    /// The flag stays parked then, its write maybe still to land.
+    pub(crate) fn wait(
+        &self,
+        cancelled: impl FnMut() -> bool,
+        health_on: &CudaStream,
+    ) -> std::result::Result<(), Stop> {
+        wait_until(
+            || self.flag.landed(),
+            cancelled,
+            || healthy(health_on),
+            HEALTH_EVERY,
+        )
+    }
+}
+
+/// `cuStreamQuery` of `s` (after making its context current, both through the result layer):
+/// `Ok` while it answers done or busy; otherwise [`Error::Cuda`] naming [`HEALTH_OP`] and the
+/// code (a sticky error the context hit, or anything else a stream of gpudirect's should never
+/// answer).
+pub(crate) fn healthy(s: &CudaStream) -> Result<()> {
+    // SAFETY: the stream is alive (borrowed) and holds its context alive.
+    let rc = unsafe { super::settle::query_stream(s.context().cu_ctx(), s.cu_stream()) };
+    match super::settle::stream_state(rc) {
+        super::settle::StreamState::Idle | super::settle::StreamState::Busy => Ok(()),
+        _ => Err(Error::cuda(HEALTH_OP, cudarc::driver::DriverError(rc))),
+    }
+}
+
+/// Where a stream's work stood at a call, for a host thread to wait for: a [`Fence`], or (the
+/// fallback) a pooled event recorded there.
+pub(crate) enum Mark {
+    /// A flag word the stream writes (no wait on the device is needed after it landed).
+    Fence(Fence),
+    /// A pooled event recorded on the stream.
+    Event(Events),
+}
+
+impl Mark {
+    /// The events CUDA work ordered after the mark must wait for (on the device): none after a
+    /// fence has landed, the event otherwise.
+    pub(crate) fn events(&self) -> &[CudaEvent] {
+        match self {
+            Mark::Fence(_) => &[],
+            Mark::Event(e) => e,
+        }
+    }
+
+    /// What to top up once the mark is given back (after its transfer, off the calls' paths).
+    pub(crate) fn refill(&self) -> Refill {
+        match self {
+            Mark::Fence(f) => Refill::Fences(f.fences.clone()),
+            Mark::Event(e) => Refill::Events(e.pool().clone()),
+        }
+    }
+}
+
+/// The pool a [`Mark`] came from, to top up ([`Refill::top_up`]).
+pub(crate) enum Refill {
+    /// A context's flag words.
+    Fences(Arc<Fences>),
+    /// A context's events.
+    Events(Arc<Pool<MakeEvent>>),
+}
+
+impl Refill {
+    /// Tops the pool up (a failure only logged): makes pages or events, which may wait (see
+    /// the module's docs); call it where nothing waits for it.
+    pub(crate) fn top_up(self) {
+        match self {
+            Refill::Fences(f) => f.top_up(),
+            Refill::Events(p) => {
+                if let Err(e) = p.top_up() {
+                    tracing::debug!(%e, "gpudirect: topping up the transfer events failed");
+                }
+            }
+        }
+    }
+}
+
+/// Marks where `stream`'s work stands now, for a host thread to wait for ([`Mark`]): a fence
+/// when its context supports them and has a word free, otherwise a pooled event recorded on
+/// it ([`events::record`]). The fence is one `cuStreamWriteValue32` (the context made current
+/// first, the thread's current context put back after), which does not wait while another
+/// thread unregisters host memory; only making the context's first page (when [`prepare`] did
+/// not) or a page beyond it may.
+pub(crate) fn mark(stream: &CudaStream) -> Result<Mark> {
+    #[cfg(test)]
+    if FORCE_EVENTS.with(|f| f.get()) {
+        return Ok(Mark::Event(events::record(stream)?));
+    }
+    let f = fences(stream.context());
+    if f.ops.load(Ordering::Relaxed) {
+        match f.pool.take() {
+            Ok(Some(flag)) => match write(stream, &flag)? {
+                true => {
+                    #[cfg(test)]
+                    FENCED.with(|n| n.set(n.get() + 1));
+                    return Ok(Mark::Fence(Fence { flag, fences: f }));
+                }
+                // The flag is parked (it never reads its ticket): one word lost.
+                false => f.disable(&"cuStreamWriteValue32 answered CUDA_ERROR_NOT_SUPPORTED"),
+            },
+            Ok(None) => tracing::debug!(
+                "gpudirect: every fence word of the context is in use or parked; this call orders with an event"
+            ),
+            Err(e) if f.pool.pages() == 0 => f.disable(&e),
+            Err(e) => tracing::debug!(%e, "gpudirect: making a fence page failed; this call orders with an event"),
+        }
+    }
+    Ok(Mark::Event(events::record(stream)?))
+}
+
+/// Queues `flag`'s write on `stream`: `Ok(false)` when the device or driver has no stream
+/// memory operations (nothing was queued).
+fn write(stream: &CudaStream, flag: &Flag<MakeMapped>) -> Result<bool> {
+    let _restore = super::CurrentContext::save();
+    // SAFETY: the stream holds its context alive.
+    let r = unsafe { super::settle::make_current(stream.context().cu_ctx()) };
+    super::result::check("cuCtxSetCurrent", r)?;
+    // SAFETY: the stream is alive (borrowed), of the current context; the word is 4 aligned
+    // bytes of a mapped page of that context (its pool is the stream's context's), never freed.
+    let rc = unsafe {
+        super::result::stream::write_value32(stream.cu_stream(), flag.device_addr(), flag.ticket())
+    };
+    match rc {
+        sys::CUresult::CUDA_SUCCESS => Ok(true),
+        sys::CUresult::CUDA_ERROR_NOT_SUPPORTED => Ok(false),
+        rc => Err(Error::cuda(
+            "cuStreamWriteValue32",
+            cudarc::driver::DriverError(rc),
+        )),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::AtomicUsize;
+    use std::sync::atomic::Ordering::SeqCst;
+
+    /// Words a fake device writes by address; every page's words stay reachable for the test.
+    #[derive(Default)]
+    struct FakeDevice {
+        pages: Mutex<Vec<Arc<Vec<AtomicU32>>>>,
+        made: AtomicUsize,
+        fail: AtomicBool,
+        words: usize,
+    }
+
+    /// Fake device addresses: page `p`, word `w` at `BASE + p * 2^20 + 4 w`.
+    const BASE: u64 = 0x7000_0000_0000;
+
+    impl FakeDevice {
+        fn new(words: usize) -> Self {
+            FakeDevice {
+                words,
+                ..Self::default()
+            }
+        }
+
+        /// The device's write of `value` to `addr`.
+        fn write(&self, addr: u64, value: u32) {
+            let off = addr - BASE;
+            let (p, w) = ((off >> 20) as usize, ((off & 0xf_ffff) / 4) as usize);
+            self.pages.lock().unwrap()[p][w].store(value, SeqCst);
+        }
+
+        /// The word at `addr`, as the host reads it.
+        fn read(&self, addr: u64) -> u32 {
+            let off = addr - BASE;
+            let (p, w) = ((off >> 20) as usize, ((off & 0xf_ffff) / 4) as usize);
+            self.pages.lock().unwrap()[p][w].load(SeqCst)
+        }
+    }
+
+    struct FakePage {
+        id: usize,
+        words: Arc<Vec<AtomicU32>>,
+    }
+
+    impl Page for FakePage {
+        fn words(&self) -> usize {
+            self.words.len()
+        }
+        fn load(&self, i: usize) -> u32 {
+            self.words[i].load(Ordering::Acquire)
+        }
+        fn reset(&self, i: usize) {
+            self.words[i].store(0, Ordering::Release);
+        }
+        fn device_addr(&self, i: usize) -> u64 {
+            BASE + ((self.id as u64) << 20) + 4 * i as u64
+        }
+    }
+
+    impl MakePage for Arc<FakeDevice> {
+        type Page = FakePage;
+        fn make(&self) -> Result<FakePage> {
+            if self.fail.load(SeqCst) {
+                return Err(Error::InvalidArgument("no page today".into()));
+            }
+            self.made.fetch_add(1, SeqCst);
+            let words: Arc<Vec<AtomicU32>> =
+                Arc::new((0..self.words).map(|_| AtomicU32::new(0)).collect());
+            let mut pages = self.pages.lock().unwrap();
+            let id = pages.len();
+            pages.push(words.clone());
+            Ok(FakePage { id, words })
+        }
+    }
+
+    type Fake = Arc<FakeDevice>;
+
+    fn pool(words: usize, max_pages: usize, low: usize) -> (Fake, Arc<FlagPool<Fake>>) {
+        let d = Arc::new(FakeDevice::new(words));
+        (d.clone(), FlagPool::new(d, max_pages, low))
+    }
+
+    /// Lands `f`'s write (the device wrote its ticket).
+    fn land(d: &Fake, f: &Flag<Fake>) {
+        d.write(f.device_addr(), f.ticket());
+    }
+
+    /// Takes a flag and lands its write.
+    fn take_landed(d: &Fake, p: &Arc<FlagPool<Fake>>) -> Flag<Fake> {
+        let f = p.take().unwrap().expect("a free word");
+        land(d, &f);
+        f
+    }
+
+    #[test]
+    fn tickets_are_never_zero_and_only_their_own_write_lands_them() {
+        assert_eq!(next_ticket(0), 1);
+        assert_eq!(next_ticket(41), 42);
+        assert_eq!(
+            next_ticket(u32::MAX),
+            1,
+            "the ticket after the last skips 0"
+        );
+        assert!(landed(7, 7));
+        assert!(!landed(0, 7), "a reset word is not landed");
+        assert!(!landed(6, 7), "an earlier ticket does not land a later one");
+        assert!(!landed(8, 7));
+    }
+
+    #[test]
+    fn words_lent_at_once_are_distinct_reset_and_have_new_tickets() {
+        let (d, p) = pool(8, 4, 0);
+        let flags: Vec<_> = (0..8).map(|_| p.take().unwrap().unwrap()).collect();
+        let mut addrs: Vec<u64> = flags.iter().map(|f| f.device_addr()).collect();
+        addrs.sort_unstable();
+        addrs.dedup();
+        assert_eq!(addrs.len(), 8, "a word was lent twice");
+        let mut tickets: Vec<u32> = flags.iter().map(|f| f.ticket()).collect();
+        tickets.sort_unstable();
+        tickets.dedup();
+        assert_eq!(tickets.len(), 8);
+        assert!(tickets.iter().all(|&t| t != 0));
+        assert!(flags.iter().all(|f| !f.landed()), "landed before any write");
+        assert_eq!(p.pages(), 1, "one page holds eight words");
+        // A word that landed and came back is reset when lent again, with a new ticket.
+        let f = take_landed(&d, &p);
+        assert_eq!(p.pages(), 2);
+        let (addr, t) = (f.device_addr(), f.ticket());
+        assert!(f.landed());
+        drop(f);
+        let g = p.take().unwrap().unwrap();
+        assert_eq!(g.device_addr(), addr, "the free word was not lent again");
+        assert_ne!(g.ticket(), t);
+        assert_eq!(
+            d.read(addr),
+            0,
+            "the word was not reset before its new write"
+        );
+        assert!(!g.landed(), "the earlier ticket landed the new holder");
+        drop(flags);
+    }
+
+    #[test]
+    fn a_word_that_landed_is_reused_and_nothing_new_is_made() {
+        let (d, p) = pool(4, 4, 0);
+        let first = take_landed(&d, &p).device_addr();
+        for _ in 0..20 {
+            let f = take_landed(&d, &p);
+            assert_eq!(f.device_addr(), first);
+        }
+        assert_eq!(d.made.load(SeqCst), 1);
+        assert_eq!((p.free(), p.parked()), (4, 0));
+    }
+
+    #[test]
+    fn a_word_given_back_before_its_write_landed_is_parked_until_it_lands() {
+        let (d, p) = pool(4, 1, 0);
+        let f = p.take().unwrap().unwrap();
+        let (addr, t) = (f.device_addr(), f.ticket());
+        drop(f);
+        assert_eq!((p.free(), p.parked()), (3, 1));
+        // Every other word is lent; the parked one is not, however often the rest come back.
+        for _ in 0..5 {
+            let others: Vec<_> = (0..3).map(|_| take_landed(&d, &p)).collect();
+            assert!(others.iter().all(|o| o.device_addr() != addr));
+            assert!(p.take().unwrap().is_none(), "the parked word was lent");
+            drop(others);
+        }
+        assert_eq!(p.parked(), 1);
+        // A write of another value does not free it (only its own ticket does).
+        d.write(addr, next_ticket(t));
+        let held: Vec<_> = (0..3).map(|_| take_landed(&d, &p)).collect();
+        assert!(p.take().unwrap().is_none());
+        // Its own write lands: taken back when no word is free, reset and lent with a new ticket.
+        d.write(addr, t);
+        let back = p
+            .take()
+            .unwrap()
+            .expect("the landed word was not taken back");
+        assert_eq!(back.device_addr(), addr);
+        assert_ne!(back.ticket(), t);
+        assert!(!back.landed());
+        assert_eq!(p.parked(), 0);
+        land(&d, &back);
+        drop((held, back));
+        // A top-up takes back landed parked words too.
+        let f = p.take().unwrap().unwrap();
+        let (addr, t) = (f.device_addr(), f.ticket());
+        drop(f);
+        assert_eq!(p.parked(), 1);
+        d.write(addr, t);
+        p.top_up().unwrap();
+        assert_eq!((p.free(), p.parked()), (4, 0));
+    }
+
+    #[test]
+    fn words_that_never_land_are_never_reused_and_pages_are_bounded() {
+        let (d, p) = pool(4, 2, 0);
+        for _ in 0..8 {
+            drop(p.take().unwrap().unwrap());
+        }
+        assert_eq!((p.pages(), p.parked(), p.free()), (2, 8, 0));
+        for _ in 0..3 {
+            assert!(
+                p.take().unwrap().is_none(),
+                "a word whose write may land was lent"
+            );
+            assert_eq!(p.top_up().unwrap(), 0);
+        }
+        assert_eq!(d.made.load(SeqCst), 2, "more pages than the bound");
+        assert_eq!(
+            p.pages(),
+            2,
+            "a page was dropped while writes to it may land"
+        );
+    }
+
+    #[test]
+    fn a_top_up_makes_a_page_only_below_low_and_a_failed_page_changes_nothing() {
+        let (d, p) = pool(4, 3, 3);
+        assert_eq!(p.top_up().unwrap(), 1, "an empty pool got no page");
+        assert_eq!(
+            p.top_up().unwrap(),
+            0,
+            "four free words are not below three"
+        );
+        let held: Vec<_> = (0..2).map(|_| take_landed(&d, &p)).collect();
+        assert_eq!(p.top_up().unwrap(), 1);
+        assert_eq!(p.pages(), 2);
+        d.fail.store(true, SeqCst);
+        let more: Vec<_> = (0..6).map(|_| take_landed(&d, &p)).collect();
+        assert!(p.take().is_err(), "a failed page did not fail the take");
+        assert!(p.top_up().is_err());
+        assert_eq!(p.pages(), 2);
+        d.fail.store(false, SeqCst);
+        let last = p.take().unwrap().expect("a page after the failure");
+        assert_eq!(p.pages(), 3);
+        drop((held, more, last));
+        assert_eq!((p.free(), p.parked()), (11, 1));
+    }
+
+    /// Threads take words; a fake device lands most writes, some late and some never; the
+    /// holders give their words back landed or not. No word is ever held by two at once.
+    #[test]
+    fn threads_never_hold_one_word_at_once() {
+        const THREADS: usize = 8;
+        let (d, p) = pool(16, 64, 0);
+        let in_use = Mutex::new(std::collections::HashSet::new());
+        let late: Mutex<Vec<(u64, u32)>> = Mutex::new(Vec::new());
+        let clash = AtomicUsize::new(0);
+        std::thread::scope(|s| {
+            for t in 0..THREADS {
+                let (d, p, in_use, late, clash) = (&d, &p, &in_use, &late, &clash);
+                s.spawn(move || {
+                    let mut x = t as u64 * 7919 + 1;
+                    for _ in 0..3000 {
+                        x ^= x << 13;
+                        x ^= x >> 7;
+                        x ^= x << 17;
+                        let Some(f) = p.take().unwrap() else {
+                            continue;
+                        };
+                        let addr = f.device_addr();
+                        if !in_use.lock().unwrap().insert(addr) {
+                            clash.fetch_add(1, SeqCst);
+                        }
+                        match x % 100 {
+                            0..=9 => late.lock().unwrap().push((addr, f.ticket())),
+                            10 => {} // never lands
+                            _ => d.write(addr, f.ticket()),
+                        }
+                        in_use.lock().unwrap().remove(&addr);
+                        drop(f);
+                        if x.is_multiple_of(7) {
+                            for (a, tk) in late.lock().unwrap().drain(..) {
+                                d.write(a, tk);
+                            }
+                        }
+                    }
+                });
+            }
+        });
+        assert_eq!(
+            clash.load(SeqCst),
+            0,
+            "a word was lent to two holders at once"
+        );
+        // About 240 words never land (15 pages); the rest are reused.
+        let made = d.made.load(SeqCst);
+        assert!(
+            made <= 40,
+            "{made} pages of 16 words: words were not reused"
+        );
+    }
+
+    #[test]
+    fn a_wait_ends_when_the_word_lands_without_a_health_check_on_the_fast_path() {
+        let mut polls = 0;
+        let mut checks = 0;
+        let r = wait_until(
+            || {
+                polls += 1;
+                polls >= 5
+            },
+            || false,
+            || {
+                checks += 1;
+                Ok(())
+            },
+            Duration::from_secs(3600),
+        );
+        assert!(r.is_ok(), "{r:?}");
+        assert_eq!((polls, checks), (5, 0));
+    }
+
+    #[test]
+    fn a_cancelled_wait_stops_before_the_word_lands() {
+        let mut asked = 0;
+        let r = wait_until(
+            || false,
+            || {
+                asked += 1;
+                asked >= 3
+            },
+            || Ok(()),
+            Duration::from_millis(1),
+        );
+        assert!(matches!(r, Err(Stop::Cancelled)), "{r:?}");
+    }
+
+    #[test]
+    fn a_failed_health_check_stops_the_wait_with_its_error_after_the_interval() {
+        let t0 = Instant::now();
+        let mut checks = 0;
+        let r = wait_until(
+            || false,
+            || false,
+            || {
+                checks += 1;
+                Err(Error::cuda(
+                    HEALTH_OP,
+                    cudarc::driver::DriverError(sys::CUresult::CUDA_ERROR_ILLEGAL_ADDRESS),
+                ))
+            },
+            Duration::from_millis(5),
+        );
+        assert!(
+            t0.elapsed() >= Duration::from_millis(5),
+            "checked too early"
+        );
+        assert_eq!(checks, 1);
+        match r {
+            Err(Stop::Broken(e)) => {
+                let m = e.to_string();
+                assert!(
+                    m.contains("the context's health") && m.contains("ILLEGAL_ADDRESS"),
+                    "{m}"
+                );
+            }
+            r => panic!("a failed health check gave {r:?}"),
+        }
+    }
+
+    #[test]
+    fn a_long_wait_checks_health_about_each_interval_and_goes_on_while_it_is_good() {
+        let t0 = Instant::now();
+        let mut checks = 0;
+        let r = wait_until(
+            || t0.elapsed() >= Duration::from_millis(40),
+            || false,
+            || {
+                checks += 1;
+                Ok(())
+            },
+            Duration::from_millis(2),
+        );
+        assert!(r.is_ok(), "{r:?}");
+        assert!(
+            (2..=20).contains(&checks),
+            "{checks} health checks in 40 ms at one per 2 ms of waiting"
+        );
+        // Nothing is checked before the first interval passed.
+        let t0 = Instant::now();
+        let mut checks = 0;
+        let r = wait_until(
+            || t0.elapsed() >= Duration::from_millis(10),
+            || false,
+            || {
+                checks += 1;
+                Ok(())
+            },
+            Duration::from_millis(200),
+        );
+        assert!(r.is_ok());
+        assert_eq!(checks, 0);
+    }
+}
