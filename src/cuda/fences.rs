@@ -12,8 +12,15 @@
 //! page-locking).
 //!
 //! So the gate is a fence ([`mark`]): a 32-bit flag word in page-locked host memory the device
-//! can write (`cuMemHostAlloc` with `CU_MEMHOSTALLOC_DEVICEMAP`, its device address from
-//! `cuMemHostGetDevicePointer`). At the call the word is taken from its context's pool, the host
+//! can write: a page of gpudirect's own (page-aligned, from the Rust allocator) registered with
+//! `cuMemHostRegister` and `CU_MEMHOSTREGISTER_DEVICEMAP`, its device address from
+//! `cuMemHostGetDevicePointer`. Not `cuMemHostAlloc`: the driver frees such memory when it tears
+//! the context down (its exit handlers, another library's `cuDevicePrimaryCtxReset` or
+//! `cudaDeviceReset`), and a transfer thread still polling a word would then load from unmapped
+//! memory. A page of ours is never freed nor unregistered by gpudirect; the driver's teardown
+//! drops only its registration, so the host's loads stay defined for the process's life (a
+//! word whose context was torn down simply never lands, and its wait ends through the health
+//! check). At the call the word is taken from its context's pool, the host
 //! stores 0 in it, and `cuStreamWriteValue32(stream, word, ticket,
 //! CU_STREAM_WRITE_VALUE_DEFAULT)` is queued: the device writes the ticket once the work queued
 //! on the stream before the call completed, and with the default flag "a memory fence before the
@@ -34,8 +41,8 @@
 //! again only after it read its ticket; one given back before that (a cancelled transfer, a
 //! failed context, a write that could not be queued) is parked and taken back
 //! ([`FlagPool::take`], [`FlagPool::top_up`]) only once it reads its ticket, so never if its write
-//! never lands. No page is ever freed: a pending write to it would land in freed memory. The pool
-//! holds its context (gpudirect's own object for it) and lives for the process.
+//! never lands. No page is ever freed or unregistered: a pending write to it would land in freed
+//! memory. The pool holds its context (gpudirect's own object for it) and lives for the process.
 //!
 //! Bounds: a page is 4 KiB, [`WORDS`] words; the first is made ahead by [`prepare`]
 //! (`GpuFile::warm_up`) or at the context's first gated call, another only while fewer than
@@ -357,8 +364,9 @@ pub(crate) fn wait_until(
     }
 }
 
-/// A page of flag words in page-locked host memory mapped for the device of one context
-/// (`cuMemHostAlloc` with `CU_MEMHOSTALLOC_DEVICEMAP`). Never freed (see the module's docs).
+/// A page of flag words in page-locked host memory mapped for the device of one context: a page
+/// of gpudirect's own (the Rust allocator's, page-aligned) registered with `cuMemHostRegister`
+/// and `CU_MEMHOSTREGISTER_DEVICEMAP`. Never freed nor unregistered (see the module's docs).
 pub(crate) struct Mapped {
     host: std::ptr::NonNull<u32>,
     dev: sys::CUdeviceptr,
@@ -366,7 +374,7 @@ pub(crate) struct Mapped {
     _ctx: Arc<CudaContext>,
 }
 
-// SAFETY: the page is plain host memory that lives for the process (it is never freed) and that
+// SAFETY: the page is plain host memory of ours that lives for the process (never freed) and that
 // the host reaches only through atomic loads and stores ([`Page`]); CUDA's driver API may be
 // called from any thread ("The CUDA Driver API is thread-safe", CUDA Programming Guide), and the
 // device writes the words only through stream memory operations.
@@ -377,8 +385,9 @@ unsafe impl Sync for Mapped {}
 impl Mapped {
     fn word(&self, i: usize) -> &AtomicU32 {
         assert!(i < WORDS, "flag word {i} of a {WORDS}-word page");
-        // SAFETY: `host` points to PAGE_BYTES of page-aligned memory that is never freed, so
-        // word `i < WORDS` is valid and 4-byte aligned for the life of `self`; the host reaches
+        // SAFETY: `host` points to PAGE_BYTES of page-aligned memory of the Rust allocator's that
+        // is never freed (nor is it the driver's to free: its teardown only drops the
+        // registration), so word `i < WORDS` is valid and 4-byte aligned for the process's life; the host reaches
         // it only through this atomic (loads and stores), the device only through
         // `cuStreamWriteValue32` of a whole aligned word (one write the host sees whole, as
         // any device-to-host flag relies on: the Rust memory model does not describe device
@@ -413,32 +422,31 @@ impl MakePage for MakeMapped {
     type Page = Mapped;
 
     fn make(&self) -> Result<Mapped> {
+        let layout = std::alloc::Layout::from_size_align(PAGE_BYTES, PAGE_BYTES)
+            .expect("a page's size and alignment are a valid layout");
+        // SAFETY: the layout has a non-zero size.
+        let host = std::ptr::NonNull::new(unsafe { std::alloc::alloc_zeroed(layout) }).ok_or_else(
+            || Error::InvalidArgument("no host memory for a page of fence words".into()),
+        )?;
         let _restore = super::CurrentContext::save();
         // SAFETY: the object holds its context alive.
         let r = unsafe { super::settle::make_current(self.0.cu_ctx()) };
-        super::result::check("cuCtxSetCurrent", r)?;
-        // SAFETY: a context is current (just made so).
-        let p = unsafe { super::result::mem::host_alloc_mapped(PAGE_BYTES) }?;
-        // SAFETY: `p` was just allocated in the current context.
-        let dev = match unsafe { super::result::mem::host_device_pointer(p) } {
-            Ok(d) => d,
-            Err(e) => {
-                // SAFETY: `p` is ours, unused and freed once here.
-                if let Err(f) = unsafe { super::result::mem::free_host(p) } {
-                    tracing::debug!(%f, "gpudirect: freeing an unmappable fence page failed");
-                }
-                return Err(e);
-            }
-        };
-        let host = std::ptr::NonNull::new(p.cast::<u32>()).ok_or_else(|| {
-            Error::InvalidArgument(
-                "cuMemHostAlloc returned a null pointer (a driver bug: please report it)".into(),
-            )
-        })?;
-        // SAFETY: PAGE_BYTES of fresh host memory, ours alone (nothing was queued on it yet).
-        unsafe { std::ptr::write_bytes(host.as_ptr().cast::<u8>(), 0, PAGE_BYTES) };
+        let registered = super::result::check("cuCtxSetCurrent", r).and_then(|()| {
+            // SAFETY: `host` is PAGE_BYTES of page-aligned memory of ours that is never freed
+            // once registered (below); a context is current (just made so).
+            unsafe { super::result::mem::host_register_mapped(host.as_ptr(), PAGE_BYTES) }
+        });
+        if let Err(e) = registered {
+            // SAFETY: allocated above with `layout`, not registered, never shared.
+            unsafe { std::alloc::dealloc(host.as_ptr(), layout) };
+            return Err(e);
+        }
+        // From here the page is never freed nor unregistered, also when it cannot be used (4 KiB
+        // kept): whatever the driver does with its registration, the host memory stays ours.
+        // SAFETY: `host` was just registered, mapped, in the current context.
+        let dev = unsafe { super::result::mem::host_device_pointer(host.as_ptr().cast()) }?;
         Ok(Mapped {
-            host,
+            host: host.cast(),
             dev,
             _ctx: self.0.clone(),
         })
@@ -1073,5 +1081,45 @@ mod tests {
         );
         assert!(r.is_ok());
         assert_eq!(checks, 0);
+    }
+
+    /// A page of fence words stays readable from the host after the driver tore its context
+    /// down (`cuDevicePrimaryCtxReset`, as another library's `cudaDeviceReset` or the driver's
+    /// exit handlers do), as a transfer thread still polling a word needs: the device writes a
+    /// word (`cuStreamWriteValue32`), the primary context is reset, and every word is loaded
+    /// again, the written one still holding its value. On the code before the fix (a
+    /// `cuMemHostAlloc` page, which the reset frees) the loads hit unmapped memory: the test
+    /// binary dies with SIGSEGV. Resets device 0's primary context: run it alone
+    /// (`--exact`), never beside other GPU tests.
+    #[test]
+    #[ignore = "needs a CUDA GPU"]
+    fn gpu_fence_page_stays_readable_after_the_driver_tears_its_context_down() {
+        let ctx = crate::cuda::context(0).unwrap_or_else(|e| {
+            panic!("this test needs a CUDA GPU ({e}): run it on a GPU machine, see CONTRIBUTING.md")
+        });
+        let page = MakeMapped(super::super::own_object(&ctx))
+            .make()
+            .expect("a fence page");
+        let s = ctx.new_stream().unwrap();
+        let _restore = super::super::CurrentContext::save();
+        // SAFETY: the stream's context is live.
+        let r = unsafe { super::super::settle::make_current(ctx.cu_ctx()) };
+        super::super::result::check("cuCtxSetCurrent", r).unwrap();
+        page.reset(5);
+        // SAFETY: a live stream of the current context; word 5 of a mapped page never freed.
+        let rc = unsafe {
+            super::super::result::stream::write_value32(s.cu_stream(), page.device_addr(5), 0x5eed)
+        };
+        assert_eq!(rc, sys::CUresult::CUDA_SUCCESS);
+        s.synchronize().unwrap();
+        assert_eq!(page.load(5), 0x5eed, "the device's write did not land");
+        drop(s);
+        // SAFETY: a plain driver call on a device handle cudarc got; nothing of this test uses
+        // the context afterwards but the page's host memory.
+        let rc = unsafe { sys::cuDevicePrimaryCtxReset_v2(ctx.cu_device()) };
+        assert_eq!(rc, sys::CUresult::CUDA_SUCCESS, "cuDevicePrimaryCtxReset");
+        let sum: u64 = (0..WORDS).map(|i| page.load(i) as u64).sum();
+        assert_eq!(page.load(5), 0x5eed);
+        assert_eq!(sum, 0x5eed, "words other than the written one changed");
     }
 }

@@ -620,25 +620,25 @@ pub(crate) mod mem {
         })
     }
 
-    /// `cuMemHostAlloc(bytes, CU_MEMHOSTALLOC_DEVICEMAP)`: page-locked host memory of the
-    /// current context that its device can reach ([`host_device_pointer`]); its contents are
-    /// undefined. Free it with [`free_host`].
+    /// `cuMemHostRegister_v2(ptr, len, CU_MEMHOSTREGISTER_DEVICEMAP)`: page-locks host memory
+    /// of the caller's for the current context and maps it for its device
+    /// ([`host_device_pointer`]).
     ///
     /// # Safety
-    /// A context must be current.
-    pub(crate) unsafe fn host_alloc_mapped(bytes: usize) -> Result<*mut c_void> {
-        let mut p: *mut c_void = std::ptr::null_mut();
-        // SAFETY: a context is current (the caller's contract); `p` is a valid out-pointer.
-        check("cuMemHostAlloc", unsafe {
-            sys::cuMemHostAlloc(&mut p, bytes, sys::CU_MEMHOSTALLOC_DEVICEMAP)
-        })?;
-        Ok(p)
+    /// `[ptr, ptr + len)` must be mapped host memory, page-aligned, that stays mapped for as long
+    /// as the device may write it (for the fences' pages: the process's life); a context must be
+    /// current.
+    pub(crate) unsafe fn host_register_mapped(ptr: *mut u8, len: usize) -> Result<()> {
+        // SAFETY: the caller's contract.
+        check("cuMemHostRegister", unsafe {
+            sys::cuMemHostRegister_v2(ptr.cast(), len, sys::CU_MEMHOSTREGISTER_DEVICEMAP)
+        })
     }
 
     /// `cuMemHostGetDevicePointer_v2(p, 0)`: the device's address of mapped host memory.
     ///
     /// # Safety
-    /// `p` must come from [`host_alloc_mapped`] in the current context and not be freed.
+    /// `p` must lie in memory registered by [`host_register_mapped`] in the current context.
     pub(crate) unsafe fn host_device_pointer(p: *mut c_void) -> Result<sys::CUdeviceptr> {
         let mut d: sys::CUdeviceptr = 0;
         // SAFETY: the caller's contract; `d` is a valid out-pointer; the flags must be 0.
@@ -646,16 +646,6 @@ pub(crate) mod mem {
             sys::cuMemHostGetDevicePointer_v2(&mut d, p, 0)
         })?;
         Ok(d)
-    }
-
-    /// `cuMemFreeHost`.
-    ///
-    /// # Safety
-    /// `p` must come from [`host_alloc_mapped`], be freed once, and no device work or host
-    /// code may use it any more.
-    pub(crate) unsafe fn free_host(p: *mut c_void) -> Result<()> {
-        // SAFETY: the caller's contract.
-        check("cuMemFreeHost", unsafe { sys::cuMemFreeHost(p) })
     }
 
     /// `cuMemcpyHtoDAsync_v2`.

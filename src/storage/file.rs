@@ -377,8 +377,8 @@ impl GpuFile {
     /// may wait for work pending on other streams of the device. It also makes the CUDA events
     /// the transfers order with (`cuEventCreate` waits while another thread of the process
     /// unregisters host memory) and the page of flag words the non-blocking calls' fences use
-    /// (`cuMemHostAlloc`, 4 KiB per device, kept for the process; without it the first such
-    /// call makes it), for every backend; that is all it does for files whose device reads go
+    /// (a 4 KiB page registered with `cuMemHostRegister`, one per device, kept for the process;
+    /// without it the first such call makes it), for every backend; that is all it does for files whose device reads go
     /// through cuFile. What it set up is released like any engine state
     /// ([`release_engines`](super::release_engines), or after `GPUDIRECT_ENGINE_IDLE_MS` when
     /// that is set).
