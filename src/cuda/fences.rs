@@ -45,10 +45,12 @@
 //! memory. The pool holds its context (gpudirect's own object for it) and lives for the process.
 //!
 //! Bounds: a page is 4 KiB, [`WORDS`] words; the first is made ahead by [`prepare`]
-//! (`GpuFile::warm_up`) or at the context's first gated call, another only while fewer than
-//! [`LOW`] words are free (made after a transfer, off the calls' paths, or by a call that finds
-//! none free), at most [`MAX_PAGES`] per context (32 KiB). With every word in use or parked the
-//! call uses an event instead. In practice a process holds one page per GPU it transfers to.
+//! (`GpuFile::warm_up`) or, when that was not called, by the transfer thread after the
+//! context's first gated call (which orders with the pooled event instead), another only while
+//! fewer than [`LOW`] words are free or after a call found none free (made after a transfer,
+//! off the calls' paths: a call never makes a page), at most [`MAX_PAGES`] per context
+//! (32 KiB). A call that finds no word free (no page yet, or every word in use or parked) uses
+//! an event instead. In practice a process holds one page per GPU it transfers to.
 //!
 //! Fallback: a device or driver without stream memory operations answers the write
 //! `CUDA_ERROR_NOT_SUPPORTED` (the deprecated `CU_DEVICE_ATTRIBUTE_CAN_USE_STREAM_MEM_OPS_V1` is
@@ -220,32 +222,39 @@ impl<M: MakePage> FlagPool<M> {
         Ok(true)
     }
 
-    /// A free word with a new ticket, reset to 0 (no write is pending on it): parked words
-    /// that landed are taken back first when none is free, then a page is made (which may wait,
-    /// see the module's docs). `Ok(None)` when every word of `max_pages` pages is lent or
-    /// parked; an error when a page could not be made.
+    /// A free word with a new ticket, reset to 0 (no write is pending on it), parked words that
+    /// landed taken back first when none is free. Never makes a page (so no CUDA call, nothing
+    /// that may wait): `None` when no word is free now, the pool empty included; a page is made
+    /// only by [`top_up`](Self::top_up), off the calls' paths.
+    pub(crate) fn take_ready(self: &Arc<Self>) -> Option<Flag<M>> {
+        let mut s = self.slots();
+        if s.free.is_empty() {
+            s.reclaim();
+        }
+        let at = s.free.pop()?;
+        s.last = next_ticket(s.last);
+        let ticket = s.last;
+        let page = s.pages[at.0].clone();
+        drop(s);
+        page.reset(at.1);
+        // The reset is in memory before the caller queues the device's write.
+        fence(Ordering::SeqCst);
+        Some(Flag {
+            pool: self.clone(),
+            page,
+            at,
+            ticket,
+        })
+    }
+
+    /// [`take_ready`](Self::take_ready), making a page when none is free (the host tests'
+    /// shorthand). `Ok(None)` when every word of `max_pages` pages is lent or parked; an error
+    /// when a page could not be made.
+    #[cfg(test)]
     pub(crate) fn take(self: &Arc<Self>) -> Result<Option<Flag<M>>> {
         loop {
-            {
-                let mut s = self.slots();
-                if s.free.is_empty() {
-                    s.reclaim();
-                }
-                if let Some(at) = s.free.pop() {
-                    s.last = next_ticket(s.last);
-                    let ticket = s.last;
-                    let page = s.pages[at.0].clone();
-                    drop(s);
-                    page.reset(at.1);
-                    // The reset is in memory before the caller queues the device's write.
-                    fence(Ordering::SeqCst);
-                    return Ok(Some(Flag {
-                        pool: self.clone(),
-                        page,
-                        at,
-                        ticket,
-                    }));
-                }
+            if let Some(f) = self.take_ready() {
+                return Ok(Some(f));
             }
             if !self.grow()? {
                 return Ok(None);
@@ -458,6 +467,9 @@ pub(crate) struct Fences {
     pool: Arc<FlagPool<MakeMapped>>,
     /// False once the context's device or driver refused a fence: its gates are events.
     ops: AtomicBool,
+    /// Set by a call that found no free word (no page yet, or all in use): the next top-up of
+    /// any pool, after a transfer, tops this one up too ([`top_up_wanted`]).
+    want: AtomicBool,
 }
 
 impl Fences {
@@ -506,9 +518,23 @@ fn fences(ctx: &Arc<CudaContext>) -> Arc<Fences> {
     let f = Arc::new(Fences {
         pool: FlagPool::new(MakeMapped(own), MAX_PAGES, LOW),
         ops: AtomicBool::new(true),
+        want: AtomicBool::new(false),
     });
     v.push((key, f.clone()));
     f
+}
+
+/// Tops up the pools of the contexts whose calls found no free word since ([`Fences::want`]):
+/// their first page, or another. Called after a transfer, on its transfer thread.
+fn top_up_wanted() {
+    let wanted: Vec<Arc<Fences>> = registry()
+        .iter()
+        .filter(|(_, f)| f.want.swap(false, Ordering::Relaxed))
+        .map(|(_, f)| f.clone())
+        .collect();
+    for f in wanted {
+        f.top_up();
+    }
 }
 
 /// Makes `ctx`'s first page of flag words ahead of the transfers (`GpuFile::warm_up`); a
@@ -616,7 +642,9 @@ pub(crate) enum Refill {
 
 impl Refill {
     /// Tops the pool up (a failure only logged): makes pages or events, which may wait (see
-    /// the module's docs); call it where nothing waits for it.
+    /// the module's docs), and the pages calls found missing since ([`top_up_wanted`]: a
+    /// context's first page when [`prepare`] did not make it); call it where nothing waits for
+    /// it.
     pub(crate) fn top_up(self) {
         match self {
             Refill::Fences(f) => f.top_up(),
@@ -626,6 +654,7 @@ impl Refill {
                 }
             }
         }
+        top_up_wanted();
     }
 }
 
@@ -633,8 +662,10 @@ impl Refill {
 /// when its context supports them and has a word free, otherwise a pooled event recorded on
 /// it ([`events::record`]). The fence is one `cuStreamWriteValue32` (the context made current
 /// first, the thread's current context put back after), which does not wait while another
-/// thread unregisters host memory; only making the context's first page (when [`prepare`] did
-/// not) or a page beyond it may.
+/// thread unregisters host memory. A call never makes a page ([`FlagPool::take_ready`]): one
+/// that finds no word free (the context's first call when [`prepare`] did not make its page,
+/// or every word in use) orders with the pooled event and asks for a page, which the transfer
+/// thread makes after the transfer ([`Refill::top_up`]).
 pub(crate) fn mark(stream: &CudaStream) -> Result<Mark> {
     #[cfg(test)]
     if FORCE_EVENTS.with(|f| f.get()) {
@@ -642,8 +673,8 @@ pub(crate) fn mark(stream: &CudaStream) -> Result<Mark> {
     }
     let f = fences(stream.context());
     if f.ops.load(Ordering::Relaxed) {
-        match f.pool.take() {
-            Ok(Some(flag)) => match write(stream, &flag)? {
+        match f.pool.take_ready() {
+            Some(flag) => match write(stream, &flag)? {
                 true => {
                     #[cfg(test)]
                     FENCED.with(|n| n.set(n.get() + 1));
@@ -652,11 +683,18 @@ pub(crate) fn mark(stream: &CudaStream) -> Result<Mark> {
                 // The flag is parked (it never reads its ticket): one word lost.
                 false => f.disable(&"cuStreamWriteValue32 answered CUDA_ERROR_NOT_SUPPORTED"),
             },
-            Ok(None) => tracing::debug!(
-                "gpudirect: every fence word of the context is in use or parked; this call orders with an event"
-            ),
-            Err(e) if f.pool.pages() == 0 => f.disable(&e),
-            Err(e) => tracing::debug!(%e, "gpudirect: making a fence page failed; this call orders with an event"),
+            None => {
+                f.want.store(true, Ordering::Relaxed);
+                if f.pool.pages() == 0 {
+                    tracing::debug!(
+                        "gpudirect: no fence page yet for the context (GpuFile::warm_up makes it ahead); this call orders with an event, the page is made after the transfer"
+                    );
+                } else {
+                    tracing::debug!(
+                        "gpudirect: every fence word of the context is in use or parked; this call orders with an event"
+                    );
+                }
+            }
         }
     }
     Ok(Mark::Event(events::record(stream)?))
@@ -826,6 +864,40 @@ mod tests {
         );
         assert!(!g.landed(), "the earlier ticket landed the new holder");
         drop(flags);
+    }
+
+    /// What a call takes: a free word or nothing, never a page made at the call (the first
+    /// page of a pool included, which only a top-up makes, off the calls' paths).
+    #[test]
+    fn a_calls_take_never_makes_a_page() {
+        let (d, p) = pool(4, 2, 1);
+        for _ in 0..3 {
+            assert!(p.take_ready().is_none(), "an empty pool lent a word");
+        }
+        assert_eq!(
+            (d.made.load(SeqCst), p.pages()),
+            (0, 0),
+            "a take made a page"
+        );
+        assert_eq!(p.top_up().unwrap(), 1, "the top-up made no first page");
+        let held: Vec<_> = (0..4)
+            .map(|_| {
+                p.take_ready()
+                    .expect("a word of the page made by the top-up")
+            })
+            .collect();
+        assert!(
+            p.take_ready().is_none(),
+            "a word was lent twice, or a page made"
+        );
+        assert_eq!(d.made.load(SeqCst), 1);
+        for f in &held {
+            land(&d, f);
+        }
+        drop(held);
+        // Landed words come back; still nothing made at a take.
+        assert!(p.take_ready().is_some());
+        assert_eq!(d.made.load(SeqCst), 1);
     }
 
     #[test]

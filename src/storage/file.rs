@@ -182,8 +182,9 @@ pub(super) fn elem_size<T>() -> Result<usize> {
 /// context's work, kernels on other streams included), CUDA holds the copies and event records
 /// a blocking call queues until it returns: a blocking call then takes as long, whatever
 /// gpudirect does. The non-blocking calls return at once beside it where the device has stream
-/// memory operations (after [`warm_up`](Self::warm_up), or any earlier non-blocking call, made
-/// the context's flag page).
+/// memory operations, once [`warm_up`](Self::warm_up), or the transfer of an earlier
+/// non-blocking call, made the context's flag page (a call never makes it: until it exists a
+/// call orders with the pooled event, as the fallback does).
 ///
 /// # Non-blocking transfers
 /// [`read_async`](Self::read_async), [`read_exact_async`](Self::read_exact_async),
@@ -378,7 +379,8 @@ impl GpuFile {
     /// the transfers order with (`cuEventCreate` waits while another thread of the process
     /// unregisters host memory) and the page of flag words the non-blocking calls' fences use
     /// (a 4 KiB page registered with `cuMemHostRegister`, one per device, kept for the process;
-    /// without it the first such call makes it), for every backend; that is all it does for files whose device reads go
+    /// without it the first such call orders with an event and its transfer thread makes the
+    /// page after the transfer), for every backend; that is all it does for files whose device reads go
     /// through cuFile. What it set up is released like any engine state
     /// ([`release_engines`](super::release_engines), or after `GPUDIRECT_ENGINE_IDLE_MS` when
     /// that is set).

@@ -459,8 +459,9 @@ impl<B> Shared<B> {
 /// earlier records stand, and what they cover completed before the transfer's first copy.)
 ///
 /// Where the device or driver has no stream memory operations (`cuStreamWriteValue32` answers
-/// `CUDA_ERROR_NOT_SUPPORTED`) or cannot map host memory, or while every flag word of the
-/// context is in use (1024 per 4 KiB page, at most 8 pages per device, kept for the process),
+/// `CUDA_ERROR_NOT_SUPPORTED`) or cannot map host memory, before the context's first flag page
+/// was made, or while every flag word of the context is in use (1024 per 4 KiB page, at most 8
+/// pages per device, kept for the process),
 /// the call records a pooled event on the stream instead (logged at debug level), which orders
 /// the same way. The fence or the event is how the transfer orders after its caller's work, not
 /// a path for its bytes: [`IoReport::path`] is the same either way.
@@ -469,8 +470,10 @@ impl<B> Shared<B> {
 /// context's work, and meanwhile CUDA holds other threads' `cuEventCreate`, `cuEventRecord`,
 /// `cuLaunchHostFunc`, `cuStreamCreate` and async copies until it returns (H200, driver 580:
 /// 1.43 s behind a stream held 1.5 s), but not `cuStreamWriteValue32`, `cuStreamWaitEvent` or
-/// `cuStreamIsCapturing`: so the calls return at once beside it, except a context's first call
-/// when [`GpuFile::warm_up`] did not make its flag page, and the event fallback. The transfer
+/// `cuStreamIsCapturing`: so the calls return at once beside it, except where they fall back to
+/// an event. A call never makes a flag page: a context's first call when [`GpuFile::warm_up`]
+/// did not make its page orders with the context's pooled event (as the fallback does), and
+/// its transfer thread makes the page after the transfer, for the calls after it. The transfer
 /// thread's copies wait for the unregister like any CUDA work. Blocking calls
 /// ([`GpuFile::read_to_device`] and the others, batches) queue their copies and events while
 /// their caller waits, so they return only after another thread's unregister does; no CUDA
