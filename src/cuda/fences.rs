@@ -54,10 +54,13 @@
 //!
 //! Fallback: a device or driver without stream memory operations answers the write
 //! `CUDA_ERROR_NOT_SUPPORTED` (the deprecated `CU_DEVICE_ATTRIBUTE_CAN_USE_STREAM_MEM_OPS_V1` is
-//! not asked: since CUDA 12 the driver API no longer says the operations need enabling); a
-//! device that cannot map host memory fails the first page. From then on that context's gates
-//! are pooled events recorded on the stream ([`super::events::record`]), which order the same
-//! way but may wait beside an unregister; logged at debug level. A fence or an event is how a
+//! not asked: since CUDA 12 the driver API no longer says the operations need enabling). That
+//! answer alone switches the context to events for good: from then on its gates are pooled
+//! events recorded on the stream ([`super::events::record`]), which order the same way but may
+//! wait beside an unregister; logged at debug level. Any other failure of the write ([`Write`])
+//! or of making a page (a device that cannot map host memory, memory short) falls back to the
+//! event for that call only (a word whose write failed is parked, as one whose write may still
+//! land); the next call tries a fence again, and the next top-up a page. A fence or an event is how a
 //! transfer orders after its caller's work, not a path for its bytes: path reports do not change.
 
 use std::sync::atomic::{fence, AtomicBool, AtomicU32, Ordering};
@@ -489,11 +492,8 @@ impl Fences {
             return;
         }
         if let Err(e) = self.pool.top_up() {
-            if self.pool.pages() == 0 {
-                self.disable(&e);
-            } else {
-                tracing::debug!(%e, "gpudirect: making a fence page failed");
-            }
+            // Not taken as no support: the next call that finds no word asks again.
+            tracing::debug!(%e, "gpudirect: making a fence page failed; calls order with events until one is made");
         }
     }
 }
@@ -674,14 +674,20 @@ pub(crate) fn mark(stream: &CudaStream) -> Result<Mark> {
     let f = fences(stream.context());
     if f.ops.load(Ordering::Relaxed) {
         match f.pool.take_ready() {
-            Some(flag) => match write(stream, &flag)? {
-                true => {
+            // Dropped unless queued, the flag is parked (it never reads its ticket): one word.
+            Some(flag) => match write(stream, &flag) {
+                Write::Queued => {
                     #[cfg(test)]
                     FENCED.with(|n| n.set(n.get() + 1));
                     return Ok(Mark::Fence(Fence { flag, fences: f }));
                 }
-                // The flag is parked (it never reads its ticket): one word lost.
-                false => f.disable(&"cuStreamWriteValue32 answered CUDA_ERROR_NOT_SUPPORTED"),
+                Write::Unsupported => {
+                    f.disable(&"cuStreamWriteValue32 answered CUDA_ERROR_NOT_SUPPORTED")
+                }
+                Write::Failed(e) => tracing::debug!(
+                    %e,
+                    "gpudirect: queuing a fence failed; this call orders with an event, the next tries a fence again"
+                ),
             },
             None => {
                 f.want.store(true, Ordering::Relaxed);
@@ -700,26 +706,44 @@ pub(crate) fn mark(stream: &CudaStream) -> Result<Mark> {
     Ok(Mark::Event(events::record(stream)?))
 }
 
-/// Queues `flag`'s write on `stream`: `Ok(false)` when the device or driver has no stream
-/// memory operations (nothing was queued).
-fn write(stream: &CudaStream, flag: &Flag<MakeMapped>) -> Result<bool> {
-    let _restore = super::CurrentContext::save();
-    // SAFETY: the stream holds its context alive.
-    let r = unsafe { super::settle::make_current(stream.context().cu_ctx()) };
-    super::result::check("cuCtxSetCurrent", r)?;
-    // SAFETY: the stream is alive (borrowed), of the current context; the word is 4 aligned
-    // bytes of a mapped page of that context (its pool is the stream's context's), never freed.
-    let rc = unsafe {
-        super::result::stream::write_value32(stream.cu_stream(), flag.device_addr(), flag.ticket())
-    };
+/// What became of a fence's write ([`write_outcome`]).
+#[derive(Debug)]
+pub(crate) enum Write {
+    /// Queued.
+    Queued,
+    /// The device or driver has no stream memory operations (`CUDA_ERROR_NOT_SUPPORTED`):
+    /// the context's gates are events from now on.
+    Unsupported,
+    /// Any other failure (its error): this call orders with an event, the next tries again.
+    Failed(Error),
+}
+
+/// [`Write`] for `cuStreamWriteValue32`'s answer `rc`.
+pub(crate) fn write_outcome(rc: sys::CUresult) -> Write {
     match rc {
-        sys::CUresult::CUDA_SUCCESS => Ok(true),
-        sys::CUresult::CUDA_ERROR_NOT_SUPPORTED => Ok(false),
-        rc => Err(Error::cuda(
+        sys::CUresult::CUDA_SUCCESS => Write::Queued,
+        sys::CUresult::CUDA_ERROR_NOT_SUPPORTED => Write::Unsupported,
+        rc => Write::Failed(Error::cuda(
             "cuStreamWriteValue32",
             cudarc::driver::DriverError(rc),
         )),
     }
+}
+
+/// Queues `flag`'s write on `stream` (see [`Write`]; a failure to make the context current is
+/// [`Write::Failed`]).
+fn write(stream: &CudaStream, flag: &Flag<MakeMapped>) -> Write {
+    let _restore = super::CurrentContext::save();
+    // SAFETY: the stream holds its context alive.
+    let r = unsafe { super::settle::make_current(stream.context().cu_ctx()) };
+    if let Err(e) = super::result::check("cuCtxSetCurrent", r) {
+        return Write::Failed(e);
+    }
+    // SAFETY: the stream is alive (borrowed), of the current context; the word is 4 aligned
+    // bytes of a mapped page of that context (its pool is the stream's context's), never freed.
+    write_outcome(unsafe {
+        super::result::stream::write_value32(stream.cu_stream(), flag.device_addr(), flag.ticket())
+    })
 }
 
 #[cfg(test)]
@@ -816,6 +840,34 @@ mod tests {
         let f = p.take().unwrap().expect("a free word");
         land(d, &f);
         f
+    }
+
+    /// Only `CUDA_ERROR_NOT_SUPPORTED` from the write means no stream memory operations (the
+    /// context's gates become events for good); any other failure is that call's alone, its
+    /// error kept for the log.
+    #[test]
+    fn only_not_supported_switches_a_context_to_events() {
+        use sys::CUresult as R;
+        assert!(matches!(write_outcome(R::CUDA_SUCCESS), Write::Queued));
+        assert!(matches!(
+            write_outcome(R::CUDA_ERROR_NOT_SUPPORTED),
+            Write::Unsupported
+        ));
+        for rc in [
+            R::CUDA_ERROR_INVALID_VALUE,
+            R::CUDA_ERROR_OUT_OF_MEMORY,
+            R::CUDA_ERROR_ILLEGAL_ADDRESS,
+            R::CUDA_ERROR_INVALID_HANDLE,
+            R::CUDA_ERROR_UNKNOWN,
+        ] {
+            match write_outcome(rc) {
+                Write::Failed(e) => {
+                    let m = e.to_string();
+                    assert!(m.contains("cuStreamWriteValue32"), "{m}");
+                }
+                w => panic!("{rc:?} gave {w:?}"),
+            }
+        }
     }
 
     #[test]
