@@ -67,7 +67,7 @@ use std::sync::atomic::{fence, AtomicBool, AtomicU32, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use cudarc::driver::{sys, CudaContext, CudaEvent, CudaStream};
+use cudarc::driver::{sys, CudaContext, CudaStream};
 
 use super::events::{self, Events, MakeEvent, Pool};
 use crate::error::{Error, Result};
@@ -614,15 +614,6 @@ pub(crate) enum Mark {
 }
 
 impl Mark {
-    /// The events CUDA work ordered after the mark must wait for (on the device): none after a
-    /// fence has landed, the event otherwise.
-    pub(crate) fn events(&self) -> &[CudaEvent] {
-        match self {
-            Mark::Fence(_) => &[],
-            Mark::Event(e) => e,
-        }
-    }
-
     /// What to top up once the mark is given back (after its transfer, off the calls' paths).
     pub(crate) fn refill(&self) -> Refill {
         match self {

@@ -663,16 +663,17 @@ impl GpuFile {
         let tasks = plan(file_offset, n, piece, Dir::Read, direct);
         let (dptr, _record) = view.device_ptr_mut(&on);
         ctl.same_buffer(dptr, len)?;
-        // Instead of synchronizing `stream`: an event recorded on it after device_ptr_mut made
-        // it wait for the buffer's other users (a blocking call), or the call's gate (a
-        // non-blocking one; see Ctl::order_job), waited for before the job (and, for an event,
-        // by the engine's copies).
+        // Instead of synchronizing `on`: the call's gate (a non-blocking call), then an event
+        // recorded on `on` after device_ptr_mut made it wait for the buffer's other users
+        // (either call; see Ctl::order_job), waited for before the job and by the engine's
+        // copies.
         let mut own = None;
         let after = ctl.order_job(&on, &mut own, len)?;
         // SAFETY: dptr..dptr+len is `dst`'s device memory in `ctx`, exclusively borrowed for
         // this call; every task lies within [0, n) with n <= len; no copy starts before the
-        // work pending on the buffer (`after`, or a call's fence, which order_job saw land:
-        // that work completed); Engine::run returns only after all copies completed.
+        // work pending on the buffer (`after`, recorded after the access's waits, and a call's
+        // gate, which order_job saw complete); Engine::run returns only after all copies
+        // completed.
         let mut job = unsafe { Job::new(&self.fds, tasks, piece, Target::DevRead { ctx, dptr }) }
             .with_control(ctl.engine(after));
         if let Some(p) = self.seg_params() {
@@ -815,8 +816,8 @@ impl GpuFile {
             let after = ctl.order_job(&on, &mut own, len)?;
             // SAFETY: dptr..dptr+len is `src`'s device memory in `ctx`, borrowed for this
             // call; tasks lie within [0, len); no copy starts before the buffer's pending
-            // writers (`after`, or a call's fence, which order_job saw land); Engine::run
-            // returns after all copies completed.
+            // writers (`after`, recorded after the access's waits, and a call's gate, which
+            // order_job saw complete); Engine::run returns after all copies completed.
             let job = unsafe { Job::new(&self.fds, tasks, piece, Target::DevWrite { ctx, dptr }) }
                 .with_control(ctl.engine(after));
             let out = engine.run(job, threads).map_err(Failed::into_error)?;

@@ -252,15 +252,21 @@ impl<'a> Ctl<'a> {
     /// Orders an engine job of `total` bytes, its buffer's cudarc access made on `on` (the
     /// stream [`work_stream`](Self::work_stream) gave): waits on this thread for what the job
     /// is ordered after, and returns the events the engine's copies must wait for too. For a
-    /// blocking call, an event recorded on `on` (the buffer's stream) now, after the access made
-    /// it wait for the buffer's other users, into `own`, a pooled one (given back when `own`
-    /// drops, after the job), waited for as [`wait_for`](Self::wait_for) says and returned. For
-    /// a transfer ordered at its call (check [`same_buffer`](Self::same_buffer) first), the
-    /// call's gate, waited for as [`wait_gate`](Self::wait_gate) says; then nothing for a fence
-    /// (the engine's copies are queued after it landed: the work before the call completed
-    /// and is visible to any stream, so they need no device wait; the transfer thread's access
-    /// on `on` only made that stream wait for records the call's stream had waited for before
-    /// its fence), the event for the fallback (as before the fence).
+    /// transfer ordered at its call (check [`same_buffer`](Self::same_buffer) first), the call's
+    /// gate is waited for first, as [`wait_gate`](Self::wait_gate) says (the fallback's event
+    /// is then complete: no copy needs to wait for it). Then, for either kind of call, an event
+    /// is recorded on `on` now, after the access made it wait for the buffer's other users
+    /// (cudarc's `cuStreamWaitEvent`s for the buffer as `as_dst` / `as_src` handed it to this
+    /// thread), into `own`, a pooled one (given back when `own` drops, after the job), waited
+    /// for as [`wait_for`](Self::wait_for) says and returned: the engine's copies, on streams of
+    /// their own, order after every wait that access made. For a blocking call `on` is the
+    /// buffer's stream; for a gated one it is the transfer thread's side stream, whose waits
+    /// matter where the buffer handed now is not the call's work alone: a custom
+    /// [`DeviceDst`] / [`DeviceSrc`] that allocates again at the same address on its second
+    /// call passes [`same_buffer`](Self::same_buffer), its allocation's work queued on its
+    /// stream after the call, which the gate does not cover. (The record runs on the transfer
+    /// thread, off the call; it may wait beside another thread's unregister like the
+    /// transfer's copies.)
     pub fn order_job<'g>(
         &self,
         on: &CudaStream,
@@ -270,17 +276,12 @@ impl<'a> Ctl<'a> {
     where
         'a: 'g,
     {
-        match self.gate {
-            Some(g) => {
-                self.wait_gate(g, on, total)?;
-                Ok(g.mark.events())
-            }
-            None => {
-                let after: &'g [CudaEvent] = own.insert(crate::cuda::events::record(on)?);
-                self.wait_for(after, total)?;
-                Ok(after)
-            }
+        if let Some(g) = self.gate {
+            self.wait_gate(g, on, total)?;
         }
+        let after: &'g [CudaEvent] = own.insert(crate::cuda::events::record(on)?);
+        self.wait_for(after, total)?;
+        Ok(after)
     }
 
     /// Waits on this thread, cancellably ([`Error::Cancelled`], nothing moved), for the gate of
@@ -445,7 +446,10 @@ impl<B> Shared<B> {
 /// thread polls the flag (cancellably) before the IO enters the engine or cuFile, and before a
 /// small transfer's copy or an upload; once it reads its ticket, the work before the call is
 /// complete, so the copies the transfer queues afterwards, on the engine's streams or its own,
-/// need no device-side wait. While it polls it asks about once a millisecond, through a stream
+/// need no device-side wait for it. (The engine's copies still wait for an event the transfer
+/// thread records on its own stream after cudarc's access to the buffer there: they order after
+/// that access's waits too, which matter for a buffer whose `as_dst` / `as_src` allocates again
+/// at the same address after the call.) While it polls it asks about once a millisecond, through a stream
 /// of its own, whether the context still works: a context broken meanwhile (a kernel's illegal
 /// address, say) fails the transfer with that error ([`Error::Cuda`]) instead of a wait without
 /// end. The transfer's own CUDA work on the buffer (cudarc's access, a small transfer's copy,
