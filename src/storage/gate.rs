@@ -79,6 +79,9 @@ fn other_buffer(how: &str) -> Error {
 /// `cuCtxGetCurrent`, `cuStreamWaitEvent`, `cuStreamWriteValue32`; see `crate::cuda::fences`),
 /// except where the fence falls back to an event. A stream capturing a CUDA graph is refused
 /// first ([`Error::Unsupported`]): the waits and the fence would go into the caller's graph.
+/// cudarc's access runs through [`waits_made`]: an error stored in the caller's `CudaContext`
+/// object would skip its waits silently; one stored before the call is set aside while they are
+/// made, one stored by the access fails the call ([`Error::Cuda`]), both put back.
 ///
 /// cudarc's access guard is not dropped here but forgotten ([`forget_access`]): its drop would
 /// record the buffer's cudarc event on the stream (`cuEventRecord`, which waits beside an
@@ -89,8 +92,16 @@ pub(super) fn gate_dst<D: DeviceDst + ?Sized>(dst: &mut D, call: &str) -> Result
     // Before the gate touches the stream (a wait, the fence would go into the capture).
     crate::cuda::refuse_capturing(&stream, &format!("{call}: a read into device memory"))?;
     let bytes = v.num_bytes();
-    let (ptr, record) = v.device_ptr_mut(&stream);
+    let ctx = stream.context().clone();
+    let mut got = None;
+    let waited = waits_made(
+        || ctx.check_err(),
+        |r| ctx.record_err(r),
+        || got = Some(v.device_ptr_mut(&stream)),
+    );
+    let (ptr, record) = got.expect("the access ran");
     forget_access(record);
+    waited.map_err(skipped_wait)?;
     Ok(Gate {
         mark: crate::cuda::fences::mark(&stream)?,
         on: stream_key(&stream),
@@ -104,13 +115,57 @@ pub(super) fn gate_src<S: DeviceSrc + ?Sized>(src: &S, call: &str) -> Result<Gat
     let v = src.as_src();
     let stream = v.stream().clone();
     crate::cuda::refuse_capturing(&stream, &format!("{call}: a write from device memory"))?;
-    let (ptr, record) = v.device_ptr(&stream);
+    let ctx = stream.context().clone();
+    let mut got = None;
+    let waited = waits_made(
+        || ctx.check_err(),
+        |r| ctx.record_err(r),
+        || got = Some(v.device_ptr(&stream)),
+    );
+    let (ptr, record) = got.expect("the access ran");
     forget_access(record);
+    waited.map_err(skipped_wait)?;
     Ok(Gate {
         mark: crate::cuda::fences::mark(&stream)?,
         on: stream_key(&stream),
         buf: (ptr, v.num_bytes()),
     })
+}
+
+/// Runs cudarc's access to a gated buffer (`access`: `device_ptr(_mut)`, whose
+/// `cuStreamWaitEvent`s order the buffer's stream after its users elsewhere) so that its waits
+/// are made, or the call fails. cudarc's wait first binds the context, which fails on an error
+/// stored in the caller's `CudaContext` object (cudarc's `check_err`, an error an earlier call
+/// could not return): the wait is then skipped and the error stored again, silently. So the
+/// stored error is taken out first (`take`: cudarc's `check_err`), the access made, and what it
+/// stored taken out too: an error then (a wait that failed, or one stored meanwhile by another
+/// thread, which skips waits as well) is returned, and the call fails instead of proceeding
+/// unordered. Either way the error is put back (`put`: cudarc's `record_err`; the newer one
+/// when there are two, as cudarc keeps one) so the caller still sees it. An error that was
+/// stored before the call does not fail it: the waits were made with it taken out. (Another
+/// thread of the caller's that asks the same object in that window does not see the error:
+/// cudarc's stored error is a report, not a lock.)
+pub(super) fn waits_made<E: Copy>(
+    take: impl Fn() -> std::result::Result<(), E>,
+    put: impl Fn(std::result::Result<(), E>),
+    access: impl FnOnce(),
+) -> std::result::Result<(), E> {
+    let stale = take();
+    access();
+    let now = take();
+    put(stale);
+    put(now);
+    now
+}
+
+/// The call's error when cudarc's access to its buffer stored one ([`waits_made`]).
+fn skipped_wait(e: cudarc::driver::DriverError) -> Error {
+    Error::cuda(
+        "cudarc's wait for the buffer's other users at the call (cuStreamWaitEvent, or the \
+         cuCtxSetCurrent before it; an error stored in the stream's CudaContext object skips \
+         the wait): the transfer would not be ordered after them",
+        e,
+    )
 }
 
 /// Drops cudarc's access guard of a gated buffer without its record (`std::mem::forget`: it
@@ -139,6 +194,50 @@ fn forget_access(record: cudarc::driver::SyncOnDrop<'_>) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// cudarc's access at the gate ([`waits_made`], no GPU needed: a fake stored error): an
+    /// error stored before the call is taken out while the access runs (so its waits are made,
+    /// not skipped) and put back, the call going on; an error the access stores (a failed or
+    /// skipped wait) fails the call and is put back too; with none, nothing is stored.
+    #[test]
+    fn a_stored_error_never_skips_the_gates_waits_silently() {
+        use std::cell::Cell;
+        type R = std::result::Result<(), u32>;
+        let state = Cell::new(0u32);
+        let take = || -> R {
+            match state.replace(0) {
+                0 => Ok(()),
+                e => Err(e),
+            }
+        };
+        let put = |r: R| {
+            if let Err(e) = r {
+                state.set(e);
+            }
+        };
+        // A stale error: the access sees none (its waits run), the call goes on, the error is
+        // back.
+        state.set(700);
+        let seen = Cell::new(u32::MAX);
+        assert_eq!(waits_made(take, put, || seen.set(state.get())), Ok(()));
+        assert_eq!(
+            seen.get(),
+            0,
+            "the access ran with the stale error in place"
+        );
+        assert_eq!(state.get(), 700, "the stale error was not put back");
+        // The access stores one (its wait failed): the call fails with it; it stays stored,
+        // the newer one kept.
+        assert_eq!(waits_made(take, put, || state.set(999)), Err(999));
+        assert_eq!(state.get(), 999);
+        state.set(0);
+        assert_eq!(waits_made(take, put, || state.set(4)), Err(4));
+        assert_eq!(state.get(), 4);
+        // Nothing stored: nothing changes.
+        state.set(0);
+        assert_eq!(waits_made(take, put, || {}), Ok(()));
+        assert_eq!(state.get(), 0);
+    }
 
     /// Where a call's own CUDA work on its buffer goes (no GPU needed): a blocking call's on
     /// the buffer's stream; a transfer ordered at its call on a stream of gpudirect's, never
