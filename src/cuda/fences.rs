@@ -180,6 +180,8 @@ pub(crate) struct Flag<M: MakePage> {
     page: Arc<M::Page>,
     at: At,
     ticket: u32,
+    /// Never given back ([`retire`](Self::retire)).
+    retired: bool,
 }
 
 impl<M: MakePage> FlagPool<M> {
@@ -247,6 +249,7 @@ impl<M: MakePage> FlagPool<M> {
             page,
             at,
             ticket,
+            retired: false,
         })
     }
 
@@ -324,8 +327,20 @@ impl<M: MakePage> Flag<M> {
     }
 }
 
+impl<M: MakePage> Flag<M> {
+    /// Gives the word up for good: neither free nor parked, never lent again (a word whose
+    /// write may be replayed later, from a CUDA graph that captured it, would read an old
+    /// ticket under a new holder).
+    pub(crate) fn retire(mut self) {
+        self.retired = true;
+    }
+}
+
 impl<M: MakePage> Drop for Flag<M> {
     fn drop(&mut self) {
+        if self.retired {
+            return;
+        }
         let now = self.landed();
         self.pool.give_back(self.at, self.ticket, now);
     }
@@ -653,7 +668,15 @@ impl Refill {
 /// when its context supports them and has a word free, otherwise a pooled event recorded on
 /// it ([`events::record`]). The fence is one `cuStreamWriteValue32` (the context made current
 /// first, the thread's current context put back after), which does not wait while another
-/// thread unregisters host memory. A call never makes a page ([`FlagPool::take_ready`]): one
+/// thread unregisters host memory. The stream's capture status is asked again after the write
+/// (`cuStreamIsCapturing`, which does not wait either): the caller refused a capturing stream
+/// before the gate, but another thread may have begun a capture on it since, and the write then
+/// went into that graph, whose replays would write the old ticket into the word after it was
+/// lent again. Then the word is retired for good ([`Flag::retire`]) and the call fails
+/// ([`Error::Unsupported`]). A capture begun and ended entirely between the two checks is not
+/// seen: that is the caller racing its own stream (a capture on a stream while another thread
+/// hands the same stream to a call), whose graph holds the write, and its replays may land an
+/// old ticket in a reused word. A call never makes a page ([`FlagPool::take_ready`]): one
 /// that finds no word free (the context's first call when [`prepare`] did not make its page,
 /// or every word in use) orders with the pooled event and asks for a page, which the transfer
 /// thread makes after the transfer ([`Refill::top_up`]).
@@ -668,6 +691,15 @@ pub(crate) fn mark(stream: &CudaStream) -> Result<Mark> {
             // Dropped unless queued, the flag is parked (it never reads its ticket): one word.
             Some(flag) => match write(stream, &flag) {
                 Write::Queued => {
+                    // The caller refused a capturing stream before; another thread of the
+                    // caller's may have begun one since, and then the write went into its graph.
+                    if let Err(e) = super::refuse_capturing(
+                        stream,
+                        "a non-blocking transfer's call: the stream began capturing a CUDA graph during the call (on another thread), and the call's fence went into the graph",
+                    ) {
+                        flag.retire();
+                        return Err(e);
+                    }
                     #[cfg(test)]
                     FENCED.with(|n| n.set(n.get() + 1));
                     return Ok(Mark::Fence(Fence { flag, fences: f }));
@@ -941,6 +973,29 @@ mod tests {
         // Landed words come back; still nothing made at a take.
         assert!(p.take_ready().is_some());
         assert_eq!(d.made.load(SeqCst), 1);
+    }
+
+    /// A retired word (its write captured into a graph that may replay it) is never lent
+    /// again, not even once it reads its ticket.
+    #[test]
+    fn a_retired_word_is_never_lent_again() {
+        let (d, p) = pool(2, 1, 0);
+        let f = p.take().unwrap().unwrap();
+        let (addr, t) = (f.device_addr(), f.ticket());
+        f.retire();
+        assert_eq!((p.free(), p.parked()), (1, 0), "the retired word came back");
+        d.write(addr, t);
+        for _ in 0..3 {
+            let g = take_landed(&d, &p);
+            assert_ne!(g.device_addr(), addr, "the retired word was lent again");
+            assert!(
+                p.take().unwrap().is_none(),
+                "the retired word was lent again"
+            );
+            drop(g);
+        }
+        p.top_up().unwrap();
+        assert_eq!((p.free(), p.parked()), (1, 0));
     }
 
     #[test]

@@ -487,7 +487,10 @@ impl<B> Shared<B> {
 /// there (it does not hold the transfer up), synchronize it, or capture a CUDA graph on it
 /// (`cuStreamBeginCapture`, to capture the next step while weights load, say): the graph gets
 /// nothing of the transfer, and the transfer neither fails for the capture nor waits for it to
-/// end. A stream that is capturing at the call is refused ([`Error::Unsupported`]). Any capture
+/// end. A stream that is capturing at the call is refused ([`Error::Unsupported`]), also when
+/// another thread began the capture during the call, seen after the fence was queued (its flag
+/// word is then retired, never reused); a capture begun and ended entirely inside the call, on
+/// another thread, is not seen: that is the caller racing its own stream. Any capture
 /// mode will do: while a capture in global mode (CUDA's default) lasts, CUDA refuses the calls
 /// it deems unsafe during a capture (allocations, event queries and the like, on any stream) on
 /// every other thread whose own mode is global, and the refused call invalidates the capture;
