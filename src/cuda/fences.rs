@@ -5,8 +5,10 @@
 //! holds other threads' `cuEventCreate`, `cuEventRecord`, `cuLaunchHostFunc`, `cuStreamCreate`
 //! and a 4 KiB `cuMemcpyHtoDAsync` from pinned memory as long (H200, driver 580,
 //! `scripts/probes/stall-calls.py`: 1.43 s each inside a 1.48 s unregister, three rounds), but
-//! not `cuStreamIsCapturing`, `cuEventQuery`, `cuStreamWaitEvent`, `cuStreamQuery`,
-//! `cuCtxGetCurrent` nor `cuStreamWriteValue32` (0.02–0.5 ms). A non-blocking transfer's call
+//! not `cuCtxSetCurrent` (0.01 ms, a thread binding the context beside the unregister),
+//! `cuStreamIsCapturing` (0.07–0.86 ms), `cuStreamWriteValue32` (0.10–0.26 ms),
+//! `cuStreamQuery`, `cuStreamWaitEvent`, `cuEventQuery` nor `cuCtxGetCurrent` (at most 0.07 ms)
+//! (the probe's later run, H200). A non-blocking transfer's call
 //! that recorded an event on its buffer's stream (its gate) therefore waited for kernels it has
 //! nothing to do with, on another thread's behalf (CONTRIBUTING.md, "What we measured",
 //! page-locking).

@@ -179,9 +179,10 @@ pub(super) fn elem_size<T>() -> Result<usize> {
 /// orders on no stream) a blocking call synchronizes the buffer's stream.
 ///
 /// While another thread of the process is in `cuMemHostUnregister` (which waits for all the
-/// context's work, kernels on other streams included), CUDA holds the copies and event records
-/// a blocking call queues until it returns: a blocking call then takes as long, whatever
-/// gpudirect does. The non-blocking calls return at once beside it where the device has stream
+/// context's work, kernels on other streams included), CUDA may hold the copies and event
+/// records a blocking call queues on its caller's thread until it returns (measured:
+/// `cuMemcpyHtoDAsync` and `cuEventRecord` waited ~1.43 s beside a 1.48 s unregister, H200): a
+/// blocking call may then take as long, whatever gpudirect does. The non-blocking calls return at once beside it where the device has stream
 /// memory operations, once [`warm_up`](Self::warm_up), or the transfer of an earlier
 /// non-blocking call, made the context's flag page (a call never makes it: until it exists a
 /// call orders with the pooled event, as the fallback does).

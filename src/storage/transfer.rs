@@ -473,15 +473,21 @@ impl<B> Shared<B> {
 /// Another thread's `cuMemHostUnregister` (or a free of pinned memory) waits for all the
 /// context's work, and meanwhile CUDA holds other threads' `cuEventCreate`, `cuEventRecord`,
 /// `cuLaunchHostFunc`, `cuStreamCreate` and async copies until it returns (H200, driver 580:
-/// 1.43 s behind a stream held 1.5 s), but not `cuStreamWriteValue32`, `cuStreamWaitEvent` or
-/// `cuStreamIsCapturing`: so the calls return at once beside it, except where they fall back to
+/// 1.43 s behind a stream held 1.5 s), but not `cuStreamWriteValue32` (0.10–0.26 ms),
+/// `cuStreamWaitEvent`, `cuStreamIsCapturing` (0.07–0.86 ms) or `cuCtxSetCurrent` (0.01 ms;
+/// `scripts/probes/stall-calls.py`): so the calls return at once beside it, except where they fall back to
 /// an event. A call never makes a flag page: a context's first call when [`GpuFile::warm_up`]
 /// did not make its page orders with the context's pooled event (as the fallback does), and
 /// its transfer thread makes the page after the transfer, for the calls after it. The transfer
 /// thread's copies wait for the unregister like any CUDA work. Blocking calls
-/// ([`GpuFile::read_to_device`] and the others, batches) queue their copies and events while
-/// their caller waits, so they return only after another thread's unregister does; no CUDA
-/// program can avoid that (CONTRIBUTING.md, "What we measured", page-locking).
+/// ([`GpuFile::read_to_device`] and the others, batches) queue their copies and events on the
+/// caller's thread, so they may wait for another thread's unregister: `cuMemcpyHtoDAsync` and
+/// `cuEventRecord` did, ~1.43 s beside a 1.48 s unregister (measured, H200); no CUDA program can
+/// avoid that (CONTRIBUTING.md, "What we measured", page-locking).
+///
+/// A transfer that ends without waiting for its fence (cancelled before the fence landed, or
+/// refused on its transfer thread) hands the buffer back while work queued on its stream
+/// before the call may still run.
 ///
 /// So, while a transfer is in flight, the buffer's stream is the caller's alone: queue work
 /// there (it does not hold the transfer up), synchronize it, or capture a CUDA graph on it
