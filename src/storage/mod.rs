@@ -92,8 +92,8 @@ pub use file::{read_to_gpu, DeviceDst, DeviceSrc, GpuFile, IoReport, UNSIZED_REA
 pub use options::GpuFileOptions;
 pub use transfer::{Progress, Transfer, TransferControl};
 
-/// The engine's default worker count for `device` (`None`: host memory): three quarters of
-/// the CPUs of the GPU's NUMA node this process may use, 4 to 16 (see [`config`]).
+/// The engine's default worker count for `device` (`None`: host memory): the CPUs of the
+/// GPU's NUMA node this process may use, 4 to 16 (see [`config`]).
 pub fn default_threads(device: Option<usize>) -> usize {
     engine::default_threads(device, true)
 }

@@ -100,8 +100,7 @@ impl GpuFileOptions {
         self
     }
     /// Engine worker threads for every transfer, 1 to 1024 (default: `GPUDIRECT_NTHREADS`, else
-    /// three quarters of the CPUs of the GPU's NUMA node, 4 to 16, and at least 32 for O_DIRECT
-    /// transfers).
+    /// one per CPU of the GPU's NUMA node, 4 to 16, and at least 32 for O_DIRECT transfers).
     pub fn threads(mut self, n: usize) -> Self {
         self.config.threads = Some(n);
         self

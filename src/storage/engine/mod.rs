@@ -885,27 +885,16 @@ fn device_cpus(device: Option<usize>, numa_pin: bool) -> Vec<usize> {
     }
 }
 
-/// The default worker count: three quarters of the CPUs of the GPU's NUMA node this process
-/// may use (all usable CPUs for host memory or when unknown), at least 4 and at most 16
-/// ([`threads_for_cpus`]). Page-cached reads are memory copies: a few busy workers saturate
-/// memory bandwidth and more only contend, with the copies' DMA and with the CPUs the job's
-/// other work needs (BENCHMARKS.md, "Default worker count"). 4 keeps a small machine's disk
-/// queue fed.
+/// The default worker count: the CPUs of the GPU's NUMA node this process may use (all
+/// usable CPUs for host memory or when unknown), at least 4 and at most 16. Page-cached reads
+/// are memory copies: a few busy workers saturate memory bandwidth and more only contend
+/// (BENCHMARKS.md, "Default worker count"). 4 keeps a small machine's disk queue fed.
 pub(in crate::storage) fn default_threads(device: Option<usize>, numa_pin: bool) -> usize {
     let mut n = device_cpus(device, numa_pin).len();
     if n == 0 {
         n = numa::allowed_cpus().len();
     }
-    threads_for_cpus(n)
-}
-
-/// [`default_threads`] for `n` usable CPUs: `n - n / 4`, 4 to 16. Measured on the H200
-/// machine (16 CPUs, one NUMA node), a fresh process's first 4 GiB page-cached read: 12 workers
-/// 47.2–50.3 GB/s against 33.5–41.0 for 16, interleaved, 4 each (2026-12-02); on the 32-CPU
-/// machine 16 workers beat 24 and 32 (2026-11-30): both machines keep a quarter of their CPUs
-/// free.
-pub(in crate::storage) fn threads_for_cpus(n: usize) -> usize {
-    (n - n / 4).clamp(4, 16)
+    n.clamp(4, 16)
 }
 
 /// Workers for jobs that wait on the disk (O_DIRECT) when the thread count is not set: at
@@ -2106,27 +2095,6 @@ unsafe fn query(job: &Job<'_>, ctx: sys::CUcontext, stream: sys::CUstream) -> sy
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    /// The default worker count keeps a quarter of the CPUs free, 4 to 16 workers: 16 CPUs
-    /// (the one-GPU H200 machine) get 12, 32 (the two-GPU one) 16, small machines 4.
-    #[test]
-    fn the_default_worker_count_keeps_a_quarter_of_the_cpus_free() {
-        for (cpus, want) in [
-            (0, 4),
-            (1, 4),
-            (4, 4),
-            (6, 5),
-            (8, 6),
-            (12, 9),
-            (16, 12),
-            (20, 15),
-            (24, 16),
-            (32, 16),
-            (128, 16),
-        ] {
-            assert_eq!(threads_for_cpus(cpus), want, "{cpus} CPUs");
-        }
-    }
     use cudarc::driver::DevicePtrMut;
 
     use crate::storage::testkit::{gpu, random_file};
