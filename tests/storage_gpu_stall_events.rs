@@ -25,7 +25,7 @@
 //! and `cuEventRecord` waits behind the unregister like `cuEventCreate`. The gate is now a
 //! host-visible fence (`cuStreamWriteValue32` of a flag word, which the probe saw return in
 //! 0.02–0.5 ms beside the unregister), and cudarc's access guard at the call no longer records
-//! its event; expected to pass (GPU-unverified when written).
+//! its event; it passes (H200, 2026-12-02, main `4b426d6`).
 //!
 //! Blocking calls are not tested here: they queue their copies (`cuMemcpyHtoDAsync`) and
 //! their ordering events (`cuEventRecord`) on the caller's or the engine's streams while the
