@@ -92,21 +92,7 @@ pub(super) fn gate_dst<D: DeviceDst + ?Sized>(dst: &mut D, call: &str) -> Result
     // Before the gate touches the stream (a wait, the fence would go into the capture).
     crate::cuda::refuse_capturing(&stream, &format!("{call}: a read into device memory"))?;
     let bytes = v.num_bytes();
-    let ctx = stream.context().clone();
-    let mut got = None;
-    let waited = waits_made(
-        || ctx.check_err(),
-        |r| ctx.record_err(r),
-        || got = Some(v.device_ptr_mut(&stream)),
-    );
-    let (ptr, record) = got.expect("the access ran");
-    forget_access(record);
-    waited.map_err(skipped_wait)?;
-    Ok(Gate {
-        mark: crate::cuda::fences::mark(&stream)?,
-        on: stream_key(&stream),
-        buf: (ptr, bytes),
-    })
+    gate_after(&stream, bytes, || v.device_ptr_mut(&stream))
 }
 
 /// [`gate_dst`] for a write from device memory (cudarc's `device_ptr`: the stream waits for
@@ -115,20 +101,31 @@ pub(super) fn gate_src<S: DeviceSrc + ?Sized>(src: &S, call: &str) -> Result<Gat
     let v = src.as_src();
     let stream = v.stream().clone();
     crate::cuda::refuse_capturing(&stream, &format!("{call}: a write from device memory"))?;
+    gate_after(&stream, v.num_bytes(), || v.device_ptr(&stream))
+}
+
+/// The part [`gate_dst`] and [`gate_src`] share once the capture check passed: cudarc's
+/// `access` to the `bytes`-byte buffer on `stream` ([`waits_made`], its guard forgotten,
+/// [`forget_access`]), then the fence (or the fallback's event) queued there.
+fn gate_after<'a>(
+    stream: &'a CudaStream,
+    bytes: usize,
+    access: impl FnOnce() -> (sys::CUdeviceptr, cudarc::driver::SyncOnDrop<'a>),
+) -> Result<Gate> {
     let ctx = stream.context().clone();
     let mut got = None;
     let waited = waits_made(
         || ctx.check_err(),
         |r| ctx.record_err(r),
-        || got = Some(v.device_ptr(&stream)),
+        || got = Some(access()),
     );
     let (ptr, record) = got.expect("the access ran");
     forget_access(record);
     waited.map_err(skipped_wait)?;
     Ok(Gate {
-        mark: crate::cuda::fences::mark(&stream)?,
-        on: stream_key(&stream),
-        buf: (ptr, v.num_bytes()),
+        mark: crate::cuda::fences::mark(stream)?,
+        on: stream_key(stream),
+        buf: (ptr, bytes),
     })
 }
 

@@ -1732,6 +1732,38 @@ mod tests {
     /// A host function that does nothing: the node a test puts into its own capture.
     unsafe extern "C" fn nothing(_: *mut std::ffi::c_void) {}
 
+    /// The non-blocking calls the ordering and capture tests make, each through gpudirect's
+    /// engine: small reads and writes (one copy), 8 MiB reads through the segment ring and the
+    /// lanes, an 8 MiB write.
+    fn async_engine_cases() -> [(
+        &'static str,
+        AsyncCall,
+        usize,
+        crate::storage::GpuFileOptions,
+    ); 5] {
+        use crate::storage::Backend;
+        let small = 4096 + 13;
+        let large = (8 << 20) + 13;
+        let engine = || GpuFile::options().backend(Backend::Engine);
+        [
+            ("read_async, small", AsyncCall::Read, small, engine()),
+            (
+                "read_exact_async, 8 MiB, segments",
+                AsyncCall::ReadExact,
+                large,
+                engine().pipeline(Pipeline::Segments),
+            ),
+            (
+                "read_async, 8 MiB, lanes",
+                AsyncCall::Read,
+                large,
+                engine().pipeline(Pipeline::Lanes),
+            ),
+            ("write_async, small", AsyncCall::Write, small, engine()),
+            ("write_async, 8 MiB", AsyncCall::Write, large, engine()),
+        ]
+    }
+
     /// Which `*_async` call [`beside_a_capture`] makes.
     #[derive(Debug, Clone, Copy, PartialEq, Eq)]
     enum AsyncCall {
@@ -2063,31 +2095,11 @@ mod tests {
     #[test]
     #[ignore = "needs a CUDA GPU"]
     fn gpu_transfer_async_gates_order_after_the_work_queued_before_the_call() {
-        use crate::storage::Backend;
         let _gates = crate::cuda::HOST_FUNCTION_GATES
             .lock()
             .unwrap_or_else(|p| p.into_inner());
         let ctx = gpu();
-        let small = 4096 + 13;
-        let large = (8 << 20) + 13;
-        let engine = || GpuFile::options().backend(Backend::Engine);
-        let cases = [
-            ("read_async, small", AsyncCall::Read, small, engine()),
-            (
-                "read_exact_async, 8 MiB, segments",
-                AsyncCall::ReadExact,
-                large,
-                engine().pipeline(Pipeline::Segments),
-            ),
-            (
-                "read_async, 8 MiB, lanes",
-                AsyncCall::Read,
-                large,
-                engine().pipeline(Pipeline::Lanes),
-            ),
-            ("write_async, small", AsyncCall::Write, small, engine()),
-            ("write_async, 8 MiB", AsyncCall::Write, large, engine()),
-        ];
+        let cases = async_engine_cases();
         let mut bad = Vec::new();
         for (events, gate) in [(false, "fence"), (true, "event fallback")] {
             for (what, call, len, opts) in &cases {
@@ -2142,31 +2154,11 @@ mod tests {
     #[test]
     #[ignore = "needs a CUDA GPU"]
     fn gpu_transfer_async_transfers_leave_a_capturing_stream_alone() {
-        use crate::storage::Backend;
         let _gates = crate::cuda::HOST_FUNCTION_GATES
             .lock()
             .unwrap_or_else(|p| p.into_inner());
         let ctx = gpu();
-        let small = 4096 + 13;
-        let large = (8 << 20) + 13;
-        let engine = || GpuFile::options().backend(Backend::Engine);
-        let cases = [
-            ("read_async, small", AsyncCall::Read, small, engine()),
-            (
-                "read_exact_async, 8 MiB, segments",
-                AsyncCall::ReadExact,
-                large,
-                engine().pipeline(Pipeline::Segments),
-            ),
-            (
-                "read_async, 8 MiB, lanes",
-                AsyncCall::Read,
-                large,
-                engine().pipeline(Pipeline::Lanes),
-            ),
-            ("write_async, small", AsyncCall::Write, small, engine()),
-            ("write_async, 8 MiB", AsyncCall::Write, large, engine()),
-        ];
+        let cases = async_engine_cases();
         let mut bad = Vec::new();
         for (mode, name) in CAPTURE_MODES {
             for (what, call, len, opts) in &cases {
