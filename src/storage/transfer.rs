@@ -2099,6 +2099,9 @@ mod tests {
             .lock()
             .unwrap_or_else(|p| p.into_inner());
         let ctx = gpu();
+        // The context's page of flag words, as `GpuFile::warm_up` makes it: without it a
+        // context's first non-blocking call orders with an event (no call makes a page).
+        crate::cuda::fences::prepare(&ctx);
         let cases = async_engine_cases();
         let mut bad = Vec::new();
         for (events, gate) in [(false, "fence"), (true, "event fallback")] {
