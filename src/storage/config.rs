@@ -237,10 +237,11 @@ impl Pipeline {
     }
 }
 
-/// Default segment size of [`Pipeline::Segments`] (32 MiB).
-pub const DEFAULT_SEGMENT_SIZE: usize = 32 << 20;
-/// Default number of segments in the ring of [`Pipeline::Segments`].
-pub const DEFAULT_SEGMENTS: usize = 3;
+/// Default segment size of [`Pipeline::Segments`] (16 MiB).
+pub const DEFAULT_SEGMENT_SIZE: usize = 16 << 20;
+/// Default number of segments in the ring of [`Pipeline::Segments`] (6: the ring's 96 MiB in
+/// more, smaller slots, so a slot held up by a slow read leaves more of the ring working).
+pub const DEFAULT_SEGMENTS: usize = 6;
 /// Default number of copy streams of [`Pipeline::Segments`].
 pub const DEFAULT_COPY_STREAMS: usize = 1;
 
@@ -603,7 +604,7 @@ mod tests {
         assert_eq!((d.task_size, d.bounce_size), (4 << 20, 2 << 20));
         assert_eq!(
             (d.pipeline, d.segment_size, d.segments, d.copy_streams),
-            (Pipeline::Segments, 32 << 20, 3, 1)
+            (Pipeline::Segments, 16 << 20, 6, 1)
         );
         let c = from_pairs(&[
             ("GPUDIRECT_PIPELINE", "lanes"),

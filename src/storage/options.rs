@@ -147,7 +147,7 @@ impl GpuFileOptions {
     }
     /// [`Pipeline::Segments`]: bytes per pinned segment, one host→device copy each, 1 byte to
     /// 1 GiB (rounded up to 4 KiB, then down to a multiple of the piece size, at least one
-    /// piece; default `GPUDIRECT_SEGMENT_SIZE`, else 32 MiB).
+    /// piece; default `GPUDIRECT_SEGMENT_SIZE`, else 16 MiB).
     pub fn segment_size(mut self, n: usize) -> Self {
         self.config.segment_size = n;
         self
