@@ -2660,6 +2660,95 @@ mod tests {
         std::fs::remove_dir_all(&dir).unwrap();
     }
 
+    /// Bad ranges refuse the whole batch at the first bad item (in the order added) before any
+    /// byte moves, with an `Error::InvalidArgument` saying what is wrong: two destination ranges
+    /// that overlap (the later item refused, the earlier one named; the same bytes of another
+    /// buffer are fine), a destination too small (its end past the buffer, or an offset whose
+    /// end overflows), a file offset past the largest. Every byte of both destinations is
+    /// checked untouched; the same batch without its bad item reads every byte.
+    #[test]
+    fn a_batch_with_a_bad_range_is_refused_and_moves_nothing() {
+        let dir = crate::storage::testkit::scratch("batch-bad-range");
+        std::fs::create_dir_all(&dir).unwrap();
+        let files: Vec<(PathBuf, Vec<u8>)> = (0..5)
+            .map(|k| {
+                let p = dir.join(format!("f{k}"));
+                let data = crate::storage::testkit::random(1000, 40 + k as u64);
+                std::fs::write(&p, &data).unwrap();
+                (p, data)
+            })
+            .collect();
+        let f = |k: usize| files[k].0.as_path();
+        // Three good items: file 0 into buffer 0 at 0, file 1 into buffer 0 at 2000, file 2
+        // into buffer 1 at 0 (the same offsets as file 0's, in another buffer).
+        let good: Vec<(&FsPath, u64, usize, usize, usize)> = vec![
+            (f(0), 0, 1000, 0, 0),
+            (f(1), 0, 1000, 0, 2000),
+            (f(2), 0, 1000, 1, 0),
+        ];
+        // (what, the bad item (added fourth), what the refusal says)
+        type Item<'p> = (&'p FsPath, u64, usize, usize, usize);
+        let cases: [(&str, Item<'_>, &str); 5] = [
+            (
+                "a destination range overlapping an earlier item's",
+                (f(3), 0, 1000, 0, 2500),
+                "overlaps item 1's",
+            ),
+            (
+                "a destination range ending past its buffer",
+                (f(3), 0, 1000, 1, 2500),
+                "do not fit its 3000-byte destination",
+            ),
+            (
+                "a destination offset past its buffer",
+                (f(3), 0, 1, 1, 3000),
+                "do not fit its 3000-byte destination",
+            ),
+            (
+                "a destination offset whose end overflows",
+                (f(3), 0, 10, 0, usize::MAX - 5),
+                "do not fit its 7000-byte destination",
+            ),
+            (
+                "a file offset past the largest",
+                (f(3), u64::MAX - 5, 10, 0, 5000),
+                "passes the largest file offset",
+            ),
+        ];
+        let options = || GpuFile::options().fallback(crate::path::FallbackPolicy::Allow);
+        for (what, bad, says) in cases {
+            let mut items = good.clone();
+            items.push(bad);
+            items.push((f(4), 0, 1000, 0, 6000));
+            let mut dsts = vec![vec![0xA5u8; 7000], vec![0xA5u8; 3000]];
+            match host_batch(options(), &items, &mut dsts) {
+                Err(Error::BatchRefused { index: 3, source }) => match *source {
+                    Error::InvalidArgument(ref m) => assert!(m.contains(says), "{what}: {m}"),
+                    ref e => panic!("{what}: not an InvalidArgument: {e:?}"),
+                },
+                other => panic!("{what}: {other:?}"),
+            }
+            for (b, d) in dsts.iter().enumerate() {
+                assert!(
+                    d.iter().all(|&x| x == 0xA5),
+                    "{what}: a refused batch moved bytes into buffer {b}"
+                );
+            }
+        }
+        // Without the bad item: every byte in place, every other byte untouched.
+        let mut items = good.clone();
+        items.push((f(4), 0, 1000, 0, 6000));
+        let mut dsts = vec![vec![0xA5u8; 7000], vec![0xA5u8; 3000]];
+        host_batch(options(), &items, &mut dsts).unwrap();
+        let mut want = vec![vec![0xA5u8; 7000], vec![0xA5u8; 3000]];
+        for &(p, _, len, d, at) in &items {
+            let k = files.iter().position(|(q, _)| q == p).unwrap();
+            want[d][at..at + len].copy_from_slice(&files[k].1);
+        }
+        assert!(dsts == want, "the good batch's bytes differ");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
     /// Files that change between the batch's check and the job's read fail their items only,
     /// each with an error naming the file (deleted: `open`'s NotFound; replaced by another
     /// file; replaced by a FIFO, without blocking; truncated: changed, its ctime moved), every other item
