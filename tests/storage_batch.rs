@@ -347,6 +347,134 @@ fn gpu_storage_batch_bad_input_is_refused_and_moves_nothing() {
     std::fs::remove_dir_all(&d).unwrap();
 }
 
+/// The sugar's refusals, through the paths the host seam of `storage::batch` does not take: an
+/// open file's ranges (`GpuFile::read_ranges`: past its end, overlapping, a destination too
+/// small) and `read_many` with a directory and a FIFO among its files (the file named) are
+/// refused at the bad item with its typed error, and no destination byte moves; an open file's
+/// range past an end it shrank to after it was opened is refused too. The same calls without
+/// the bad item read every byte.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gpu_storage_batch_sugar_refusals_move_nothing() {
+    let (_ctx, stream) = gpu();
+    let d = scratch("sugar-bad");
+    let p = d.join("f.bin");
+    let data = random(100_000, 61);
+    std::fs::write(&p, &data).unwrap();
+    let fifo = d.join("fifo");
+    let c = std::ffi::CString::new(fifo.to_str().unwrap()).unwrap();
+    // SAFETY: a valid NUL-terminated path.
+    assert_eq!(unsafe { libc_mkfifo(c.as_ptr(), 0o600) }, 0);
+    let len = 64 << 10;
+    let mut dst = sentinel_buf(&stream, len);
+    let untouched = |dst: &CudaSlice<u8>, what: &str| {
+        assert!(
+            stream
+                .clone_dtoh(dst)
+                .unwrap()
+                .iter()
+                .all(|&x| x == SENTINEL),
+            "{what}: a refused batch moved bytes"
+        );
+    };
+    let f = GpuFile::open(&p).unwrap();
+    let good = [(0u64, 1000usize, 0usize), (50_000, 2000, 4096)];
+    // (what, the bad range (added third), what its refusal says)
+    let cases: [(&str, (u64, usize, usize), &str); 3] = [
+        (
+            "a range past the open file's end",
+            (99_000, 1001, 8192),
+            "ends after",
+        ),
+        (
+            "a range overlapping an earlier one's destination",
+            (0, 100, 5000),
+            "overlaps item 1's",
+        ),
+        (
+            "a destination too small",
+            (0, 1000, len - 999),
+            "do not fit",
+        ),
+    ];
+    for (what, bad, says) in cases {
+        let mut ranges = good.to_vec();
+        ranges.push(bad);
+        ranges.push((1000, 1000, 20_000));
+        match f.read_ranges(&mut dst, &ranges) {
+            Err(Error::BatchRefused { index: 2, source }) => {
+                assert!(source.to_string().contains(says), "{what}: {source}")
+            }
+            other => panic!("{what}: {other:?}"),
+        }
+        untouched(&dst, what);
+    }
+    // read_many with a directory, then a FIFO, as item 1: refused naming it, without blocking.
+    for (what, bad) in [("a directory", d.as_path()), ("a FIFO", fifo.as_path())] {
+        let items = [
+            ReadItem {
+                path: &p,
+                file_offset: 0,
+                len: 1000,
+                dst_offset: 0,
+            },
+            ReadItem {
+                path: bad,
+                file_offset: 0,
+                len: 10,
+                dst_offset: 2000,
+            },
+        ];
+        match read_many(&mut dst, &items) {
+            Err(Error::BatchRefused { index: 1, source }) => {
+                let m = source.to_string();
+                assert!(
+                    m.contains(&*bad.to_string_lossy()) && m.contains("not a regular file"),
+                    "{what}: {m}"
+                );
+            }
+            other => panic!("{what}: {other:?}"),
+        }
+        untouched(&dst, what);
+    }
+    // The open file shrinks to 60_000 bytes after it was opened: a range past that end is
+    // refused, nothing moved.
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&p)
+        .unwrap()
+        .set_len(60_000)
+        .unwrap();
+    match f.read_ranges(&mut dst, &[(0, 1000, 0), (59_000, 1001, 2000)]) {
+        Err(Error::BatchRefused { index: 1, source }) => match *source {
+            Error::Io {
+                path: Some(ref at),
+                source: ref e,
+                ..
+            } if at == &p && e.kind() == std::io::ErrorKind::UnexpectedEof => {
+                assert!(e.to_string().contains("ends after 1000"), "shrunk: {e}")
+            }
+            e => panic!("shrunk: not an end of file naming the file: {e:?}"),
+        },
+        other => panic!("shrunk: {other:?}"),
+    }
+    untouched(&dst, "shrunk");
+    // The good ranges: every byte, every other byte untouched.
+    let mut ranges = good.to_vec();
+    ranges.push((1000, 1000, 20_000));
+    let r = f.read_ranges(&mut dst, &ranges).unwrap();
+    assert_eq!(r.bytes, 4000);
+    let mut want = vec![SENTINEL; len];
+    for &(off, n, at) in &ranges {
+        want[at..at + n].copy_from_slice(&data[off as usize..off as usize + n]);
+    }
+    assert!(
+        stream.clone_dtoh(&dst).unwrap() == want,
+        "the good ranges differ"
+    );
+    std::fs::remove_dir_all(&d).unwrap();
+}
+
 /// `WriteBatch`: a host header and ranges of typed device buffers into one file, one fsync;
 /// overlapping file ranges and a read-only file refused with the file untouched.
 #[test]
@@ -409,6 +537,226 @@ fn gpu_storage_batch_writes_device_and_host_sources() {
     let mut w = WriteBatch::new(&ro);
     w.write_host(b"x", 0);
     assert!(matches!(w.run(), Err(Error::BatchRefused { index: 0, .. })));
+    std::fs::remove_dir_all(&d).unwrap();
+}
+
+/// The refusal a `WriteBatch` returned: its index and its source's message, which must be an
+/// `Error::InvalidArgument`.
+fn refused_write(
+    what: &str,
+    r: gpudirect::Result<gpudirect::storage::BatchReport>,
+) -> (usize, String) {
+    match r {
+        Err(Error::BatchRefused { index, source }) => match *source {
+            Error::InvalidArgument(m) => (index, m),
+            e => panic!("{what}: refused, but not with an InvalidArgument: {e:?}"),
+        },
+        other => panic!("{what}: {other:?}"),
+    }
+}
+
+/// A `WriteBatch` of host items (no GPU needed) refuses bad input at the first bad item before
+/// any byte is written: two file ranges that overlap (the later item refused, the earlier one
+/// named; back to back is fine), a file offset past the largest, a file opened read-only (item
+/// 0, the file named). The file keeps every byte and its length; the same batch without its bad
+/// item writes every byte.
+#[test]
+fn write_batch_refusals_leave_the_file_untouched() {
+    let d = scratch("write-refused");
+    let p = d.join("w.bin");
+    let old = random(64 << 10, 21);
+    let parts: Vec<Vec<u8>> = (0..4).map(|k| random(3000 + k, 30 + k as u64)).collect();
+    let bad_item = random(500, 40);
+    // (what, the bad item's bytes and file offset (added third), what the refusal says)
+    let cases: [(&str, &[u8], u64, &str); 3] = [
+        (
+            "a file range overlapping an earlier item's",
+            &bad_item,
+            10_000 + 2999,
+            "overlaps item 1's",
+        ),
+        (
+            "a file range swallowing an earlier item's",
+            &parts[3][..],
+            4000 - 1,
+            "overlaps item 0's",
+        ),
+        (
+            "a file offset past the largest",
+            &bad_item,
+            u64::MAX - 100,
+            "passes the largest file offset",
+        ),
+    ];
+    // Two good items: at 4000 (item 0), at 10_000 (item 1).
+    fn good<'a>(w: &mut WriteBatch<'a>, parts: &'a [Vec<u8>]) {
+        w.write_host(&parts[0], 4000).write_host(&parts[1], 10_000);
+    }
+    for (what, bytes, at, says) in cases {
+        std::fs::write(&p, &old).unwrap();
+        let f = GpuFile::options().write(true).open(&p).unwrap();
+        let mut w = WriteBatch::new(&f);
+        good(&mut w, &parts);
+        w.write_host(bytes, at).write_host(&parts[2], 30_000);
+        let (index, m) = refused_write(what, w.run());
+        assert_eq!(index, 2, "{what}: {m}");
+        assert!(m.contains(says), "{what}: {m}");
+        drop(f);
+        assert!(
+            std::fs::read(&p).unwrap() == old,
+            "{what}: a refused batch wrote"
+        );
+    }
+    // A file opened read-only: refused at item 0, naming the file.
+    std::fs::write(&p, &old).unwrap();
+    let ro = GpuFile::open(&p).unwrap();
+    let mut w = WriteBatch::new(&ro);
+    good(&mut w, &parts);
+    let (index, m) = refused_write("a read-only file", w.run());
+    assert_eq!(index, 0, "{m}");
+    assert!(
+        m.contains("read-only") && m.contains(&*p.to_string_lossy()),
+        "{m}"
+    );
+    drop(ro);
+    assert!(
+        std::fs::read(&p).unwrap() == old,
+        "a read-only file was written"
+    );
+    // The good items, plus two back to back at the end (the file grows): every byte.
+    let f = GpuFile::options().write(true).open(&p).unwrap();
+    let mut w = WriteBatch::new(&f);
+    good(&mut w, &parts);
+    let end = old.len() as u64;
+    w.write_host(&parts[2], end)
+        .write_host(&parts[3], end + parts[2].len() as u64);
+    let r = w.run().unwrap();
+    assert_eq!((r.items, r.bytes), (4, parts.iter().map(Vec::len).sum()));
+    drop(f);
+    let mut want = old.clone();
+    want[4000..4000 + parts[0].len()].copy_from_slice(&parts[0]);
+    want[10_000..10_000 + parts[1].len()].copy_from_slice(&parts[1]);
+    want.extend_from_slice(&parts[2]);
+    want.extend_from_slice(&parts[3]);
+    assert!(
+        std::fs::read(&p).unwrap() == want,
+        "the good batch's file differs"
+    );
+    std::fs::remove_dir_all(&d).unwrap();
+}
+
+/// A `WriteBatch` from device memory refuses a source range outside its buffer (its end past
+/// the buffer, an offset past it, an end that overflows) and a source registered with another
+/// batch, at the item, with the file untouched (every byte); overlapping ranges of a device
+/// item and a host item too. The same batch without its bad item writes every byte.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gpu_storage_batch_write_refusals_leave_the_file_untouched() {
+    let (_ctx, stream) = gpu();
+    let d = scratch("write-refused-gpu");
+    let p = d.join("w.bin");
+    let old = random(1 << 20, 51);
+    let a_host = random(100_000, 52);
+    let b_host = random(5000, 53);
+    let a = stream.clone_htod(&a_host).unwrap();
+    let b = stream.clone_htod(&b_host).unwrap();
+    let header = random(64, 54);
+    // An unrelated batch's handle: the second source it registers is index 1, which the
+    // batch below (one source) does not have.
+    let spare = d.join("spare.bin");
+    std::fs::write(&spare, b"spare").unwrap();
+    let other = GpuFile::open(&spare).unwrap();
+    let foreign = {
+        let mut w = WriteBatch::new(&other);
+        w.source(&a);
+        w.source(&b)
+    };
+    // (what, the bad item (added third): its source (false: the foreign one), source offset,
+    // length and file offset; what the refusal says)
+    type Case = (&'static str, bool, usize, usize, u64, &'static str);
+    let cases: [Case; 5] = [
+        (
+            "a source range ending past its buffer",
+            true,
+            99_000,
+            1001,
+            300_000,
+            "are not inside its 100000-byte source",
+        ),
+        (
+            "a source offset past its buffer",
+            true,
+            100_001,
+            0,
+            300_000,
+            "are not inside its 100000-byte source",
+        ),
+        (
+            "a source range whose end overflows",
+            true,
+            usize::MAX - 3,
+            10,
+            300_000,
+            "are not inside its 100000-byte source",
+        ),
+        (
+            "a source of another batch",
+            false,
+            0,
+            10,
+            300_000,
+            "was not registered with this batch",
+        ),
+        (
+            "a device range overlapping the header",
+            true,
+            0,
+            100,
+            63,
+            "overlaps item 0's",
+        ),
+    ];
+    for (what, mine, src_off, len, at, says) in cases {
+        std::fs::write(&p, &old).unwrap();
+        let f = GpuFile::options().write(true).open(&p).unwrap();
+        let mut w = WriteBatch::new(&f);
+        let s = w.source(&a);
+        w.write_host(&header, 0).write(s, 0, 50_000, 4096);
+        w.write(if mine { s } else { foreign }, src_off, len, at);
+        w.write(s, 50_000, 50_000, 600_000);
+        let (index, m) = refused_write(what, w.run());
+        assert_eq!(index, 2, "{what}: {m}");
+        assert!(m.contains(says), "{what}: {m}");
+        drop(f);
+        assert!(
+            std::fs::read(&p).unwrap() == old,
+            "{what}: a refused batch wrote"
+        );
+    }
+    drop(other);
+    // Without the bad item: every byte.
+    std::fs::write(&p, &old).unwrap();
+    let f = GpuFile::options().write(true).open(&p).unwrap();
+    let mut w = WriteBatch::new(&f);
+    let s = w.source(&a);
+    let sb = w.source(&b);
+    w.write_host(&header, 0)
+        .write(s, 0, 50_000, 4096)
+        .write(s, 50_000, 50_000, 600_000)
+        .write(sb, 1, 4999, (1 << 20) - 10);
+    let r = w.run().unwrap();
+    assert_eq!(r.bytes, 64 + 100_000 + 4999);
+    drop(f);
+    let mut want = old.clone();
+    want[..64].copy_from_slice(&header);
+    want[4096..54_096].copy_from_slice(&a_host[..50_000]);
+    want[600_000..650_000].copy_from_slice(&a_host[50_000..]);
+    want.truncate((1 << 20) - 10);
+    want.extend_from_slice(&b_host[1..]);
+    assert!(
+        std::fs::read(&p).unwrap() == want,
+        "the good batch's file differs"
+    );
     std::fs::remove_dir_all(&d).unwrap();
 }
 
