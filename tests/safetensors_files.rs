@@ -664,3 +664,152 @@ fn an_index_naming_no_shard_is_refused() {
         assert!(st::inspect(src).is_err());
     }
 }
+
+/// Every header problem of issue 11 in a file on disk (not only in memory) is an
+/// `Error::Checkpoint` naming that file and, where one is to blame, the tensor, through
+/// `plan` (what a load checks before it touches a GPU), `inspect`, and a list of shards whose
+/// first shard is good (the bad one named, not the list's first): unknown dtype, shape × dtype
+/// ≠ byte length, offsets reversed, out of range (past the data section), overlapping, leaving
+/// a gap, a shape whose size overflows, non-UTF-8 header text, invalid JSON (syntax, and a
+/// value of the wrong type, blamed on its key).
+#[test]
+fn header_problems_on_disk_name_file_and_tensor() {
+    let d = tempfile::tempdir().unwrap();
+    let good = d.path().join("good.safetensors");
+    write(&good, &tensors(13, 4));
+    let a = r#""a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}"#;
+    // (file stem, header text (or raw bytes), data bytes, the tensor to blame, the problem)
+    type Check = fn(&Problem) -> bool;
+    type Case = (&'static str, Vec<u8>, usize, Option<&'static str>, Check);
+    let cases: Vec<Case> = vec![
+        (
+            "unknown-dtype",
+            format!(r#"{{{a},"b":{{"dtype":"F33","shape":[2],"data_offsets":[8,16]}}}}"#).into(),
+            16,
+            Some("b"),
+            |p| matches!(p, Problem::UnknownDtype(d) if d == "F33"),
+        ),
+        (
+            "size-mismatch",
+            format!(r#"{{{a},"b":{{"dtype":"BF16","shape":[3,2],"data_offsets":[8,18]}}}}"#)
+                .into(),
+            18,
+            Some("b"),
+            |p| {
+                matches!(
+                    p,
+                    Problem::SizeMismatch {
+                        expected: 12,
+                        actual: 10,
+                        ..
+                    }
+                )
+            },
+        ),
+        (
+            "reversed",
+            format!(r#"{{{a},"b":{{"dtype":"U8","shape":[0],"data_offsets":[8,4]}}}}"#).into(),
+            8,
+            Some("b"),
+            |p| matches!(p, Problem::OffsetsReversed { start: 8, end: 4 }),
+        ),
+        (
+            "out-of-range",
+            format!(r#"{{{a},"b":{{"dtype":"U8","shape":[100],"data_offsets":[8,108]}}}}"#)
+                .into(),
+            16,
+            Some("b"),
+            |p| matches!(p, Problem::Truncated { .. }),
+        ),
+        (
+            "overlap",
+            format!(r#"{{{a},"b":{{"dtype":"U8","shape":[4],"data_offsets":[6,10]}}}}"#).into(),
+            10,
+            Some("b"),
+            |p| matches!(p, Problem::Overlap { other, start: 6, end: 10 } if other == "a"),
+        ),
+        (
+            "gap",
+            format!(r#"{{{a},"b":{{"dtype":"U8","shape":[4],"data_offsets":[9,13]}}}}"#).into(),
+            13,
+            Some("b"),
+            |p| matches!(p, Problem::Gap { start: 8, end: 9 }),
+        ),
+        (
+            "shape-overflow",
+            format!(
+                r#"{{{a},"b":{{"dtype":"F64","shape":[4294967296,4294967296],"data_offsets":[8,16]}}}}"#
+            )
+            .into(),
+            16,
+            Some("b"),
+            |p| matches!(p, Problem::ShapeOverflow { .. }),
+        ),
+        (
+            "not-utf8",
+            {
+                let mut h = format!("{{{a}}}").into_bytes();
+                h[3] = 0xff;
+                h
+            },
+            8,
+            None,
+            |p| matches!(p, Problem::NotUtf8 { at: 3 }),
+        ),
+        (
+            "invalid-json",
+            format!("{{{a},").into(),
+            8,
+            None,
+            |p| matches!(p, Problem::InvalidJson(_)),
+        ),
+        (
+            "wrong-type",
+            format!(r#"{{{a},"b":{{"dtype":"U8","shape":"4","data_offsets":[8,12]}}}}"#).into(),
+            12,
+            Some("b"),
+            |p| matches!(p, Problem::InvalidJson(_)),
+        ),
+    ];
+    for (stem, header, data, tensor, check) in cases {
+        let p = d.path().join(format!("{stem}.safetensors"));
+        let mut f = (header.len() as u64).to_le_bytes().to_vec();
+        f.extend_from_slice(&header);
+        f.extend(random_bytes(data, stem.len() as u64));
+        std::fs::write(&p, &f).unwrap();
+        assert!(
+            safetensors::SafeTensors::deserialize(&f).is_err(),
+            "{stem}: the crate accepts it"
+        );
+        let tries: [(&str, Error); 3] = [
+            ("plan", LoadOptions::new().plan(&p).unwrap_err()),
+            ("inspect", st::inspect(&p).unwrap_err()),
+            (
+                "a list of shards",
+                LoadOptions::new()
+                    .plan(vec![good.clone(), p.clone()])
+                    .unwrap_err(),
+            ),
+        ];
+        for (how, e) in tries {
+            let msg = e.to_string();
+            let (file, t, pr) = problem(e);
+            assert_eq!(file, p, "{stem} ({how}): {msg}");
+            assert_eq!(t.as_deref(), tensor, "{stem} ({how}): {msg}");
+            assert!(check(&pr), "{stem} ({how}): {pr:?}");
+            assert!(msg.contains(&*p.to_string_lossy()), "{stem} ({how}): {msg}");
+            if let Some(t) = tensor {
+                assert!(
+                    msg.contains(&format!("tensor {t:?}")),
+                    "{stem} ({how}): {msg}"
+                );
+            }
+        }
+    }
+}
+
+fn random_bytes(n: usize, seed: u64) -> Vec<u8> {
+    let mut v = vec![0u8; n];
+    rand::rngs::StdRng::seed_from_u64(seed).fill_bytes(&mut v);
+    v
+}
