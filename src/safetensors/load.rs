@@ -1926,6 +1926,57 @@ mod tests {
         assert_eq!(files.len(), 1);
     }
 
+    /// A shard truncated between reading its header and opening it for its tensors is refused
+    /// as changed, naming the file and both lengths; one deleted in between is an `Error::Io`
+    /// of its open naming it (NotFound); no file is handed to the reads either way.
+    #[test]
+    fn a_file_truncated_or_deleted_between_header_and_open_is_refused() {
+        let d = tempfile::tempdir().unwrap();
+        let path = d.path().join("m.safetensors");
+        let old = two_tensor_file("a", "b", 3);
+        let opts = LoadOptions::new();
+        let src = Source::from(&path);
+        std::fs::write(&path, &old).unwrap();
+        let s = select(&opts, &src).unwrap();
+        std::fs::OpenOptions::new()
+            .write(true)
+            .open(&path)
+            .unwrap()
+            .set_len(old.len() as u64 - 1)
+            .unwrap();
+        match open_files(&opts, &s.shards, &[true]) {
+            Err(Error::Checkpoint {
+                file,
+                tensor: None,
+                problem: Problem::ChangedWhileLoading { was, now },
+            }) => {
+                assert_eq!(file, path);
+                assert_eq!((was, now), (old.len() as u64, old.len() as u64 - 1));
+            }
+            Ok(_) => panic!("the truncated file was opened as the header's"),
+            Err(e) => panic!("truncated: {e}"),
+        }
+        std::fs::write(&path, &old).unwrap();
+        let s = select(&opts, &src).unwrap();
+        std::fs::remove_file(&path).unwrap();
+        match open_files(&opts, &s.shards, &[true]) {
+            Err(Error::Io {
+                op,
+                path: Some(p),
+                source,
+            }) => {
+                assert_eq!(p, path, "{op}: {source}");
+                assert_eq!(
+                    source.kind(),
+                    std::io::ErrorKind::NotFound,
+                    "{op}: {source}"
+                );
+            }
+            Ok(_) => panic!("a deleted file opened"),
+            Err(e) => panic!("deleted: {e}"),
+        }
+    }
+
     const SPAWN_CHILD: &str = "GPUDIRECT_TEST_SPAWN_CHILD";
 
     fn outcome<T>(r: Result<T>) -> String {
