@@ -505,3 +505,41 @@ fn multi_gpu_fanout_placed_pieces_are_exact() {
         assert_eq!(ck.contains("model.layers.0.w"), k == n - 1);
     }
 }
+
+/// A checkpoint larger than any GPU (1 TiB claimed by a sparse file) replicated onto every GPU
+/// is refused before any allocation or read with `Problem::NotEnoughDeviceMemory`, naming the
+/// file and a GPU of the load (the first one asked, GPU 0's stream); no partial
+/// `MultiCheckpoint` is returned.
+#[test]
+#[ignore = "needs 2 CUDA GPUs"]
+fn multi_gpu_fanout_not_enough_device_memory_is_refused() {
+    let _g = serial();
+    let streams = gpu_streams();
+    let d = scratch("huge");
+    let h = r#"{"huge":{"dtype":"U8","shape":[1099511627776],"data_offsets":[0,1099511627776]}}"#;
+    let p = d.join("huge.safetensors");
+    let mut f = std::fs::File::create(&p).unwrap();
+    std::io::Write::write_all(&mut f, &(h.len() as u64).to_le_bytes()).unwrap();
+    std::io::Write::write_all(&mut f, h.as_bytes()).unwrap();
+    f.set_len(8 + h.len() as u64 + (1u64 << 40)).unwrap();
+    drop(f);
+    match st::load_replicated(&p, &streams) {
+        Err(Error::Checkpoint {
+            file,
+            problem:
+                Problem::NotEnoughDeviceMemory {
+                    device,
+                    needed,
+                    free,
+                },
+            ..
+        }) => {
+            assert_eq!(file, p);
+            assert_eq!(device, streams[0].context().ordinal());
+            assert!(needed >= 1 << 40 && free < needed, "{needed} {free}");
+        }
+        Err(e) => panic!("not NotEnoughDeviceMemory: {e}"),
+        Ok(_) => panic!("a 1 TiB checkpoint loaded"),
+    }
+    std::fs::remove_dir_all(&d).unwrap();
+}
