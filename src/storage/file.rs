@@ -195,7 +195,10 @@ pub(super) fn elem_size<T>() -> Result<usize> {
 /// and cancellation. A device transfer touches its buffer's stream only during the call (it
 /// queues its fence there): afterwards the caller may queue work on that stream, synchronize
 /// it or capture a CUDA graph on it while the transfer runs (see
-/// [Stream order](super::Transfer#stream-order)).
+/// [Stream order](super::Transfer#stream-order)). A buffer on cudarc's per-thread stream
+/// (`CudaContext::per_thread_stream`), whose handle names another stream on each thread, is
+/// refused by the non-blocking calls ([`Error::Unsupported`]: their transfer threads are not
+/// the caller's); the blocking calls, whose CUDA work runs on the calling thread, take it.
 ///
 /// # End of file
 /// A read stops at end of file and reports the bytes it moved ([`IoReport::bytes`]); bytes of

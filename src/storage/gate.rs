@@ -25,9 +25,52 @@ pub(super) struct Gate {
     pub(super) buf: (sys::CUdeviceptr, usize),
 }
 
-/// `(context, stream)` handles of `s`, as addresses.
+/// `(context, stream)` handles of `s`, as addresses. One key is one stream on every thread:
+/// the per-thread stream's handle, which names another stream on each thread, never gets here
+/// (the call refuses it first, [`refuse_per_thread`]).
 pub(super) fn stream_key(s: &CudaStream) -> (usize, usize) {
     (s.context().cu_ctx() as usize, s.cu_stream() as usize)
+}
+
+/// The handle of cudarc's per-thread stream (`CudaContext::per_thread_stream`: CUDA's
+/// `CU_STREAM_PER_THREAD`), as an address.
+const PER_THREAD_STREAM: usize = 0x2;
+
+/// Refuses, at a non-blocking call (`what` names it and what it does), a buffer whose stream
+/// handle (`stream`, as an address) is the per-thread stream's ([`Error::Unsupported`], saying
+/// what to use instead). That handle names a different stream on every thread: the gate's
+/// waits and fence would go on the calling thread's per-thread stream, not the one the
+/// buffer's pending work may have been queued on from another thread (which then still runs
+/// when the transfer thread reads or writes the buffer), and a buffer dropped on the transfer
+/// thread (a transfer dropped or cancelled before its fence landed) is freed by cudarc's
+/// `CudaSlice::drop` with `cuMemFreeAsync` on the transfer thread's per-thread stream, not
+/// after the caller's work on it: a use after free on the device. Checked before anything is
+/// queued. The legacy default stream (the null handle, cudarc's `default_stream`, and
+/// `CU_STREAM_LEGACY`) is one stream on every thread, and is not refused. The blocking calls
+/// take a per-thread stream: they do their CUDA work on the calling thread (as cudarc's own
+/// calls do), where the handle names the caller's stream, and they only borrow the buffer.
+pub(super) fn refuse_per_thread(stream: usize, what: &str) -> Result<()> {
+    if stream != PER_THREAD_STREAM {
+        return Ok(());
+    }
+    Err(Error::Unsupported {
+        what: format!(
+            "{what} on the per-thread stream (CudaContext::per_thread_stream, CU_STREAM_PER_THREAD)"
+        ),
+        cause: crate::Cause::Other {
+            message: "the per-thread stream's handle names another stream on every thread: the \
+                      transfer thread, which moves the bytes (and drops the buffer, with \
+                      cuMemFreeAsync on its own per-thread stream, when the transfer is dropped \
+                      early), would not be ordered after the work queued on the buffer from the \
+                      caller's thread"
+                .into(),
+            fix: "put the buffer on a stream that is the same on every thread (CudaContext::\
+                  new_stream, or CudaContext::default_stream), or use the blocking call \
+                  (read_to_device, read_exact_to_device, write_from_device), which runs on the \
+                  calling thread"
+                .into(),
+        },
+    })
 }
 
 /// Where a call's own CUDA work on its buffer goes ([`Ctl::work_stream`]).
@@ -78,7 +121,8 @@ fn other_buffer(how: &str) -> Error {
 /// while another thread of the process unregisters host memory (`cuStreamIsCapturing`,
 /// `cuCtxGetCurrent`, `cuStreamWaitEvent`, `cuStreamWriteValue32`; see `crate::cuda::fences`),
 /// except where the fence falls back to an event. A stream capturing a CUDA graph is refused
-/// first ([`Error::Unsupported`]): the waits and the fence would go into the caller's graph.
+/// first ([`Error::Unsupported`]): the waits and the fence would go into the caller's graph;
+/// so is a buffer on the per-thread stream, before that ([`refuse_per_thread`]).
 /// cudarc's access runs through [`waits_made`]: an error stored in the caller's `CudaContext`
 /// object would skip its waits silently; one stored before the call is set aside while they are
 /// made, one stored by the access fails the call ([`Error::Cuda`]), both put back.
@@ -89,8 +133,11 @@ fn other_buffer(how: &str) -> Error {
 pub(super) fn gate_dst<D: DeviceDst + ?Sized>(dst: &mut D, call: &str) -> Result<Gate> {
     let mut v = dst.as_dst();
     let stream = v.stream().clone();
+    let what = format!("{call}: a read into device memory");
+    // Before the gate touches the stream (a query, a wait, the fence).
+    refuse_per_thread(stream.cu_stream() as usize, &what)?;
     // Before the gate touches the stream (a wait, the fence would go into the capture).
-    crate::cuda::refuse_capturing(&stream, &format!("{call}: a read into device memory"))?;
+    crate::cuda::refuse_capturing(&stream, &what)?;
     let bytes = v.num_bytes();
     gate_after(&stream, bytes, || v.device_ptr_mut(&stream))
 }
@@ -100,7 +147,9 @@ pub(super) fn gate_dst<D: DeviceDst + ?Sized>(dst: &mut D, call: &str) -> Result
 pub(super) fn gate_src<S: DeviceSrc + ?Sized>(src: &S, call: &str) -> Result<Gate> {
     let v = src.as_src();
     let stream = v.stream().clone();
-    crate::cuda::refuse_capturing(&stream, &format!("{call}: a write from device memory"))?;
+    let what = format!("{call}: a write from device memory");
+    refuse_per_thread(stream.cu_stream() as usize, &what)?;
+    crate::cuda::refuse_capturing(&stream, &what)?;
     gate_after(&stream, v.num_bytes(), || v.device_ptr(&stream))
 }
 
@@ -234,6 +283,34 @@ mod tests {
         state.set(0);
         assert_eq!(waits_made(take, put, || {}), Ok(()));
         assert_eq!(state.get(), 0);
+    }
+
+    /// A non-blocking call refuses a buffer on the per-thread stream (no GPU needed: the
+    /// check is of the handle): [`Error::Unsupported`] naming the call and the per-thread
+    /// stream, whose fix names streams that are one stream on every thread and the blocking
+    /// call; the null handle (cudarc's default stream), `CU_STREAM_LEGACY` and other handles
+    /// pass.
+    #[test]
+    fn a_non_blocking_call_refuses_the_per_thread_stream() {
+        match refuse_per_thread(0x2, "GpuFile::read_async: a read into device memory") {
+            Err(e @ Error::Unsupported { .. }) => {
+                let m = e.to_string();
+                for part in [
+                    "GpuFile::read_async: a read into device memory",
+                    "per_thread_stream",
+                    "another stream on every thread",
+                    "new_stream",
+                    "default_stream",
+                    "blocking call",
+                ] {
+                    assert!(m.contains(part), "{part:?} is not in: {m}");
+                }
+            }
+            r => panic!("the per-thread stream gave {r:?}"),
+        }
+        for handle in [0x0, 0x1, 0x3, 0x7f00_1234_5000] {
+            refuse_per_thread(handle, "a call").unwrap();
+        }
     }
 
     /// Where a call's own CUDA work on its buffer goes (no GPU needed): a blocking call's on

@@ -506,6 +506,17 @@ impl<B> Shared<B> {
 /// during a global capture), and the caller's other threads, which keep the modes they have
 /// (a blocking gpudirect call made on one of them during a global capture).
 ///
+/// A buffer on cudarc's per-thread stream (`CudaContext::per_thread_stream`,
+/// `CU_STREAM_PER_THREAD`) is refused at the call, before anything is queued
+/// ([`Error::Unsupported`], the buffer handed back as it was): that handle names a different
+/// stream on every thread, so the transfer thread could not be ordered after the work queued on
+/// the buffer from the caller's thread, and a buffer dropped there (a transfer dropped while it
+/// waits for its gate) would be freed on the transfer thread's own per-thread stream. Use a
+/// stream of your own (`CudaContext::new_stream`) or the default stream
+/// (`CudaContext::default_stream`), which are the same stream on every thread, or the blocking
+/// call: the blocking calls take a per-thread stream, as cudarc's own calls do, since they do
+/// their CUDA work on the calling thread and only borrow the buffer.
+///
 /// # Cancellation
 /// [`Transfer::cancel`] (or [`TransferControl::cancel`] from anywhere, or dropping the
 /// handle) stops the transfer between pieces: no new piece starts, the pieces started finish
@@ -838,7 +849,10 @@ impl GpuFile {
     /// [Stream order](Transfer#stream-order)).
     ///
     /// Errors (in the result) as [`read_to_device`](Self::read_to_device) (`dst`'s stream
-    /// capturing a graph at this call: [`Error::Unsupported`]), [`Error::Cancelled`],
+    /// capturing a graph at this call: [`Error::Unsupported`]), [`Error::Unsupported`] at once
+    /// when `dst` is on the per-thread stream (`CudaContext::per_thread_stream`, a handle that
+    /// names another stream on each thread: use `new_stream` or `default_stream`, or the
+    /// blocking call; see [Stream order](Transfer#stream-order)), [`Error::Cancelled`],
     /// [`Error::InvalidArgument`] when `dst.as_dst()` hands the transfer thread another buffer
     /// than at the call (on another stream, at another address or of another length), and
     /// [`Error::Cuda`] naming `cuStreamQuery` and the code when the context failed while the
@@ -907,8 +921,8 @@ impl GpuFile {
     /// stable storage with [`durable`](super::GpuFileOptions::durable)).
     ///
     /// Errors (in the result) as [`write_from_device`](Self::write_from_device),
-    /// [`Error::Cancelled`], and [`Error::InvalidArgument`] or [`Error::Cuda`] as for
-    /// [`read_async`](Self::read_async).
+    /// [`Error::Cancelled`], and [`Error::Unsupported`] (`src` on the per-thread stream),
+    /// [`Error::InvalidArgument`] or [`Error::Cuda`] as for [`read_async`](Self::read_async).
     pub fn write_async<S>(self: &Arc<Self>, src: S, file_offset: u64) -> Transfer<S>
     where
         S: DeviceSrc + Send + 'static,
@@ -2117,6 +2131,103 @@ mod tests {
                 ));
             }
         }
+        assert!(bad.is_empty(), "{}", bad.join("\n"));
+    }
+
+    /// Review (the per-thread stream): a buffer on cudarc's per-thread stream
+    /// (`CudaContext::per_thread_stream`, `CU_STREAM_PER_THREAD`, a handle that names another
+    /// stream on every thread) is refused by each non-blocking call at the call, through each of
+    /// [`async_engine_cases`]: the transfer is over when the call returns, with
+    /// [`Error::Unsupported`] naming the call and the per-thread stream and saying what to use
+    /// instead; no fence was queued; nothing moved (a read's buffer holds the complement of the
+    /// file's bytes, a write's file the complement of the buffer's), the buffer comes back with
+    /// every byte as it was; no error is left in the caller's context object. On the code before
+    /// the fix each call is accepted: the transfer's gate lands on this thread's per-thread
+    /// stream and its transfer thread moves the bytes ("was not refused: Ok(..)", the read's
+    /// buffer or the write's file changed). Accepted, the transfer thread would not be ordered
+    /// after work queued on the buffer from another thread, and a transfer dropped before its
+    /// fence landed has its buffer freed on the transfer thread's own per-thread stream.
+    #[test]
+    #[ignore = "needs a CUDA GPU"]
+    fn gpu_transfer_async_calls_refuse_the_per_thread_stream_at_the_call() {
+        let ctx = gpu();
+        let stream = ctx.per_thread_stream();
+        let mut bad = Vec::new();
+        for (what, call, len, opts) in async_engine_cases() {
+            let _ = ctx.check_err();
+            let write = call == AsyncCall::Write;
+            let data = random(len, 110 + len as u64 + write as u64);
+            let on_disk = complement(&data);
+            let p = scratch(&format!(
+                "per-thread-{}",
+                what.replace([' ', ',', '(', ')', ':'], "")
+            ));
+            std::fs::write(&p, &on_disk).unwrap();
+            let f = Arc::new(opts.write(true).open(&p).unwrap());
+            let buf = stream.clone_htod(&data).unwrap();
+            stream.synchronize().unwrap();
+            let fenced = crate::cuda::fences::fenced_here();
+            let t = match call {
+                AsyncCall::Read => f.read_async(buf, 0),
+                AsyncCall::ReadExact => f.read_exact_async(buf, 0),
+                AsyncCall::Write => f.write_async(buf, 0),
+            };
+            let at_once = t.is_done();
+            let queued = crate::cuda::fences::fenced_here() - fenced;
+            let (r, buf) = t.wait();
+            if !at_once {
+                bad.push(format!(
+                    "{what}: the transfer was not over when the call returned"
+                ));
+            }
+            if queued > 0 {
+                bad.push(format!("{what}: the call queued {queued} fence(s)"));
+            }
+            match &r {
+                Err(e @ Error::Unsupported { .. }) => {
+                    let m = e.to_string();
+                    let call_name = match call {
+                        AsyncCall::Read => "GpuFile::read_async",
+                        AsyncCall::ReadExact => "GpuFile::read_exact_async",
+                        AsyncCall::Write => "GpuFile::write_async",
+                    };
+                    for part in [
+                        call_name,
+                        "per_thread_stream",
+                        "new_stream",
+                        "blocking call",
+                    ] {
+                        if !m.contains(part) {
+                            bad.push(format!("{what}: the refusal does not name {part:?}: {m}"));
+                        }
+                    }
+                }
+                r => bad.push(format!("{what}: was not refused: {r:?}")),
+            }
+            stream.synchronize().unwrap();
+            match stream.clone_dtoh(&buf) {
+                Ok(back) if back == data => {}
+                Ok(back) => {
+                    let changed = back.iter().zip(&data).filter(|(a, b)| a != b).count();
+                    bad.push(format!(
+                        "{what}: {changed} of {len} bytes of the buffer given back changed"
+                    ));
+                }
+                Err(e) => bad.push(format!("{what}: the buffer given back: {e}")),
+            }
+            if std::fs::read(&p).unwrap() != on_disk {
+                bad.push(format!("{what}: the file changed"));
+            }
+            if let Err(e) = ctx.check_err() {
+                bad.push(format!(
+                    "{what}: an error was left in the caller's context object: {e}"
+                ));
+            }
+            drop(buf);
+            drop(f);
+            std::fs::remove_file(&p).unwrap();
+        }
+        stream.synchronize().unwrap();
         assert!(bad.is_empty(), "{}", bad.join("\n"));
     }
 
