@@ -51,8 +51,9 @@
 //! context's first gated call (which orders with the pooled event instead), another only while
 //! fewer than [`LOW`] words are free or after a call found none free (made after a transfer,
 //! off the calls' paths: a call never makes a page), at most [`MAX_PAGES`] per context
-//! (32 KiB). A call that finds no word free (no page yet, or every word in use or parked) uses
-//! an event instead. In practice a process holds one page per GPU it transfers to.
+//! (32 KiB), a page that a failed make left registered (its device address could not be had)
+//! counted among them. A call that finds no word free (no page yet, or every word in use or
+//! parked) uses an event instead. In practice a process holds one page per GPU it transfers to.
 //!
 //! Fallback: a device or driver without stream memory operations answers the write
 //! `CUDA_ERROR_NOT_SUPPORTED` (the deprecated `CU_DEVICE_ATTRIBUTE_CAN_USE_STREAM_MEM_OPS_V1` is
@@ -62,7 +63,8 @@
 //! wait beside an unregister; logged at debug level. Any other failure of the write ([`Write`])
 //! or of making a page (a device that cannot map host memory, memory short) falls back to the
 //! event for that call only (a word whose write failed is parked, as one whose write may still
-//! land); the next call tries a fence again, and the next top-up a page. A fence or an event is how a
+//! land); the next call tries a fence again, and the next top-up a page (within the bound, which
+//! a page left registered by a failed make counts toward). A fence or an event is how a
 //! transfer orders after its caller's work, not a path for its bytes: path reports do not change.
 
 use std::sync::atomic::{fence, AtomicBool, AtomicU32, Ordering};
@@ -126,8 +128,30 @@ pub(crate) trait Page: Send + Sync + 'static {
 pub(crate) trait MakePage: Send + Sync + 'static {
     /// What it makes (all words 0).
     type Page: Page;
-    /// Makes one.
-    fn make(&self) -> Result<Self::Page>;
+    /// Makes one; a failure says whether it left its memory registered.
+    fn make(&self) -> std::result::Result<Self::Page, NotMade>;
+}
+
+/// A page [`MakePage::make`] could not make: why, and whether the attempt left its memory
+/// registered for good (it failed after `cuMemHostRegister`: the page is never freed nor
+/// unregistered, as no page is, see the module's docs). The pool counts such a page toward its
+/// bound, so failing makes cannot leave registered pages behind without end.
+#[derive(Debug)]
+pub(crate) struct NotMade {
+    /// Why.
+    pub(crate) error: Error,
+    /// The attempt registered its memory before it failed.
+    pub(crate) left_registered: bool,
+}
+
+impl NotMade {
+    /// A failure that left nothing registered.
+    fn clean(error: Error) -> Self {
+        NotMade {
+            error,
+            left_registered: false,
+        }
+    }
 }
 
 /// `(page, word)` indices.
@@ -142,6 +166,9 @@ struct Slots<P> {
     parked: Vec<(At, u32)>,
     /// Pages being made now (outside the lock).
     making: usize,
+    /// Pages that makes which failed left registered ([`NotMade`]): never usable, never freed,
+    /// counted toward the pool's bound with the pages made.
+    left: usize,
     /// The last ticket handed out.
     last: u32,
 }
@@ -199,6 +226,7 @@ impl<M: MakePage> FlagPool<M> {
                 free: Vec::new(),
                 parked: Vec::new(),
                 making: 0,
+                left: 0,
                 last: 0,
             }),
         })
@@ -209,11 +237,13 @@ impl<M: MakePage> FlagPool<M> {
     }
 
     /// Makes a page (outside the lock) and adds its words to the free ones; `Ok(false)` when
-    /// the pool has (or is making) `max_pages` already.
+    /// the pool has (or is making) `max_pages` already, the pages failed makes left registered
+    /// counted with them ([`NotMade`]): at most `max_pages` makes of a pool ever register
+    /// memory.
     fn grow(&self) -> Result<bool> {
         {
             let mut s = self.slots();
-            if s.pages.len() + s.making >= self.max_pages {
+            if s.pages.len() + s.left + s.making >= self.max_pages {
                 return Ok(false);
             }
             s.making += 1;
@@ -221,7 +251,13 @@ impl<M: MakePage> FlagPool<M> {
         let made = self.make.make();
         let mut s = self.slots();
         s.making -= 1;
-        let page = made?;
+        let page = match made {
+            Ok(page) => page,
+            Err(n) => {
+                s.left += n.left_registered as usize;
+                return Err(n.error);
+            }
+        };
         let p = s.pages.len();
         let n = page.words();
         s.pages.push(Arc::new(page));
@@ -450,12 +486,16 @@ pub(crate) struct MakeMapped(Arc<CudaContext>);
 impl MakePage for MakeMapped {
     type Page = Mapped;
 
-    fn make(&self) -> Result<Mapped> {
+    fn make(&self) -> std::result::Result<Mapped, NotMade> {
         let layout = std::alloc::Layout::from_size_align(PAGE_BYTES, PAGE_BYTES)
             .expect("a page's size and alignment are a valid layout");
         // SAFETY: the layout has a non-zero size.
         let host = std::ptr::NonNull::new(unsafe { std::alloc::alloc_zeroed(layout) }).ok_or_else(
-            || Error::InvalidArgument("no host memory for a page of fence words".into()),
+            || {
+                NotMade::clean(Error::InvalidArgument(
+                    "no host memory for a page of fence words".into(),
+                ))
+            },
         )?;
         let _restore = super::CurrentContext::save();
         // SAFETY: the object holds its context alive.
@@ -468,12 +508,17 @@ impl MakePage for MakeMapped {
         if let Err(e) = registered {
             // SAFETY: allocated above with `layout`, not registered, never shared.
             unsafe { std::alloc::dealloc(host.as_ptr(), layout) };
-            return Err(e);
+            return Err(NotMade::clean(e));
         }
         // From here the page is never freed nor unregistered, also when it cannot be used (4 KiB
         // kept): whatever the driver does with its registration, the host memory stays ours.
+        // Such a page counts toward the pool's bound (`left_registered`).
         // SAFETY: `host` was just registered, mapped, in the current context.
-        let dev = unsafe { super::result::mem::host_device_pointer(host.as_ptr().cast()) }?;
+        let dev = unsafe { super::result::mem::host_device_pointer(host.as_ptr().cast()) }
+            .map_err(|error| NotMade {
+                error,
+                left_registered: true,
+            })?;
         Ok(Mapped {
             host: host.cast(),
             dev,
@@ -783,6 +828,11 @@ mod tests {
         pages: Mutex<Vec<Arc<Vec<AtomicU32>>>>,
         made: AtomicUsize,
         fail: AtomicBool,
+        /// Makes fail after their page was "registered" (left behind, as a real page whose
+        /// device address could not be had).
+        leak: AtomicBool,
+        /// Every call of `make`, failed ones included.
+        tries: AtomicUsize,
         words: usize,
     }
 
@@ -834,9 +884,18 @@ mod tests {
 
     impl MakePage for Arc<FakeDevice> {
         type Page = FakePage;
-        fn make(&self) -> Result<FakePage> {
+        fn make(&self) -> std::result::Result<FakePage, NotMade> {
+            self.tries.fetch_add(1, SeqCst);
+            if self.leak.load(SeqCst) {
+                return Err(NotMade {
+                    error: Error::InvalidArgument("registered, then no device address".into()),
+                    left_registered: true,
+                });
+            }
             if self.fail.load(SeqCst) {
-                return Err(Error::InvalidArgument("no page today".into()));
+                return Err(NotMade::clean(Error::InvalidArgument(
+                    "no page today".into(),
+                )));
             }
             self.made.fetch_add(1, SeqCst);
             let words: Arc<Vec<AtomicU32>> =
@@ -1097,6 +1156,34 @@ mod tests {
         assert_eq!(p.pages(), 3);
         drop((held, more, last));
         assert_eq!((p.free(), p.parked()), (11, 1));
+    }
+
+    /// Review (fence pages that leak): a make that fails after its page was registered leaves
+    /// that page behind for good (never freed nor unregistered, see the module's docs), so it
+    /// counts toward the pool's bound: a hundred top-ups of a pool of at most 3 pages whose
+    /// makes all fail so try at most 3 makes, and no more once the makes work again (the
+    /// bound is spent). On the code before the fix every top-up tried (and would have left
+    /// registered) another page: 100 makes.
+    #[test]
+    fn pages_left_registered_by_failed_makes_count_toward_the_bound() {
+        let (d, p) = pool(4, 3, 8);
+        d.leak.store(true, SeqCst);
+        let failed = (0..100).filter(|_| p.top_up().is_err()).count();
+        assert!(
+            d.tries.load(SeqCst) <= 3,
+            "{} makes that may each leave a registered page, for a pool of at most 3 pages",
+            d.tries.load(SeqCst)
+        );
+        d.leak.store(false, SeqCst);
+        for _ in 0..10 {
+            assert_eq!(p.top_up().unwrap(), 0);
+        }
+        assert!(
+            p.take().unwrap().is_none(),
+            "a page past the bound was made"
+        );
+        assert_eq!((p.pages(), d.made.load(SeqCst)), (0, 0));
+        assert_eq!((d.tries.load(SeqCst), failed), (3, 3));
     }
 
     /// Threads take words; a fake device lands most writes, some late and some never; the
