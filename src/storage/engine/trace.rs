@@ -391,7 +391,7 @@ impl JobTrace {
         if !copies.is_empty() {
             let _ = writeln!(
                 s,
-                "{p}   copies (segment slot/stream: ready -> issued -> GPU done, bytes, GB/s of the GPU's span since the previous copy on its stream ended or this one was issued):"
+                "{p}   copies (segment slot/stream: ready -> issued -> GPU done, bytes, GB/s of the GPU's span since the copy issued before it on its stream ended or this one was issued):"
             );
             let parts = |n: usize| {
                 if n > 1 {
@@ -400,7 +400,24 @@ impl JobTrace {
                     String::new()
                 }
             };
+            // Each copy's GPU span, from when the one before it on its stream ended (a
+            // stream runs its copies in the order they were issued, which is not the
+            // segments' order: segments are read, and their copies issued, out of order) or
+            // it was issued, to when it was done.
+            let mut by_issue: Vec<&CopyTrace> = copies.iter().collect();
+            by_issue.sort_by_key(|c| (c.stream, c.issued));
             let mut prev_end: Vec<u64> = Vec::new();
+            let mut spans = std::collections::HashMap::new();
+            for c in by_issue {
+                if let Some(d) = gpu_done.get(c.seg).copied().flatten() {
+                    if prev_end.len() <= c.stream {
+                        prev_end.resize(c.stream + 1, 0);
+                    }
+                    let began = prev_end[c.stream].max(c.issued);
+                    spans.insert(c.seg, d.saturating_sub(began).max(1));
+                    prev_end[c.stream] = prev_end[c.stream].max(d);
+                }
+            }
             let mut busy = 0u64;
             let (mut first_issue, mut last_done) = (u64::MAX, 0u64);
             for c in &copies {
@@ -415,14 +432,9 @@ impl JobTrace {
                     rel(c.issued)
                 );
                 if let Some(d) = done {
-                    if prev_end.len() <= c.stream {
-                        prev_end.resize(c.stream + 1, 0);
-                    }
-                    let began = prev_end[c.stream].max(c.issued);
-                    let span = d.saturating_sub(began).max(1);
+                    let span = spans.get(&c.seg).copied().unwrap_or(1);
                     busy += span;
                     last_done = last_done.max(d);
-                    prev_end[c.stream] = d;
                     let _ = write!(
                         l,
                         " -> {:>9.3}  {:>9} B in {} runs{}, {:.1} GB/s",
@@ -532,5 +544,41 @@ mod tests {
         assert!(s.contains("first pass of the ring: n 2 mean 0.535"), "{s}");
         assert!(s.contains("later: n 1 mean 0.400"), "{s}");
         assert!(s.lines().all(|l| l.starts_with("gpudirect-trace")), "{s}");
+    }
+
+    /// A stream runs its copies in issue order, which need not be the segments' order (a
+    /// segment past the first pass may be read, and its copies issued, before an earlier
+    /// one): each copy's span starts where the copy issued before it on its stream ended.
+    /// Taken in segment order instead, segment 0 (issued second) got the span of both copies
+    /// (28.4 GB/s) and segment 1 none ("33554.4 GB/s"), and the busy time counted both.
+    #[test]
+    fn copies_issued_out_of_segment_order_get_their_own_spans() {
+        let copy = |seg: usize, issued: u64| CopyTrace {
+            seg,
+            slot: seg,
+            stream: 0,
+            ready: issued - 10,
+            issued,
+            bytes: 32 << 20,
+            runs: 1,
+            parts: 1,
+        };
+        let t = JobTrace {
+            label: "test".into(),
+            start: 1_000,
+            io: Vec::new(),
+            who: Vec::new(),
+            workers: Vec::new(),
+            pins: Mutex::new(Vec::new()),
+            copies: Mutex::new(vec![copy(1, 2_010), copy(0, 2_020)]),
+            notes: Mutex::new(Vec::new()),
+            first_pass_tasks: AtomicU64::new(0),
+        };
+        // Segment 1 runs 2.010-2.600, segment 0 after it, 2.600-3.200.
+        let s = t.render(64 << 20, &[Some(3_200), Some(2_600)], 4_000);
+        assert_eq!(s.matches("56.9 GB/s").count(), 1, "{s}");
+        assert_eq!(s.matches("55.9 GB/s").count(), 1, "{s}");
+        assert!(!s.contains("33554.4"), "{s}");
+        assert!(s.contains("busy 1.190 of 1.190 ms (100%)"), "{s}");
     }
 }
