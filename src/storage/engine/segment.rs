@@ -850,14 +850,6 @@ struct Early {
     copied: usize,
 }
 
-#[derive(Default)]
-struct SlotState {
-    /// The last segment whose copies out of this slot were issued.
-    issued: Option<usize>,
-    /// The last segment whose copies out of this slot are known complete.
-    synced: Option<usize>,
-}
-
 /// One job's progress through the ring.
 pub(in crate::storage) struct SegJob<'r, R: Ring + ?Sized> {
     res: &'r R,
@@ -881,7 +873,9 @@ pub(in crate::storage) struct SegJob<'r, R: Ring + ?Sized> {
     /// whole slot's locking, and the slots' lockings overlap the first pass's reads instead
     /// of running one after the other once each slot is full.
     early: Vec<Mutex<Early>>,
-    slots: Vec<(Mutex<SlotState>, Condvar)>,
+    /// Per slot: the last segment whose copies out of it are known complete (held while a
+    /// worker waits for them, so the others for the same slot find them done).
+    synced: Vec<Mutex<Option<usize>>>,
     /// Per segment past the first pass: the slot it is staged in, once claimed
     /// ([`UNCLAIMED`] before), and the segment staged there before it.
     slot_of: Vec<(AtomicUsize, AtomicUsize)>,
@@ -889,8 +883,7 @@ pub(in crate::storage) struct SegJob<'r, R: Ring + ?Sized> {
     claims: Mutex<Claims>,
     claims_cv: Condvar,
     /// Per slot: the last segment whose copies out of it were issued ([`UNCLAIMED`]: none),
-    /// as `slots` says, for [`claim`](Self::claim) to read without a slot's lock (held while
-    /// a worker waits for the slot's copies).
+    /// which [`claim`](Self::claim) reads to find the slots that may be claimed.
     issued_last: Vec<AtomicUsize>,
     /// Copies issued (for tests and reports).
     pub copies: AtomicUsize,
@@ -946,34 +939,21 @@ impl<'r, R: Ring + ?Sized> SegJob<'r, R> {
             layout,
             need,
             pin_lock: Mutex::new(()),
-            slots: (0..nseg)
-                .map(|_| (Mutex::new(SlotState::default()), Condvar::new()))
-                .collect(),
+            synced: (0..nseg).map(|_| Mutex::new(None)).collect(),
             copies: AtomicUsize::new(0),
         }
     }
 
-    /// Waits until slot `r` is free of segment `want`'s copies. Ok(false): the job aborted.
-    fn wait(&self, job: &Job<'_>, r: usize, want: usize) -> Result<bool> {
-        let (m, cv) = &self.slots[r];
-        let mut st = m.lock().unwrap_or_else(|p| p.into_inner());
-        loop {
-            if st.issued.is_some_and(|x| x >= want) {
-                break;
-            }
-            if job.aborted() {
-                return Ok(false);
-            }
-            st = cv
-                .wait_timeout(st, Duration::from_millis(2))
-                .unwrap_or_else(|p| p.into_inner())
-                .0;
-        }
-        if st.synced.is_none_or(|x| x < want) {
+    /// Waits until the copies of segment `want` out of slot `r` completed (the slot's marker).
+    /// They were issued: a slot is claimed only once its last segment's were ([`claim`](Self::claim)).
+    fn wait(&self, r: usize, want: usize) -> Result<()> {
+        debug_assert_eq!(self.issued_last[r].load(Ordering::Acquire), want);
+        let mut synced = self.synced[r].lock().unwrap_or_else(|p| p.into_inner());
+        if synced.is_none_or(|x| x < want) {
             self.res.sync_slot(r)?;
-            st.synced = Some(want);
+            *synced = Some(want);
         }
-        Ok(true)
+        Ok(())
     }
 
     /// Page-locks slot `r` at least as far as `end` (a no-op when it already is), as worker
@@ -1104,16 +1084,13 @@ impl<'r, R: Ring + ?Sized> SegJob<'r, R> {
         Ok(())
     }
 
-    /// Segment `g`'s copies are all enqueued and its slot's marker recorded: wakes whoever
-    /// waits to fill its slot again.
+    /// Segment `g`'s copies are all enqueued and its slot's marker recorded: its slot may be
+    /// claimed again, and whoever waits to claim one is woken.
     fn issued(&self, g: usize) {
         let r = self.slot(g);
-        let (m, cv) = &self.slots[r];
-        m.lock().unwrap_or_else(|p| p.into_inner()).issued = Some(g);
         self.issued_last[r].store(g, Ordering::Release);
         #[cfg(test)]
         self.res.issued_hook(g);
-        cv.notify_all();
         // Under the claims' lock: a claimer that found no slot free is either waiting already
         // or has not looked yet (it reads `issued_last` under that lock).
         let _c = self.claims.lock().unwrap_or_else(|p| p.into_inner());
@@ -1277,9 +1254,7 @@ impl<'r, R: Ring + ?Sized> SegJob<'r, R> {
                     return Ok(());
                 };
                 r = slot;
-                if !self.wait(job, r, prev)? {
-                    return Ok(());
-                }
+                self.wait(r, prev)?;
                 if let Some(tr) = job.trace() {
                     tr.waited(w, t0);
                 }
