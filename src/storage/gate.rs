@@ -133,11 +133,7 @@ fn other_buffer(how: &str) -> Error {
 pub(super) fn gate_dst<D: DeviceDst + ?Sized>(dst: &mut D, call: &str) -> Result<Gate> {
     let mut v = dst.as_dst();
     let stream = v.stream().clone();
-    let what = format!("{call}: a read into device memory");
-    // Before the gate touches the stream (a query, a wait, the fence).
-    refuse_per_thread(stream.cu_stream() as usize, &what)?;
-    // Before the gate touches the stream (a wait, the fence would go into the capture).
-    crate::cuda::refuse_capturing(&stream, &what)?;
+    refuse_at_call(&stream, &format!("{call}: a read into device memory"))?;
     let bytes = v.num_bytes();
     gate_after(&stream, bytes, || v.device_ptr_mut(&stream))
 }
@@ -147,13 +143,19 @@ pub(super) fn gate_dst<D: DeviceDst + ?Sized>(dst: &mut D, call: &str) -> Result
 pub(super) fn gate_src<S: DeviceSrc + ?Sized>(src: &S, call: &str) -> Result<Gate> {
     let v = src.as_src();
     let stream = v.stream().clone();
-    let what = format!("{call}: a write from device memory");
-    refuse_per_thread(stream.cu_stream() as usize, &what)?;
-    crate::cuda::refuse_capturing(&stream, &what)?;
+    refuse_at_call(&stream, &format!("{call}: a write from device memory"))?;
     gate_after(&stream, v.num_bytes(), || v.device_ptr(&stream))
 }
 
-/// The part [`gate_dst`] and [`gate_src`] share once the capture check passed: cudarc's
+/// The refusals [`gate_dst`] and [`gate_src`] make before the gate touches `stream` (a query,
+/// a wait, the fence): a per-thread stream ([`refuse_per_thread`]), then a capturing one
+/// (the waits and the fence would go into the capture).
+fn refuse_at_call(stream: &CudaStream, what: &str) -> Result<()> {
+    refuse_per_thread(stream.cu_stream() as usize, what)?;
+    crate::cuda::refuse_capturing(stream, what)
+}
+
+/// The part [`gate_dst`] and [`gate_src`] share once the call's refusals passed: cudarc's
 /// `access` to the `bytes`-byte buffer on `stream` ([`waits_made`], its guard forgotten,
 /// [`forget_access`]), then the fence (or the fallback's event) queued there.
 fn gate_after<'a>(
