@@ -476,13 +476,7 @@ fn gpu_safetensors_refusals_move_no_byte() {
     let s = stream();
     let d = scratch("refusals");
     // 1 TiB claimed by a sparse file: more than any GPU has.
-    let h = r#"{"huge":{"dtype":"U8","shape":[1099511627776],"data_offsets":[0,1099511627776]}}"#;
-    let p = d.join("huge.safetensors");
-    let mut f = std::fs::File::create(&p).unwrap();
-    std::io::Write::write_all(&mut f, &(h.len() as u64).to_le_bytes()).unwrap();
-    std::io::Write::write_all(&mut f, h.as_bytes()).unwrap();
-    f.set_len(8 + h.len() as u64 + (1u64 << 40)).unwrap();
-    drop(f);
+    let p = common::huge_sparse_checkpoint(&d);
     for owned in [false, true] {
         let e = if owned {
             st::load_owned(&p, &s).map(|_| ())

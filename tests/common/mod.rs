@@ -157,3 +157,15 @@ impl Drop for StreamGate {
         self.release();
     }
 }
+
+/// Writes `dir/huge.safetensors`: one `U8` tensor `huge` of 1 TiB, claimed by a sparse file
+/// (the header, then a hole): a checkpoint larger than any GPU, for the memory refusals.
+pub fn huge_sparse_checkpoint(dir: &std::path::Path) -> PathBuf {
+    let h = r#"{"huge":{"dtype":"U8","shape":[1099511627776],"data_offsets":[0,1099511627776]}}"#;
+    let p = dir.join("huge.safetensors");
+    let mut f = std::fs::File::create(&p).unwrap();
+    std::io::Write::write_all(&mut f, &(h.len() as u64).to_le_bytes()).unwrap();
+    std::io::Write::write_all(&mut f, h.as_bytes()).unwrap();
+    f.set_len(8 + h.len() as u64 + (1u64 << 40)).unwrap();
+    p
+}

@@ -516,13 +516,7 @@ fn multi_gpu_fanout_not_enough_device_memory_is_refused() {
     let _g = serial();
     let streams = gpu_streams();
     let d = scratch("huge");
-    let h = r#"{"huge":{"dtype":"U8","shape":[1099511627776],"data_offsets":[0,1099511627776]}}"#;
-    let p = d.join("huge.safetensors");
-    let mut f = std::fs::File::create(&p).unwrap();
-    std::io::Write::write_all(&mut f, &(h.len() as u64).to_le_bytes()).unwrap();
-    std::io::Write::write_all(&mut f, h.as_bytes()).unwrap();
-    f.set_len(8 + h.len() as u64 + (1u64 << 40)).unwrap();
-    drop(f);
+    let p = common::huge_sparse_checkpoint(&d);
     match st::load_replicated(&p, &streams) {
         Err(Error::Checkpoint {
             file,
