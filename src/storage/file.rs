@@ -85,7 +85,9 @@ impl std::fmt::Display for IoReport {
 pub trait DeviceDst {
     /// The element type.
     type Elem: AnyBitPattern;
-    /// A mutable view of the whole buffer.
+    /// A mutable view of the whole buffer. gpudirect asks for it once per call and moves the
+    /// bytes through that view; a non-blocking call ([`GpuFile::read_async`]) asks during the
+    /// call, on the calling thread, and keeps the view until the transfer is over.
     fn as_dst(&mut self) -> CudaViewMut<'_, Self::Elem>;
 }
 
@@ -108,7 +110,8 @@ impl<T: AnyBitPattern> DeviceDst for CudaViewMut<'_, T> {
 pub trait DeviceSrc {
     /// The element type.
     type Elem: DeviceRepr;
-    /// A view of the whole buffer.
+    /// A view of the whole buffer. Asked for once per call, as [`DeviceDst::as_dst`] is
+    /// ([`GpuFile::write_async`]: during the call).
     fn as_src(&self) -> CudaView<'_, Self::Elem>;
 }
 

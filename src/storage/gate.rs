@@ -1,12 +1,13 @@
 //! The gate of a non-blocking device transfer: where, at the call, the transfer sits in its
-//! buffer's stream ([`gate_dst`], [`gate_src`], on the caller's thread), and the checks that the
-//! transfer thread is handed the buffer of the call ([`work_on`], [`same_buffer`]). The
-//! transfer's [`Ctl`] waits for the gate; see
-//! [`Transfer`](super::Transfer)'s "Stream order".
+//! buffer's stream ([`gate_dst`], [`gate_src`], on the caller's thread, of the view the
+//! transfer then uses: `super::lent`), and the checks that the transfer thread works on the
+//! buffer of the call ([`work_on`], [`same_buffer`]). The transfer's [`Ctl`] waits for the
+//! gate; see [`Transfer`](super::Transfer)'s "Stream order".
 
-use cudarc::driver::{sys, CudaStream, DevicePtr, DevicePtrMut, DeviceSlice};
+use cudarc::driver::{
+    sys, CudaStream, CudaView, CudaViewMut, DevicePtr, DevicePtrMut, DeviceSlice,
+};
 
-use super::file::{DeviceDst, DeviceSrc};
 #[cfg(doc)]
 use super::transfer::Ctl;
 use crate::error::{Error, Result};
@@ -93,8 +94,10 @@ pub(super) fn work_on(gated: Option<(usize, usize)>, now: (usize, usize)) -> Res
     }
 }
 
-/// [`Ctl::same_buffer`]'s check: the buffer the transfer thread was handed, `now` (device
-/// address, bytes), against the call's, `at`.
+/// [`Ctl::same_buffer`]'s check: the buffer the transfer thread works on, `now` (device
+/// address, bytes), against the call's, `at`. The transfer thread uses the view the call gated
+/// (`super::lent`: `as_dst` / `as_src` is asked once), so they are the same by construction;
+/// this check, like [`work_on`]'s, says so where the address is used.
 pub(super) fn same_buffer(
     at: (sys::CUdeviceptr, usize),
     now: (sys::CUdeviceptr, usize),
@@ -106,7 +109,9 @@ pub(super) fn same_buffer(
     }
 }
 
-/// The refusal of a buffer the transfer thread was handed that is not the call's (`how`).
+/// The refusal of a buffer the transfer thread was handed that is not the call's (`how`). Since
+/// the transfer thread uses the call's own view (`super::lent`), only a bug of gpudirect's could
+/// make it; the wording dates from when the transfer thread asked the buffer again.
 fn other_buffer(how: &str) -> Error {
     Error::InvalidArgument(format!(
         "the buffer's as_dst / as_src handed the transfer thread another buffer than at the call ({how}): a non-blocking transfer orders after its buffer's users only at the call (it never touches the buffer's stream afterwards); hand out the same buffer each time"
@@ -130,8 +135,11 @@ fn other_buffer(how: &str) -> Error {
 /// cudarc's access guard is not dropped here but forgotten ([`forget_access`]): its drop would
 /// record the buffer's cudarc event on the stream (`cuEventRecord`, which waits beside an
 /// unregister).
-pub(super) fn gate_dst<D: DeviceDst + ?Sized>(dst: &mut D, call: &str) -> Result<Gate> {
-    let mut v = dst.as_dst();
+///
+/// `v` is the view the transfer then uses (`super::lent::LentDst`: the buffer's `as_dst` is
+/// asked once, at the call, so the buffer gated here is the one the transfer thread moves
+/// bytes to).
+pub(super) fn gate_dst<T>(v: &mut CudaViewMut<'_, T>, call: &str) -> Result<Gate> {
     let stream = v.stream().clone();
     refuse_at_call(&stream, &format!("{call}: a read into device memory"))?;
     let bytes = v.num_bytes();
@@ -139,9 +147,8 @@ pub(super) fn gate_dst<D: DeviceDst + ?Sized>(dst: &mut D, call: &str) -> Result
 }
 
 /// [`gate_dst`] for a write from device memory (cudarc's `device_ptr`: the stream waits for
-/// the buffer's writers).
-pub(super) fn gate_src<S: DeviceSrc + ?Sized>(src: &S, call: &str) -> Result<Gate> {
-    let v = src.as_src();
+/// the buffer's writers), of the view the transfer then uses (`super::lent::LentSrc`).
+pub(super) fn gate_src<T>(v: &CudaView<'_, T>, call: &str) -> Result<Gate> {
     let stream = v.stream().clone();
     refuse_at_call(&stream, &format!("{call}: a write from device memory"))?;
     gate_after(&stream, v.num_bytes(), || v.device_ptr(&stream))

@@ -72,6 +72,7 @@ pub mod cufile;
 pub(in crate::storage) mod engine;
 mod file;
 mod gate;
+mod lent;
 mod options;
 #[cfg(test)]
 pub(crate) mod testkit;
