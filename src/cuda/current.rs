@@ -3,7 +3,7 @@
 use cudarc::driver::{sys, CudaContext};
 
 use super::result as r;
-use crate::error::{Error, Result};
+use crate::error::Result;
 
 /// Makes a context current on the calling thread (`cuCtxSetCurrent`) and, when dropped, makes
 /// the context that was current before current again, so a gpudirect call leaves the caller's
@@ -19,13 +19,20 @@ pub(crate) struct CurrentContext {
 }
 
 impl CurrentContext {
-    /// Makes `ctx` current; remembers the thread's current context first.
+    /// Makes `ctx` current; remembers the thread's current context first. Through the result
+    /// layer (`cuCtxSetCurrent`), never cudarc's `bind_to_thread`: that first takes an error
+    /// stored in the object (cudarc's `check_err`, an error an earlier call of the caller's
+    /// could not return) and returns it as its own, so a call that binds the caller's context
+    /// (a capture check of the caller's stream, `refuse_capturing`) failed with a
+    /// `cuCtxSetCurrent` error that was not one, and the caller's error was gone from its
+    /// object. The stored error is the caller's: it stays where it is.
     pub(crate) fn bind(ctx: &CudaContext) -> Result<CurrentContext> {
         let previous = r::ctx::current();
         let changed = previous != Some(ctx.cu_ctx());
         if changed {
-            ctx.bind_to_thread()
-                .map_err(|e| Error::cuda("cuCtxSetCurrent", e))?;
+            // SAFETY: the object (borrowed) holds its context alive.
+            let rc = unsafe { r::ctx::set_current(ctx.cu_ctx()) };
+            r::check("cuCtxSetCurrent", rc)?;
         }
         Ok(CurrentContext {
             previous,

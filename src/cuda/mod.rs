@@ -307,7 +307,8 @@ pub fn device_attribute(ordinal: usize, attr: sys::CUdevice_attribute) -> Result
 /// the graph, not run, and synchronizing or querying the stream fails until the capture ends,
 /// which only its owner (the caller) can do: a call that enqueues work there and waits for it
 /// would wait for itself. Checked before anything is enqueued. The query runs with the
-/// stream's context current (the thread's current context is put back after): a default stream
+/// stream's context current (the thread's current context is put back after; an error stored
+/// in the caller's cudarc object is left there, see [`CurrentContext::bind`]): a default stream
 /// (a null handle) means the current context's, and the calling thread may have none. The
 /// legacy default stream while a blocking stream of its context captures is refused too
 /// ([`capture_refusal`]).
@@ -670,6 +671,75 @@ mod tests {
         .unwrap();
         assert_eq!(mode.0.unwrap(), M::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL);
         assert_eq!(mode.1.unwrap(), M::CU_STREAM_CAPTURE_MODE_GLOBAL);
+    }
+
+    /// Review (a stored error taken): [`refuse_capturing`] (every non-blocking call's capture
+    /// check of the caller's stream, and the re-check after its fence) binds the stream's
+    /// context without touching an error stored in the caller's cudarc object (one an earlier
+    /// call of the caller's could not return, `record_err`): the check passes for a stream
+    /// that is not capturing, and the error is still there for the caller (`check_err`), with
+    /// no context current on the calling thread (the one put back is none) and with the
+    /// context current already, each on a thread of its own. On the code before the fix
+    /// (`CurrentContext::bind` through cudarc's `bind_to_thread`, which takes the error first)
+    /// the first case failed with a `cuCtxSetCurrent` error carrying the stored code
+    /// (`CUDA_ERROR_UNKNOWN`), and the error was gone from the object; the second passed.
+    #[test]
+    #[ignore = "needs a CUDA GPU"]
+    fn gpu_a_capture_check_leaves_the_callers_stored_error_alone() {
+        use cudarc::driver::DriverError;
+        let ctx = context(0).unwrap_or_else(|e| {
+            panic!("this test needs a CUDA GPU ({e}): run it on a GPU machine, see CONTRIBUTING.md")
+        });
+        let stream = ctx.new_stream().unwrap();
+        let mut bad = Vec::new();
+        for bound in [false, true] {
+            let (ctx, stream) = (ctx.clone(), stream.clone());
+            let found = std::thread::spawn(move || {
+                // SAFETY: null unbinds; the context is alive (held).
+                let rc = unsafe {
+                    result::ctx::set_current(if bound {
+                        ctx.cu_ctx()
+                    } else {
+                        std::ptr::null_mut()
+                    })
+                };
+                assert_eq!(rc, sys::CUresult::CUDA_SUCCESS, "cuCtxSetCurrent");
+                let _ = ctx.check_err();
+                ctx.record_err::<()>(Err(DriverError(sys::CUresult::CUDA_ERROR_UNKNOWN)));
+                let r = refuse_capturing(&stream, "a call");
+                let left = ctx.check_err();
+                let current = result::ctx::current();
+                let mut bad = Vec::new();
+                let case = if bound {
+                    "the context current"
+                } else {
+                    "no context current"
+                };
+                if let Err(e) = &r {
+                    bad.push(format!(
+                        "{case}: the check of a stream that is not capturing failed: {e}"
+                    ));
+                }
+                match left {
+                    Err(DriverError(sys::CUresult::CUDA_ERROR_UNKNOWN)) => {}
+                    Err(e) => bad.push(format!("{case}: another error is stored now: {e:?}")),
+                    Ok(()) => bad.push(format!(
+                        "{case}: the caller's stored error is gone from its object"
+                    )),
+                }
+                let want = bound.then_some(ctx.cu_ctx());
+                if current != want {
+                    bad.push(format!(
+                        "{case}: the thread's current context is {current:?} after the call, not {want:?}"
+                    ));
+                }
+                bad
+            })
+            .join()
+            .unwrap();
+            bad.extend(found);
+        }
+        assert!(bad.is_empty(), "{}", bad.join("\n"));
     }
 
     /// What this machine is told to have: `GPUDIRECT_EXPECT_CUDA=absent|present|nodevice`
