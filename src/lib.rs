@@ -155,7 +155,10 @@
 //! event pools and side streams of the non-blocking transfers: it is destroyed once you drop
 //! its object and its transfers are over (a 4 KiB page of fence words stays allocated per such
 //! context); the storage engine's segment ring and worker lanes, which larger device transfers
-//! use, still keep it.
+//! use, still keep it. Do not reset a primary context that gpudirect has used
+//! (`cuDevicePrimaryCtxReset`, another library's `cudaDeviceReset`) and go on transferring to
+//! that device: gpudirect does not see the reset, and its fence pages, side streams and pooled
+//! events of that context are stale from then on.
 #![deny(unsafe_op_in_unsafe_fn)]
 #![warn(missing_docs)]
 #![warn(clippy::undocumented_unsafe_blocks, clippy::missing_safety_doc)]

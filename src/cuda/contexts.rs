@@ -13,7 +13,7 @@
 //! - The device's primary context: gpudirect's own object retains it for the process
 //!   ([`super::own_object`]); its entries ([`ContextRef::primary`]) never die. (A reset of the
 //!   primary context, `cuDevicePrimaryCtxReset` or another library's `cudaDeviceReset`, is not
-//!   seen.)
+//!   seen, and not supported: see [`super::fences`]'s "Primary-context reset".)
 //! - Any other context ([`ContextRef::other`]): the entry holds the caller's object weakly, as
 //!   the context's identity (the context lives exactly as long as that object), and the cache
 //!   makes its events and streams through an object of gpudirect's over the same handle that

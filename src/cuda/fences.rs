@@ -60,6 +60,17 @@
 //! lands or the health check sees the context fail; a top-up after the transfer
 //! ([`Refill`]) keeps it alive while it makes a page.
 //!
+//! Primary-context reset: a reset of a device's primary context (`cuDevicePrimaryCtxReset`,
+//! another library's `cudaDeviceReset`) after gpudirect used it is not detected, and not
+//! supported. gpudirect's own object keeps that context retained and its caches keyed by its
+//! handle, and nothing they hold says that the reset tore the context down and made it again:
+//! the pool's pages keep their device addresses although the reset dropped their registration
+//! (a fence written after it could reach whatever the new context maps there), and the
+//! transfer threads' side streams and the pooled events keep dead handles. (A page itself stays
+//! readable: see the test of that below.) A reset ends every CUDA object of the context, the
+//! caller's cudarc objects of it included, so a program that resets must already drop them
+//! all; it must not use gpudirect's transfers on that device afterwards.
+//!
 //! Bounds: a page is 4 KiB, [`WORDS`] words; the first is made ahead by [`prepare`]
 //! (`GpuFile::warm_up`) or, when that was not called, by the transfer thread after the
 //! context's first gated call (which orders with the pooled event instead), another only while
