@@ -2539,23 +2539,21 @@ mod tests {
         std::fs::write(&probe, random(4096, 70)).unwrap();
         crate::storage::testkit::udev_fix(&probe);
         let opened = GpuFile::options().backend(Backend::CuFile).open(&probe);
+        // Backend::CuFile hands back cuFile's own error: classified as the automatic choice
+        // does (the probe still there, for its device's udev record).
+        let cause = opened
+            .as_ref()
+            .err()
+            .map(|e| crate::storage::backend::cufile_glue::cause_of(e, &probe));
         std::fs::remove_file(&probe).unwrap();
-        if let Err(e) = opened {
+        if let (Err(e), Some(cause)) = (opened, cause) {
             let fixed = std::env::var("GPUDIRECT_TEST_UDEV_FIX").is_ok_and(|v| v == "1");
-            if !fixed
-                && matches!(
-                    e,
-                    Error::Unsupported {
-                        cause: crate::Cause::UdevDataMissing { .. },
-                        ..
-                    }
-                )
-            {
-                eprintln!("cuFile refused the file as this machine's state predicts ({e}); set GPUDIRECT_TEST_UDEV_FIX=1 (as root) to run this check");
+            if !fixed && matches!(cause, crate::Cause::UdevDataMissing { .. }) {
+                eprintln!("cuFile refused the file as this machine's state predicts ({cause}); set GPUDIRECT_TEST_UDEV_FIX=1 (as root) to run this check");
                 return;
             }
             panic!(
-                "cuFile did not open the file: {e} (set GPUDIRECT_CUFILE_LIB to libcufile.so.0)"
+                "cuFile did not open the file: {e} (cause: {cause}; set GPUDIRECT_CUFILE_LIB to libcufile.so.0)"
             );
         }
         let cufile = || GpuFile::options().backend(Backend::CuFile);
@@ -2714,23 +2712,21 @@ mod tests {
         std::fs::write(&probe, random(4096, 71)).unwrap();
         crate::storage::testkit::udev_fix(&probe);
         let opened = GpuFile::options().backend(Backend::CuFile).open(&probe);
+        // Backend::CuFile hands back cuFile's own error: classified as the automatic choice
+        // does (the probe still there, for its device's udev record).
+        let cause = opened
+            .as_ref()
+            .err()
+            .map(|e| crate::storage::backend::cufile_glue::cause_of(e, &probe));
         std::fs::remove_file(&probe).unwrap();
-        if let Err(e) = opened {
+        if let (Err(e), Some(cause)) = (opened, cause) {
             let fixed = std::env::var("GPUDIRECT_TEST_UDEV_FIX").is_ok_and(|v| v == "1");
-            if !fixed
-                && matches!(
-                    e,
-                    Error::Unsupported {
-                        cause: crate::Cause::UdevDataMissing { .. },
-                        ..
-                    }
-                )
-            {
-                eprintln!("cuFile refused the file as this machine's state predicts ({e}); set GPUDIRECT_TEST_UDEV_FIX=1 (as root) to run this check");
+            if !fixed && matches!(cause, crate::Cause::UdevDataMissing { .. }) {
+                eprintln!("cuFile refused the file as this machine's state predicts ({cause}); set GPUDIRECT_TEST_UDEV_FIX=1 (as root) to run this check");
                 return;
             }
             panic!(
-                "cuFile did not open the file: {e} (set GPUDIRECT_CUFILE_LIB to libcufile.so.0)"
+                "cuFile did not open the file: {e} (cause: {cause}; set GPUDIRECT_CUFILE_LIB to libcufile.so.0)"
             );
         }
         let cufile = || GpuFile::options().backend(Backend::CuFile);
