@@ -24,27 +24,36 @@
 //! word whose context was torn down simply never lands, and its wait ends through the health
 //! check). At the call the word is taken from its context's pool, the host
 //! stores 0 in it, and `cuStreamWriteValue32(stream, word, ticket,
-//! CU_STREAM_WRITE_VALUE_DEFAULT)` is queued: the device writes the ticket once the work queued
-//! on the stream before the call completed, and with the default flag "a memory fence before the
+//! CU_STREAM_WRITE_VALUE_DEFAULT)` is queued (twice, each of its own ticket: see "Word reuse"):
+//! the device writes the ticket once the work queued on the stream before the call completed,
+//! and with the default flag "a memory fence before the
 //! write, which has similar semantics to `__threadfence_system()` but is scoped to the stream"
 //! (CUDA Driver API, `CUstreamWriteValue_flags`), so what that work wrote is visible before the
 //! ticket is. The transfer thread polls the word ([`Fence::wait`]: an `Acquire` load, backing off
 //! to 1 ms, cancellable) and, about every millisecond of waiting ([`HEALTH_EVERY`]), asks
 //! `cuStreamQuery` of a stream of its own ([`healthy`]: it does not wait beside an unregister,
 //! and answers a context's sticky error), so that a fence in a broken context fails the transfer
-//! with that error instead of hanging it. Once the word reads its ticket, the caller's work
+//! with that error instead of hanging it. Once the word reads one of its tickets, the caller's work
 //! before the call is complete: CUDA work the transfer queues afterwards, on any stream, follows
 //! it without waiting on the device. (CUDA warns that ordering made with stream memory
 //! operations is invisible to its scheduler, which matters to device-side waits such as
 //! `cuStreamWaitValue32`; nothing here waits on the device, the host does.)
 //!
-//! Word reuse: a ticket is never 0 and is new for each take ([`next_ticket`]), so a word reads
-//! its taker's ticket only once that taker's write landed ([`landed`]). A word is handed out
-//! again only after it read its ticket; one given back before that (a cancelled transfer, a
-//! failed context, a write that could not be queued) is parked and taken back
-//! ([`FlagPool::take`], [`FlagPool::top_up`]) only once it reads its ticket, so never if its write
-//! never lands. No page is ever freed or unregistered: a pending write to it would land in freed
-//! memory. The pool holds its context (gpudirect's own object for it) and lives for the process.
+//! Word reuse: a take of a word gets [`WRITES`] tickets, never 0 and above every ticket the word
+//! was lent with before ([`tickets_after`]: a word whose tickets would wrap is retired), so a
+//! word reads one of its holder's tickets only once a write of that holder's landed ([`word`]).
+//! The fence's writes are queued in ticket order, a capture check after each ([`mark`]): a
+//! capture begun and ended on another thread between two checks (which none sees) holds one of
+//! them, and the stream runs the other. A word is handed out again only after it read its last
+//! ticket; one given back while it reads 0 (a cancelled transfer, a failed context, a write that
+//! could not be queued) is parked and taken back ([`FlagPool::take`], [`FlagPool::top_up`]) only
+//! once it reads its last ticket, so never if its writes never land. Any other value (a ticket
+//! of an earlier holder: a CUDA graph that captured that holder's write, unseen, writes it at
+//! each launch) is a stray write ([`Word::Stray`]): a holder that sees one fails its wait
+//! ([`overwritten`]), and the word, like one given back with only its first write landed, is
+//! retired, never lent again. No page is ever freed or unregistered: a pending write to it would
+//! land in freed memory. The pool holds its context (gpudirect's own object for it) and lives for
+//! the process.
 //!
 //! Bounds: a page is 4 KiB, [`WORDS`] words; the first is made ahead by [`prepare`]
 //! (`GpuFile::warm_up`) or, when that was not called, by the transfer thread after the
@@ -96,17 +105,58 @@ pub(crate) const HEALTH_OP: &str = "cuStreamQuery of the transfer thread's own s
     context's health, asked while the transfer waited for the work queued on its buffer's stream \
     before the call)";
 
-/// Whether a flag word that reads `read` shows that the write of `ticket` landed. Tickets are
-/// never 0, and a taken word is reset to 0 before its write is queued.
-pub(crate) fn landed(read: u32, ticket: u32) -> bool {
-    read == ticket
+/// Writes of its word a fence queues on its stream, each of its own ticket and each followed by
+/// a capture check ([`queue_writes`]): a capture the checks cannot see (begun and ended between
+/// two of them, on another thread) holds one write at most, and the stream still makes another.
+pub(crate) const WRITES: usize = 2;
+
+/// The tickets of one take of a word, in the order its writes are queued: consecutive, above
+/// every ticket the word was lent with before ([`tickets_after`]).
+pub(crate) type Tickets = [u32; WRITES];
+
+/// The tickets of a word's next take, `last` being the last ticket it was lent with (0 for a word
+/// never lent): `last + 1` on. `None` once they would pass `u32::MAX`: the word is then retired,
+/// so a word's tickets never repeat, and a write an earlier holder queued (which a CUDA graph may
+/// replay at any time) never reads as a later holder's ([`word`]). A word lent at every call
+/// lasts 2^31 calls; a pool has thousands.
+pub(crate) fn tickets_after(last: u32) -> Option<Tickets> {
+    let mut t = [0; WRITES];
+    for (i, x) in t.iter_mut().enumerate() {
+        *x = last.checked_add(i as u32 + 1)?;
+    }
+    Some(t)
 }
 
-/// The ticket after `t`: the next one, never 0 (a word's value while its write is pending).
-pub(crate) fn next_ticket(t: u32) -> u32 {
-    match t.wrapping_add(1) {
-        0 => 1,
-        n => n,
+/// What a flag word says to the holder of `tickets` ([`word`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Word {
+    /// 0, as reset when lent: none of the holder's writes landed yet.
+    Pending,
+    /// One of the holder's tickets: the stream passed that write (`last`: the last one, after
+    /// which none of the holder's writes is pending), or a graph that captured it ran it.
+    Landed {
+        /// The ticket of the last write.
+        last: bool,
+    },
+    /// Any other value (the value): a ticket of an earlier holder, whose write a CUDA graph ran
+    /// again (a capture on another thread took the write during that holder's call, unseen, and
+    /// each launch of the graph writes it). The holder cannot tell whether its own writes landed
+    /// before it: the word is retired.
+    Stray(u32),
+}
+
+/// What a flag word that reads `read` says to the holder of `tickets`. Tickets are never 0, a
+/// taken word is reset to 0 before its writes are queued, and a word's tickets never repeat
+/// ([`tickets_after`]), so only the holder's own writes read as [`Word::Landed`].
+pub(crate) fn word(read: u32, tickets: &Tickets) -> Word {
+    if read == 0 {
+        return Word::Pending;
+    }
+    match tickets.iter().position(|&t| t == read) {
+        Some(i) => Word::Landed {
+            last: i == WRITES - 1,
+        },
+        None => Word::Stray(read),
     }
 }
 
@@ -160,35 +210,41 @@ type At = (usize, usize);
 struct Slots<P> {
     /// Every page made; never dropped while the pool lives.
     pages: Vec<Arc<P>>,
-    /// Words on which no device write is pending.
-    free: Vec<At>,
-    /// Words given back before their write landed, with their ticket.
-    parked: Vec<(At, u32)>,
+    /// Words on which no device write is pending, each with the last ticket it was lent with
+    /// (0: never lent).
+    free: Vec<(At, u32)>,
+    /// Words given back before their last write landed, with their tickets.
+    parked: Vec<(At, Tickets)>,
     /// Pages being made now (outside the lock).
     making: usize,
     /// Pages that makes which failed left registered ([`NotMade`]): never usable, never freed,
     /// counted toward the pool's bound with the pages made.
     left: usize,
-    /// The last ticket handed out.
-    last: u32,
+    /// Words never lent again ([`Flag::retire`], a stray write seen, tickets used up).
+    retired: usize,
 }
 
 impl<P: Page> Slots<P> {
-    /// Moves every parked word that reads its ticket back to the free words.
+    /// Moves every parked word that reads its last ticket back to the free words, and retires
+    /// every one that reads a stray write ([`Word::Stray`]).
     fn reclaim(&mut self) {
         let Slots {
             pages,
             free,
             parked,
+            retired,
             ..
         } = self;
-        parked.retain(|&((p, w), t)| {
-            if landed(pages[p].load(w), t) {
-                free.push((p, w));
+        parked.retain(|&((p, w), t)| match word(pages[p].load(w), &t) {
+            Word::Landed { last: true } => {
+                free.push(((p, w), t[WRITES - 1]));
                 false
-            } else {
-                true
             }
+            Word::Stray(_) => {
+                *retired += 1;
+                false
+            }
+            Word::Pending | Word::Landed { last: false } => true,
         });
     }
 }
@@ -202,15 +258,18 @@ pub(crate) struct FlagPool<M: MakePage> {
     slots: Mutex<Slots<M::Page>>,
 }
 
-/// A flag word lent by a [`FlagPool`] with its ticket: the holder's alone. Dropping it gives
-/// the word back: free once it read its ticket, parked until then.
+/// A flag word lent by a [`FlagPool`] with its tickets: the holder's alone. Dropping it gives
+/// the word back ([`FlagPool::give_back`]): free once it read its last ticket, parked while it
+/// reads 0, retired otherwise.
 pub(crate) struct Flag<M: MakePage> {
     pool: Arc<FlagPool<M>>,
     page: Arc<M::Page>,
     at: At,
-    ticket: u32,
+    tickets: Tickets,
     /// Never given back ([`retire`](Self::retire)).
     retired: bool,
+    /// Never lent again ([`suspect`](Self::suspect)).
+    suspect: AtomicBool,
 }
 
 impl<M: MakePage> FlagPool<M> {
@@ -227,7 +286,7 @@ impl<M: MakePage> FlagPool<M> {
                 parked: Vec::new(),
                 making: 0,
                 left: 0,
-                last: 0,
+                retired: 0,
             }),
         })
     }
@@ -261,22 +320,27 @@ impl<M: MakePage> FlagPool<M> {
         let p = s.pages.len();
         let n = page.words();
         s.pages.push(Arc::new(page));
-        s.free.extend((0..n).rev().map(|w| (p, w)));
+        s.free.extend((0..n).rev().map(|w| ((p, w), 0)));
         Ok(true)
     }
 
-    /// A free word with a new ticket, reset to 0 (no write is pending on it), parked words that
-    /// landed taken back first when none is free. Never makes a page (so no CUDA call, nothing
-    /// that may wait): `None` when no word is free now, the pool empty included; a page is made
-    /// only by [`top_up`](Self::top_up), off the calls' paths.
+    /// A free word with new tickets ([`tickets_after`]: above every ticket it was lent with
+    /// before; a word whose tickets are used up is retired instead), reset to 0 (no write is
+    /// pending on it), parked words that landed taken back first when none is free. Never makes a
+    /// page (so no CUDA call, nothing that may wait): `None` when no word is free now, the pool
+    /// empty included; a page is made only by [`top_up`](Self::top_up), off the calls' paths.
     pub(crate) fn take_ready(self: &Arc<Self>) -> Option<Flag<M>> {
         let mut s = self.slots();
-        if s.free.is_empty() {
-            s.reclaim();
-        }
-        let at = s.free.pop()?;
-        s.last = next_ticket(s.last);
-        let ticket = s.last;
+        let (at, tickets) = loop {
+            if s.free.is_empty() {
+                s.reclaim();
+            }
+            let (at, last) = s.free.pop()?;
+            match tickets_after(last) {
+                Some(t) => break (at, t),
+                None => s.retired += 1,
+            }
+        };
         let page = s.pages[at.0].clone();
         drop(s);
         page.reset(at.1);
@@ -286,8 +350,9 @@ impl<M: MakePage> FlagPool<M> {
             pool: self.clone(),
             page,
             at,
-            ticket,
+            tickets,
             retired: false,
+            suspect: AtomicBool::new(false),
         })
     }
 
@@ -338,20 +403,35 @@ impl<M: MakePage> FlagPool<M> {
         self.slots().parked.len()
     }
 
-    fn give_back(&self, at: At, ticket: u32, landed_now: bool) {
+    /// Retired words now (never lent again).
+    #[cfg(test)]
+    pub(crate) fn retired(&self) -> usize {
+        self.slots().retired
+    }
+
+    /// Takes back the word at `at`, lent with `tickets`, that reads `now` ([`word`]): free once
+    /// its last write landed; parked while none did (its writes may still land); retired
+    /// otherwise: it reads a stray write, or only its first write landed by the time its holder
+    /// was done (a capture the call could not see may hold the last one, to be replayed, or a
+    /// graph replayed an earlier write over it), or its holder saw a stray write (`suspect`).
+    fn give_back(&self, at: At, tickets: Tickets, now: u32, suspect: bool) {
         let mut s = self.slots();
-        if landed_now {
-            s.free.push(at);
-        } else {
-            s.parked.push((at, ticket));
+        match word(now, &tickets) {
+            Word::Landed { last: true } if !suspect => s.free.push((at, tickets[WRITES - 1])),
+            Word::Pending if !suspect => s.parked.push((at, tickets)),
+            _ => s.retired += 1,
         }
+    }
+
+    fn retire_one(&self) {
+        self.slots().retired += 1;
     }
 }
 
 impl<M: MakePage> Flag<M> {
-    /// The value the device's write stores.
-    pub(crate) fn ticket(&self) -> u32 {
-        self.ticket
+    /// The values the device's writes store, in the order they are queued.
+    pub(crate) fn tickets(&self) -> Tickets {
+        self.tickets
     }
 
     /// The word's device address.
@@ -359,9 +439,21 @@ impl<M: MakePage> Flag<M> {
         self.page.device_addr(self.at.1)
     }
 
-    /// True once the word reads its ticket: the write landed.
+    /// What the word says now ([`word`]).
+    pub(crate) fn state(&self) -> Word {
+        word(self.page.load(self.at.1), &self.tickets)
+    }
+
+    /// True once the word reads one of its tickets: a write landed.
+    #[cfg(test)]
     pub(crate) fn landed(&self) -> bool {
-        landed(self.page.load(self.at.1), self.ticket)
+        matches!(self.state(), Word::Landed { .. })
+    }
+
+    /// The holder saw a stray write in the word ([`Word::Stray`]): never lend it again, whatever
+    /// it reads when given back (a graph may write it again).
+    pub(crate) fn suspect(&self) {
+        self.suspect.store(true, Ordering::Relaxed);
     }
 }
 
@@ -377,20 +469,24 @@ impl<M: MakePage> Flag<M> {
 impl<M: MakePage> Drop for Flag<M> {
     fn drop(&mut self) {
         if self.retired {
+            self.pool.retire_one();
             return;
         }
-        let now = self.landed();
-        self.pool.give_back(self.at, self.ticket, now);
+        let now = self.page.load(self.at.1);
+        let suspect = self.suspect.load(Ordering::Relaxed);
+        self.pool.give_back(self.at, self.tickets, now, suspect);
     }
 }
 
-/// Why [`wait_until`] stopped before the fence landed.
+/// Why [`wait_until`] (or [`Fence::wait`]) stopped before the fence landed.
 #[derive(Debug)]
 pub(crate) enum Stop {
     /// The waiter's control asked it to stop.
     Cancelled,
     /// The health check failed (its error).
     Broken(Error),
+    /// The fence's word read a stray write ([`Word::Stray`]): [`overwritten`]'s refusal.
+    Overwritten(Error),
 }
 
 /// How long [`wait_until`] spins (cheap loads) before it sleeps: a stream with nothing queued
@@ -614,6 +710,51 @@ thread_local! {
     static FENCED: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
 }
 
+/// Where a [`mark`] on this thread stands, for [`in_mark_here`]'s hook.
+#[cfg(test)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Step {
+    /// Before the fence's write `n` (from 0) is queued.
+    BeforeWrite(usize),
+    /// After its write `n` was queued, before the capture check after it.
+    Written(usize),
+}
+
+/// What a test's [`mark`]s run at each [`Step`] ([`in_mark_here`]).
+#[cfg(test)]
+pub(crate) type MarkHook = Box<dyn FnMut(Step)>;
+
+#[cfg(test)]
+thread_local! {
+    /// Test hook: what this thread's [`mark`]s run at each [`Step`].
+    static IN_MARK: std::cell::RefCell<Option<MarkHook>> = const { std::cell::RefCell::new(None) };
+    /// Test hook: the device address of the word of the fence this thread's [`mark`] made last.
+    static FENCE_WORD: std::cell::Cell<sys::CUdeviceptr> = const { std::cell::Cell::new(0) };
+}
+
+/// Test hook: this thread's later [`mark`]s run `hook` at each [`Step`] (`None`: nothing), as
+/// another thread of the caller's would act at that point (begin or end a capture, say).
+#[cfg(test)]
+pub(crate) fn in_mark_here(hook: Option<MarkHook>) {
+    IN_MARK.with(|h| *h.borrow_mut() = hook);
+}
+
+#[cfg(test)]
+fn in_mark(step: Step) {
+    IN_MARK.with(|h| {
+        if let Some(f) = h.borrow_mut().as_mut() {
+            f(step)
+        }
+    });
+}
+
+/// Test hook: the device address of the word of the fence this thread's [`mark`] made last (0:
+/// none yet).
+#[cfg(test)]
+pub(crate) fn fence_word_here() -> sys::CUdeviceptr {
+    FENCE_WORD.with(|w| w.get())
+}
+
 /// Test hook: this thread's later [`mark`]s are events (`true`) or as usual.
 #[cfg(test)]
 pub(crate) fn force_events_here(on: bool) {
@@ -638,18 +779,67 @@ impl Fence {
     /// `cancelled` says so, or when `health_on` (a stream of the fence's context that only this
     /// thread feeds, such as a transfer thread's side stream) answers an error: [`HEALTH_OP`]
     /// with its code, which names the cause (a kernel's illegal address, a context destroyed).
-    /// The flag stays parked then, its write maybe still to land.
+    /// The flag stays parked then, its write maybe still to land. Either of the fence's tickets
+    /// ends the wait ([`Word::Landed`]: the stream passed a write queued after the work before
+    /// the call). A stray write in the word ([`Word::Stray`]: a CUDA graph replayed an earlier
+    /// holder's write) stops it with [`overwritten`]'s refusal, [`Stop::Overwritten`], and the
+    /// word is never lent again: whether this fence's own writes landed before the stray one
+    /// cannot be told, so waiting on could never end.
     pub(crate) fn wait(
         &self,
         cancelled: impl FnMut() -> bool,
         health_on: &CudaStream,
     ) -> std::result::Result<(), Stop> {
-        wait_until(
-            || self.flag.landed(),
-            cancelled,
-            || healthy(health_on),
-            HEALTH_EVERY,
-        )
+        wait_flag(&self.flag, cancelled, || healthy(health_on), HEALTH_EVERY)
+    }
+}
+
+/// [`Fence::wait`]'s wait for `flag` ([`wait_until`], `health` asked after each `every`): ends
+/// once the word reads one of the flag's tickets; a stray write stops it with
+/// [`Stop::Overwritten`] and marks the flag never to be lent again ([`Flag::suspect`]).
+pub(crate) fn wait_flag<M: MakePage>(
+    flag: &Flag<M>,
+    cancelled: impl FnMut() -> bool,
+    health: impl FnMut() -> Result<()>,
+    every: Duration,
+) -> std::result::Result<(), Stop> {
+    let seen = std::cell::Cell::new(Word::Pending);
+    wait_until(
+        || {
+            seen.set(flag.state());
+            seen.get() != Word::Pending
+        },
+        cancelled,
+        health,
+        every,
+    )?;
+    match seen.get() {
+        Word::Stray(read) => {
+            flag.suspect();
+            Err(Stop::Overwritten(overwritten(read)))
+        }
+        Word::Pending | Word::Landed { .. } => Ok(()),
+    }
+}
+
+/// The refusal of a transfer whose fence word read `read`, a stray write ([`Word::Stray`]).
+pub(crate) fn overwritten(read: u32) -> Error {
+    Error::Unsupported {
+        what: "a non-blocking transfer's wait for the work queued on its buffer's stream before \
+               the call"
+            .into(),
+        cause: crate::Cause::Other {
+            message: format!(
+                "its fence word was overwritten with {read:#x}, an earlier call's ticket: a CUDA \
+                 graph holds that call's fence write (a capture begun and ended on another thread \
+                 during that call, which the call cannot see) and wrote it again when launched; \
+                 whether this transfer's own fence landed before it cannot be told, so nothing \
+                 moved, and the word is retired"
+            ),
+            fix: "run the transfer again, and do not capture a CUDA graph on a stream on one \
+                  thread while a non-blocking call on that stream runs on another"
+                .into(),
+        },
     }
 }
 
@@ -713,20 +903,29 @@ impl Refill {
 
 /// Marks where `stream`'s work stands now, for a host thread to wait for ([`Mark`]): a fence
 /// when its context supports them and has a word free, otherwise a pooled event recorded on
-/// it ([`events::record`]). The fence is one `cuStreamWriteValue32` (the context made current
-/// first, the thread's current context put back after), which does not wait while another
-/// thread unregisters host memory. The stream's capture status is asked again after the write
-/// (`cuStreamIsCapturing`, which does not wait either): the caller refused a capturing stream
-/// before the gate, but another thread may have begun a capture on it since, and the write then
-/// went into that graph, whose replays would write the old ticket into the word after it was
-/// lent again. Then the word is retired for good ([`Flag::retire`]) and the call fails
-/// ([`Error::Unsupported`]). A capture begun and ended entirely between the two checks is not
-/// seen: that is the caller racing its own stream (a capture on a stream while another thread
-/// hands the same stream to a call), whose graph holds the write, and its replays may land an
-/// old ticket in a reused word. A call never makes a page ([`FlagPool::take_ready`]): one
-/// that finds no word free (the context's first call when [`prepare`] did not make its page,
-/// or every word in use) orders with the pooled event and asks for a page, which the transfer
-/// thread makes after the transfer ([`Refill::top_up`]).
+/// it ([`events::record`]). The fence is [`WRITES`] `cuStreamWriteValue32`s of its word, each of
+/// its own ticket (the context made current first, the thread's current context put back
+/// after), each followed by a capture check (`cuStreamIsCapturing`), none of which waits while
+/// another thread unregisters host memory ([`queue_writes`]). The caller refused a capturing
+/// stream before the gate, but another thread may begin a capture on it at any time, and a
+/// write queued then goes into that graph, not the stream: run only when the graph is launched,
+/// as often as it is. A check that sees the capture retires the word for good ([`Flag::retire`])
+/// and fails the call ([`Error::Unsupported`]). A capture begun and ended between two checks is
+/// seen by none (CUDA keeps no trace of a capture that ended: `cuStreamGetCaptureInfo`'s id
+/// exists only while one lasts) and holds the one write between them; the stream still runs the
+/// other, queued after the work before the call too, so the fence lands (either ticket ends the
+/// wait, [`Word::Landed`]) instead of waiting for the graph's launch, or for ever. The graph's
+/// replays write the held ticket again: never a later holder's (a word's tickets never repeat,
+/// [`tickets_after`]), it reads as a stray write to whoever holds the word then, whose wait
+/// fails ([`overwritten`]) and which retires the word. What a capture the checks cannot see
+/// still does: launched before the stream reached the call's point (on another stream), a
+/// graph holding the first write lands the fence early; two such captures in one call, one per
+/// write, leave the stream no write of the fence (the wait ends only with a cancel or the
+/// graphs' launch). That is the caller racing its own stream (a capture on a stream while
+/// another thread hands the same stream to a call). A call never makes a page
+/// ([`FlagPool::take_ready`]): one that finds no word free (the context's first call when
+/// [`prepare`] did not make its page, or every word in use) orders with the pooled event and
+/// asks for a page, which the transfer thread makes after the transfer ([`Refill::top_up`]).
 pub(crate) fn mark(stream: &CudaStream) -> Result<Mark> {
     #[cfg(test)]
     if FORCE_EVENTS.with(|f| f.get()) {
@@ -735,26 +934,24 @@ pub(crate) fn mark(stream: &CudaStream) -> Result<Mark> {
     let f = fences(stream.context());
     if f.ops.load(Ordering::Relaxed) {
         match f.pool.take_ready() {
-            // Dropped unless queued, the flag is parked (it never reads its ticket): one word.
-            Some(flag) => match write(stream, &flag) {
-                Write::Queued => {
-                    // The caller refused a capturing stream before; another thread of the
-                    // caller's may have begun one since, and then the write went into its graph.
-                    if let Err(e) = super::refuse_capturing(
-                        stream,
-                        "a non-blocking transfer's call: the stream began capturing a CUDA graph during the call (on another thread), and the call's fence went into the graph",
-                    ) {
-                        flag.retire();
-                        return Err(e);
-                    }
+            // Dropped unless queued, the flag is parked (it reads 0) or retired (a write of it
+            // landed): one word.
+            Some(flag) => match queue(stream, &flag) {
+                Queue::Queued => {
                     #[cfg(test)]
                     FENCED.with(|n| n.set(n.get() + 1));
+                    #[cfg(test)]
+                    FENCE_WORD.with(|w| w.set(flag.device_addr()));
                     return Ok(Mark::Fence(Fence { flag, fences: f }));
                 }
-                Write::Unsupported => {
+                Queue::Captured(e) => {
+                    flag.retire();
+                    return Err(e);
+                }
+                Queue::Unsupported => {
                     f.disable(&"cuStreamWriteValue32 answered CUDA_ERROR_NOT_SUPPORTED")
                 }
-                Write::Failed(e) => tracing::debug!(
+                Queue::Failed(e) => tracing::debug!(
                     %e,
                     "gpudirect: queuing a fence failed; this call orders with an event, the next tries a fence again"
                 ),
@@ -774,6 +971,67 @@ pub(crate) fn mark(stream: &CudaStream) -> Result<Mark> {
         }
     }
     Ok(Mark::Event(events::record(stream)?))
+}
+
+/// What [`mark`]'s capture check names when another thread began a capture on the stream during
+/// the call.
+const CAPTURED_FENCE: &str = "a non-blocking transfer's call: the stream began capturing a CUDA \
+    graph during the call (on another thread), and the call's fence went into the graph";
+
+/// Queues `flag`'s writes on `stream` with a capture check after each ([`queue_writes`]).
+fn queue(stream: &CudaStream, flag: &Flag<MakeMapped>) -> Queue {
+    let at = flag.device_addr();
+    let mut n = 0;
+    queue_writes(
+        &flag.tickets(),
+        |ticket| {
+            #[cfg(test)]
+            in_mark(Step::BeforeWrite(n));
+            let w = write(stream, at, ticket);
+            #[cfg(test)]
+            in_mark(Step::Written(n));
+            n += 1;
+            w
+        },
+        || super::refuse_capturing(stream, CAPTURED_FENCE),
+    )
+}
+
+/// What became of a fence's writes ([`queue_writes`]).
+#[derive(Debug)]
+pub(crate) enum Queue {
+    /// Every write queued, no capture seen.
+    Queued,
+    /// A write answered [`Write::Unsupported`]: the context's gates are events from now on.
+    Unsupported,
+    /// A write failed otherwise (its error): this call orders with an event.
+    Failed(Error),
+    /// A capture check refused the stream (its error: [`Error::Unsupported`], or the check's
+    /// own failure): the word is retired, the call fails.
+    Captured(Error),
+}
+
+/// Queues a fence's writes, one per ticket of `tickets` in order (`write`), each followed by a
+/// capture check (`captured`, an error while the stream captures); stops at the first write that
+/// is not queued or the first check that fails. No capture that the checks cannot see (one
+/// begun and ended between two of them) holds more than one write, so with [`WRITES`] of them
+/// the stream runs at least one under any such capture, after the work queued before them.
+pub(crate) fn queue_writes(
+    tickets: &[u32],
+    mut write: impl FnMut(u32) -> Write,
+    mut captured: impl FnMut() -> Result<()>,
+) -> Queue {
+    for &t in tickets {
+        match write(t) {
+            Write::Queued => {}
+            Write::Unsupported => return Queue::Unsupported,
+            Write::Failed(e) => return Queue::Failed(e),
+        }
+        if let Err(e) = captured() {
+            return Queue::Captured(e);
+        }
+    }
+    Queue::Queued
 }
 
 /// What became of a fence's write ([`write_outcome`]).
@@ -800,9 +1058,9 @@ pub(crate) fn write_outcome(rc: sys::CUresult) -> Write {
     }
 }
 
-/// Queues `flag`'s write on `stream` (see [`Write`]; a failure to make the context current is
-/// [`Write::Failed`]).
-fn write(stream: &CudaStream, flag: &Flag<MakeMapped>) -> Write {
+/// Queues a write of `ticket` to the word at `at` on `stream` (see [`Write`]; a failure to make
+/// the context current is [`Write::Failed`]). `at` is a word of a page of the stream's context.
+fn write(stream: &CudaStream, at: sys::CUdeviceptr, ticket: u32) -> Write {
     let _restore = super::CurrentContext::save();
     // SAFETY: the stream holds its context alive.
     let r = unsafe { super::settle::make_current(stream.context().cu_ctx()) };
@@ -811,9 +1069,7 @@ fn write(stream: &CudaStream, flag: &Flag<MakeMapped>) -> Write {
     }
     // SAFETY: the stream is alive (borrowed), of the current context; the word is 4 aligned
     // bytes of a mapped page of that context (its pool is the stream's context's), never freed.
-    write_outcome(unsafe {
-        super::result::stream::write_value32(stream.cu_stream(), flag.device_addr(), flag.ticket())
-    })
+    write_outcome(unsafe { super::result::stream::write_value32(stream.cu_stream(), at, ticket) })
 }
 
 #[cfg(test)]
@@ -914,9 +1170,16 @@ mod tests {
         (d.clone(), FlagPool::new(d, max_pages, low))
     }
 
-    /// Lands `f`'s write (the device wrote its ticket).
+    /// `f`'s last ticket: what the word reads once all its writes landed.
+    fn last(f: &Flag<Fake>) -> u32 {
+        f.tickets()[WRITES - 1]
+    }
+
+    /// Lands `f`'s writes (the device wrote its tickets, in order).
     fn land(d: &Fake, f: &Flag<Fake>) {
-        d.write(f.device_addr(), f.ticket());
+        for t in f.tickets() {
+            d.write(f.device_addr(), t);
+        }
     }
 
     /// Takes a flag and lands its write.
@@ -954,19 +1217,27 @@ mod tests {
         }
     }
 
+    /// A word's tickets: never 0, consecutive, above the word's last ones, used up (the word
+    /// retired) rather than wrapped; only the holder's own tickets land it, any other value but
+    /// 0 is a stray write.
     #[test]
-    fn tickets_are_never_zero_and_only_their_own_write_lands_them() {
-        assert_eq!(next_ticket(0), 1);
-        assert_eq!(next_ticket(41), 42);
+    fn tickets_are_never_zero_never_repeat_and_only_their_own_writes_land_them() {
+        assert_eq!(tickets_after(0), Some([1, 2]));
+        assert_eq!(tickets_after(41), Some([42, 43]));
+        assert_eq!(tickets_after(u32::MAX - 2), Some([u32::MAX - 1, u32::MAX]));
+        for last in [u32::MAX - 1, u32::MAX] {
+            assert_eq!(tickets_after(last), None, "tickets after {last} wrapped");
+        }
+        let t = [7, 8];
+        assert_eq!(word(7, &t), Word::Landed { last: false });
+        assert_eq!(word(8, &t), Word::Landed { last: true });
+        assert_eq!(word(0, &t), Word::Pending, "a reset word is not landed");
         assert_eq!(
-            next_ticket(u32::MAX),
-            1,
-            "the ticket after the last skips 0"
+            word(6, &t),
+            Word::Stray(6),
+            "an earlier ticket does not land a later holder"
         );
-        assert!(landed(7, 7));
-        assert!(!landed(0, 7), "a reset word is not landed");
-        assert!(!landed(6, 7), "an earlier ticket does not land a later one");
-        assert!(!landed(8, 7));
+        assert_eq!(word(5, &t), Word::Stray(5));
     }
 
     #[test]
@@ -977,22 +1248,19 @@ mod tests {
         addrs.sort_unstable();
         addrs.dedup();
         assert_eq!(addrs.len(), 8, "a word was lent twice");
-        let mut tickets: Vec<u32> = flags.iter().map(|f| f.ticket()).collect();
-        tickets.sort_unstable();
-        tickets.dedup();
-        assert_eq!(tickets.len(), 8);
-        assert!(tickets.iter().all(|&t| t != 0));
+        assert!(flags.iter().all(|f| f.tickets().iter().all(|&t| t != 0)));
         assert!(flags.iter().all(|f| !f.landed()), "landed before any write");
         assert_eq!(p.pages(), 1, "one page holds eight words");
-        // A word that landed and came back is reset when lent again, with a new ticket.
+        // A word that landed and came back is reset when lent again, with tickets above its
+        // earlier ones.
         let f = take_landed(&d, &p);
         assert_eq!(p.pages(), 2);
-        let (addr, t) = (f.device_addr(), f.ticket());
+        let (addr, t) = (f.device_addr(), last(&f));
         assert!(f.landed());
         drop(f);
         let g = p.take().unwrap().unwrap();
         assert_eq!(g.device_addr(), addr, "the free word was not lent again");
-        assert_ne!(g.ticket(), t);
+        assert!(g.tickets()[0] > t, "{:?} after {t}", g.tickets());
         assert_eq!(
             d.read(addr),
             0,
@@ -1042,7 +1310,7 @@ mod tests {
     fn a_retired_word_is_never_lent_again() {
         let (d, p) = pool(2, 1, 0);
         let f = p.take().unwrap().unwrap();
-        let (addr, t) = (f.device_addr(), f.ticket());
+        let (addr, t) = (f.device_addr(), last(&f));
         f.retire();
         assert_eq!((p.free(), p.parked()), (1, 0), "the retired word came back");
         d.write(addr, t);
@@ -1057,6 +1325,226 @@ mod tests {
         }
         p.top_up().unwrap();
         assert_eq!((p.free(), p.parked()), (1, 0));
+    }
+
+    /// The device's side of [`queue_writes`] for the host tests: a stream that another thread
+    /// captures on from before write `begin` to after write `end` (the writes counted from 0),
+    /// so that the capture checks queued after writes `begin..end` see it and those after the
+    /// others do not. Returns what the stream runs (in order) and what the capture's graph holds.
+    fn queue_beside_a_capture(
+        tickets: &[u32],
+        (begin, end): (usize, usize),
+    ) -> (Queue, Vec<u32>, Vec<u32>) {
+        use std::cell::RefCell;
+        let (capturing, stream, graph) = (
+            std::cell::Cell::new(false),
+            RefCell::new(Vec::new()),
+            RefCell::new(Vec::new()),
+        );
+        let mut n = 0;
+        let q = queue_writes(
+            tickets,
+            |t| {
+                if n == begin {
+                    capturing.set(true);
+                }
+                if capturing.get() {
+                    graph.borrow_mut().push(t);
+                } else {
+                    stream.borrow_mut().push(t);
+                }
+                if n == end {
+                    capturing.set(false);
+                }
+                n += 1;
+                Write::Queued
+            },
+            || match capturing.get() {
+                true => Err(Error::InvalidArgument("capturing".into())),
+                false => Ok(()),
+            },
+        );
+        (q, stream.into_inner(), graph.into_inner())
+    }
+
+    /// Review (a capture begun and ended within a call; CONTRIBUTING.md's open problem): a
+    /// capture on another thread that begins after one of a fence's capture checks and ends
+    /// before the next is seen by none, and holds the write between them. With [`WRITES`]
+    /// writes, each followed by a check, such a capture holds one: the stream runs the other,
+    /// and the word lands (either ticket ends the wait) instead of waiting for the graph's
+    /// launch, or for ever. The graph's replays, which write the held ticket again whenever it
+    /// is launched, read as stray writes ([`Word::Stray`]) to the word's later holders, never as
+    /// theirs, and the word is retired once one sees it. A capture that spans two writes, or lasts
+    /// past the last, is seen by a check (the call fails, the word is retired). The code before
+    /// the fix queued one write (`&[ticket]`, the control below): the capture takes it, the
+    /// stream runs nothing, and the word never lands (the transfer waited for the graph's launch,
+    /// or until cancelled).
+    #[test]
+    fn a_capture_the_checks_cannot_see_holds_one_write_and_the_stream_runs_the_other() {
+        // The code before the fix: one write, taken by the capture; nothing for the stream.
+        let (q, ran, held) = queue_beside_a_capture(&[1], (0, 0));
+        assert!(matches!(q, Queue::Queued), "{q:?}");
+        assert!(
+            ran.is_empty() && held == [1],
+            "the single write: ran {ran:?}, held {held:?}"
+        );
+
+        for k in 0..WRITES {
+            let (d, p) = pool(2, 1, 0);
+            let f = p.take().unwrap().unwrap();
+            let addr = f.device_addr();
+            let (q, ran, held) = queue_beside_a_capture(&f.tickets(), (k, k));
+            assert!(
+                matches!(q, Queue::Queued),
+                "capture around write {k}: {q:?}"
+            );
+            assert_eq!(held, [f.tickets()[k]], "capture around write {k}");
+            assert_eq!(ran.len(), WRITES - 1, "capture around write {k}: {ran:?}");
+            // The stream runs the writes it got: the word lands.
+            for t in &ran {
+                d.write(addr, *t);
+            }
+            assert!(
+                f.landed(),
+                "capture around write {k}: the stream's write did not land the fence ({:?})",
+                f.state()
+            );
+            // The graph's launch writes the held ticket: the holder may still read it as its own.
+            d.write(addr, held[0]);
+            assert!(f.landed());
+            drop(f);
+            // Whatever the word went back as (free: its last ticket read; retired: its first),
+            // the graph's replays never land a later holder.
+            for round in 0..4 {
+                let Some(g) = p.take().unwrap() else { break };
+                if g.device_addr() != addr {
+                    continue;
+                }
+                land(&d, &g);
+                d.write(addr, held[0]);
+                assert_eq!(
+                    g.state(),
+                    Word::Stray(held[0]),
+                    "capture around write {k}, round {round}: the replay read as the holder's"
+                );
+                drop(g);
+            }
+            assert!(
+                p.retired() >= 1,
+                "capture around write {k}: the word a replay overwrote is still lent"
+            );
+        }
+
+        // Seen: a capture spanning two writes, or lasting past the last.
+        let t = tickets_after(0).unwrap();
+        for (begin, end) in [(0, 1), (0, usize::MAX), (WRITES - 1, usize::MAX)] {
+            let (q, ..) = queue_beside_a_capture(&t, (begin, end));
+            assert!(
+                matches!(q, Queue::Captured(_)),
+                "a capture over writes {begin}..={end} was not seen: {q:?}"
+            );
+        }
+        // No capture: every write runs on the stream, the last one last.
+        let (q, ran, held) = queue_beside_a_capture(&t, (usize::MAX, usize::MAX));
+        assert!(matches!(q, Queue::Queued) && held.is_empty());
+        assert_eq!(ran, t);
+    }
+
+    /// Review (stale writes): a word's tickets never repeat, so a CUDA graph that replays an
+    /// earlier holder's write (a capture took it unseen) never makes a later holder of the word
+    /// see its own ticket: through a word's whole ticket space (started near its end), each
+    /// holder's tickets are new, the replay of the first holder's ticket reads as a stray write,
+    /// and once the tickets are used up the word is retired, not wrapped around. On the code
+    /// before the fix a pool's tickets wrapped from `u32::MAX` to 1 (the same test, the pool's
+    /// counter started near its end): a later holder got the first holder's ticket again and the
+    /// replay landed it ("the replay of ticket 1 landed a later holder").
+    #[test]
+    fn a_replayed_write_never_lands_a_later_holder_and_tickets_never_wrap() {
+        let (d, p) = pool(1, 1, 0);
+        let f = p.take().unwrap().unwrap();
+        let (addr, stale) = (f.device_addr(), f.tickets()[0]);
+        land(&d, &f);
+        drop(f);
+        // The word's next tickets near the end of the ticket space.
+        p.slots().free[0].1 = u32::MAX - 7;
+        let mut seen = std::collections::HashSet::from([stale]);
+        let mut holders = 0;
+        while let Some(g) = p.take().unwrap() {
+            holders += 1;
+            assert!(holders < 10, "the word was lent past its tickets");
+            d.write(addr, stale);
+            assert_eq!(
+                g.state(),
+                Word::Stray(stale),
+                "the replay of ticket {stale} landed a later holder ({:?})",
+                g.tickets()
+            );
+            for t in g.tickets() {
+                assert!(seen.insert(t), "ticket {t} was lent twice");
+            }
+            land(&d, &g);
+            assert!(g.landed());
+            drop(g);
+        }
+        assert_eq!(holders, 3, "tickets MAX-6 ..= MAX make three takes of two");
+        assert_eq!((p.free(), p.parked(), p.retired()), (0, 0, 1));
+    }
+
+    /// A stray write (a graph's replay) stops a holder's wait with [`overwritten`]'s refusal
+    /// instead of a wait without end (its own writes may have landed before the stray one, and
+    /// never again), and the word is never lent again, also once it reads the holder's last
+    /// ticket. A word given back reading a stray write, or parked and then overwritten, is
+    /// retired too. On the code before the fix the wait went on until cancelled ("the wait did not
+    /// stop at the stray write") and the word came back free.
+    #[test]
+    fn a_stray_write_fails_the_wait_and_retires_the_word() {
+        let (d, p) = pool(4, 1, 0);
+        let f = p.take().unwrap().unwrap();
+        let addr = f.device_addr();
+        d.write(addr, 0x7ead);
+        let mut polls = 0;
+        let r = wait_flag(
+            &f,
+            || {
+                polls += 1;
+                polls > 100_000
+            },
+            || Ok(()),
+            Duration::from_secs(3600),
+        );
+        match r {
+            Err(Stop::Overwritten(e @ Error::Unsupported { .. })) => {
+                let m = e.to_string();
+                for part in ["0x7ead", "CUDA graph", "retired", "run the transfer again"] {
+                    assert!(m.contains(part), "{part:?} is not in: {m}");
+                }
+            }
+            r => panic!("the wait did not stop at the stray write: {r:?}"),
+        }
+        // Its own writes land after the stray one: the word is still never lent again.
+        land(&d, &f);
+        drop(f);
+        assert_eq!((p.free(), p.parked(), p.retired()), (3, 0, 1));
+        // Given back reading a stray write: retired.
+        let g = p.take().unwrap().unwrap();
+        d.write(g.device_addr(), 0x7ead);
+        drop(g);
+        assert_eq!((p.free(), p.parked(), p.retired()), (2, 0, 2));
+        // Parked (nothing landed), then overwritten: retired at the next reclaim, not lent.
+        let h = p.take().unwrap().unwrap();
+        let at = h.device_addr();
+        drop(h);
+        assert_eq!(p.parked(), 1);
+        d.write(at, 0x7ead);
+        let rest: Vec<_> = (0..1).map(|_| take_landed(&d, &p)).collect();
+        assert!(rest.iter().all(|r| r.device_addr() != at));
+        assert!(p.take().unwrap().is_none(), "the overwritten word was lent");
+        assert_eq!((p.parked(), p.retired()), (0, 3));
+        drop(rest);
+        // A holder's own writes landing in order end its wait, on the first ticket already.
+        let k = p.take().unwrap().unwrap();
+        d.write(k.device_addr(), k.tickets()[0]);
+        wait_flag(&k, || false, || Ok(()), Duration::from_secs(3600)).unwrap();
     }
 
     #[test]
@@ -1075,7 +1563,7 @@ mod tests {
     fn a_word_given_back_before_its_write_landed_is_parked_until_it_lands() {
         let (d, p) = pool(4, 1, 0);
         let f = p.take().unwrap().unwrap();
-        let (addr, t) = (f.device_addr(), f.ticket());
+        let (addr, [first, t]) = (f.device_addr(), f.tickets());
         drop(f);
         assert_eq!((p.free(), p.parked()), (3, 1));
         // Every other word is lent; the parked one is not, however often the rest come back.
@@ -1086,25 +1574,25 @@ mod tests {
             drop(others);
         }
         assert_eq!(p.parked(), 1);
-        // A write of another value does not free it (only its own ticket does).
-        d.write(addr, next_ticket(t));
+        // Its first write landing does not free it (only its last does: the other may still land).
+        d.write(addr, first);
         let held: Vec<_> = (0..3).map(|_| take_landed(&d, &p)).collect();
         assert!(p.take().unwrap().is_none());
-        // Its own write lands: taken back when no word is free, reset and lent with a new ticket.
+        // Its last write lands: taken back when no word is free, reset and lent with new tickets.
         d.write(addr, t);
         let back = p
             .take()
             .unwrap()
             .expect("the landed word was not taken back");
         assert_eq!(back.device_addr(), addr);
-        assert_ne!(back.ticket(), t);
+        assert!(back.tickets()[0] > t);
         assert!(!back.landed());
         assert_eq!(p.parked(), 0);
         land(&d, &back);
         drop((held, back));
         // A top-up takes back landed parked words too.
         let f = p.take().unwrap().unwrap();
-        let (addr, t) = (f.device_addr(), f.ticket());
+        let (addr, t) = (f.device_addr(), last(&f));
         drop(f);
         assert_eq!(p.parked(), 1);
         d.write(addr, t);
@@ -1212,9 +1700,9 @@ mod tests {
                             clash.fetch_add(1, SeqCst);
                         }
                         match x % 100 {
-                            0..=9 => late.lock().unwrap().push((addr, f.ticket())),
+                            0..=9 => late.lock().unwrap().push((addr, last(&f))),
                             10 => {} // never lands
-                            _ => d.write(addr, f.ticket()),
+                            _ => d.write(addr, last(&f)),
                         }
                         in_use.lock().unwrap().remove(&addr);
                         drop(f);
