@@ -78,10 +78,13 @@ pub(crate) struct Pool<M: Make> {
     shelf: Mutex<Shelf<M::Item>>,
 }
 
-/// Items lent by a [`Pool`]: the holder's alone; dropping this gives them back.
+/// Items lent by a [`Pool`]: the holder's alone; dropping this gives them back (or drops them,
+/// once [`retire`](Self::retire)d).
 pub(crate) struct Lent<M: Make> {
     items: Vec<M::Item>,
     pool: Arc<Pool<M>>,
+    /// Dropped, not given back ([`retire`](Self::retire)).
+    retired: std::sync::atomic::AtomicBool,
 }
 
 impl<M: Make> Pool<M> {
@@ -115,6 +118,7 @@ impl<M: Make> Pool<M> {
         let mut lent = Lent {
             items: Vec::new(),
             pool: self.clone(),
+            retired: std::sync::atomic::AtomicBool::new(false),
         };
         while items.len() < n {
             match self.make.make() {
@@ -170,6 +174,12 @@ impl<M: Make> Pool<M> {
         self.shelf().lent
     }
 
+    /// Takes back lent items that are not to be lent again: dropped (outside the lock).
+    fn drop_lent(&self, items: Vec<M::Item>) {
+        self.shelf().lent -= items.len();
+        drop(items);
+    }
+
     fn give_back(&self, mut items: Vec<M::Item>) {
         let surplus = {
             let mut s = self.shelf();
@@ -187,6 +197,13 @@ impl<M: Make> Lent<M> {
     pub(crate) fn pool(&self) -> &Arc<Pool<M>> {
         &self.pool
     }
+
+    /// Never lend these again: dropped when this is, not given back (events a capture took,
+    /// whose last record is in a CUDA graph, say).
+    pub(crate) fn retire(&self) {
+        self.retired
+            .store(true, std::sync::atomic::Ordering::Relaxed);
+    }
 }
 
 impl<M: Make> Deref for Lent<M> {
@@ -200,7 +217,11 @@ impl<M: Make> Deref for Lent<M> {
 impl<M: Make> Drop for Lent<M> {
     fn drop(&mut self) {
         let items = std::mem::take(&mut self.items);
-        self.pool.give_back(items);
+        if self.retired.load(std::sync::atomic::Ordering::Relaxed) {
+            self.pool.drop_lent(items);
+        } else {
+            self.pool.give_back(items);
+        }
     }
 }
 
@@ -438,6 +459,30 @@ mod tests {
         assert_eq!(p.make.made.load(SeqCst), 3);
         assert_eq!(two.len(), 2);
         assert_eq!(p.make.dropped.load(SeqCst), 0);
+    }
+
+    /// Retired items (events a capture took) are dropped with their lend, never lent again, and
+    /// no longer counted as lent; the pool makes new ones.
+    #[test]
+    fn retired_items_are_dropped_not_lent_again() {
+        let p = Pool::new(Counter::default(), 4, 2);
+        let a = p.take(2).unwrap();
+        let gone = ids(&a);
+        a.retire();
+        drop(a);
+        assert_eq!((p.lent(), p.idle()), (0, 0));
+        assert_eq!(
+            p.make.dropped.load(SeqCst),
+            2,
+            "the retired items were not dropped"
+        );
+        let b = p.take(2).unwrap();
+        assert!(
+            ids(&b).iter().all(|i| !gone.contains(i)),
+            "a retired item was lent again"
+        );
+        drop(b);
+        assert_eq!((p.lent(), p.idle()), (0, 2));
     }
 
     #[test]

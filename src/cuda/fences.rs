@@ -69,7 +69,9 @@
 //! not asked: since CUDA 12 the driver API no longer says the operations need enabling). That
 //! answer alone switches the context to events for good: from then on its gates are pooled
 //! events recorded on the stream ([`super::events::record`]), which order the same way but may
-//! wait beside an unregister; logged at debug level. Any other failure of the write ([`Write`])
+//! wait beside an unregister; logged at debug level. The stream's capture status is asked again
+//! after the record, as after a fence's writes ([`event_mark`]), and a captured event met by the
+//! transfer thread is refused the same way ([`captured_event`]). Any other failure of the write ([`Write`])
 //! or of making a page (a device that cannot map host memory, memory short) falls back to the
 //! event for that call only (a word whose write failed is parked, as one whose write may still
 //! land); the next call tries a fence again, and the next top-up a page (within the bound, which
@@ -718,6 +720,10 @@ pub(crate) enum Step {
     BeforeWrite(usize),
     /// After its write `n` was queued, before the capture check after it.
     Written(usize),
+    /// Before the fallback's event is recorded.
+    BeforeRecord,
+    /// After the fallback's event was recorded, before the capture check after it.
+    Recorded,
 }
 
 /// What a test's [`mark`]s run at each [`Step`] ([`in_mark_here`]).
@@ -929,7 +935,7 @@ impl Refill {
 pub(crate) fn mark(stream: &CudaStream) -> Result<Mark> {
     #[cfg(test)]
     if FORCE_EVENTS.with(|f| f.get()) {
-        return Ok(Mark::Event(events::record(stream)?));
+        return event_mark(stream);
     }
     let f = fences(stream.context());
     if f.ops.load(Ordering::Relaxed) {
@@ -970,7 +976,62 @@ pub(crate) fn mark(stream: &CudaStream) -> Result<Mark> {
             }
         }
     }
-    Ok(Mark::Event(events::record(stream)?))
+    event_mark(stream)
+}
+
+/// The fallback's mark: a pooled event recorded on `stream` ([`events::record`]), then the
+/// stream's capture status asked again (`cuStreamIsCapturing`), as after a fence's writes: a
+/// capture another thread began on the stream during the call took the record, and the transfer
+/// thread's wait for the event would fail with a CUDA error (`CUDA_ERROR_CAPTURED_EVENT`: CUDA
+/// refuses to query an event last recorded in a capture). Then the call is refused as the
+/// fence's is ([`Error::Unsupported`]) and the event is never lent again ([`events::Lent::retire`]:
+/// its last record is the graph's). A capture begun and ended between the record and the check
+/// is not seen here; the transfer thread's wait then meets the captured event
+/// ([`captured_event`]).
+fn event_mark(stream: &CudaStream) -> Result<Mark> {
+    #[cfg(test)]
+    in_mark(Step::BeforeRecord);
+    let e = events::record(stream)?;
+    #[cfg(test)]
+    in_mark(Step::Recorded);
+    if let Err(err) = super::refuse_capturing(stream, CAPTURED_EVENT) {
+        e.retire();
+        return Err(err);
+    }
+    Ok(Mark::Event(e))
+}
+
+/// What [`event_mark`]'s capture check names when another thread began a capture on the stream
+/// during the call.
+const CAPTURED_EVENT: &str = "a non-blocking transfer's call: the stream began capturing a CUDA \
+    graph during the call (on another thread), and the call's event was recorded into the graph";
+
+/// The transfer thread's answer to `e`, its wait for its gate's events having failed:
+/// `CUDA_ERROR_CAPTURED_EVENT` (the record went into a CUDA graph: a capture another thread began
+/// and ended on the stream during the call, between the record and the check after it, which
+/// cannot see it) is the same refusal as a capture the call saw ([`Error::Unsupported`], nothing
+/// moved), and the events are never lent again (`retire`, [`events::Lent::retire`]); any other error
+/// is `e`.
+pub(crate) fn captured_event(e: Error, retire: impl FnOnce()) -> Error {
+    match e {
+        Error::Cuda { source, .. } if source.0 == sys::CUresult::CUDA_ERROR_CAPTURED_EVENT => {
+            retire();
+            Error::Unsupported {
+                what: "a non-blocking transfer's wait for the work queued on its buffer's stream \
+                       before the call, on a stream that was capturing a CUDA graph"
+                    .into(),
+                cause: crate::Cause::Other {
+                    message: "the event the call recorded on the stream went into a CUDA graph \
+                              that another thread began and ended capturing there during the \
+                              call (cuEventQuery: CUDA_ERROR_CAPTURED_EVENT), so it does not \
+                              stand for the stream's work; nothing moved"
+                        .into(),
+                    fix: super::CAPTURE_FIX.into(),
+                },
+            }
+        }
+        e => e,
+    }
 }
 
 /// What [`mark`]'s capture check names when another thread began a capture on the stream during
@@ -1187,6 +1248,60 @@ mod tests {
         let f = p.take().unwrap().expect("a free word");
         land(d, &f);
         f
+    }
+
+    /// Review (the event fallback's capture re-check): the transfer thread's wait for its gate's
+    /// event answering `CUDA_ERROR_CAPTURED_EVENT` (a capture begun and ended around the call's
+    /// record, which the check after it cannot see) is the refusal of a capturing stream
+    /// ([`Error::Unsupported`] naming the capture, with the capture fix), and the event is never
+    /// lent again; any other error of the wait is returned as it was, the event given back. On
+    /// the code before the fix the wait's CUDA error was the transfer's.
+    #[test]
+    fn a_captured_gate_event_is_refused_as_a_capture_and_never_lent_again() {
+        struct Made;
+        impl events::Make for Made {
+            type Item = ();
+            fn make(&self) -> Result<()> {
+                Ok(())
+            }
+        }
+        let pool = events::Pool::new(Made, 4, 0);
+        let cuda = |rc| Error::cuda("cuEventQuery", cudarc::driver::DriverError(rc));
+        let lent = pool.take(1).unwrap();
+        match captured_event(cuda(sys::CUresult::CUDA_ERROR_CAPTURED_EVENT), || {
+            lent.retire()
+        }) {
+            e @ Error::Unsupported { .. } => {
+                let m = e.to_string();
+                for part in [
+                    "capturing a CUDA graph",
+                    "CUDA_ERROR_CAPTURED_EVENT",
+                    "nothing moved",
+                    "cuStreamBeginCapture",
+                ] {
+                    assert!(m.contains(part), "{part:?} is not in: {m}");
+                }
+            }
+            e => panic!("a captured event gave {e:?}"),
+        }
+        drop(lent);
+        assert_eq!(pool.idle(), 0, "the captured event was given back");
+        let lent = pool.take(1).unwrap();
+        for rc in [
+            sys::CUresult::CUDA_ERROR_ILLEGAL_ADDRESS,
+            sys::CUresult::CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED,
+        ] {
+            match captured_event(cuda(rc), || lent.retire()) {
+                Error::Cuda { source, .. } if source.0 == rc => {}
+                e => panic!("{rc:?} gave {e:?}"),
+            }
+        }
+        drop(lent);
+        assert_eq!(
+            pool.idle(),
+            1,
+            "an event whose wait failed otherwise was not given back"
+        );
     }
 
     /// Only `CUDA_ERROR_NOT_SUPPORTED` from the write means no stream memory operations (the
