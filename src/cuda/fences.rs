@@ -785,6 +785,8 @@ impl Fence {
     /// `cancelled` says so, or when `health_on` (a stream of the fence's context that only this
     /// thread feeds, such as a transfer thread's side stream) answers an error: [`HEALTH_OP`]
     /// with its code, which names the cause (a kernel's illegal address, a context destroyed).
+    /// Nothing else bounds it: in a healthy context whose stream never reaches the fence (a
+    /// `cuStreamWaitValue32` never signalled) only `cancelled` ends it.
     /// The flag stays parked then, its write maybe still to land. Either of the fence's tickets
     /// ends the wait ([`Word::Landed`]: the stream passed a write queued after the work before
     /// the call). A stray write in the word ([`Word::Stray`]: a CUDA graph replayed an earlier

@@ -490,7 +490,11 @@ impl<B> Shared<B> {
 /// never asked again). While it polls it asks about once a millisecond, through a stream
 /// of its own, whether the context still works: a context broken meanwhile (a kernel's illegal
 /// address, say) fails the transfer with that error ([`Error::Cuda`]) instead of a wait without
-/// end. The transfer's own CUDA work on the buffer (cudarc's access, a small transfer's copy,
+/// end. In a context that stays healthy nothing bounds the wait: the transfer waits as long as
+/// the buffer's stream takes to reach the call's point, for good if it never does (a kernel that
+/// never ends, a `cuStreamWaitValue32` or a host function waiting for what never comes, on that
+/// stream or on one it waits for), and only a cancel ends it (see [Cancellation](#cancellation)).
+/// The transfer's own CUDA work on the buffer (cudarc's access, a small transfer's copy,
 /// an upload) goes on a stream of gpudirect's, the transfer thread's. Through cuFile, which
 /// orders on no stream, the transfer thread synchronizes its own stream, not the buffer's. (The
 /// engine runs one job per GPU at a time, so a job must not sit in it waiting for a kernel:
@@ -573,7 +577,9 @@ impl<B> Shared<B> {
 /// and their copies are drained, then the result is [`Error::Cancelled`] with the bytes that
 /// moved. A transfer whose pieces had all started when it was cancelled completes normally.
 /// A transfer still waiting for the buffer's pending work ends at once, having moved nothing.
-/// Transfers through cuFile and small ones (at most 1 MiB) are one piece: cancellation reaches
+/// That wait has no bound of its own while the context stays healthy (see
+/// [Stream order](#stream-order)): to give up on a stream that may never get there, wait with
+/// [`wait_timeout`](Self::wait_timeout) and cancel. Transfers through cuFile and small ones (at most 1 MiB) are one piece: cancellation reaches
 /// them only until they start.
 ///
 /// # Example
