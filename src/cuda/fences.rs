@@ -1008,15 +1008,23 @@ fn event_mark(stream: &CudaStream) -> Result<Mark> {
 const CAPTURED_EVENT: &str = "a non-blocking transfer's call: the stream began capturing a CUDA \
     graph during the call (on another thread), and the call's event was recorded into the graph";
 
-/// The transfer thread's answer to `e`, its wait for its gate's events having failed:
-/// `CUDA_ERROR_CAPTURED_EVENT` (the record went into a CUDA graph: a capture another thread began
-/// and ended on the stream during the call, between the record and the check after it, which
-/// cannot see it) is the same refusal as a capture the call saw ([`Error::Unsupported`], nothing
-/// moved), and the events are never lent again (`retire`, [`events::Lent::retire`]); any other error
-/// is `e`.
+/// The transfer thread's answer to `e`, its wait for its gate's events having failed: an event
+/// whose record went into a CUDA graph (a capture another thread began and ended on the stream
+/// during the call, between the record and the check after it, which cannot see it) is the same
+/// refusal as a capture the call saw ([`Error::Unsupported`], nothing moved), and the events are
+/// never lent again (`retire`, [`events::Lent::retire`]); any other error is `e`. Such an event
+/// is `CUDA_ERROR_CAPTURED_EVENT` from any call, or `CUDA_ERROR_INVALID_VALUE` from
+/// `cuEventQuery`: what the driver answered on the H200 (driver 580, CUDA 13.0, 2026-12-03,
+/// `gpu_transfer_async_event_fallback_refuses_a_capture_begun_in_the_call`) for an event of
+/// gpudirect's own pool, valid and recorded by the call, whose capture had ended, in relaxed and
+/// global modes alike. That query takes no other argument, so the code means that record.
 pub(crate) fn captured_event(e: Error, retire: impl FnOnce()) -> Error {
+    let captured = |op: &str, rc: sys::CUresult| {
+        rc == sys::CUresult::CUDA_ERROR_CAPTURED_EVENT
+            || (op == "cuEventQuery" && rc == sys::CUresult::CUDA_ERROR_INVALID_VALUE)
+    };
     match e {
-        Error::Cuda { source, .. } if source.0 == sys::CUresult::CUDA_ERROR_CAPTURED_EVENT => {
+        Error::Cuda { op, source } if captured(&op, source.0) => {
             retire();
             Error::Unsupported {
                 what: "a non-blocking transfer's wait for the work queued on its buffer's stream \
@@ -1025,8 +1033,9 @@ pub(crate) fn captured_event(e: Error, retire: impl FnOnce()) -> Error {
                 cause: crate::Cause::Other {
                     message: "the event the call recorded on the stream went into a CUDA graph \
                               that another thread began and ended capturing there during the \
-                              call (cuEventQuery: CUDA_ERROR_CAPTURED_EVENT), so it does not \
-                              stand for the stream's work; nothing moved"
+                              call (cuEventQuery: CUDA_ERROR_CAPTURED_EVENT or \
+                              CUDA_ERROR_INVALID_VALUE), so it does not stand for the stream's \
+                              work; nothing moved"
                         .into(),
                     fix: super::CAPTURE_FIX.into(),
                 },
@@ -1288,6 +1297,16 @@ mod tests {
         }
         drop(lent);
         assert_eq!(pool.idle(), 0, "the captured event was given back");
+        // What the H200's driver answers for such an event: cuEventQuery's INVALID_VALUE.
+        let lent = pool.take(1).unwrap();
+        match captured_event(cuda(sys::CUresult::CUDA_ERROR_INVALID_VALUE), || {
+            lent.retire()
+        }) {
+            Error::Unsupported { .. } => {}
+            e => panic!("cuEventQuery's INVALID_VALUE gave {e:?}"),
+        }
+        drop(lent);
+        assert_eq!(pool.idle(), 0, "the captured event was given back");
         let lent = pool.take(1).unwrap();
         for rc in [
             sys::CUresult::CUDA_ERROR_ILLEGAL_ADDRESS,
@@ -1297,6 +1316,14 @@ mod tests {
                 Error::Cuda { source, .. } if source.0 == rc => {}
                 e => panic!("{rc:?} gave {e:?}"),
             }
+        }
+        let other = Error::cuda(
+            "cuStreamWaitEvent",
+            cudarc::driver::DriverError(sys::CUresult::CUDA_ERROR_INVALID_VALUE),
+        );
+        match captured_event(other, || lent.retire()) {
+            Error::Cuda { op, .. } if op == "cuStreamWaitEvent" => {}
+            e => panic!("another call's INVALID_VALUE gave {e:?}"),
         }
         drop(lent);
         assert_eq!(
