@@ -1024,7 +1024,7 @@ pub(crate) fn captured_event(e: Error, retire: impl FnOnce()) -> Error {
             || (op == "cuEventQuery" && rc == sys::CUresult::CUDA_ERROR_INVALID_VALUE)
     };
     match e {
-        Error::Cuda { op, source } if captured(&op, source.0) => {
+        Error::Cuda { op, source } if captured(op, source.0) => {
             retire();
             Error::Unsupported {
                 what: "a non-blocking transfer's wait for the work queued on its buffer's stream \
