@@ -1322,7 +1322,10 @@ mod tests {
             cudarc::driver::DriverError(sys::CUresult::CUDA_ERROR_INVALID_VALUE),
         );
         match captured_event(other, || lent.retire()) {
-            Error::Cuda { op, .. } if op == "cuStreamWaitEvent" => {}
+            Error::Cuda {
+                op: "cuStreamWaitEvent",
+                ..
+            } => {}
             e => panic!("another call's INVALID_VALUE gave {e:?}"),
         }
         drop(lent);
