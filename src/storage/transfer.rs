@@ -2384,6 +2384,36 @@ mod tests {
         assert!(bad.is_empty(), "{}", bad.join("\n"));
     }
 
+    /// Whether cuFile (`Backend::CuFile`) opens a 4 KiB probe file in the scratch directory
+    /// (`name`, random bytes of `seed`; removed again), for the async cuFile tests: false, with
+    /// the machine's state printed, where its refusal is the missing udev record this machine is
+    /// known for and `GPUDIRECT_TEST_UDEV_FIX=1` is not set (the test then checks nothing);
+    /// any other refusal panics. `Backend::CuFile` hands back cuFile's own error, classified
+    /// as the automatic choice does (the probe still there, for its device's udev record).
+    fn cufile_opens_here(name: &str, seed: u64) -> bool {
+        use crate::storage::Backend;
+        let probe = scratch(name);
+        std::fs::write(&probe, random(4096, seed)).unwrap();
+        crate::storage::testkit::udev_fix(&probe);
+        let opened = GpuFile::options().backend(Backend::CuFile).open(&probe);
+        let cause = opened
+            .as_ref()
+            .err()
+            .map(|e| crate::storage::backend::cufile_glue::cause_of(e, &probe));
+        std::fs::remove_file(&probe).unwrap();
+        if let (Err(e), Some(cause)) = (opened, cause) {
+            let fixed = std::env::var("GPUDIRECT_TEST_UDEV_FIX").is_ok_and(|v| v == "1");
+            if !fixed && matches!(cause, crate::Cause::UdevDataMissing { .. }) {
+                eprintln!("cuFile refused the file as this machine's state predicts ({cause}); set GPUDIRECT_TEST_UDEV_FIX=1 (as root) to run this check");
+                return false;
+            }
+            panic!(
+                "cuFile did not open the file: {e} (cause: {cause}; set GPUDIRECT_CUFILE_LIB to libcufile.so.0)"
+            );
+        }
+        true
+    }
+
     /// [`gpu_transfer_async_transfers_leave_a_capturing_stream_alone`] through cuFile
     /// (`Backend::CuFile`: on the machines at hand its compat path): a small read, an 8 MiB
     /// read (whose tail goes through a scratch buffer), a small write, in each of
@@ -2403,26 +2433,8 @@ mod tests {
             .lock()
             .unwrap_or_else(|p| p.into_inner());
         let ctx = gpu();
-        let probe = scratch("beside-capture-cufile-probe");
-        std::fs::write(&probe, random(4096, 70)).unwrap();
-        crate::storage::testkit::udev_fix(&probe);
-        let opened = GpuFile::options().backend(Backend::CuFile).open(&probe);
-        // Backend::CuFile hands back cuFile's own error: classified as the automatic choice
-        // does (the probe still there, for its device's udev record).
-        let cause = opened
-            .as_ref()
-            .err()
-            .map(|e| crate::storage::backend::cufile_glue::cause_of(e, &probe));
-        std::fs::remove_file(&probe).unwrap();
-        if let (Err(e), Some(cause)) = (opened, cause) {
-            let fixed = std::env::var("GPUDIRECT_TEST_UDEV_FIX").is_ok_and(|v| v == "1");
-            if !fixed && matches!(cause, crate::Cause::UdevDataMissing { .. }) {
-                eprintln!("cuFile refused the file as this machine's state predicts ({cause}); set GPUDIRECT_TEST_UDEV_FIX=1 (as root) to run this check");
-                return;
-            }
-            panic!(
-                "cuFile did not open the file: {e} (cause: {cause}; set GPUDIRECT_CUFILE_LIB to libcufile.so.0)"
-            );
+        if !cufile_opens_here("beside-capture-cufile-probe", 70) {
+            return;
         }
         let cufile = || GpuFile::options().backend(Backend::CuFile);
         let cases = [
@@ -2888,7 +2900,8 @@ mod tests {
     /// [`Error::Unsupported`], as the fence's check refuses it, nothing moved, the capture intact,
     /// no error left in the caller's context object; one begun and ended around the record (which
     /// the check cannot see) fails the transfer with the same refusal when its thread meets the
-    /// captured event (`CUDA_ERROR_CAPTURED_EVENT`), nothing moved. On the code before the fix
+    /// captured event (`cuEventQuery`'s `CUDA_ERROR_INVALID_VALUE` on the H200, or
+    /// `CUDA_ERROR_CAPTURED_EVENT`), nothing moved. On the code before the fix
     /// the call had no check after the record: the transfer thread's `cuEventQuery` of the
     /// captured event failed the transfer with a CUDA error ("not refused for the capture:
     /// Err(Cuda { op: \"cuEventQuery\", .. })", and "the call was not refused at once"); read
@@ -3064,26 +3077,8 @@ mod tests {
     fn gpu_cufile_async_calls_ask_their_buffer_once() {
         use crate::storage::Backend;
         let ctx = gpu();
-        let probe = scratch("asked-once-cufile-probe");
-        std::fs::write(&probe, random(4096, 71)).unwrap();
-        crate::storage::testkit::udev_fix(&probe);
-        let opened = GpuFile::options().backend(Backend::CuFile).open(&probe);
-        // Backend::CuFile hands back cuFile's own error: classified as the automatic choice
-        // does (the probe still there, for its device's udev record).
-        let cause = opened
-            .as_ref()
-            .err()
-            .map(|e| crate::storage::backend::cufile_glue::cause_of(e, &probe));
-        std::fs::remove_file(&probe).unwrap();
-        if let (Err(e), Some(cause)) = (opened, cause) {
-            let fixed = std::env::var("GPUDIRECT_TEST_UDEV_FIX").is_ok_and(|v| v == "1");
-            if !fixed && matches!(cause, crate::Cause::UdevDataMissing { .. }) {
-                eprintln!("cuFile refused the file as this machine's state predicts ({cause}); set GPUDIRECT_TEST_UDEV_FIX=1 (as root) to run this check");
-                return;
-            }
-            panic!(
-                "cuFile did not open the file: {e} (cause: {cause}; set GPUDIRECT_CUFILE_LIB to libcufile.so.0)"
-            );
+        if !cufile_opens_here("asked-once-cufile-probe", 71) {
+            return;
         }
         let cufile = || GpuFile::options().backend(Backend::CuFile);
         let cases = [
