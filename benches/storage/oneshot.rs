@@ -25,7 +25,9 @@
 //! - `warm` rows beside each: the same call again in the same process (steady state).
 //! - Not a row: `--child rand4k-parts FILE OPS`, a probe of where a 4 KiB read's time goes
 //!   (`pread`, the copy, its synchronisation on the null and on an own stream, cudarc's events,
-//!   `read_to_device` on both streams), interleaved, one JSON line of medians and p99s.
+//!   `read_to_device` on both streams, a copy from a buffer registered as the small path's is,
+//!   the small path's driver calls mirrored by hand), interleaved, one JSON line of medians
+//!   and p99s.
 //! - Not a row: `--child regcost`, what `cuMemHostRegister` costs in a fresh process with
 //!   nothing else running (4 KiB twice, then 4 MiB, 28 MiB, 4 MiB of touched memory), in µs.
 //! - Not a row: `--child rand4k-kernel FILE OPS`, a 4 KiB read whose host-to-device step is the
@@ -372,6 +374,31 @@ fn child(args: &[String]) -> Res<()> {
             let plain = stream.alloc_zeros::<u8>(4096)?;
             let (dptr, _g) = plain.device_ptr(&stream);
             let cs = own.cu_stream();
+            // A buffer made as the small path makes its own (an anonymous populated mapping of
+            // 1 MiB + 8 KiB, cuMemHostRegister PORTABLE), to tell a registered buffer's copy
+            // from a cuMemHostAlloc one's; `mirror` makes the small path's driver calls
+            // (two cuCtxGetCurrent, cuStreamIsCapturing) around the same pread and copy.
+            let reg_len = (1usize << 20) + 8192;
+            // SAFETY: a fresh private anonymous mapping, registered below, never freed (a probe).
+            let reg = unsafe {
+                libc::mmap(
+                    std::ptr::null_mut(),
+                    reg_len,
+                    libc::PROT_READ | libc::PROT_WRITE,
+                    libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_POPULATE,
+                    -1,
+                    0,
+                )
+            };
+            if reg == libc::MAP_FAILED {
+                return Err("mmap".into());
+            }
+            let reg = reg.cast::<u8>();
+            // SAFETY: our live mapping of reg_len bytes, never unmapped.
+            unsafe {
+                sys::cuMemHostRegister_v2(reg.cast(), reg_len, sys::CU_MEMHOSTREGISTER_PORTABLE)
+            }
+            .result()?;
             let names = [
                 "base",
                 "pread",
@@ -382,6 +409,10 @@ fn child(args: &[String]) -> Res<()> {
                 "devptr_events",
                 "ours_null",
                 "ours_own",
+                "reg_h2d_async_null",
+                "reg_pread_async_null",
+                "mirror",
+                "pread_async_null",
             ];
             // SAFETY: pinned holds 4096 bytes, freed only at the end.
             let pread = |off: u64| unsafe { pread_4k(&raw, pinned, off) };
@@ -423,8 +454,38 @@ fn child(args: &[String]) -> Res<()> {
                         7 => {
                             f.read_to_device(&mut buf0, off)?;
                         }
-                        _ => {
+                        8 => {
                             f.read_to_device(&mut buf_own, off)?;
+                        }
+                        9 => {
+                            sys::cuMemcpyHtoDAsync_v2(dptr, reg.cast(), 4096, std::ptr::null_mut())
+                                .result()?;
+                            sys::cuStreamSynchronize(std::ptr::null_mut()).result()?;
+                        }
+                        10 | 11 => {
+                            if k == 11 {
+                                let mut c = std::ptr::null_mut();
+                                sys::cuCtxGetCurrent(&mut c).result()?;
+                                let mut st =
+                                    sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
+                                sys::cuStreamIsCapturing(std::ptr::null_mut(), &mut st).result()?;
+                                sys::cuCtxGetCurrent(&mut c).result()?;
+                            }
+                            pread_4k(&raw, reg, off)?;
+                            sys::cuMemcpyHtoDAsync_v2(dptr, reg.cast(), 4096, std::ptr::null_mut())
+                                .result()?;
+                            sys::cuStreamSynchronize(std::ptr::null_mut()).result()?;
+                        }
+                        _ => {
+                            pread(off)?;
+                            sys::cuMemcpyHtoDAsync_v2(
+                                dptr,
+                                pinned.cast(),
+                                4096,
+                                std::ptr::null_mut(),
+                            )
+                            .result()?;
+                            sys::cuStreamSynchronize(std::ptr::null_mut()).result()?;
                         }
                     }
                 }
