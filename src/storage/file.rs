@@ -1843,6 +1843,136 @@ mod tests {
         assert!(bad.is_empty(), "{}", bad.join("\n"));
     }
 
+    /// CONTRIBUTING's open problem "a stored error in the caller's cudarc context": a transfer
+    /// binds its buffer's context without taking an error cudarc stored in the caller's object
+    /// (an error an earlier call of the caller's could not return, `record_err`). The error is
+    /// the caller's: the transfer must succeed with every byte in place, the error must still
+    /// be in the object after it, and the thread's current context must be what it was (no
+    /// context, or the buffer's). Through an object of the test's own over device 0's primary
+    /// context (`CudaContext::new`), so no other test's call goes through it: a 4 KiB read and
+    /// write (the small path), 24 MiB reads on the lanes and the segment ring, and a 24 MiB
+    /// write (the gather), one worker. On the code before the fix the small path's and the
+    /// lanes' binds (cudarc's `bind_to_thread`, whose `check_err` takes the stored error)
+    /// fail the call with a `cuCtxSetCurrent` error carrying `CUDA_ERROR_UNKNOWN`, and the
+    /// error is gone from the object; with no context current, the small path leaves the
+    /// buffer's context bound. (The ring binds through the object it was built with, which may
+    /// be another test's: that case fails on the old code only when this test built the ring.)
+    #[test]
+    #[ignore = "needs a CUDA GPU"]
+    fn gpu_storage_transfers_leave_the_callers_stored_error_alone() {
+        use cudarc::driver::DriverError;
+        let _ = gpu();
+        let ctx = CudaContext::new(0).unwrap();
+        let stream = ctx.default_stream();
+        let mut bad = Vec::new();
+        for (case, len, pipe, write) in [
+            ("a 4 KiB read", 4096 + 13, Pipeline::Segments, false),
+            (
+                "a 24 MiB read on the lanes",
+                (24 << 20) + 4096 + 7,
+                Pipeline::Lanes,
+                false,
+            ),
+            (
+                "a 24 MiB read through the ring",
+                (24 << 20) + 4096 + 7,
+                Pipeline::Segments,
+                false,
+            ),
+            ("a 4 KiB write", 4096 + 13, Pipeline::Segments, true),
+            (
+                "a 24 MiB write",
+                (24 << 20) + 4096 + 7,
+                Pipeline::Segments,
+                true,
+            ),
+        ] {
+            for bound in [false, true] {
+                let case = format!(
+                    "{case}, {}",
+                    if bound {
+                        "the context current"
+                    } else {
+                        "no context current"
+                    }
+                );
+                let (p, data) = random_file(&format!("stored-{}", bad.len() + len), len, 7);
+                let f = GpuFile::options()
+                    .backend(Backend::Engine)
+                    .pipeline(pipe)
+                    .threads(1)
+                    .open(&p)
+                    .unwrap();
+                let mut buf = stream.alloc_zeros::<u8>(len).unwrap();
+                let new: Vec<u8> = data.iter().map(|b| b ^ 0x5a).collect();
+                if write {
+                    stream.memcpy_htod(&new, &mut buf).unwrap();
+                }
+                stream.synchronize().unwrap();
+                let found = std::thread::scope(|sc| {
+                    sc.spawn(|| {
+                        // SAFETY: null unbinds; the context is alive (held).
+                        let rc = unsafe {
+                            crate::cuda::result::ctx::set_current(if bound {
+                                ctx.cu_ctx()
+                            } else {
+                                std::ptr::null_mut()
+                            })
+                        };
+                        assert_eq!(rc, sys::CUresult::CUDA_SUCCESS, "cuCtxSetCurrent");
+                        let _ = ctx.check_err();
+                        ctx.record_err::<()>(Err(DriverError(sys::CUresult::CUDA_ERROR_UNKNOWN)));
+                        let r = if write {
+                            f.write_from_device(&buf, 0)
+                        } else {
+                            f.read_to_device(&mut buf, 0)
+                        };
+                        let left = ctx.check_err();
+                        let current = crate::cuda::result::ctx::current();
+                        let mut bad = Vec::new();
+                        match r {
+                            Ok(rep) if rep.bytes == len => {}
+                            Ok(rep) => bad.push(format!("{case}: {} of {len} bytes", rep.bytes)),
+                            Err(e) => bad.push(format!("{case}: the call failed: {e}")),
+                        }
+                        match left {
+                            Err(DriverError(sys::CUresult::CUDA_ERROR_UNKNOWN)) => {}
+                            Err(e) => bad.push(format!("{case}: another error is stored now: {e:?}")),
+                            Ok(()) => bad.push(format!(
+                                "{case}: the caller's stored error is gone from its object"
+                            )),
+                        }
+                        let want = bound.then_some(ctx.cu_ctx());
+                        if current != want {
+                            bad.push(format!(
+                                "{case}: the thread's current context is {current:?} after the call, not {want:?}"
+                            ));
+                        }
+                        bad
+                    })
+                    .join()
+                    .unwrap()
+                });
+                let ok = found.is_empty();
+                bad.extend(found);
+                if ok {
+                    let got = if write {
+                        std::fs::read(&p).unwrap()
+                    } else {
+                        stream.clone_dtoh(&buf).unwrap()
+                    };
+                    let want = if write { &new } else { &data };
+                    if got != *want {
+                        bad.push(format!("{case}: the bytes are not the source's"));
+                    }
+                }
+                drop(f);
+                std::fs::remove_file(&p).unwrap();
+            }
+        }
+        assert!(bad.is_empty(), "{}", bad.join("\n"));
+    }
+
     /// Review of the drain branch (helper-32, finding 2): a transfer on a stream that is
     /// capturing a CUDA graph is refused at once, with a typed error, before anything is
     /// enqueued on the stream. Work enqueued there is captured, not run, and synchronizing or
