@@ -1,9 +1,28 @@
 //! The calling thread's current CUDA context, put back as it was.
 
-use cudarc::driver::{sys, CudaContext};
+use cudarc::driver::{sys, CudaContext, DriverError};
 
 use super::result as r;
 use crate::error::Result;
+
+/// Makes `ctx` current on the calling thread (`cuCtxSetCurrent`, when another context or none
+/// is current) and leaves it current, as cudarc's `bind_to_thread` does, but without taking an
+/// error stored in the object: `bind_to_thread` first runs cudarc's `check_err`, which takes an
+/// error an earlier call of the object's owner could not return (`record_err`, e.g. from a
+/// `Drop`) and returns it as its own, so a gpudirect call binding the caller's object failed
+/// with a `cuCtxSetCurrent` error that was not one, and the caller's error was gone. The
+/// stored error is the caller's: it stays where it is. Every bind of gpudirect's goes through
+/// this (or [`CurrentContext::bind`], which also puts the previous context back).
+pub(crate) fn bind(ctx: &CudaContext) -> std::result::Result<(), DriverError> {
+    if r::ctx::current() != Some(ctx.cu_ctx()) {
+        // SAFETY: the object (borrowed) holds its context alive.
+        let rc = unsafe { r::ctx::set_current(ctx.cu_ctx()) };
+        if rc != sys::CUresult::CUDA_SUCCESS {
+            return Err(DriverError(rc));
+        }
+    }
+    Ok(())
+}
 
 /// Makes a context current on the calling thread (`cuCtxSetCurrent`) and, when dropped, makes
 /// the context that was current before current again, so a gpudirect call leaves the caller's

@@ -116,8 +116,7 @@ pub fn export_dmabuf<M: DeviceMemory + ?Sized>(
             },
         });
     }
-    ctx.bind_to_thread()
-        .map_err(|e| Error::cuda("cuCtxSetCurrent", e))?;
+    crate::cuda::bind(ctx).map_err(|e| Error::cuda("cuCtxSetCurrent", e))?;
     let addr = mem.device_ptr() + range.start as u64;
     let plan = DmaBufPlan::new(addr, range.len() as u64, host_page_size() as u64)?;
     super::set_sync_memops(addr)?;

@@ -105,10 +105,7 @@ impl<T: DeviceRepr + ValidAsZeroBits> DeviceBuffer<T, Plain> {
         let bytes = len
             .checked_mul(std::mem::size_of::<T>())
             .ok_or_else(|| Error::InvalidArgument(format!("{len} elements overflow usize")))?;
-        stream
-            .context()
-            .bind_to_thread()
-            .map_err(|e| Error::cuda("cuCtxSetCurrent", e))?;
+        crate::cuda::bind(stream.context()).map_err(|e| Error::cuda("cuCtxSetCurrent", e))?;
         // SAFETY: the stream's context is current (bound above).
         let ptr = unsafe { r::mem::alloc(bytes) }?;
         // SAFETY: `ptr` is a fresh allocation of at least `bytes` bytes in this context; it is
@@ -154,8 +151,7 @@ impl<T: DeviceRepr> DeviceBuffer<T, GpuPageAligned> {
         let rounded = round_up(bytes, GPU_PAGE_SIZE)
             .ok_or_else(|| Error::InvalidArgument(format!("{bytes} bytes is too large")))?;
         let ctx = stream.context();
-        ctx.bind_to_thread()
-            .map_err(|e| Error::cuda("cuCtxSetCurrent", e))?;
+        crate::cuda::bind(ctx).map_err(|e| Error::cuda("cuCtxSetCurrent", e))?;
         // SAFETY: a context is current (bound above); the memory is only handed out as
         // `T: DeviceRepr` through cudarc, whose users must initialize it before reading (doc).
         let mut base = unsafe { r::mem::alloc(rounded) }?;
@@ -332,7 +328,7 @@ impl<T, L: Layout> Drop for DeviceBuffer<T, L> {
         if let Err(e) = stream.synchronize() {
             tracing::warn!(error = %e, "gpudirect DeviceBuffer: cuStreamSynchronize before cuMemFree failed");
         }
-        if let Err(e) = stream.context().bind_to_thread() {
+        if let Err(e) = crate::cuda::bind(stream.context()) {
             tracing::warn!(error = %e, "gpudirect DeviceBuffer: cannot bind the context to free the buffer; leaking it");
             return;
         }
@@ -528,10 +524,7 @@ pub(crate) unsafe fn alloc_uninit<T: DeviceRepr>(
         // SAFETY: the caller's contract (uninitialised memory).
         return unsafe { stream.alloc::<T>(len) }.map_err(|e| Error::cuda("cuMemAllocAsync", e));
     }
-    stream
-        .context()
-        .bind_to_thread()
-        .map_err(|e| Error::cuda("cuCtxSetCurrent", e))?;
+    crate::cuda::bind(stream.context()).map_err(|e| Error::cuda("cuCtxSetCurrent", e))?;
     // SAFETY: the stream's context is current (bound above).
     let ptr = match unsafe { r::mem::alloc(bytes) } {
         Err(Error::Cuda { source, .. }) if source.0 == sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY => {
@@ -545,10 +538,7 @@ pub(crate) unsafe fn alloc_uninit<T: DeviceRepr>(
             stream
                 .synchronize()
                 .map_err(|e| Error::cuda("cuStreamSynchronize", e))?;
-            stream
-                .context()
-                .bind_to_thread()
-                .map_err(|e| Error::cuda("cuCtxSetCurrent", e))?;
+            crate::cuda::bind(stream.context()).map_err(|e| Error::cuda("cuCtxSetCurrent", e))?;
             // SAFETY: as above (the stream's context is current: bound right above).
             unsafe { r::mem::alloc(bytes) }?
         }

@@ -62,7 +62,7 @@ pub(crate) mod result;
 pub(crate) mod settle;
 pub(crate) mod vmm;
 
-pub(crate) use current::CurrentContext;
+pub(crate) use current::{bind, CurrentContext};
 pub(crate) use memory::{
     alloc_uninit, alloc_uninit_ready, release_slice_view, wait_for_slice_writes,
 };

@@ -75,7 +75,7 @@ impl VmmRange {
 impl Drop for VmmRange {
     fn drop(&mut self) {
         let _restore = crate::cuda::CurrentContext::save();
-        if let Err(e) = self.ctx.bind_to_thread() {
+        if let Err(e) = crate::cuda::bind(&self.ctx) {
             tracing::warn!(%e, "gpudirect VMM: cannot bind context before unmapping");
         }
         if self.mapped {
@@ -190,8 +190,7 @@ impl<T: DeviceRepr + ValidAsZeroBits> VmmBuffer<T> {
             .ok_or_else(|| Error::InvalidArgument(format!("{len} elements overflow usize")))?;
         let g = VmmBuffer::<u8>::granularity(ordinal)?;
         let size = round_up(bytes, g)?;
-        ctx.bind_to_thread()
-            .map_err(|e| Error::cuda("cuCtxSetCurrent", e))?;
+        crate::cuda::bind(ctx).map_err(|e| Error::cuda("cuCtxSetCurrent", e))?;
         let handle = r::vmm::create(size, &r::vmm::prop(ordinal as i32))?;
         let range = VmmRange::map(ctx, handle, size, g)?;
         // SAFETY: `range.ptr` maps `size >= bytes` bytes readable and writable by this device;
@@ -228,10 +227,7 @@ impl<T> VmmBuffer<T> {
                 cause: Cause::PeerUnsupported { src: peer, dst: me },
             });
         }
-        self.stream
-            .context()
-            .bind_to_thread()
-            .map_err(|e| Error::cuda("cuCtxSetCurrent", e))?;
+        crate::cuda::bind(self.stream.context()).map_err(|e| Error::cuda("cuCtxSetCurrent", e))?;
         self.range.set_access(peer)
     }
 

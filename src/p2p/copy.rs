@@ -156,9 +156,7 @@ fn plan(
     opts: &CopyOptions,
 ) -> Result<Planned> {
     check_stream(stream, dst_ctx)?;
-    dst_ctx
-        .bind_to_thread()
-        .map_err(|e| Error::cuda("cuCtxSetCurrent", e))?;
+    crate::cuda::bind(dst_ctx).map_err(|e| Error::cuda("cuCtxSetCurrent", e))?;
     let s = inspect(src_ptr, src_ctx);
     let d = inspect(dst_ptr, dst_ctx);
     if let Some(want) = opts.src_device {

@@ -187,9 +187,7 @@ impl RdmaWriteFlush {
                 },
             });
         }
-        self.ctx
-            .bind_to_thread()
-            .map_err(|e| Error::cuda("cuCtxSetCurrent", e))?;
+        crate::cuda::bind(&self.ctx).map_err(|e| Error::cuda("cuCtxSetCurrent", e))?;
         // SAFETY: a context is current (bound above).
         unsafe { cuda::result::rdma::flush_gpudirect_rdma_writes(scope.raw()) }?;
         Ok(FlushOutcome::Flushed)

@@ -170,9 +170,7 @@ impl<M: GpuMemory> GpuMemoryRegion<M> {
             "GPUDirect RDMA registration of GPU {ordinal} memory on {}",
             pd.context().name()
         );
-        mem.context()
-            .bind_to_thread()
-            .map_err(|e| Error::cuda("cuCtxSetCurrent", e))?;
+        crate::cuda::bind(mem.context()).map_err(|e| Error::cuda("cuCtxSetCurrent", e))?;
         let addr = mem.device_ptr() + range.start as u64;
         let len = range.len();
         let info = pointer_info(addr)?;

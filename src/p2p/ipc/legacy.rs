@@ -75,10 +75,7 @@ impl IpcMemHandle {
     pub unsafe fn export<T: AnyBitPattern>(buf: &DeviceBuffer<T>) -> Result<Self> {
         let _restore = crate::cuda::CurrentContext::save();
         crate::cuda::wait_for_slice_writes(buf.as_slice())?;
-        buf.stream()
-            .context()
-            .bind_to_thread()
-            .map_err(|e| Error::cuda("cuCtxSetCurrent", e))?;
+        crate::cuda::bind(buf.stream().context()).map_err(|e| Error::cuda("cuCtxSetCurrent", e))?;
         // SAFETY: `buf` owns a live cuMemAlloc allocation starting at `device_ptr()`; the caller
         // keeps it alive for as long as importers map it (this function's contract).
         let handle = unsafe { r::ipc::get_mem_handle(buf.device_ptr()) }?;
@@ -183,8 +180,7 @@ impl<T> IpcMapping<T> {
         let _restore = crate::cuda::CurrentContext::save();
         let len = elements::<T>(handle.len_bytes)?;
         let ctx = stream.context();
-        ctx.bind_to_thread()
-            .map_err(|e| Error::cuda("cuCtxSetCurrent", e))?;
+        crate::cuda::bind(ctx).map_err(|e| Error::cuda("cuCtxSetCurrent", e))?;
         // SAFETY: the stream's context is current.
         let ptr = unsafe { r::ipc::open_mem_handle(&handle.handle) }?;
         if let Err(e) = check_mapped_len(ptr, handle.len_bytes, "IpcMemHandle") {
@@ -270,7 +266,7 @@ impl<T> Drop for IpcMapping<T> {
             tracing::warn!(%e, "gpudirect IpcMapping: cuCtxSynchronize failed; mapping leaked rather than released under queued work");
             return;
         }
-        if let Err(e) = self.stream.context().bind_to_thread() {
+        if let Err(e) = crate::cuda::bind(self.stream.context()) {
             tracing::warn!(%e, "gpudirect IpcMapping: cannot bind context; mapping leaked");
             return;
         }

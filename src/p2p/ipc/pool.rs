@@ -33,7 +33,7 @@ unsafe impl Sync for PoolHandle {}
 impl Drop for PoolHandle {
     fn drop(&mut self) {
         let _restore = crate::cuda::CurrentContext::save();
-        if let Err(e) = self.ctx.bind_to_thread() {
+        if let Err(e) = crate::cuda::bind(&self.ctx) {
             tracing::warn!(%e, "gpudirect pool: cannot bind context; pool leaked");
             return;
         }
@@ -58,8 +58,7 @@ impl SharedPool {
     /// Creates an exportable pool on `ctx`'s device.
     pub fn new(ctx: &Arc<CudaContext>) -> Result<Self> {
         let _restore = crate::cuda::CurrentContext::save();
-        ctx.bind_to_thread()
-            .map_err(|e| Error::cuda("cuCtxSetCurrent", e))?;
+        crate::cuda::bind(ctx).map_err(|e| Error::cuda("cuCtxSetCurrent", e))?;
         let pool = r::mem_pool::create_exportable(ctx.ordinal() as i32)?;
         Ok(SharedPool {
             inner: Arc::new(PoolHandle {
@@ -104,10 +103,7 @@ impl SharedPool {
         let bytes = len
             .checked_mul(std::mem::size_of::<T>())
             .ok_or_else(|| Error::InvalidArgument(format!("{len} elements overflow usize")))?;
-        self.inner
-            .ctx
-            .bind_to_thread()
-            .map_err(|e| Error::cuda("cuCtxSetCurrent", e))?;
+        crate::cuda::bind(&self.inner.ctx).map_err(|e| Error::cuda("cuCtxSetCurrent", e))?;
         // SAFETY: pool and stream are live; the stream's context is current.
         let ptr = unsafe { r::mem_pool::alloc_async(bytes, self.inner.pool, stream.cu_stream()) }?;
         // SAFETY: `ptr` holds `bytes` bytes of pool memory on this stream; cudarc frees it with
@@ -244,8 +240,7 @@ impl ImportedPool {
     /// The fd is closed afterwards (the driver keeps its own reference).
     pub fn from_fd(ctx: &Arc<CudaContext>, fd: OwnedFd) -> Result<Self> {
         let _restore = crate::cuda::CurrentContext::save();
-        ctx.bind_to_thread()
-            .map_err(|e| Error::cuda("cuCtxSetCurrent", e))?;
+        crate::cuda::bind(ctx).map_err(|e| Error::cuda("cuCtxSetCurrent", e))?;
         // SAFETY: `fd` is an open descriptor we own for the call's duration.
         let pool = unsafe { r::mem_pool::import_fd(fd.as_raw_fd()) }?;
         drop(fd);
@@ -276,8 +271,7 @@ impl ImportedPool {
         let _restore = crate::cuda::CurrentContext::save();
         let len = elements::<T>(ptr.len_bytes)?;
         let ctx = stream.context();
-        ctx.bind_to_thread()
-            .map_err(|e| Error::cuda("cuCtxSetCurrent", e))?;
+        crate::cuda::bind(ctx).map_err(|e| Error::cuda("cuCtxSetCurrent", e))?;
         // Held until the mapping's entry is in: a repeated import that returns an address
         // already imported is then counted before another mapping's drop can free it.
         let mut records = records();

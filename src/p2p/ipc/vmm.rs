@@ -53,8 +53,7 @@ impl<T> VmmImport<T> {
         let len = elements::<T>(len_bytes)?;
         let ctx = stream.context();
         let me = ctx.ordinal();
-        ctx.bind_to_thread()
-            .map_err(|e| Error::cuda("cuCtxSetCurrent", e))?;
+        crate::cuda::bind(ctx).map_err(|e| Error::cuda("cuCtxSetCurrent", e))?;
         // SAFETY: `fd` is an open descriptor we own for the call's duration.
         let handle = unsafe { r::vmm::import_fd(fd.as_raw_fd()) }?;
         drop(fd);

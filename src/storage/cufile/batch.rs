@@ -777,10 +777,7 @@ fn settle(
 /// [`Error::Unsupported`] (the destination's last bytes are then unspecified).
 fn copy_into_place(t: &Tail, len: usize) -> Result<()> {
     crate::cuda::refuse_capturing(&t.stream, "BatchIo: copying a read's last bytes into place")?;
-    t.stream
-        .context()
-        .bind_to_thread()
-        .map_err(|e| Error::cuda("cuCtxSetCurrent", e))?;
+    crate::cuda::bind(t.stream.context()).map_err(|e| Error::cuda("cuCtxSetCurrent", e))?;
     // SAFETY: `dst .. + len` lies inside the operation's destination (its last bytes, which
     // the batch borrows until this completion is handed out) and `scratch .. + len` inside the
     // scratch buffer, both in the stream's context, which is current; every entry of the

@@ -107,7 +107,7 @@ impl BufferError {
 /// thread's current context back.
 fn free_bound(buf: CudaSlice<u8>) {
     let _restore = crate::cuda::CurrentContext::save();
-    let _ = buf.context().bind_to_thread();
+    let _ = crate::cuda::bind(buf.context());
     drop(buf);
 }
 
@@ -324,7 +324,7 @@ impl RegisteredBuffer {
         if let Some(s) = self.slice.as_ref() {
             // cuFile requires no IO in flight; sync IO is complete on return, and the stream
             // may still hold kernels touching the memory, which is harmless for deregistration.
-            let _ = s.context().bind_to_thread();
+            let _ = crate::cuda::bind(s.context());
         }
         // SAFETY: `base` was registered by `register` and has not been deregistered (set to 0
         // after success). Synchronous IO has completed; stream and batch IO guards borrow the

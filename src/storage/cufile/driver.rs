@@ -874,10 +874,7 @@ impl Driver {
     /// stream).
     pub(in crate::storage) fn enter(&self, stream: &CudaStream, synchronize: bool) -> Result<()> {
         self.retain_context(stream.context());
-        stream
-            .context()
-            .bind_to_thread()
-            .map_err(|e| Error::cuda("cuCtxSetCurrent", e))?;
+        crate::cuda::bind(stream.context()).map_err(|e| Error::cuda("cuCtxSetCurrent", e))?;
         if synchronize {
             stream
                 .synchronize()

@@ -530,7 +530,7 @@ impl Drop for Scratch {
         if let Some(buf) = self.buf.take() {
             // The caller's current context is its business: every caller holds a
             // `CurrentContext` guard that puts it back.
-            let _ = buf.context().bind_to_thread();
+            let _ = crate::cuda::bind(buf.context());
             drop(buf);
         }
     }

@@ -403,7 +403,7 @@ impl Drop for StreamIo {
         // The buffer is freed here, inside the guard and with its context bound: cudarc's
         // `CudaSlice` drop frees without binding (and fails with no current context), and a
         // field dropped after this body would run after the guard put the caller's context back.
-        let _ = self.stream.context().bind_to_thread();
+        let _ = crate::cuda::bind(self.stream.context());
         drop(self.buf.take());
     }
 }
@@ -447,7 +447,7 @@ impl StreamRegistration {
 impl Drop for StreamRegistration {
     fn drop(&mut self) {
         let _restore = crate::cuda::CurrentContext::save();
-        let _ = self.stream.context().bind_to_thread();
+        let _ = crate::cuda::bind(self.stream.context());
         // Stream-ordered IO still queued on the stream uses the registration: let it finish.
         if let Err(e) = self.stream.synchronize() {
             tracing::warn!(error = %e, "stream sync failed before cuFileStreamDeregister; the registration and the stream leak");

@@ -1215,8 +1215,7 @@ impl Engine {
             let next = match again {
                 Some(i) => retired.swap_remove(i),
                 None => {
-                    ctx.bind_to_thread()
-                        .map_err(|e| Error::cuda("cuCtxSetCurrent", e))?;
+                    crate::cuda::bind(ctx).map_err(|e| Error::cuda("cuCtxSetCurrent", e))?;
                     #[cfg(test)]
                     self.rings_built.fetch_add(1, Ordering::SeqCst);
                     segment::SegRes::new(ctx, shape.0, shape.1, shape.2)?
@@ -1296,7 +1295,7 @@ impl Engine {
     pub fn prepare_workers(&self, ctx: &Arc<CudaContext>, threads: usize) {
         // A panic (none is possible here) only loses the warm-up.
         let _ = self.pool.run(threads, &|_ws: &mut WorkerState| {
-            let _ = ctx.bind_to_thread();
+            let _ = crate::cuda::bind(ctx);
         });
     }
 

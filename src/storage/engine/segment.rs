@@ -617,7 +617,7 @@ impl SegRes {
         let next = AtomicUsize::new(0);
         let err: Mutex<Option<Error>> = Mutex::new(None);
         let ran = pool.run(threads.min(slots), &|_ws| {
-            if let Err(e) = self.ctx.bind_to_thread() {
+            if let Err(e) = crate::cuda::bind(&self.ctx) {
                 *err.lock().unwrap_or_else(|p| p.into_inner()) = Some(e.into());
                 return;
             }
@@ -660,9 +660,7 @@ impl Ring for SegRes {
     }
 
     fn bind(&self) -> Result<()> {
-        self.ctx
-            .bind_to_thread()
-            .map_err(|e| Error::cuda("cuCtxSetCurrent", e))
+        crate::cuda::bind(&self.ctx).map_err(|e| Error::cuda("cuCtxSetCurrent", e))
     }
 
     /// Page-locks in 2 MiB steps (at most the slot); a slot locked less far than asked is
@@ -801,7 +799,7 @@ impl Drop for SegRes {
     fn drop(&mut self) {
         // Every copy was drained when the last job ended (a ring whose drain failed is leaked,
         // never dropped).
-        let _ = self.ctx.bind_to_thread();
+        let _ = crate::cuda::bind(&self.ctx);
         let mut ok = true;
         for r in 0..self.nseg {
             let starts = std::mem::take(&mut *self.regions_of(r));

@@ -153,8 +153,8 @@ pub(in crate::storage) unsafe fn read(
     stream: sys::CUstream,
 ) -> Result<(usize, bool)> {
     debug_assert!(n <= SMALL_MAX);
-    ctx.bind_to_thread()
-        .map_err(|e| Error::cuda("cuCtxSetCurrent", e))?;
+    // The caller's thread is left as it was found (its current context put back).
+    let _current = crate::cuda::CurrentContext::bind(ctx)?;
     with_buf(|buf| {
         let (got, head, odirect) = match read_host(fds, direct, off, n, buf) {
             Ok(x) => x,
@@ -283,8 +283,8 @@ pub(in crate::storage) unsafe fn write(
     stream: sys::CUstream,
 ) -> Result<bool> {
     debug_assert!(n <= SMALL_MAX);
-    ctx.bind_to_thread()
-        .map_err(|e| Error::cuda("cuCtxSetCurrent", e))?;
+    // The caller's thread is left as it was found (its current context put back).
+    let _current = crate::cuda::CurrentContext::bind(ctx)?;
     with_buf(|buf| {
         // SAFETY: buf holds BUF_LEN >= n bytes, page-locked; src is readable for n bytes
         // (contract); waited for right below.

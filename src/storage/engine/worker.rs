@@ -111,7 +111,7 @@ pub(in crate::storage) fn lanes_dropped_busy() -> usize {
 #[cfg(test)]
 impl Drop for Lane {
     fn drop(&mut self) {
-        let _ = self.ctx.bind_to_thread();
+        let _ = crate::cuda::bind(&self.ctx);
         // SAFETY: the lane's stream is alive (dropped after this) in its bound context.
         if !unsafe { crate::cuda::result::stream::is_idle(self.stream.cu_stream()) } {
             LANES_DROPPED_BUSY.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
@@ -235,8 +235,7 @@ impl WorkerState {
 
     /// The lane for `ctx`, created on first use; binds `ctx` to the calling thread.
     pub fn lane(&mut self, ctx: &Arc<CudaContext>) -> Result<usize> {
-        ctx.bind_to_thread()
-            .map_err(|e| Error::cuda("cuCtxSetCurrent", e))?;
+        crate::cuda::bind(ctx).map_err(|e| Error::cuda("cuCtxSetCurrent", e))?;
         if let Some(i) = self
             .lanes
             .iter()
