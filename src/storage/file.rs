@@ -1901,6 +1901,7 @@ mod tests {
                     .backend(Backend::Engine)
                     .pipeline(pipe)
                     .threads(1)
+                    .write(write)
                     .open(&p)
                     .unwrap();
                 let mut buf = stream.alloc_zeros::<u8>(len).unwrap();
