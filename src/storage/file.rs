@@ -668,6 +668,10 @@ impl GpuFile {
         let engine = engine::engine(Some(ctx.ordinal()), self.cfg.numa_pin)?;
         let threads = self.threads_for(Some(ctx.ordinal()), direct);
         let tasks = plan(file_offset, n, piece, Dir::Read, direct);
+        // The job's ordering event and cudarc's access bind contexts on this thread (through
+        // their objects, cudarc's bind_to_thread): the caller's thread gets its current context
+        // back at the return (declared first: put back after the access's record).
+        let _restore = crate::cuda::CurrentContext::save();
         let (dptr, _record) = view.device_ptr_mut(&on);
         ctl.same_buffer(dptr, len)?;
         // Instead of synchronizing `on`: the call's gate (a non-blocking call), then an event
@@ -817,6 +821,8 @@ impl GpuFile {
             let piece = self.cfg.piece_size();
             self.prepare_write(direct, file_offset, len)?;
             let tasks = plan(file_offset, len, piece, Dir::Write, direct);
+            // As in read_dev_into: the caller's current context is put back at the return.
+            let _restore = crate::cuda::CurrentContext::save();
             let (dptr, _record) = view.device_ptr(&on);
             ctl.same_buffer(dptr, len)?;
             let mut own = None;
