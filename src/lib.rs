@@ -149,6 +149,13 @@
 //! importer's mapping: the legacy and pool exports are `unsafe fn`s that say so. `Drop`
 //! never panics: failures are logged with `tracing`.
 //! The cuFile driver is never closed (closing it at exit crashes in the wild).
+//!
+//! CUDA contexts: gpudirect keeps each device's primary context retained once it used it. A
+//! context of your own (cudarc's `CudaContext::new_non_primary`) is not kept by the fence pages,
+//! event pools and side streams of the non-blocking transfers: it is destroyed once you drop
+//! its object and its transfers are over (a 4 KiB page of fence words stays allocated per such
+//! context); the storage engine's segment ring and worker lanes, which larger device transfers
+//! use, still keep it.
 #![deny(unsafe_op_in_unsafe_fn)]
 #![warn(missing_docs)]
 #![warn(clippy::undocumented_unsafe_blocks, clippy::missing_safety_doc)]

@@ -29,9 +29,12 @@
 //! transfer completed, in `GpuFile::warm_up`); the events lent out are the transfers in flight.
 //! One pool per context used (a process has one per GPU in practice); [`release_idle`]
 //! (`storage::release_engines`) destroys the idle events of all of them. Events are made
-//! through gpudirect's own context object ([`super::own_object`]), never a caller's, so that an
+//! through gpudirect's own context object ([`super::own_unpinned`]), never a caller's, so that an
 //! error an earlier call left in a caller's cudarc object never fails another caller's
-//! transfer.
+//! transfer, and so that a pool does not keep a context alive that is not its device's primary
+//! one (see [`super::contexts`]): events lent out keep it alive until they are given back
+//! ([`Events`]), a top-up is made while it lives, and the pool of a context that died is
+//! dropped without destroying its idle events ([`Pool::abandon`]: they went with the context).
 //!
 //! Events still made inside a storage transfer (not pooled): the segment ring's one per slot
 //! and the workers' lanes' two per worker and context, made with the ring or lane they belong
@@ -46,6 +49,8 @@ use std::ops::Deref;
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use cudarc::driver::{sys, CudaContext, CudaEvent, CudaStream};
+
+use super::contexts::{Alive, ContextRef, OfContext, Registry};
 
 use crate::error::{Error, Result};
 
@@ -162,6 +167,16 @@ impl<M: Make> Pool<M> {
         idle.len()
     }
 
+    /// Leaks every idle item, never dropping it; returns how many. For the pool of a context
+    /// that died: its events went with it, and their drop would destroy dead handles (which a
+    /// later context's events may have been given).
+    pub(crate) fn abandon(&self) -> usize {
+        let idle = std::mem::take(&mut self.shelf().idle);
+        let n = idle.len();
+        std::mem::forget(idle);
+        n
+    }
+
     /// Idle items now.
     #[cfg(test)]
     pub(crate) fn idle(&self) -> usize {
@@ -241,38 +256,88 @@ impl Make for MakeEvent {
     }
 }
 
-/// Events of one context, lent by its pool.
-pub(crate) type Events = Lent<MakeEvent>;
+/// Events of one context, lent by its pool; they keep the context alive until they are given
+/// back (a context that is not its device's primary one is not kept by its pool: see
+/// [`super::contexts`]), so that an event given back beyond the pool's bound is destroyed in a
+/// live context.
+pub(crate) struct Events {
+    lent: Lent<MakeEvent>,
+    /// Dropped after `lent` (field order).
+    alive: Alive,
+}
 
-type EventPool = Pool<MakeEvent>;
+impl Events {
+    /// The pool these came from.
+    pub(crate) fn pool(&self) -> &Arc<EventPool> {
+        self.lent.pool()
+    }
 
-fn pools() -> MutexGuard<'static, Vec<(usize, Arc<EventPool>)>> {
-    static POOLS: Mutex<Vec<(usize, Arc<EventPool>)>> = Mutex::new(Vec::new());
+    /// What keeps their context alive (for a top-up of their pool after they are given back).
+    pub(crate) fn alive(&self) -> &Alive {
+        &self.alive
+    }
+
+    /// Never lend these again ([`Lent::retire`]): they are destroyed when these are dropped,
+    /// their context alive then.
+    pub(crate) fn retire(&self) {
+        self.lent.retire();
+    }
+}
+
+impl Deref for Events {
+    type Target = [CudaEvent];
+
+    fn deref(&self) -> &[CudaEvent] {
+        &self.lent
+    }
+}
+
+/// The pool of one context.
+pub(crate) type EventPool = Pool<MakeEvent>;
+
+/// A context died: its pool's idle events went with it.
+impl OfContext for Arc<EventPool> {
+    fn context_died(self) {
+        self.abandon();
+    }
+}
+
+fn pools() -> MutexGuard<'static, Registry<Arc<EventPool>>> {
+    static POOLS: Mutex<Registry<Arc<EventPool>>> = Mutex::new(Registry::new());
     POOLS.lock().unwrap_or_else(|p| p.into_inner())
 }
 
-/// The pool of `ctx`'s context, made empty on first use.
-fn pool(ctx: &Arc<CudaContext>) -> Arc<EventPool> {
-    let key = ctx.cu_ctx() as usize;
-    if let Some((_, p)) = pools().iter().find(|(k, _)| *k == key) {
-        return p.clone();
+/// The pool of `ctx`'s context, made empty on first use, and what keeps the context alive
+/// meanwhile (an error when it is dead already: `ctx` is gpudirect's object of a context whose
+/// caller let go of it).
+fn pool(ctx: &Arc<CudaContext>) -> Result<(Arc<EventPool>, Alive)> {
+    let pinned = |(r, p): (&ContextRef, &Arc<EventPool>)| {
+        r.pin()
+            .map(|a| (p.clone(), a))
+            .ok_or_else(super::contexts::destroyed)
+    };
+    if let Some(found) = pools().find(ctx) {
+        return pinned(found);
     }
     // Outside the registry's lock: the first use of a context may make gpudirect's own object
     // for it (cudarc's `CudaContext::new`).
-    let own = super::own_object(ctx);
+    let own = super::own_unpinned(ctx);
     let mut v = pools();
-    if let Some((_, p)) = v.iter().find(|(k, _)| *k == key) {
-        return p.clone();
+    if let Some(found) = v.find(ctx) {
+        return pinned(found);
     }
-    let p = Pool::new(MakeEvent(own), KEEP, SPARE);
-    v.push((key, p.clone()));
-    p
+    let found = v.insert(own.of, Pool::new(MakeEvent(own.obj), KEEP, SPARE));
+    pinned(found)
 }
 
 /// `n` events of `ctx`'s context, not recorded by their taker yet (an idle event may hold an
 /// earlier taker's record: record before any wait).
 pub(crate) fn take(ctx: &Arc<CudaContext>, n: usize) -> Result<Events> {
-    pool(ctx).take(n)
+    let (pool, alive) = pool(ctx)?;
+    Ok(Events {
+        lent: pool.take(n)?,
+        alive,
+    })
 }
 
 /// An event of `stream`'s context recorded on `stream` now (`cuEventRecord` through the result
@@ -375,19 +440,31 @@ pub(crate) fn synchronize(event: &CudaEvent) -> Result<()> {
 /// Makes idle events in `ctx`'s pool until [`SPARE`] are idle (see [`Pool::top_up`]); for
 /// places nothing waits on (after a transfer completed, a warm-up).
 pub(crate) fn top_up(ctx: &Arc<CudaContext>) -> Result<usize> {
-    pool(ctx).top_up()
+    let (pool, _alive) = pool(ctx)?;
+    pool.top_up()
 }
 
-/// Destroys the idle events of every context's pool; returns how many. Makes no CUDA call when
-/// no pool exists (a process without libcuda may call it).
+/// Destroys the idle events of every live context's pool (each kept alive meanwhile); returns
+/// how many. The pools of dead contexts are dropped, their events left alone (see
+/// [`Pool::abandon`]). Makes no CUDA call when no pool exists (a process without libcuda may
+/// call it).
 pub(crate) fn release_idle() -> usize {
-    let pools: Vec<Arc<EventPool>> = pools().iter().map(|(_, p)| p.clone()).collect();
+    let pools: Vec<(Arc<EventPool>, Alive)> = {
+        let mut v = pools();
+        v.prune();
+        v.iter()
+            .filter_map(|(r, p)| Some((p.clone(), r.pin()?)))
+            .collect()
+    };
     if pools.is_empty() {
         return 0;
     }
-    // cudarc's event drop binds the event's context: put back what was current.
+    // cudarc's event drop binds the event's context (and the drop of a context's last object,
+    // which may be a pin here, destroys it): put back what was current.
     let _restore = super::CurrentContext::save();
-    pools.iter().map(|p| p.drain()).sum()
+    let n = pools.iter().map(|(p, _)| p.drain()).sum();
+    drop(pools);
+    n
 }
 
 #[cfg(test)]
@@ -577,6 +654,25 @@ mod tests {
         drop(a);
         assert_eq!((p.lent(), p.idle()), (0, 2));
         assert!(Arc::ptr_eq(p.take(1).unwrap().pool(), &p));
+    }
+
+    /// The pool of a context that died leaks its idle items (their handles are dead), never
+    /// dropping one; items lent out still come back (none are, for a dead context: lent events
+    /// keep it alive).
+    #[test]
+    fn an_abandoned_pool_leaks_its_idle_items_without_dropping_them() {
+        let p = Pool::new(Counter::default(), 8, 0);
+        let lent = p.take(2).unwrap();
+        drop(p.take(3).unwrap());
+        assert_eq!(p.abandon(), 3);
+        assert_eq!(p.idle(), 0);
+        assert_eq!(
+            p.make.dropped.load(SeqCst),
+            0,
+            "an abandoned item was dropped"
+        );
+        drop(lent);
+        assert_eq!((p.lent(), p.idle()), (0, 2));
     }
 
     /// Threads take and give back at random; each marks its items in use while it holds them:

@@ -52,8 +52,21 @@
 //! each launch) is a stray write ([`Word::Stray`]): a holder that sees one fails its wait
 //! ([`overwritten`]), and the word, like one given back with only its first write landed, is
 //! retired, never lent again. No page is ever freed or unregistered: a pending write to it would
-//! land in freed memory. The pool holds its context (gpudirect's own object for it) and lives for
-//! the process.
+//! land in freed memory.
+//!
+//! Contexts: a pool holds its context through gpudirect's object for it
+//! ([`super::own_unpinned`]), which keeps a device's primary context (retained by gpudirect for
+//! the process) and never keeps another one alive: a program that makes a context per job
+//! (cudarc's `CudaContext::new_non_primary`) gets each one destroyed when it drops its object,
+//! the registry dropping the dead context's pool at its next lookup ([`super::contexts`]). Its
+//! pages stay allocated (leaked: no page is ever freed), and nothing is called on the dead
+//! context (no `cuMemHostUnregister`: the driver dropped the registration with the context, and
+//! a call on its handle could reach a later context given the same handle). That the context's
+//! destruction ended every write of its streams is not what keeps this sound: a page a write
+//! may still reach is never freed, whatever the driver does. While a fence is pending, its
+//! [`Fence`] keeps the context alive (as do the transfer's buffer and its gate), so its write
+//! lands or the health check sees the context fail; a top-up after the transfer
+//! ([`Refill`]) keeps it alive while it makes a page.
 //!
 //! Bounds: a page is 4 KiB, [`WORDS`] words; the first is made ahead by [`prepare`]
 //! (`GpuFile::warm_up`) or, when that was not called, by the transfer thread after the
@@ -84,6 +97,7 @@ use std::time::{Duration, Instant};
 
 use cudarc::driver::{sys, CudaContext, CudaStream};
 
+use super::contexts::{Alive, ContextRef, OfContext, Registry};
 use super::events::{self, Events, MakeEvent, Pool};
 use crate::error::{Error, Result};
 
@@ -533,7 +547,8 @@ pub(crate) fn wait_until(
 pub(crate) struct Mapped {
     host: std::ptr::NonNull<u32>,
     dev: sys::CUdeviceptr,
-    /// The context the memory belongs to, kept alive with it.
+    /// gpudirect's object for the context the memory is registered in ([`super::own_unpinned`]:
+    /// it does not keep a non-primary context alive; the page outlives it, never freed).
     _ctx: Arc<CudaContext>,
 }
 
@@ -578,7 +593,8 @@ impl Page for Mapped {
     }
 }
 
-/// Makes [`Mapped`] pages of one context (through gpudirect's own object for it).
+/// Makes [`Mapped`] pages of one context (through gpudirect's own object for it,
+/// [`super::own_unpinned`]; only while the context is alive: a call's borrow or a pin).
 pub(crate) struct MakeMapped(Arc<CudaContext>);
 
 impl MakePage for MakeMapped {
@@ -596,7 +612,8 @@ impl MakePage for MakeMapped {
             },
         )?;
         let _restore = super::CurrentContext::save();
-        // SAFETY: the object holds its context alive.
+        // SAFETY: the context is alive: a page is made during a call that borrows the caller's
+        // object, or under a pin of it (see the module's "Contexts").
         let r = unsafe { super::settle::make_current(self.0.cu_ctx()) };
         let registered = super::result::check("cuCtxSetCurrent", r).and_then(|()| {
             // SAFETY: `host` is PAGE_BYTES of page-aligned memory of ours that is never freed
@@ -658,49 +675,69 @@ impl Fences {
     }
 }
 
-fn registry() -> MutexGuard<'static, Vec<(usize, Arc<Fences>)>> {
-    static FENCES: Mutex<Vec<(usize, Arc<Fences>)>> = Mutex::new(Vec::new());
+/// A context died: its fences are dropped with no CUDA call, their pages kept (never freed; see
+/// the module's "Contexts").
+impl OfContext for Arc<Fences> {
+    fn context_died(self) {}
+}
+
+fn registry() -> MutexGuard<'static, Registry<Arc<Fences>>> {
+    static FENCES: Mutex<Registry<Arc<Fences>>> = Mutex::new(Registry::new());
     FENCES.lock().unwrap_or_else(|p| p.into_inner())
 }
 
-/// `ctx`'s context's fences, made (without a page) on first use.
-fn fences(ctx: &Arc<CudaContext>) -> Arc<Fences> {
-    let key = ctx.cu_ctx() as usize;
-    if let Some((_, f)) = registry().iter().find(|(k, _)| *k == key) {
-        return f.clone();
+/// `ctx`'s context's fences, made (without a page) on first use, and what keeps the context
+/// alive meanwhile (an error when it is dead already: `ctx` is gpudirect's object of a context
+/// whose caller let go of it).
+fn fences(ctx: &Arc<CudaContext>) -> Result<(Arc<Fences>, Alive)> {
+    let pinned = |(r, f): (&ContextRef, &Arc<Fences>)| {
+        r.pin()
+            .map(|a| (f.clone(), a))
+            .ok_or_else(super::contexts::destroyed)
+    };
+    if let Some(found) = registry().find(ctx) {
+        return pinned(found);
     }
     // Outside the registry's lock: the first use of a context may make gpudirect's own object.
-    let own = super::own_object(ctx);
+    let own = super::own_unpinned(ctx);
     let mut v = registry();
-    if let Some((_, f)) = v.iter().find(|(k, _)| *k == key) {
-        return f.clone();
+    if let Some(found) = v.find(ctx) {
+        return pinned(found);
     }
     let f = Arc::new(Fences {
-        pool: FlagPool::new(MakeMapped(own), MAX_PAGES, LOW),
+        pool: FlagPool::new(MakeMapped(own.obj), MAX_PAGES, LOW),
         ops: AtomicBool::new(true),
         want: AtomicBool::new(false),
     });
-    v.push((key, f.clone()));
-    f
+    let found = v.insert(own.of, f);
+    pinned(found)
 }
 
-/// Tops up the pools of the contexts whose calls found no free word since ([`Fences::want`]):
-/// their first page, or another. Called after a transfer, on its transfer thread.
+/// Tops up the pools of the live contexts whose calls found no free word since
+/// ([`Fences::want`]): their first page, or another, each context kept alive meanwhile (one that
+/// died since is skipped). Called after a transfer, on its transfer thread.
 fn top_up_wanted() {
-    let wanted: Vec<Arc<Fences>> = registry()
-        .iter()
-        .filter(|(_, f)| f.want.swap(false, Ordering::Relaxed))
-        .map(|(_, f)| f.clone())
-        .collect();
-    for f in wanted {
-        f.top_up();
+    let wanted: Vec<(ContextRef, Arc<Fences>)> = {
+        let mut v = registry();
+        v.prune();
+        v.iter()
+            .filter(|(r, f)| r.alive() && f.want.swap(false, Ordering::Relaxed))
+            .map(|(r, f)| (r.clone(), f.clone()))
+            .collect()
+    };
+    for (r, f) in wanted {
+        if let Some(_alive) = r.pin() {
+            f.top_up();
+        }
     }
 }
 
 /// Makes `ctx`'s first page of flag words ahead of the transfers (`GpuFile::warm_up`); a
 /// failure is logged and leaves that context's gates to events.
 pub(crate) fn prepare(ctx: &Arc<CudaContext>) {
-    fences(ctx).top_up();
+    if let Ok((f, _alive)) = fences(ctx) {
+        f.top_up();
+    }
 }
 
 #[cfg(test)]
@@ -778,6 +815,9 @@ pub(crate) fn fenced_here() -> usize {
 pub(crate) struct Fence {
     flag: Flag<MakeMapped>,
     fences: Arc<Fences>,
+    /// The fence's context, kept alive while it is pending (and for the top-up after it,
+    /// [`Mark::refill`]).
+    alive: Alive,
 }
 
 impl Fence {
@@ -874,17 +914,32 @@ pub(crate) enum Mark {
 }
 
 impl Mark {
-    /// What to top up once the mark is given back (after its transfer, off the calls' paths).
+    /// What to top up once the mark is given back (after its transfer, off the calls' paths),
+    /// with what keeps its context alive until then.
     pub(crate) fn refill(&self) -> Refill {
         match self {
-            Mark::Fence(f) => Refill::Fences(f.fences.clone()),
-            Mark::Event(e) => Refill::Events(e.pool().clone()),
+            Mark::Fence(f) => Refill {
+                pool: Refilled::Fences(f.fences.clone()),
+                _alive: f.alive.clone(),
+            },
+            Mark::Event(e) => Refill {
+                pool: Refilled::Events(e.pool().clone()),
+                _alive: e.alive().clone(),
+            },
         }
     }
 }
 
-/// The pool a [`Mark`] came from, to top up ([`Refill::top_up`]).
-pub(crate) enum Refill {
+/// The pool a [`Mark`] came from, to top up ([`Refill::top_up`]), and its context, kept alive
+/// until the top-up is done: the transfer may have handed its buffer back by then, and the
+/// caller dropped its context (a non-primary one is then destroyed when this is dropped).
+pub(crate) struct Refill {
+    pool: Refilled,
+    _alive: Alive,
+}
+
+/// Which pool a [`Refill`] tops up.
+enum Refilled {
     /// A context's flag words.
     Fences(Arc<Fences>),
     /// A context's events.
@@ -897,9 +952,9 @@ impl Refill {
     /// context's first page when [`prepare`] did not make it); call it where nothing waits for
     /// it.
     pub(crate) fn top_up(self) {
-        match self {
-            Refill::Fences(f) => f.top_up(),
-            Refill::Events(p) => {
+        match &self.pool {
+            Refilled::Fences(f) => f.top_up(),
+            Refilled::Events(p) => {
                 if let Err(e) = p.top_up() {
                     tracing::debug!(%e, "gpudirect: topping up the transfer events failed");
                 }
@@ -939,7 +994,7 @@ pub(crate) fn mark(stream: &CudaStream) -> Result<Mark> {
     if FORCE_EVENTS.with(|f| f.get()) {
         return event_mark(stream);
     }
-    let f = fences(stream.context());
+    let (f, alive) = fences(stream.context())?;
     if f.ops.load(Ordering::Relaxed) {
         match f.pool.take_ready() {
             // Dropped unless queued, the flag is parked (it reads 0) or retired (a write of it
@@ -950,7 +1005,11 @@ pub(crate) fn mark(stream: &CudaStream) -> Result<Mark> {
                     FENCED.with(|n| n.set(n.get() + 1));
                     #[cfg(test)]
                     FENCE_WORD.with(|w| w.set(flag.device_addr()));
-                    return Ok(Mark::Fence(Fence { flag, fences: f }));
+                    return Ok(Mark::Fence(Fence {
+                        flag,
+                        fences: f,
+                        alive,
+                    }));
                 }
                 Queue::Captured(e) => {
                     flag.retire();

@@ -51,6 +51,7 @@ macro_rules! slice_accessors {
 pub(crate) use slice_accessors;
 
 mod bits;
+pub(crate) mod contexts;
 mod current;
 pub mod device;
 pub(crate) mod dmabuf;
@@ -259,32 +260,128 @@ pub(crate) fn own_stream(ctx: &Arc<CudaContext>) -> Result<Arc<CudaStream>> {
 /// allocates no cudarc slice that is used on another stream than the one it was allocated on
 /// (it does not track a slice's uses: cuFile's scratch buffer for a read on a storage transfer's
 /// side stream is allocated, used and freed on that stream alone). `ctx` itself for a context
-/// that is not its device's primary one.
+/// that is not its device's primary one (the per-context caches that must not keep such a
+/// context alive use [`own_unpinned`]).
 pub(crate) fn own_object(ctx: &Arc<CudaContext>) -> Arc<CudaContext> {
+    primary_object(ctx).unwrap_or_else(|| ctx.clone())
+}
+
+/// gpudirect's own object for `ctx`'s context when that is its device's primary context (see
+/// [`own_object`]), made once and kept for the process; `None` for any other context.
+fn primary_object(ctx: &Arc<CudaContext>) -> Option<Arc<CudaContext>> {
     static OWN: std::sync::Mutex<Vec<Arc<CudaContext>>> = std::sync::Mutex::new(Vec::new());
     // cudarc's CudaContext::new binds the primary context to this thread: put back what was.
     let _restore = CurrentContext::save();
-    let own = {
-        let mut v = OWN.lock().unwrap_or_else(|p| p.into_inner());
-        match v.iter().find(|c| c.cu_ctx() == ctx.cu_ctx()) {
-            Some(c) => Some(c.clone()),
-            // An inactive primary context cannot be `ctx`: never create one to find that out.
-            None if !primary_active(ctx) => None,
-            None => match CudaContext::new(ctx.ordinal()) {
-                Ok(c) if c.cu_ctx() == ctx.cu_ctx() => {
-                    // SAFETY: a cudarc slice allocated through this object is used on the
-                    // stream it was allocated on alone (its allocation, uses and free are
-                    // ordered by that stream), so none needs cudarc's tracking across streams.
-                    unsafe { c.disable_event_tracking() };
-                    v.push(c.clone());
-                    Some(c)
-                }
-                // Not the primary context (or it could not be retained): the caller's object.
-                _ => None,
-            },
-        }
+    let mut v = OWN.lock().unwrap_or_else(|p| p.into_inner());
+    match v.iter().find(|c| c.cu_ctx() == ctx.cu_ctx()) {
+        Some(c) => Some(c.clone()),
+        // An inactive primary context cannot be `ctx`: never create one to find that out.
+        None if !primary_active(ctx) => None,
+        None => match CudaContext::new(ctx.ordinal()) {
+            Ok(c) if c.cu_ctx() == ctx.cu_ctx() => {
+                // SAFETY: a cudarc slice allocated through this object is used on the
+                // stream it was allocated on alone (its allocation, uses and free are
+                // ordered by that stream), so none needs cudarc's tracking across streams.
+                unsafe { c.disable_event_tracking() };
+                v.push(c.clone());
+                Some(c)
+            }
+            // Not the primary context (or it could not be retained).
+            _ => None,
+        },
+    }
+}
+
+/// gpudirect's object for a context, for a per-context cache that must not keep the context
+/// alive ([`own_unpinned`]), and how the cache refers to the context.
+pub(crate) struct Own {
+    /// What the cache makes its events and streams through.
+    pub(crate) obj: Arc<CudaContext>,
+    /// The context, for the cache's [`contexts::Registry`].
+    pub(crate) of: contexts::ContextRef,
+}
+
+impl Own {
+    /// A stream of the context made through [`obj`](Self::obj) (the thread's current context
+    /// put back; gpudirect's object tracks no events, so cudarc does not synchronize the
+    /// context for its first stream).
+    pub(crate) fn stream(&self) -> Result<Arc<CudaStream>> {
+        let _restore = CurrentContext::save();
+        self.obj
+            .new_stream()
+            .map_err(|e| Error::cuda("cuStreamCreate", e))
+    }
+}
+
+/// gpudirect's object for `ctx`'s context for the caches that hold a context without keeping
+/// it alive (fence pages, event pools, side streams; see [`contexts`]): for the device's
+/// primary context its own object ([`own_object`]); for another context an object of
+/// gpudirect's over the same handle (cudarc's `from_raw_context`, event tracking off) that
+/// never destroys the context and does not touch the caller's object (its stored error, its
+/// stream count: a stream made through the caller's object turns cudarc's multi-stream mode on
+/// for the caller's slices, and the first one synchronizes the whole context), made once per
+/// context while it lives. `ctx` may be that object itself (a side stream's context). Where
+/// the object cannot be made (logged), the caller's: the caches then keep that context alive,
+/// as they did before.
+pub(crate) fn own_unpinned(ctx: &Arc<CudaContext>) -> Own {
+    static WRAPPED: std::sync::Mutex<contexts::Registry<()>> =
+        std::sync::Mutex::new(contexts::Registry::new());
+    let wrapped = |r: &contexts::ContextRef| Own {
+        obj: r.ours().expect("a wrapped context's").clone(),
+        of: r.clone(),
     };
-    own.unwrap_or_else(|| ctx.clone())
+    if let Some((r, ())) = WRAPPED.lock().unwrap_or_else(|p| p.into_inner()).find(ctx) {
+        return wrapped(r);
+    }
+    if let Some(obj) = primary_object(ctx) {
+        return Own {
+            of: contexts::ContextRef::primary(obj.cu_ctx() as usize),
+            obj,
+        };
+    }
+    let mut v = WRAPPED.lock().unwrap_or_else(|p| p.into_inner());
+    if let Some((r, ())) = v.find(ctx) {
+        return wrapped(r);
+    }
+    let obj = wrap_borrowed(ctx).unwrap_or_else(|e| {
+        tracing::debug!(%e, "gpudirect: no object of its own for a non-primary context; its caches keep it alive");
+        ctx.clone()
+    });
+    let (r, ()) = v.insert(contexts::ContextRef::other(ctx, obj), ());
+    wrapped(r)
+}
+
+/// A cudarc object for `ctx`'s (live, borrowed) context that never destroys it: one strong
+/// reference is leaked, so its drop (`cuCtxDestroy`, as for any object of cudarc's
+/// `from_raw_context`) never runs, and the caller's object stays the context's one owner. Its
+/// event tracking is off (see [`own_object`]). The thread's current context is put back.
+fn wrap_borrowed(ctx: &Arc<CudaContext>) -> Result<Arc<CudaContext>> {
+    let _restore = CurrentContext::save();
+    // `from_raw_context` binds the context (`bind_to_thread`) once its object exists, and a
+    // failed bind would drop that object, destroying the caller's context: make it current
+    // first, so that its bind finds it current and changes nothing.
+    // SAFETY: `ctx` (borrowed) holds its context alive.
+    let rc = unsafe { result::ctx::set_current(ctx.cu_ctx()) };
+    result::check("cuCtxSetCurrent", rc)?;
+    if result::ctx::current() != Some(ctx.cu_ctx()) {
+        return Err(Error::cuda(
+            "cuCtxGetCurrent",
+            cudarc::driver::DriverError(sys::CUresult::CUDA_ERROR_INVALID_CONTEXT),
+        ));
+    }
+    // SAFETY: the handle is a live context (`ctx` holds it) of `ctx.cu_device()`. cudarc's
+    // object takes it over as its owner (its drop would destroy it): it is never dropped, one
+    // strong reference being leaked right below, so the caller's object stays the owner. Its
+    // constructor's bind finds the context current and its own stored error none (a new
+    // object), so it cannot fail after the object exists.
+    let obj =
+        unsafe { CudaContext::from_raw_context(ctx.ordinal(), ctx.cu_device(), ctx.cu_ctx()) }
+            .map_err(|e| Error::cuda("cuDeviceGetAttribute", e))?;
+    std::mem::forget(obj.clone());
+    // SAFETY: as for `own_object`'s: a slice allocated through this object is used on the
+    // stream it was allocated on alone.
+    unsafe { obj.disable_event_tracking() };
+    Ok(obj)
 }
 
 /// Whether `ctx`'s device's primary context is active (`cuDevicePrimaryCtxGetState`; false

@@ -16,6 +16,7 @@ use super::engine::{self, Control, Outcome};
 use super::file::{dst_bytes, elem_size, src_bytes, DeviceDst, DeviceSrc, GpuFile, IoReport};
 use super::gate::{gate_dst, gate_src, same_buffer, stream_key, work_on, Gate, WorkOn};
 use super::lent::{LentDst, LentSrc};
+use crate::cuda::contexts::{OfContext, Registry};
 use crate::cuda::fences::{Mark, Stop};
 use crate::error::{Error, Result};
 
@@ -389,9 +390,24 @@ impl<'a> Ctl<'a> {
     }
 }
 
+/// A transfer thread's side stream of one context, made through gpudirect's object for it
+/// (`crate::cuda::own_unpinned`: it keeps no non-primary context alive, and it leaves the
+/// caller's object as it was, its multi-stream mode included).
+struct SideStream(Arc<CudaStream>);
+
+/// The context died: the stream went with it, and cudarc's drop would destroy the dead handle
+/// (which a later context's stream may have been given): leaked.
+impl OfContext for SideStream {
+    fn context_died(self) {
+        std::mem::forget(self.0);
+    }
+}
+
 thread_local! {
-    /// This transfer thread's side streams, one per context it served.
-    static SIDE: std::cell::RefCell<Vec<Arc<CudaStream>>> = const { std::cell::RefCell::new(Vec::new()) };
+    /// This transfer thread's side streams, one per live context it served (those of dead
+    /// contexts dropped at the next lookup; at the thread's exit each is destroyed while its
+    /// context is kept alive, see `crate::cuda::contexts::Registry`).
+    static SIDE: std::cell::RefCell<Registry<SideStream>> = const { std::cell::RefCell::new(Registry::new()) };
 }
 
 /// This thread's side stream of `ctx`, created on first use: where a transfer ordered at its
@@ -400,14 +416,16 @@ thread_local! {
 /// queued there is waited for before the transfer ends (a small copy, cuFile's work) or is
 /// only cudarc's waits for the buffer's users (which the call's gate covers already). It is
 /// also what a fence's wait asks about the context's health (`crate::cuda::fences::healthy`).
+/// Used only during a transfer, whose buffer keeps its context alive.
 fn side_stream(ctx: &Arc<CudaContext>) -> Result<Arc<CudaStream>> {
     SIDE.with(|v| {
         let mut v = v.borrow_mut();
-        if let Some(s) = v.iter().find(|s| s.context().cu_ctx() == ctx.cu_ctx()) {
-            return Ok(s.clone());
+        if let Some((_, s)) = v.find(ctx) {
+            return Ok(s.0.clone());
         }
-        let s = crate::cuda::own_stream(ctx)?;
-        v.push(s.clone());
+        let own = crate::cuda::own_unpinned(ctx);
+        let s = own.stream()?;
+        v.insert(own.of, SideStream(s.clone()));
         Ok(s)
     })
 }
@@ -2322,6 +2340,142 @@ mod tests {
             std::fs::remove_file(&p).unwrap();
         }
         stream.synchronize().unwrap();
+        assert!(bad.is_empty(), "{}", bad.join("\n"));
+    }
+
+    /// One job of [`gpu_transfer_async_in_a_context_per_job_releases_every_context`]: in a new
+    /// non-primary context (its fence page and events made ahead, as `GpuFile::warm_up` makes
+    /// a primary context's), a small `read_async` of `src`'s bytes into a zeroed buffer on the
+    /// context's default stream and a `write_async` of that buffer into `dst`, gated by fences
+    /// or (`events`) the event fallback; every byte checked, the gates' kind, the caller's
+    /// object left in single-stream mode (cudarc's `is_in_multi_stream_mode`) with no error
+    /// stored. Returns the findings and a weak reference to the context's object, whose every
+    /// strong reference but gpudirect's was dropped.
+    fn context_job(
+        (src, dst): (&Arc<GpuFile>, &Arc<GpuFile>),
+        data: &[u8],
+        dst_path: &std::path::Path,
+        what: &str,
+        events: bool,
+    ) -> (Vec<String>, std::sync::Weak<CudaContext>) {
+        let mut bad = Vec::new();
+        let ctx = crate::cuda::contexts::non_primary_context(0);
+        crate::cuda::events::top_up(&ctx).unwrap();
+        crate::cuda::fences::prepare(&ctx);
+        let stream = ctx.default_stream();
+        let buf = stream.alloc_zeros::<u8>(data.len()).unwrap();
+        stream.synchronize().unwrap();
+        std::fs::write(dst_path, complement(data)).unwrap();
+        let fenced = crate::cuda::fences::fenced_here();
+        crate::cuda::fences::force_events_here(events);
+        let (r, buf) = src.read_async(buf, 0).wait();
+        match r {
+            Ok(rep) if rep.bytes == data.len() => {}
+            r => bad.push(format!("{what}: the read gave {r:?}")),
+        }
+        let (w, buf) = dst.write_async(buf, 0).wait();
+        crate::cuda::fences::force_events_here(false);
+        match w {
+            Ok(rep) if rep.bytes == data.len() => {}
+            w => bad.push(format!("{what}: the write gave {w:?}")),
+        }
+        let fences = crate::cuda::fences::fenced_here() - fenced;
+        if fences != if events { 0 } else { 2 } {
+            bad.push(format!(
+                "{what}: {fences} of the two calls' gates were fences (a device without stream memory operations?)"
+            ));
+        }
+        match stream.clone_dtoh(&buf) {
+            Ok(back) if back == data => {}
+            Ok(back) => bad.push(format!(
+                "{what}: {} of {} bytes read differ from the file's",
+                back.iter().zip(data).filter(|(a, b)| a != b).count(),
+                data.len()
+            )),
+            Err(e) => bad.push(format!("{what}: reading the buffer back: {e}")),
+        }
+        if std::fs::read(dst_path).unwrap() != data {
+            bad.push(format!(
+                "{what}: the written file does not hold the buffer's bytes"
+            ));
+        }
+        if ctx.is_in_multi_stream_mode() {
+            bad.push(format!(
+                "{what}: a stream was made through the caller's object (cudarc's multi-stream mode is on for its slices)"
+            ));
+        }
+        if let Err(e) = ctx.check_err() {
+            bad.push(format!(
+                "{what}: an error was left in the caller's context object: {e}"
+            ));
+        }
+        let weak = Arc::downgrade(&ctx);
+        drop((buf, stream, ctx));
+        (bad, weak)
+    }
+
+    /// Review (non-primary contexts kept): a program that makes a context per job
+    /// (`CudaContext::new_non_primary`, or `from_raw_context` as here) and does non-blocking
+    /// transfers in it gets each context destroyed once it drops its object and the transfers
+    /// are over: through [`context_job`], 20 jobs in 20 contexts, every other one's gates the
+    /// event fallback (the fence registry, the fence pages, the event pools and the transfer
+    /// threads' side streams each held the context), each context's object must be gone within
+    /// 5 s of the last job (a transfer thread's top-up after its transfer keeps the context
+    /// until it is done), then one more job runs in a new context, the registries dropping the
+    /// dead contexts' entries at its lookups, every byte again. On the code before the fix every
+    /// context is kept ("20 of 20 contexts were not released"), and each job finds the caller's
+    /// object in multi-stream mode (its side stream was made through it).
+    #[test]
+    #[ignore = "needs a CUDA GPU"]
+    fn gpu_transfer_async_in_a_context_per_job_releases_every_context() {
+        use crate::storage::Backend;
+        const JOBS: usize = 20;
+        let data = random(4096 + 13, 620);
+        let (src_path, dst_path) = (
+            scratch("context-per-job-src"),
+            scratch("context-per-job-dst"),
+        );
+        std::fs::write(&src_path, &data).unwrap();
+        std::fs::write(&dst_path, &data).unwrap();
+        let open = |p: &std::path::Path| {
+            Arc::new(
+                GpuFile::options()
+                    .backend(Backend::Engine)
+                    .write(true)
+                    .open(p)
+                    .unwrap(),
+            )
+        };
+        let (src, dst) = (open(&src_path), open(&dst_path));
+        let mut bad = Vec::new();
+        let mut weak = Vec::new();
+        for job in 0..JOBS {
+            let events = job % 2 == 1;
+            let what = format!("job {job} ({})", if events { "events" } else { "fences" });
+            let (b, w) = context_job((&src, &dst), &data, &dst_path, &what, events);
+            bad.extend(b);
+            weak.push(w);
+        }
+        let t0 = Instant::now();
+        while weak.iter().any(|w| w.strong_count() > 0) && t0.elapsed() < Duration::from_secs(5) {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        let kept: Vec<usize> = (0..JOBS).filter(|&i| weak[i].strong_count() > 0).collect();
+        if !kept.is_empty() {
+            bad.push(format!(
+                "{} of {JOBS} contexts were not released 5 s after their job (jobs {kept:?}; strong references left: {:?})",
+                kept.len(),
+                kept.iter().map(|&i| weak[i].strong_count()).collect::<Vec<_>>()
+            ));
+        }
+        for events in [false, true] {
+            let what = format!("a job after the others' contexts died (events: {events})");
+            let (b, _) = context_job((&src, &dst), &data, &dst_path, &what, events);
+            bad.extend(b);
+        }
+        drop((src, dst));
+        std::fs::remove_file(&src_path).unwrap();
+        std::fs::remove_file(&dst_path).unwrap();
         assert!(bad.is_empty(), "{}", bad.join("\n"));
     }
 
