@@ -155,7 +155,10 @@
 //! event pools and side streams of the non-blocking transfers: it is destroyed once you drop
 //! its object and its transfers are over (a 4 KiB page of fence words stays allocated per such
 //! context); the storage engine's segment ring and worker lanes, which larger device transfers
-//! use, still keep it.
+//! use, still keep it. gpudirect's transfer threads leave no such context current between
+//! transfers. Its last reference may be the one a transfer thread holds for the top-up after a
+//! transfer: the context is then destroyed there, and a thread of yours that still has it
+//! current should bind another before its next CUDA call (cudarc's calls do).
 #![deny(unsafe_op_in_unsafe_fn)]
 #![warn(missing_docs)]
 #![warn(clippy::undocumented_unsafe_blocks, clippy::missing_safety_doc)]

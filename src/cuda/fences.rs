@@ -950,8 +950,9 @@ impl Refill {
     /// Tops the pool up (a failure only logged): makes pages or events, which may wait (see
     /// the module's docs), and the pages calls found missing since ([`top_up_wanted`]: a
     /// context's first page when [`prepare`] did not make it); call it where nothing waits for
-    /// it.
-    pub(crate) fn top_up(self) {
+    /// it. What keeps the context alive is dropped with this value, after (see
+    /// `crate::cuda::unbind_unretained`).
+    pub(crate) fn top_up(&self) {
         match &self.pool {
             Refilled::Fences(f) => f.top_up(),
             Refilled::Events(p) => {

@@ -266,10 +266,88 @@ pub(crate) fn own_object(ctx: &Arc<CudaContext>) -> Arc<CudaContext> {
     primary_object(ctx).unwrap_or_else(|| ctx.clone())
 }
 
+/// gpudirect's own objects of device primary contexts ([`primary_object`]), each retaining its
+/// context for the process.
+static OWN: std::sync::Mutex<Vec<Arc<CudaContext>>> = std::sync::Mutex::new(Vec::new());
+
+/// Unbinds the calling thread's current context (`cuCtxSetCurrent(NULL)`, through the result
+/// layer) unless it is a device's primary context that gpudirect's own object retains (which
+/// lives for the process). For gpudirect's own threads, once their work on a context is over
+/// and before what kept the context alive for that work is dropped: a storage transfer thread
+/// after each transfer ([`crate::storage::Transfer`]).
+///
+/// Why: cudarc's calls bind a context and leave it bound (`bind_to_thread`, as the small
+/// transfers' copies, a fence's health check and the side stream's calls do on a transfer
+/// thread), and a context that is not its device's primary one is destroyed by whichever thread
+/// drops its last object (the caller's, once its transfers are over: gpudirect's caches no
+/// longer keep it, see [`contexts`]). A thread of gpudirect's that still had it current then
+/// held a destroyed context as its current one until its next transfer, whose first calls ran
+/// on it: cudarc's `bind_to_thread` compares the thread's current handle with the new
+/// context's and, the driver having given the new context the destroyed one's handle (it
+/// commonly does), makes no `cuCtxSetCurrent`, so the calls went through the thread's binding
+/// of the destroyed context; or, the handles differing, [`CurrentContext`]'s restore after
+/// the side stream's creation made the destroyed handle current again, `cuCtxGetCurrent`
+/// still answering it (`cuCtxSetCurrent` of a dead handle, which cuda.h leaves undefined: "no
+/// API call issues using ctx"). That is how we read, from the code, the crash of a job in a new
+/// non-primary context after an earlier one's died (SIGSEGV inside its first non-blocking read,
+/// whatever its gate; H200, driver 580). A thread with no context current has nothing to go
+/// stale: its next binding is a fresh `cuCtxSetCurrent`. A no-op without libcuda.
+pub(crate) fn unbind_unretained() {
+    #[cfg(test)]
+    {
+        let me = std::thread::current().id();
+        let mut log = UNBINDS.lock().unwrap_or_else(|p| p.into_inner());
+        *log.entry(me).or_insert(0) += 1;
+    }
+    if driver_version().is_err() {
+        return;
+    }
+    let Some(cur) = result::ctx::current() else {
+        return;
+    };
+    if retained_primary(cur) {
+        return;
+    }
+    // SAFETY: null unbinds the thread's current context (cuCtxSetCurrent's documented use);
+    // no handle is passed.
+    let rc = unsafe { result::ctx::set_current(std::ptr::null_mut()) };
+    if rc != sys::CUresult::CUDA_SUCCESS {
+        tracing::debug!(
+            ?rc,
+            "gpudirect: unbinding a transfer thread's context failed"
+        );
+    }
+}
+
+/// Whether `handle` is a device's primary context that gpudirect's own object retains (see
+/// [`primary_object`]).
+pub(crate) fn retained_primary(handle: sys::CUcontext) -> bool {
+    OWN.lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .iter()
+        .any(|c| c.cu_ctx() == handle)
+}
+
+/// Test hook: how many times each thread called [`unbind_unretained`].
+#[cfg(test)]
+static UNBINDS: std::sync::LazyLock<
+    std::sync::Mutex<std::collections::HashMap<std::thread::ThreadId, usize>>,
+> = std::sync::LazyLock::new(Default::default);
+
+/// Test hook: how many times thread `id` called [`unbind_unretained`].
+#[cfg(test)]
+pub(crate) fn unbinds_on(id: std::thread::ThreadId) -> usize {
+    UNBINDS
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .get(&id)
+        .copied()
+        .unwrap_or(0)
+}
+
 /// gpudirect's own object for `ctx`'s context when that is its device's primary context (see
 /// [`own_object`]), made once and kept for the process; `None` for any other context.
 fn primary_object(ctx: &Arc<CudaContext>) -> Option<Arc<CudaContext>> {
-    static OWN: std::sync::Mutex<Vec<Arc<CudaContext>>> = std::sync::Mutex::new(Vec::new());
     // cudarc's CudaContext::new binds the primary context to this thread: put back what was.
     let _restore = CurrentContext::save();
     let mut v = OWN.lock().unwrap_or_else(|p| p.into_inner());

@@ -688,9 +688,19 @@ impl<B: Send + 'static> Transfer<B> {
             s.complete(end);
             // Off every caller's path: fence words or idle events ready for the next calls
             // (making them may wait, see crate::cuda::fences).
-            if let Some(r) = refill {
+            if let Some(r) = &refill {
                 r.top_up();
             }
+            // The buffer, when its handle was dropped before the end, is dropped here (cudarc's
+            // free may need its context current, as the transfer left it).
+            drop(s);
+            // This thread's last CUDA call for the transfer was made: its context is unbound
+            // while the refill still keeps it alive, so that no destroyed context stays this
+            // thread's current one for the next transfer's calls (see
+            // crate::cuda::unbind_unretained). Dropping the refill may destroy it here
+            // (cudarc's drop binds, then destroys: the driver unbinds it then).
+            crate::cuda::unbind_unretained();
+            drop(refill);
         }));
         Transfer { shared }
     }
@@ -891,7 +901,11 @@ mod drivers {
                 // waker (`Shared::complete`) and the drop of a buffer whose handle is gone. A
                 // panic there (reported by the panic hook) must not end this thread, which
                 // `live` counts and the queue relies on: the thread goes on with the next work.
-                let _ = catch_unwind(AssertUnwindSafe(|| w(None)));
+                if catch_unwind(AssertUnwindSafe(|| w(None))).is_err() {
+                    // The work unwound past its own unbind (a waker's panic): no context of
+                    // its may stay current here either.
+                    crate::cuda::unbind_unretained();
+                }
                 p = lock();
                 continue;
             }
@@ -1296,6 +1310,100 @@ mod tests {
         fn drop(&mut self) {
             let _ = self.dropped.send(());
         }
+    }
+
+    /// A host buffer that says which transfer thread used it and how many times that thread
+    /// had unbound its context (`crate::cuda::unbinds_on`) when the transfer used it and when
+    /// it was dropped; `go` holds the transfer in `as_mut` until it fires.
+    struct Seen {
+        buf: Vec<u8>,
+        go: Option<std::sync::mpsc::Receiver<()>>,
+        at: std::sync::mpsc::Sender<(&'static str, std::thread::ThreadId, usize)>,
+    }
+    impl AsMut<[u8]> for Seen {
+        fn as_mut(&mut self) -> &mut [u8] {
+            let me = std::thread::current().id();
+            let _ = self.at.send(("used", me, crate::cuda::unbinds_on(me)));
+            if let Some(go) = &self.go {
+                let _ = go.recv_timeout(Duration::from_secs(30));
+            }
+            &mut self.buf
+        }
+    }
+    impl Drop for Seen {
+        fn drop(&mut self) {
+            let me = std::thread::current().id();
+            let _ = self.at.send(("dropped", me, crate::cuda::unbinds_on(me)));
+        }
+    }
+
+    /// Review (non-primary contexts held weakly: gpu_transfer_async_in_a_context_per_job_releases_every_context
+    /// crashed with SIGSEGV in the next job's first read): a transfer thread unbinds its current
+    /// context after each transfer (`crate::cuda::unbind_unretained`), so that a context its
+    /// caller destroys afterwards is never this thread's current one when its next transfer
+    /// calls CUDA; and it does so after the buffer of a transfer whose handle was dropped was
+    /// dropped there (cudarc's free of a slice on a default stream uses the current context).
+    /// The driver's side (what a destroyed current context does to the next calls) needs a GPU:
+    /// the GPU test above checks the transfer threads' current contexts between its jobs. On
+    /// the code before the fix no transfer thread ever unbinds ("never unbound").
+    #[test]
+    fn a_transfer_thread_unbinds_its_context_after_each_transfer() {
+        let p = scratch("unbind");
+        let data = random(64 << 10, 11);
+        std::fs::write(&p, &data).unwrap();
+        let f = Arc::new(GpuFile::open(&p).unwrap());
+        let unbound_after = |id: std::thread::ThreadId, n: usize, what: &str| {
+            let t0 = Instant::now();
+            while crate::cuda::unbinds_on(id) <= n {
+                assert!(
+                    t0.elapsed() < Duration::from_secs(10),
+                    "{what}: the transfer thread never unbound its context after the transfer"
+                );
+                std::thread::sleep(Duration::from_millis(1));
+            }
+        };
+
+        // A transfer waited for.
+        let (at, seen) = std::sync::mpsc::channel();
+        let buf = Seen {
+            buf: vec![0; data.len()],
+            go: None,
+            at,
+        };
+        let (r, buf) = f.pread_host_async(buf, 0).wait();
+        assert_eq!(r.unwrap().bytes, data.len());
+        assert!(buf.buf == data, "the bytes read differ from the file");
+        let ("used", id, n) = seen.recv().unwrap() else {
+            panic!("the buffer was not used first")
+        };
+        unbound_after(id, n, "a transfer waited for");
+        drop(buf);
+
+        // A transfer whose handle is dropped while it runs: its buffer is dropped on the
+        // transfer thread, before the unbind.
+        let (at, seen) = std::sync::mpsc::channel();
+        let (go_tx, go) = std::sync::mpsc::channel();
+        let t = f.pread_host_async(
+            Seen {
+                buf: vec![0; data.len()],
+                go: Some(go),
+                at,
+            },
+            0,
+        );
+        let ("used", id, _) = seen.recv_timeout(Duration::from_secs(30)).unwrap() else {
+            panic!("the buffer was not used first")
+        };
+        drop(t);
+        go_tx.send(()).unwrap();
+        let (what, dropped_on, n) = seen.recv_timeout(Duration::from_secs(30)).unwrap();
+        assert_eq!(
+            (what, dropped_on),
+            ("dropped", id),
+            "the dropped transfer's buffer was not dropped on its transfer thread"
+        );
+        unbound_after(id, n, "a transfer whose handle was dropped");
+        std::fs::remove_file(&p).unwrap();
     }
 
     #[test]
@@ -2343,6 +2451,38 @@ mod tests {
         assert!(bad.is_empty(), "{}", bad.join("\n"));
     }
 
+    /// The current context (`cuCtxGetCurrent`, as an address; `None`: none) of each idle
+    /// transfer thread, probed by as many pieces of work as there are transfer threads, each
+    /// holding its thread until all have one (up to 2 s), so that every idle thread answers.
+    fn transfer_threads_current() -> Vec<(std::thread::ThreadId, Option<usize>)> {
+        if crate::cuda::driver_version().is_err() {
+            return Vec::new(); // no libcuda: the test fails next, with its setup hint
+        }
+        let n = drivers::counts().0.max(1);
+        let got = Arc::new((Mutex::new(Vec::new()), Condvar::new()));
+        for _ in 0..n {
+            let got = got.clone();
+            drivers::submit(Box::new(move |_| {
+                let cur = crate::cuda::result::ctx::current().map(|c| c as usize);
+                let (m, cv) = &*got;
+                let mut v = m.lock().unwrap();
+                v.push((std::thread::current().id(), cur));
+                cv.notify_all();
+                let t0 = Instant::now();
+                while v.len() < n && t0.elapsed() < Duration::from_secs(2) {
+                    v = cv.wait_timeout(v, Duration::from_millis(50)).unwrap().0;
+                }
+            }));
+        }
+        let (m, cv) = &*got;
+        let mut v = m.lock().unwrap();
+        let t0 = Instant::now();
+        while v.len() < n && t0.elapsed() < Duration::from_secs(5) {
+            v = cv.wait_timeout(v, Duration::from_millis(50)).unwrap().0;
+        }
+        v.clone()
+    }
+
     /// One job of [`gpu_transfer_async_in_a_context_per_job_releases_every_context`]: in a new
     /// non-primary context (its fence page and events made ahead, as `GpuFile::warm_up` makes
     /// a primary context's), a small `read_async` of `src`'s bytes into a zeroed buffer on the
@@ -2359,21 +2499,40 @@ mod tests {
         events: bool,
     ) -> (Vec<String>, std::sync::Weak<CudaContext>) {
         let mut bad = Vec::new();
+        // Checkpoints (stderr, `--nocapture`): a crash shows where it happened. Before the
+        // context is made, the idle transfer threads' current contexts: none but a device's
+        // primary context retained by gpudirect may be left there (an earlier job's context,
+        // destroyed since, was: the next job's first read crashed, SIGSEGV).
+        for (thread, cur) in transfer_threads_current() {
+            let ok = cur.is_none_or(|c| crate::cuda::retained_primary(c as sys::CUcontext));
+            eprintln!("context-per-job: {what}: before: transfer thread {thread:?} has context {cur:x?} current{}", if ok { "" } else { " (NOT ALLOWED)" });
+            if !ok {
+                bad.push(format!("{what}: before the job, transfer thread {thread:?} had context {cur:x?} current (left there by an earlier job: a context destroyed since)"));
+            }
+        }
         let ctx = crate::cuda::contexts::non_primary_context(0);
+        eprintln!(
+            "context-per-job: {what}: context {:#x} made",
+            ctx.cu_ctx() as usize
+        );
         crate::cuda::events::top_up(&ctx).unwrap();
         crate::cuda::fences::prepare(&ctx);
+        eprintln!("context-per-job: {what}: events and fence page made");
         let stream = ctx.default_stream();
         let buf = stream.alloc_zeros::<u8>(data.len()).unwrap();
         stream.synchronize().unwrap();
         std::fs::write(dst_path, complement(data)).unwrap();
         let fenced = crate::cuda::fences::fenced_here();
         crate::cuda::fences::force_events_here(events);
+        eprintln!("context-per-job: {what}: read_async");
         let (r, buf) = src.read_async(buf, 0).wait();
+        eprintln!("context-per-job: {what}: read done: {r:?}");
         match r {
             Ok(rep) if rep.bytes == data.len() => {}
             r => bad.push(format!("{what}: the read gave {r:?}")),
         }
         let (w, buf) = dst.write_async(buf, 0).wait();
+        eprintln!("context-per-job: {what}: write done: {w:?}");
         crate::cuda::fences::force_events_here(false);
         match w {
             Ok(rep) if rep.bytes == data.len() => {}
@@ -2411,6 +2570,10 @@ mod tests {
         }
         let weak = Arc::downgrade(&ctx);
         drop((buf, stream, ctx));
+        eprintln!(
+            "context-per-job: {what}: the caller's object dropped ({} strong references left)",
+            weak.strong_count()
+        );
         (bad, weak)
     }
 
@@ -2424,7 +2587,12 @@ mod tests {
     /// until it is done), then one more job runs in a new context, the registries dropping the
     /// dead contexts' entries at its lookups, every byte again. On the code before the fix every
     /// context is kept ("20 of 20 contexts were not released"), and each job finds the caller's
-    /// object in multi-stream mode (its side stream was made through it).
+    /// object in multi-stream mode (its side stream was made through it). Before each job the
+    /// idle transfer threads must have no context current but a primary one gpudirect retains:
+    /// on f09933f's code (reverted by 5098fd8) they kept the last job's context, destroyed by
+    /// its caller since, and the next job's first read crashed the process (SIGSEGV, H200,
+    /// driver 580; see `crate::cuda::unbind_unretained`). Each job prints checkpoints to stderr
+    /// (`--nocapture`), so that a crash shows where it happened.
     #[test]
     #[ignore = "needs a CUDA GPU"]
     fn gpu_transfer_async_in_a_context_per_job_releases_every_context() {
