@@ -22,8 +22,12 @@ pub(in crate::storage) struct Lane {
 impl Lane {
     fn new(ctx: &Arc<CudaContext>) -> Result<Lane> {
         let stream = crate::cuda::own_stream(ctx)?;
+        // Through gpudirect's own object, as the stream: cudarc's new_event binds through the
+        // object it is called on (bind_to_thread), which would take an error stored in the
+        // caller's.
+        let own = crate::cuda::own_object(ctx);
         let ev = || {
-            ctx.new_event(Some(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING))
+            own.new_event(Some(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING))
                 .map_err(|e| Error::cuda("cuEventCreate", e))
         };
         Ok(Lane {
