@@ -1980,6 +1980,120 @@ mod tests {
         assert!(bad.is_empty(), "{}", bad.join("\n"));
     }
 
+    /// Review 13, finding 1: an error stored in the caller's cudarc object makes cudarc's access
+    /// to the buffer (`device_ptr(_mut)`) skip its `cuStreamWaitEvent`s silently (its wait binds
+    /// through `bind_to_thread`, whose `check_err` fails, and `record_err` stores the error
+    /// again), so a blocking device read or write must not proceed as if the buffer's stream
+    /// were ordered after the buffer's users on other streams. Before c682809 the call's own
+    /// `bind_to_thread` then failed it (the stored error surfaced, nothing moved unordered);
+    /// since, nothing fails it and it runs unordered. The buffer (on `mine`, the caller's
+    /// object in cudarc's multi-stream mode) has a copy into it queued on `other` behind a held
+    /// host function, released 300 ms into the call: a read must land after that copy (the
+    /// file's bytes in the buffer at the end), a write must write the copy's bytes. A call that
+    /// fails is accepted (not silent); one that succeeds with other bytes is the finding.
+    #[test]
+    #[ignore = "needs a CUDA GPU"]
+    fn gpu_a_stored_error_never_skips_the_buffers_ordering() {
+        use cudarc::driver::DriverError;
+        use std::time::Duration;
+        unsafe extern "C" fn hold(data: *mut std::ffi::c_void) {
+            // SAFETY: `data` is the Box<Receiver> leaked below, handed over once; no CUDA call.
+            let rx = unsafe { Box::from_raw(data.cast::<std::sync::mpsc::Receiver<()>>()) };
+            let _ = rx.recv_timeout(Duration::from_secs(30));
+        }
+        let _gates = crate::cuda::HOST_FUNCTION_GATES
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        let _ = gpu();
+        let ctx = CudaContext::new(0).unwrap();
+        let mine = ctx.new_stream().unwrap();
+        let other = ctx.new_stream().unwrap();
+        let mut bad = Vec::new();
+        for (case, len, pipe, write) in [
+            ("a 4 KiB read", 4096 + 13, Pipeline::Segments, false),
+            ("a 4 KiB write", 4096 + 13, Pipeline::Segments, true),
+            (
+                "a 24 MiB read",
+                (24 << 20) + 4096 + 7,
+                Pipeline::Lanes,
+                false,
+            ),
+            (
+                "a 24 MiB write",
+                (24 << 20) + 4096 + 7,
+                Pipeline::Segments,
+                true,
+            ),
+        ] {
+            let (p, data) = random_file(&format!("stored-order-{}", bad.len() + len), len, 13);
+            let f = GpuFile::options()
+                .backend(Backend::Engine)
+                .pipeline(pipe)
+                .write(write)
+                .open(&p)
+                .unwrap();
+            let pattern: Vec<u8> = data.iter().map(|b| b ^ 0xa5).collect();
+            let src = other.clone_htod(&pattern).unwrap();
+            let mut buf = mine.alloc_zeros::<u8>(len).unwrap();
+            mine.synchronize().unwrap();
+            other.synchronize().unwrap();
+            let (tx, rx) = std::sync::mpsc::channel::<()>();
+            let rx = Box::into_raw(Box::new(rx));
+            {
+                let _current = crate::cuda::CurrentContext::bind(&ctx).unwrap();
+                // SAFETY: `other` is a live stream of the current context; `hold` makes no
+                // CUDA call and owns `rx` once it runs.
+                if let Err(e) = unsafe {
+                    crate::cuda::result::stream::launch_host_func(
+                        other.cu_stream(),
+                        hold,
+                        rx.cast(),
+                    )
+                } {
+                    // SAFETY: a failed launch did not hand `rx` over.
+                    drop(unsafe { Box::from_raw(rx) });
+                    panic!("cuLaunchHostFunc: {e}");
+                }
+            }
+            // cudarc records the buffer's write on `other` (behind the held host function).
+            other.memcpy_dtod(&src, &mut buf).unwrap();
+            let _ = ctx.check_err();
+            ctx.record_err::<()>(Err(DriverError(sys::CUresult::CUDA_ERROR_UNKNOWN)));
+            let release = std::thread::spawn(move || {
+                std::thread::sleep(Duration::from_millis(300));
+                drop(tx);
+            });
+            let r = if write {
+                f.write_from_device(&buf, 0)
+            } else {
+                f.read_to_device(&mut buf, 0)
+            };
+            release.join().unwrap();
+            let _ = ctx.check_err();
+            other.synchronize().unwrap();
+            mine.synchronize().unwrap();
+            let _ = ctx.check_err();
+            if let Ok(rep) = r {
+                let got = if write {
+                    std::fs::read(&p).unwrap()
+                } else {
+                    mine.clone_dtoh(&buf).unwrap()
+                };
+                let want = if write { &pattern } else { &data };
+                if rep.bytes != len || got != *want {
+                    let same = got.iter().zip(want.iter()).filter(|(a, b)| a == b).count();
+                    bad.push(format!(
+                        "{case}: succeeded ({} bytes) unordered after the buffer's copy on another stream: {same} of {len} bytes as they should be",
+                        rep.bytes
+                    ));
+                }
+            }
+            drop((f, buf, src));
+            std::fs::remove_file(&p).unwrap();
+        }
+        assert!(bad.is_empty(), "{}", bad.join("\n"));
+    }
+
     /// Review of the drain branch (helper-32, finding 2): a transfer on a stream that is
     /// capturing a CUDA graph is refused at once, with a typed error, before anything is
     /// enqueued on the stream. Work enqueued there is captured, not run, and synchronizing or
