@@ -16,6 +16,7 @@ use super::config::{ODirect, Pipeline, StorageConfig};
 use super::engine::io::{self, Fds};
 use super::engine::plan::{plan, Dir};
 use super::engine::{self, small, DstGate, Failed, Job, Mem, Op, SegParams, Target};
+use super::gate::ordered_access;
 use super::options::GpuFileOptions;
 use super::transfer::Ctl;
 use crate::cuda::AnyBitPattern;
@@ -626,7 +627,7 @@ impl GpuFile {
                 return Ok(IoReport::new(0, self.engine_report(), false, ctl.elapsed()));
             }
             let direct = self.read_direct(file_offset, len);
-            let (dptr, record) = view.device_ptr_mut(&on);
+            let (dptr, record) = ordered_access(&on, || view.device_ptr_mut(&on))?;
             ctl.same_buffer(dptr, len)?;
             ctl.wait_gate_on(&on, len)?;
             let whole = |n: usize| self.whole_elements(file_offset, n, len, esz);
@@ -672,7 +673,7 @@ impl GpuFile {
         // their objects, cudarc's bind_to_thread): the caller's thread gets its current context
         // back at the return (declared first: put back after the access's record).
         let _restore = crate::cuda::CurrentContext::save();
-        let (dptr, _record) = view.device_ptr_mut(&on);
+        let (dptr, _record) = ordered_access(&on, || view.device_ptr_mut(&on))?;
         ctl.same_buffer(dptr, len)?;
         // Instead of synchronizing `on`: the call's gate (a non-blocking call), then an event
         // recorded on `on` after device_ptr_mut made it wait for the buffer's other users
@@ -792,7 +793,7 @@ impl GpuFile {
         } else if len <= small::SMALL_MAX.min(self.cfg.piece_size()) {
             let direct = self.write_direct();
             self.prepare_write(direct, file_offset, len)?;
-            let (dptr, record) = view.device_ptr(&on);
+            let (dptr, record) = ordered_access(&on, || view.device_ptr(&on))?;
             ctl.same_buffer(dptr, len)?;
             ctl.wait_gate_on(&on, len)?;
             // SAFETY: dptr..dptr+len is `src`'s device memory in `ctx`, borrowed for this call;
@@ -823,7 +824,7 @@ impl GpuFile {
             let tasks = plan(file_offset, len, piece, Dir::Write, direct);
             // As in read_dev_into: the caller's current context is put back at the return.
             let _restore = crate::cuda::CurrentContext::save();
-            let (dptr, _record) = view.device_ptr(&on);
+            let (dptr, _record) = ordered_access(&on, || view.device_ptr(&on))?;
             ctl.same_buffer(dptr, len)?;
             let mut own = None;
             let after = ctl.order_job(&on, &mut own, len)?;

@@ -213,6 +213,37 @@ pub(super) fn waits_made<E: Copy>(
     now
 }
 
+/// cudarc's access to the buffer of a transfer that does its own copies on `on`
+/// (`access`: `device_ptr(_mut)` on `on`, whose `cuStreamWaitEvent`s order `on` after the
+/// buffer's users on other streams), through [`waits_made`] as the gates do: cudarc's waits
+/// bind through `on`'s `CudaContext` object and are skipped silently when an error is stored
+/// there; the error stored before is set aside while they are made, one the access stores
+/// fails the transfer ([`Error::Cuda`], nothing moved), both put back. Before `c682809` the
+/// transfer's own bind (cudarc's `bind_to_thread`) failed it on such an error after a skipped
+/// wait; since, the binds leave stored errors alone, so the access must say whether its waits
+/// were made. The guard is returned (its drop records the buffer's event on `on`).
+pub(super) fn ordered_access<'a>(
+    on: &CudaStream,
+    access: impl FnOnce() -> (sys::CUdeviceptr, cudarc::driver::SyncOnDrop<'a>),
+) -> Result<(sys::CUdeviceptr, cudarc::driver::SyncOnDrop<'a>)> {
+    let ctx = on.context();
+    let mut got = None;
+    let waited = waits_made(
+        || ctx.check_err(),
+        |r| ctx.record_err(r),
+        || got = Some(access()),
+    );
+    let got = got.expect("the access ran");
+    match waited {
+        Ok(()) => Ok(got),
+        Err(e) => {
+            // Its record would be skipped or fail too: nothing was queued after the waits.
+            forget_access(got.1);
+            Err(skipped_wait(e))
+        }
+    }
+}
+
 /// The call's error when cudarc's access to its buffer stored one ([`waits_made`]).
 fn skipped_wait(e: cudarc::driver::DriverError) -> Error {
     Error::cuda(
