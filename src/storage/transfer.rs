@@ -684,6 +684,9 @@ impl<B: Send + 'static> Transfer<B> {
             // cuStreamWaitEvent was made, every host wait on it returned: `ctl` borrowed it; a
             // fence's word is parked unless it landed).
             let refill = gate.as_ref().map(|g| g.mark.refill());
+            // The buffer's context (the gate is made from the buffer's stream), for its drop
+            // below.
+            let buf_ctx = gate.as_ref().map(|g| g.on.0);
             drop(gate);
             s.complete(end);
             // Off every caller's path: fence words or idle events ready for the next calls
@@ -691,8 +694,24 @@ impl<B: Send + 'static> Transfer<B> {
             if let Some(r) = &refill {
                 r.top_up();
             }
-            // The buffer, when its handle was dropped before the end, is dropped here (cudarc's
-            // free may need its context current, as the transfer left it).
+            // The buffer, when its handle was dropped before the end, is dropped here: cudarc's
+            // free (`cuMemFreeAsync` on the buffer's stream, with no bind of its own) needs the
+            // buffer's context current, and a transfer that ended before any CUDA call (a
+            // cancel before it started, a refusal) left none bound on this thread (or another
+            // device's): it is bound for the drop, while the buffer (still in `s`, whose last
+            // reference this is) keeps the context alive.
+            if let Some(k) = buf_ctx {
+                if Arc::strong_count(&s) == 1 && matches!(*s.lock(), State::Done(..)) {
+                    // SAFETY: the buffer in `s` holds its stream, so its context, alive.
+                    let rc = unsafe { crate::cuda::result::ctx::set_current(k as sys::CUcontext) };
+                    if rc != sys::CUresult::CUDA_SUCCESS {
+                        tracing::debug!(
+                            ?rc,
+                            "gpudirect: binding a dropped transfer's buffer's context failed"
+                        );
+                    }
+                }
+            }
             drop(s);
             // This thread's last CUDA call for the transfer was made: its context is unbound
             // while the refill still keeps it alive, so that no destroyed context stays this
