@@ -325,7 +325,9 @@ impl<T, L: Layout> Drop for DeviceBuffer<T, L> {
         // Orders the stream after the slice's recorded uses and releases cudarc's events.
         let ptr = slice.leak();
         debug_assert_eq!(ptr, self.start);
-        if let Err(e) = stream.synchronize() {
+        // Through the result layer: cudarc's synchronize returns (and takes) an error stored in
+        // the caller's object without synchronizing.
+        if let Err(e) = super::settle::synchronize(&stream) {
             tracing::warn!(error = %e, "gpudirect DeviceBuffer: cuStreamSynchronize before cuMemFree failed");
         }
         if let Err(e) = crate::cuda::bind(stream.context()) {

@@ -876,9 +876,9 @@ impl Driver {
         self.retain_context(stream.context());
         crate::cuda::bind(stream.context()).map_err(|e| Error::cuda("cuCtxSetCurrent", e))?;
         if synchronize {
-            stream
-                .synchronize()
-                .map_err(|e| Error::cuda("cuStreamSynchronize", e))?;
+            // Through the result layer: cudarc's synchronize returns (and takes) an error
+            // stored in the caller's object without synchronizing.
+            crate::cuda::settle::synchronize(stream)?;
         }
         Ok(())
     }

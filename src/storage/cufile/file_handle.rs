@@ -454,9 +454,9 @@ impl CuFileHandle {
         let t = {
             let (sp, _record) = scratch.device_ptr_mut(stream);
             // The allocation is stream-ordered: it must exist before cuFile (unordered) uses it.
-            stream
-                .synchronize()
-                .map_err(|e| Error::cuda("cuStreamSynchronize", e))?;
+            // Through the result layer: cudarc's synchronize returns (and takes) an error
+            // stored in the caller's object without synchronizing.
+            crate::cuda::settle::synchronize(stream)?;
             let (sbase, _) = allocation_range(sp)?;
             self.transfer(false, sbase, sp - sbase, tail, file_offset + body as u64)?
         };
@@ -474,9 +474,9 @@ impl CuFileHandle {
                 )
             }?;
         }
-        stream
-            .synchronize()
-            .map_err(|e| Error::cuda("cuStreamSynchronize", e))?;
+        // As above: a skipped synchronize would return while the copy into the caller's memory
+        // is still queued.
+        crate::cuda::settle::synchronize(stream)?;
         Ok(got + t)
     }
 }
