@@ -14,14 +14,11 @@ use crate::error::Result;
 /// stored error is the caller's: it stays where it is. Every bind of gpudirect's goes through
 /// this (or [`CurrentContext::bind`], which also puts the previous context back).
 pub(crate) fn bind(ctx: &CudaContext) -> std::result::Result<(), DriverError> {
-    if r::ctx::current() != Some(ctx.cu_ctx()) {
-        // SAFETY: the object (borrowed) holds its context alive.
-        let rc = unsafe { r::ctx::set_current(ctx.cu_ctx()) };
-        if rc != sys::CUresult::CUDA_SUCCESS {
-            return Err(DriverError(rc));
-        }
+    // SAFETY: the object (borrowed) holds its context alive.
+    match unsafe { super::settle::make_current(ctx.cu_ctx()) } {
+        sys::CUresult::CUDA_SUCCESS => Ok(()),
+        rc => Err(DriverError(rc)),
     }
-    Ok(())
 }
 
 /// Makes a context current on the calling thread (`cuCtxSetCurrent`) and, when dropped, makes

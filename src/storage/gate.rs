@@ -170,16 +170,8 @@ fn gate_after<'a>(
     bytes: usize,
     access: impl FnOnce() -> (sys::CUdeviceptr, cudarc::driver::SyncOnDrop<'a>),
 ) -> Result<Gate> {
-    let ctx = stream.context().clone();
-    let mut got = None;
-    let waited = waits_made(
-        || ctx.check_err(),
-        |r| ctx.record_err(r),
-        || got = Some(access()),
-    );
-    let (ptr, record) = got.expect("the access ran");
+    let (ptr, record) = ordered_access(stream, access)?;
     forget_access(record);
-    waited.map_err(skipped_wait)?;
     Ok(Gate {
         mark: crate::cuda::fences::mark(stream)?,
         on: stream_key(stream),
