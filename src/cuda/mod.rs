@@ -596,6 +596,50 @@ pub(crate) fn refuse_capturing_any<S: AsRef<CudaStream>>(
     Ok(())
 }
 
+/// The stored-error tests' harness: on the calling thread, makes `ctx` current (no context
+/// when not `bound`), stores `CUDA_ERROR_UNKNOWN` in the object (cudarc's `record_err`, any
+/// error there taken first), runs `call`, and returns its result with what is wrong after it,
+/// each line starting with `case`: the error gone from the object or another one stored there,
+/// or the thread's current context not what it was before the call.
+#[cfg(test)]
+pub(crate) fn with_stored_error<R>(
+    ctx: &CudaContext,
+    bound: bool,
+    case: &str,
+    call: impl FnOnce() -> R,
+) -> (R, Vec<String>) {
+    use cudarc::driver::DriverError;
+    // SAFETY: null unbinds; the context is alive (borrowed).
+    let rc = unsafe {
+        result::ctx::set_current(if bound {
+            ctx.cu_ctx()
+        } else {
+            std::ptr::null_mut()
+        })
+    };
+    assert_eq!(rc, sys::CUresult::CUDA_SUCCESS, "cuCtxSetCurrent");
+    let _ = ctx.check_err();
+    ctx.record_err::<()>(Err(DriverError(sys::CUresult::CUDA_ERROR_UNKNOWN)));
+    let r = call();
+    let left = ctx.check_err();
+    let current = result::ctx::current();
+    let mut bad = Vec::new();
+    match left {
+        Err(DriverError(sys::CUresult::CUDA_ERROR_UNKNOWN)) => {}
+        Err(e) => bad.push(format!("{case}: another error is stored now: {e:?}")),
+        Ok(()) => bad.push(format!(
+            "{case}: the caller's stored error is gone from its object"
+        )),
+    }
+    let want = bound.then_some(ctx.cu_ctx());
+    if current != want {
+        bad.push(format!(
+            "{case}: the thread's current context is {current:?} after the call, not {want:?}"
+        ));
+    }
+    (r, bad)
+}
+
 /// A blocking stream of a context (`cuStreamCreate`, `CU_STREAM_DEFAULT`: the legacy default
 /// stream and it wait for each other), as C code and other libraries make them and cudarc never
 /// does, for tests of the legacy default stream beside its capture. Synchronized and destroyed
@@ -861,7 +905,6 @@ mod tests {
     #[test]
     #[ignore = "needs a CUDA GPU"]
     fn gpu_a_capture_check_leaves_the_callers_stored_error_alone() {
-        use cudarc::driver::DriverError;
         let ctx = context(0).unwrap_or_else(|e| {
             panic!("this test needs a CUDA GPU ({e}): run it on a GPU machine, see CONTRIBUTING.md")
         });
@@ -870,44 +913,20 @@ mod tests {
         for bound in [false, true] {
             let (ctx, stream) = (ctx.clone(), stream.clone());
             let found = std::thread::spawn(move || {
-                // SAFETY: null unbinds; the context is alive (held).
-                let rc = unsafe {
-                    result::ctx::set_current(if bound {
-                        ctx.cu_ctx()
-                    } else {
-                        std::ptr::null_mut()
-                    })
-                };
-                assert_eq!(rc, sys::CUresult::CUDA_SUCCESS, "cuCtxSetCurrent");
-                let _ = ctx.check_err();
-                ctx.record_err::<()>(Err(DriverError(sys::CUresult::CUDA_ERROR_UNKNOWN)));
-                let r = refuse_capturing(&stream, "a call");
-                let left = ctx.check_err();
-                let current = result::ctx::current();
-                let mut bad = Vec::new();
                 let case = if bound {
                     "the context current"
                 } else {
                     "no context current"
                 };
+                let (r, left) =
+                    with_stored_error(&ctx, bound, case, || refuse_capturing(&stream, "a call"));
+                let mut bad = Vec::new();
                 if let Err(e) = &r {
                     bad.push(format!(
                         "{case}: the check of a stream that is not capturing failed: {e}"
                     ));
                 }
-                match left {
-                    Err(DriverError(sys::CUresult::CUDA_ERROR_UNKNOWN)) => {}
-                    Err(e) => bad.push(format!("{case}: another error is stored now: {e:?}")),
-                    Ok(()) => bad.push(format!(
-                        "{case}: the caller's stored error is gone from its object"
-                    )),
-                }
-                let want = bound.then_some(ctx.cu_ctx());
-                if current != want {
-                    bad.push(format!(
-                        "{case}: the thread's current context is {current:?} after the call, not {want:?}"
-                    ));
-                }
+                bad.extend(left);
                 bad
             })
             .join()
