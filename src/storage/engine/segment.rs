@@ -459,9 +459,13 @@ impl SegRes {
             .map(|_| crate::cuda::own_stream(ctx))
             .collect::<Result<Vec<_>>>()?;
         let t2 = super::trace::now_us();
+        // Through gpudirect's own object, as the streams and the lanes' events are: cudarc's
+        // `new_event` binds through the object it is called on (`bind_to_thread`), which takes
+        // an error stored in the caller's object and fails the job with it.
+        let own = crate::cuda::own_object(ctx);
         let events = (0..nseg)
             .map(|_| {
-                ctx.new_event(Some(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING))
+                own.new_event(Some(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING))
                     .map_err(|e| Error::cuda("cuEventCreate", e))
             })
             .collect::<Result<Vec<_>>>()?;
@@ -525,9 +529,9 @@ impl SegRes {
     /// Trace: records a timing base event on the first copy stream and creates one timing event
     /// per segment of the next job (`segs`). The ring's streams are idle (no job runs).
     pub fn start_timing(&self, segs: usize) -> Result<()> {
+        let own = crate::cuda::own_object(&self.ctx);
         let ev = || {
-            self.ctx
-                .new_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT))
+            own.new_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT))
                 .map_err(|e| Error::cuda("cuEventCreate", e))
         };
         let base = ev()?;
