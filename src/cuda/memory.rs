@@ -670,4 +670,68 @@ mod tests {
             );
         }
     }
+
+    /// Review 13, finding 5 (fixed by 04b415c), at the buffers' drop: a [`DeviceBuffer`]'s
+    /// drop synchronizes its stream before `cuMemFree`; through cudarc's
+    /// `CudaStream::synchronize` that first ran the object's `check_err` (in its
+    /// `bind_to_thread`), which takes an error stored in the caller's object, returns it
+    /// without synchronizing, and the drop only logged it: the caller's error was gone. The
+    /// error is the caller's (an earlier call of its could not return it, `record_err`): the
+    /// drop must leave it in the object. Through an object of the test's own over device 0's
+    /// primary context (`CudaContext::new`) holding `CUDA_ERROR_UNKNOWN`: a 1 MiB
+    /// `DeviceBuffer` and a 1 MiB `GdrBuffer` on its default stream, each dropped with no
+    /// context current and with the buffer's. On the code before the fix (f8400dd) every case
+    /// is expected to fail: "a DeviceBuffer, no context current: the caller's stored error is
+    /// gone from its object (taken by the drop)". (The synchronize the old code skipped is not
+    /// seen here: `cuMemFree` waits for the context's work itself.)
+    #[test]
+    #[ignore = "needs a CUDA GPU"]
+    fn gpu_device_buffer_drops_leave_the_callers_stored_error_alone() {
+        use cudarc::driver::DriverError;
+        let _ = crate::cuda::context(0).unwrap_or_else(|e| {
+            panic!("needs a CUDA GPU (driver and device 0; see CUDA_VISIBLE_DEVICES): {e}")
+        });
+        const N: usize = 1 << 20;
+        let ctx = CudaContext::new(0).unwrap();
+        let stream = ctx.default_stream();
+        let mut bad = Vec::new();
+        for kind in ["a DeviceBuffer", "a GdrBuffer"] {
+            for bound in [false, true] {
+                let case = format!(
+                    "{kind}, {}",
+                    if bound {
+                        "the context current"
+                    } else {
+                        "no context current"
+                    }
+                );
+                let buf: Box<dyn std::any::Any> = match kind {
+                    "a DeviceBuffer" => {
+                        Box::new(DeviceBuffer::<u8>::alloc_zeros(&stream, N).unwrap())
+                    }
+                    _ => Box::new(GdrBuffer::<u8>::zeroed(&stream, N).unwrap()),
+                };
+                // SAFETY: null unbinds; the context is alive (`ctx`).
+                let rc = unsafe {
+                    r::ctx::set_current(if bound {
+                        ctx.cu_ctx()
+                    } else {
+                        std::ptr::null_mut()
+                    })
+                };
+                assert_eq!(rc, sys::CUresult::CUDA_SUCCESS, "cuCtxSetCurrent");
+                let _ = ctx.check_err();
+                ctx.record_err::<()>(Err(DriverError(sys::CUresult::CUDA_ERROR_UNKNOWN)));
+                drop(buf);
+                match ctx.check_err() {
+                    Err(DriverError(sys::CUresult::CUDA_ERROR_UNKNOWN)) => {}
+                    Err(e) => bad.push(format!("{case}: another error is stored now: {e:?}")),
+                    Ok(()) => bad.push(format!(
+                        "{case}: the caller's stored error is gone from its object (taken by the drop)"
+                    )),
+                }
+            }
+        }
+        assert!(bad.is_empty(), "{}", bad.join("\n"));
+    }
 }

@@ -2071,6 +2071,114 @@ mod tests {
         assert!(bad.is_empty(), "{}", bad.join("\n"));
     }
 
+    /// Review 13, finding 1, at the read batches (fixed by 59c5c79): the batch analogue of
+    /// [`gpu_a_stored_error_never_skips_the_buffers_ordering`]. A read batch's access to each
+    /// destination of the caller's (cudarc's `device_ptr_mut` on the destination's stream) is
+    /// what orders the batch's copies after the destination's users on other streams; with an
+    /// error stored in the destination's cudarc object (multi-stream mode) cudarc skips its
+    /// `cuStreamWaitEvent` silently (`record_err` puts the error back). The destination (on
+    /// `mine`) has a copy into it queued on `other` behind a held host function, released
+    /// 300 ms into the call; `GpuFile::read_ranges` (a `ReadBatch` of two items, the file's
+    /// two halves, through gpudirect's engine) must land after that copy: the file's bytes in
+    /// the buffer at the end. A batch that fails is accepted (not silent); one that succeeds
+    /// with other bytes is the finding. A 4 KiB batch, and 24 MiB ones through the segment
+    /// ring and the lanes (every engine item of a batch is one engine job behind the same
+    /// access; the cuFile items are not covered here: their access is still open, see
+    /// CONTRIBUTING). On the code before the fix (2a130a2) each case is expected to fail
+    /// with "a 4 KiB batch: succeeded (4109 bytes) unordered after the buffer's copy on
+    /// another stream: N of 4109 bytes as they should be" (N near 0: the copy's bytes land
+    /// over the file's).
+    #[test]
+    #[ignore = "needs a CUDA GPU"]
+    fn gpu_a_stored_error_never_skips_a_read_batchs_ordering() {
+        use cudarc::driver::DriverError;
+        use std::time::Duration;
+        unsafe extern "C" fn hold(data: *mut std::ffi::c_void) {
+            // SAFETY: `data` is the Box<Receiver> leaked below, handed over once; no CUDA call.
+            let rx = unsafe { Box::from_raw(data.cast::<std::sync::mpsc::Receiver<()>>()) };
+            let _ = rx.recv_timeout(Duration::from_secs(30));
+        }
+        let _gates = crate::cuda::HOST_FUNCTION_GATES
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        let _ = gpu();
+        let ctx = CudaContext::new(0).unwrap();
+        let mine = ctx.new_stream().unwrap();
+        let other = ctx.new_stream().unwrap();
+        let mut bad = Vec::new();
+        for (case, len, pipe) in [
+            ("a 4 KiB batch", 4096 + 13, Pipeline::Segments),
+            (
+                "a 24 MiB batch through the ring",
+                (24 << 20) + 4096 + 7,
+                Pipeline::Segments,
+            ),
+            (
+                "a 24 MiB batch on the lanes",
+                (24 << 20) + 4096 + 7,
+                Pipeline::Lanes,
+            ),
+        ] {
+            let (p, data) = random_file(&format!("stored-batch-{}", bad.len() + len), len, 14);
+            let f = GpuFile::options()
+                .backend(Backend::Engine)
+                .pipeline(pipe)
+                .open(&p)
+                .unwrap();
+            let pattern: Vec<u8> = data.iter().map(|b| b ^ 0xa5).collect();
+            let src = other.clone_htod(&pattern).unwrap();
+            let mut buf = mine.alloc_zeros::<u8>(len).unwrap();
+            mine.synchronize().unwrap();
+            other.synchronize().unwrap();
+            let (tx, rx) = std::sync::mpsc::channel::<()>();
+            let rx = Box::into_raw(Box::new(rx));
+            {
+                let _current = crate::cuda::CurrentContext::bind(&ctx).unwrap();
+                // SAFETY: `other` is a live stream of the current context; `hold` makes no
+                // CUDA call and owns `rx` once it runs.
+                if let Err(e) = unsafe {
+                    crate::cuda::result::stream::launch_host_func(
+                        other.cu_stream(),
+                        hold,
+                        rx.cast(),
+                    )
+                } {
+                    // SAFETY: a failed launch did not hand `rx` over.
+                    drop(unsafe { Box::from_raw(rx) });
+                    panic!("cuLaunchHostFunc: {e}");
+                }
+            }
+            // cudarc records the buffer's write on `other` (behind the held host function).
+            other.memcpy_dtod(&src, &mut buf).unwrap();
+            let _ = ctx.check_err();
+            ctx.record_err::<()>(Err(DriverError(sys::CUresult::CUDA_ERROR_UNKNOWN)));
+            let release = std::thread::spawn(move || {
+                std::thread::sleep(Duration::from_millis(300));
+                drop(tx);
+            });
+            let half = len / 2;
+            let r = f.read_ranges(&mut buf, &[(0, half, 0), (half as u64, len - half, half)]);
+            release.join().unwrap();
+            let _ = ctx.check_err();
+            other.synchronize().unwrap();
+            mine.synchronize().unwrap();
+            let _ = ctx.check_err();
+            if let Ok(rep) = r {
+                let got = mine.clone_dtoh(&buf).unwrap();
+                if rep.bytes != len || got != data {
+                    let same = got.iter().zip(&data).filter(|(a, b)| a == b).count();
+                    bad.push(format!(
+                        "{case}: succeeded ({} bytes) unordered after the buffer's copy on another stream: {same} of {len} bytes as they should be",
+                        rep.bytes
+                    ));
+                }
+            }
+            drop((f, buf, src));
+            std::fs::remove_file(&p).unwrap();
+        }
+        assert!(bad.is_empty(), "{}", bad.join("\n"));
+    }
+
     /// Review of the drain branch (helper-32, finding 2): a transfer on a stream that is
     /// capturing a CUDA graph is refused at once, with a typed error, before anything is
     /// enqueued on the stream. Work enqueued there is captured, not run, and synchronizing or

@@ -2666,6 +2666,134 @@ mod tests {
         assert!(bad.is_empty(), "{}", bad.join("\n"));
     }
 
+    /// A device buffer of [`gpu_transfer_async_dropped_before_it_starts_frees_its_buffer_in_its_context`]
+    /// that reports, when dropped, the thread it was dropped on and the context current there
+    /// (before its slice's drop), then drops its slice.
+    struct DropReport {
+        buf: Option<cudarc::driver::CudaSlice<u8>>,
+        report: std::sync::mpsc::Sender<(std::thread::ThreadId, Option<usize>)>,
+    }
+    impl DeviceDst for DropReport {
+        type Elem = u8;
+        fn as_dst(&mut self) -> cudarc::driver::CudaViewMut<'_, u8> {
+            self.buf
+                .as_mut()
+                .expect("the slice, until the drop")
+                .as_view_mut()
+        }
+    }
+    impl Drop for DropReport {
+        fn drop(&mut self) {
+            let current = crate::cuda::result::ctx::current().map(|c| c as usize);
+            drop(self.buf.take());
+            let _ = self.report.send((std::thread::current().id(), current));
+        }
+    }
+
+    /// Review 13, finding 2 (fixed by f8400dd): a non-blocking transfer whose handle is dropped
+    /// before it starts ends on its transfer thread without a CUDA call in the buffer's context
+    /// (it is cancelled at `Ctl::start`, after the side stream's lookup, which puts the thread's
+    /// current context back), and the buffer, whose last owner is the transfer's state by then,
+    /// is dropped there. cudarc's `CudaSlice` drop frees with `cuMemFreeAsync` on the buffer's
+    /// stream and binds nothing, so the buffer's context must be current for it. Through a
+    /// context of the test's own made with `cuCtxCreate` (a transfer thread unbinds such a
+    /// context after each transfer, `crate::cuda::unbind_unretained`, so no earlier transfer
+    /// leaves it current there): a 256 MiB buffer on its default stream (cudarc's
+    /// `cuMemAllocAsync`), wrapped to report where it is dropped ([`DropReport`]), is moved into
+    /// a `read_async` held on its transfer thread before the read (`TransferControl::hold_until`),
+    /// whose handle is dropped at once (which cancels it), then released. The buffer must be
+    /// dropped on the transfer thread with its own context current, leave no error in the
+    /// caller's object, and be freed (its allocation gone after a synchronize of its stream).
+    /// Twice: the transfer thread's side stream of the context made, then found. On the code
+    /// before the fix (7e08589) the buffer is dropped with no context current (or, where the
+    /// thread last served a primary context gpudirect retains, that one): "round 0: the buffer
+    /// was dropped on its transfer thread with context None current, not its own", "round 0:
+    /// its drop left an error in the caller's context object: .. CUDA_ERROR_INVALID_CONTEXT ..",
+    /// "round 0: its 256 MiB are still allocated after a synchronize (leaked)". (A held stream
+    /// instead, as the review proposed, would not reach that case reliably: a transfer
+    /// cancelled while it waits for its fence has made the fence's health check by then, whose
+    /// bind leaves the context current.)
+    #[test]
+    #[ignore = "needs a CUDA GPU"]
+    fn gpu_transfer_async_dropped_before_it_starts_frees_its_buffer_in_its_context() {
+        use crate::storage::Backend;
+        use cudarc::driver::DevicePtr;
+        const LEN: usize = 256 << 20;
+        let _ = gpu();
+        let data = random(4096 + 13, 622);
+        let path = scratch("dropped-before-start");
+        std::fs::write(&path, &data).unwrap();
+        let file = Arc::new(
+            GpuFile::options()
+                .backend(Backend::Engine)
+                .open(&path)
+                .unwrap(),
+        );
+        let ctx = crate::cuda::contexts::non_primary_context(0);
+        assert!(
+            ctx.has_async_alloc(),
+            "device 0 has no memory pools: cudarc frees with cuMemFree after a synchronize that binds the context itself, and the case does not arise"
+        );
+        crate::cuda::events::top_up(&ctx).unwrap();
+        crate::cuda::fences::prepare(&ctx);
+        let stream = ctx.default_stream();
+        let me = std::thread::current().id();
+        let mut bad = Vec::new();
+        for round in 0..2 {
+            let buf = stream.alloc_zeros::<u8>(LEN).unwrap();
+            let addr = buf.device_ptr(&stream).0;
+            stream.synchronize().unwrap();
+            let (report, reported) = std::sync::mpsc::channel();
+            let dst = DropReport {
+                buf: Some(buf),
+                report,
+            };
+            let control = TransferControl::new();
+            let (go, held) = std::sync::mpsc::channel();
+            control.hold_until(held);
+            drop(file.read_dev_async(dst, 0, false, control));
+            go.send(()).unwrap();
+            match reported.recv_timeout(Duration::from_secs(30)) {
+                Ok((thread, _)) if thread == me => bad.push(format!(
+                    "round {round}: the buffer was dropped on the test's thread, not on its transfer thread (the case did not arise)"
+                )),
+                Ok((_, current)) if current != Some(ctx.cu_ctx() as usize) => bad.push(format!(
+                    "round {round}: the buffer was dropped on its transfer thread with context {current:x?} current, not its own {:#x}",
+                    ctx.cu_ctx() as usize
+                )),
+                Ok(_) => {}
+                Err(e) => {
+                    bad.push(format!("round {round}: the buffer was not dropped within 30 s ({e})"));
+                    continue;
+                }
+            }
+            if let Err(e) = ctx.check_err() {
+                bad.push(format!(
+                    "round {round}: its drop left an error in the caller's context object: {e:?}"
+                ));
+            }
+            let _current = crate::cuda::CurrentContext::bind(&ctx).unwrap();
+            // SAFETY: the context's default stream, the context current; a queued free is done
+            // after this.
+            unsafe { crate::cuda::result::stream::synchronize(stream.cu_stream()) }.unwrap();
+            // SAFETY: libcuda is initialised (`ctx` exists); the call only reads the address.
+            let range = unsafe { crate::cuda::result::mem::get_address_range(addr) };
+            if matches!(range, Ok((base, size)) if base == addr && size >= LEN) {
+                bad.push(format!(
+                    "round {round}: its {} MiB are still allocated after a synchronize (leaked)",
+                    LEN >> 20
+                ));
+                // SAFETY: the leaked allocation at `addr` (pool memory of cuMemAllocAsync in this
+                // context, current, which cuMemFree takes as it takes imported pool pointers),
+                // freed once here; its stream was synchronized above and no work uses it.
+                unsafe { crate::cuda::result::mem::free(addr) }.unwrap();
+            }
+        }
+        drop((stream, ctx, file));
+        std::fs::remove_file(&path).unwrap();
+        assert!(bad.is_empty(), "{}", bad.join("\n"));
+    }
+
     /// The capture modes the capture tests below run under: relaxed (other threads' calls are
     /// not restricted), and global (CUDA's default: it restricts every other thread whose own
     /// mode is global, as gpudirect's transfer and engine threads had).
