@@ -58,6 +58,7 @@ pub(crate) mod dmabuf;
 pub(crate) mod events;
 pub(crate) mod fences;
 mod memory;
+pub(crate) mod ordered;
 mod pointer;
 pub(crate) mod result;
 pub(crate) mod settle;

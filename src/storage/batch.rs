@@ -852,9 +852,9 @@ impl<'a> ReadBatch<'a> {
             for (d, (v, s)) in views.iter_mut().zip(streams).enumerate() {
                 match v {
                     Some(v) => {
-                        // Its waits made or the batch refused (gate::ordered_access: an error
-                        // stored in the stream's cudarc object skips them silently).
-                        let (p, g) = super::gate::ordered_access(s, || v.device_ptr_mut(s))?;
+                        // Its waits made or the batch refused (ordered_access: an error stored
+                        // in the stream's cudarc object skips them silently).
+                        let (p, g) = crate::cuda::ordered::ordered_access(s, || v.device_ptr_mut(s))?;
                         bufs.push(Mem::Dev(p));
                         guards.push(g);
                     }

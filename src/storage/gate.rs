@@ -128,12 +128,14 @@ fn other_buffer(how: &str) -> Error {
 /// except where the fence falls back to an event. A stream capturing a CUDA graph is refused
 /// first ([`Error::Unsupported`]): the waits and the fence would go into the caller's graph;
 /// so is a buffer on the per-thread stream, before that ([`refuse_per_thread`]).
-/// cudarc's access runs through [`waits_made`]: an error stored in the caller's `CudaContext`
-/// object would skip its waits silently; one stored before the call is set aside while they are
-/// made, one stored by the access fails the call ([`Error::Cuda`]), both put back.
+/// cudarc's access runs through [`waits_made`](crate::cuda::ordered::waits_made): an error
+/// stored in the caller's `CudaContext` object would skip its waits silently; one stored before
+/// the call is set aside while they are made, one stored by the access fails the call
+/// ([`Error::Cuda`]), both put back.
 ///
-/// cudarc's access guard is not dropped here but forgotten ([`forget_access`]): its drop would
-/// record the buffer's cudarc event on the stream (`cuEventRecord`, which waits beside an
+/// cudarc's access guard is not dropped here but forgotten
+/// ([`forget_access`](crate::cuda::ordered::forget_access); why: [`gate_after`]): its drop
+/// would record the buffer's cudarc event on the stream (`cuEventRecord`, which waits beside an
 /// unregister).
 ///
 /// `v` is the view the transfer then uses (`super::lent::LentDst`: the buffer's `as_dst` is
@@ -163,91 +165,12 @@ fn refuse_at_call(stream: &CudaStream, what: &str) -> Result<()> {
 }
 
 /// The part [`gate_dst`] and [`gate_src`] share once the call's refusals passed: cudarc's
-/// `access` to the `bytes`-byte buffer on `stream` ([`waits_made`], its guard forgotten,
-/// [`forget_access`]), then the fence (or the fallback's event) queued there.
-fn gate_after<'a>(
-    stream: &'a CudaStream,
-    bytes: usize,
-    access: impl FnOnce() -> (sys::CUdeviceptr, cudarc::driver::SyncOnDrop<'a>),
-) -> Result<Gate> {
-    let (ptr, record) = ordered_access(stream, access)?;
-    forget_access(record);
-    Ok(Gate {
-        mark: crate::cuda::fences::mark(stream)?,
-        on: stream_key(stream),
-        buf: (ptr, bytes),
-    })
-}
-
-/// Runs cudarc's access to a gated buffer (`access`: `device_ptr(_mut)`, whose
-/// `cuStreamWaitEvent`s order the buffer's stream after its users elsewhere) so that its waits
-/// are made, or the call fails. cudarc's wait first binds the context, which fails on an error
-/// stored in the caller's `CudaContext` object (cudarc's `check_err`, an error an earlier call
-/// could not return): the wait is then skipped and the error stored again, silently. So the
-/// stored error is taken out first (`take`: cudarc's `check_err`), the access made, and what it
-/// stored taken out too: an error then (a wait that failed, or one stored meanwhile by another
-/// thread, which skips waits as well) is returned, and the call fails instead of proceeding
-/// unordered. Either way the error is put back (`put`: cudarc's `record_err`; the newer one
-/// when there are two, as cudarc keeps one) so the caller still sees it. An error that was
-/// stored before the call does not fail it: the waits were made with it taken out. (Another
-/// thread of the caller's that asks the same object in that window does not see the error:
-/// cudarc's stored error is a report, not a lock.)
-pub(super) fn waits_made<E: Copy>(
-    take: impl Fn() -> std::result::Result<(), E>,
-    put: impl Fn(std::result::Result<(), E>),
-    access: impl FnOnce(),
-) -> std::result::Result<(), E> {
-    let stale = take();
-    access();
-    let now = take();
-    put(stale);
-    put(now);
-    now
-}
-
-/// cudarc's access to the buffer of a transfer that does its own copies on `on`
-/// (`access`: `device_ptr(_mut)` on `on`, whose `cuStreamWaitEvent`s order `on` after the
-/// buffer's users on other streams), through [`waits_made`] as the gates do: cudarc's waits
-/// bind through `on`'s `CudaContext` object and are skipped silently when an error is stored
-/// there; the error stored before is set aside while they are made, one the access stores
-/// fails the transfer ([`Error::Cuda`], nothing moved), both put back. Before `c682809` the
-/// transfer's own bind (cudarc's `bind_to_thread`) failed it on such an error after a skipped
-/// wait; since, the binds leave stored errors alone, so the access must say whether its waits
-/// were made. The guard is returned (its drop records the buffer's event on `on`).
-pub(super) fn ordered_access<'a>(
-    on: &CudaStream,
-    access: impl FnOnce() -> (sys::CUdeviceptr, cudarc::driver::SyncOnDrop<'a>),
-) -> Result<(sys::CUdeviceptr, cudarc::driver::SyncOnDrop<'a>)> {
-    let ctx = on.context();
-    let mut got = None;
-    let waited = waits_made(
-        || ctx.check_err(),
-        |r| ctx.record_err(r),
-        || got = Some(access()),
-    );
-    let got = got.expect("the access ran");
-    match waited {
-        Ok(()) => Ok(got),
-        Err(e) => {
-            // Its record would be skipped or fail too: nothing was queued after the waits.
-            forget_access(got.1);
-            Err(skipped_wait(e))
-        }
-    }
-}
-
-/// The call's error when cudarc's access to its buffer stored one ([`waits_made`]).
-fn skipped_wait(e: cudarc::driver::DriverError) -> Error {
-    Error::cuda(
-        "cudarc's wait for the buffer's other users at the call (cuStreamWaitEvent, or the \
-         cuCtxSetCurrent before it; an error stored in the stream's CudaContext object skips \
-         the wait): the transfer would not be ordered after them",
-        e,
-    )
-}
-
-/// Drops cudarc's access guard of a gated buffer without its record (`std::mem::forget`: it
-/// only borrows the buffer's event and stream, so nothing leaks). Its waits were made when the
+/// `access` to the `bytes`-byte buffer on `stream`
+/// ([`ordered_access`](crate::cuda::ordered::ordered_access), its guard forgotten), then the
+/// fence (or the fallback's event) queued there.
+///
+/// cudarc's access guard of a gated buffer is forgotten
+/// ([`forget_access`](crate::cuda::ordered::forget_access)): its waits were made when the
 /// access was (the buffer's stream waits for the buffer's earlier users elsewhere, before the
 /// fence), and the record is not needed for what comes after:
 /// - the transfer owns the buffer until its copies completed (the transfer thread waits for
@@ -265,57 +188,23 @@ fn skipped_wait(e: cudarc::driver::DriverError) -> Error {
 ///
 /// A gate that fails after the access (the fence could not be queued) hands the buffer back at
 /// once with its earlier records, nothing of the transfer's having touched it.
-fn forget_access(record: cudarc::driver::SyncOnDrop<'_>) {
-    std::mem::forget(record);
+fn gate_after<'a>(
+    stream: &'a CudaStream,
+    bytes: usize,
+    access: impl FnOnce() -> (sys::CUdeviceptr, cudarc::driver::SyncOnDrop<'a>),
+) -> Result<Gate> {
+    let (ptr, record) = crate::cuda::ordered::ordered_access(stream, access)?;
+    crate::cuda::ordered::forget_access(record);
+    Ok(Gate {
+        mark: crate::cuda::fences::mark(stream)?,
+        on: stream_key(stream),
+        buf: (ptr, bytes),
+    })
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    /// cudarc's access at the gate ([`waits_made`], no GPU needed: a fake stored error): an
-    /// error stored before the call is taken out while the access runs (so its waits are made,
-    /// not skipped) and put back, the call going on; an error the access stores (a failed or
-    /// skipped wait) fails the call and is put back too; with none, nothing is stored.
-    #[test]
-    fn a_stored_error_never_skips_the_gates_waits_silently() {
-        use std::cell::Cell;
-        type R = std::result::Result<(), u32>;
-        let state = Cell::new(0u32);
-        let take = || -> R {
-            match state.replace(0) {
-                0 => Ok(()),
-                e => Err(e),
-            }
-        };
-        let put = |r: R| {
-            if let Err(e) = r {
-                state.set(e);
-            }
-        };
-        // A stale error: the access sees none (its waits run), the call goes on, the error is
-        // back.
-        state.set(700);
-        let seen = Cell::new(u32::MAX);
-        assert_eq!(waits_made(take, put, || seen.set(state.get())), Ok(()));
-        assert_eq!(
-            seen.get(),
-            0,
-            "the access ran with the stale error in place"
-        );
-        assert_eq!(state.get(), 700, "the stale error was not put back");
-        // The access stores one (its wait failed): the call fails with it; it stays stored,
-        // the newer one kept.
-        assert_eq!(waits_made(take, put, || state.set(999)), Err(999));
-        assert_eq!(state.get(), 999);
-        state.set(0);
-        assert_eq!(waits_made(take, put, || state.set(4)), Err(4));
-        assert_eq!(state.get(), 4);
-        // Nothing stored: nothing changes.
-        state.set(0);
-        assert_eq!(waits_made(take, put, || {}), Ok(()));
-        assert_eq!(state.get(), 0);
-    }
 
     /// A non-blocking call refuses a buffer on the per-thread stream (no GPU needed: the
     /// check is of the handle): [`Error::Unsupported`] naming the call and the per-thread
