@@ -570,6 +570,35 @@ pub(crate) mod mem {
         Ok(p)
     }
 
+    /// `cuMemAllocAsync` on `stream` (its device's default pool; the allocation exists for
+    /// work ordered after it on `stream`).
+    ///
+    /// # Safety
+    /// `stream` must be a live stream of the context current on this thread (or null: that
+    /// context's legacy default stream), whose device supports memory pools.
+    pub(crate) unsafe fn alloc_async(
+        bytes: usize,
+        stream: sys::CUstream,
+    ) -> Result<sys::CUdeviceptr> {
+        let mut p: sys::CUdeviceptr = 0;
+        // SAFETY: out-pointer valid; the caller's contract.
+        check("cuMemAllocAsync", unsafe {
+            sys::cuMemAllocAsync(&mut p, bytes.max(1), stream)
+        })?;
+        Ok(p)
+    }
+
+    /// `cuMemFreeAsync` on `stream`.
+    ///
+    /// # Safety
+    /// `p` must be a live allocation (from `cuMemAllocAsync` or `cuMemAlloc`) of the context
+    /// current on this thread, `stream` a live stream of it, and every use of `p` not ordered
+    /// before the free on `stream` finished.
+    pub(crate) unsafe fn free_async(p: sys::CUdeviceptr, stream: sys::CUstream) -> Result<()> {
+        // SAFETY: the caller's contract.
+        check("cuMemFreeAsync", unsafe { sys::cuMemFreeAsync(p, stream) })
+    }
+
     /// `cuMemFree_v2`.
     ///
     /// # Safety

@@ -790,9 +790,10 @@ fn copy_into_place(t: &Tail, len: usize) -> Result<()> {
             t.stream.cu_stream(),
         )
     }?;
-    t.stream
-        .synchronize()
-        .map_err(|e| Error::cuda("cuStreamSynchronize", e))
+    // Through the result layer: cudarc's synchronize returns (and takes) an error stored in the
+    // caller's object without synchronizing, and the scratch buffer would be freed while the
+    // copy out of it is still queued.
+    crate::cuda::settle::synchronize(&t.stream)
 }
 
 /// What draining needs from a batch: the seam that lets the drain policy be tested without

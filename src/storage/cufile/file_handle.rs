@@ -447,21 +447,18 @@ impl CuFileHandle {
             }
         }
         // Allocated, used and freed on `stream` alone (for a non-blocking transfer, its side
-        // stream, whose cudarc object tracks no slice: see `crate::cuda::own_stream`).
-        // SAFETY: u8 needs no initialisation; only the bytes cuFile reports are copied out.
-        let mut scratch = unsafe { stream.alloc::<u8>(tail + READ_OVERRUN) }
-            .map_err(|e| Error::cuda("cuMemAlloc", e))?;
+        // stream), through the result layer (see `Scratch`).
+        let scratch = Scratch::alloc(stream, tail + READ_OVERRUN)?;
+        let sp = scratch.ptr();
+        // The allocation is stream-ordered: it must exist before cuFile (unordered) uses it.
+        // Through the result layer: cudarc's synchronize returns (and takes) an error stored in
+        // the caller's object without synchronizing.
+        crate::cuda::settle::synchronize(stream)?;
         let t = {
-            let (sp, _record) = scratch.device_ptr_mut(stream);
-            // The allocation is stream-ordered: it must exist before cuFile (unordered) uses it.
-            // Through the result layer: cudarc's synchronize returns (and takes) an error
-            // stored in the caller's object without synchronizing.
-            crate::cuda::settle::synchronize(stream)?;
             let (sbase, _) = allocation_range(sp)?;
             self.transfer(false, sbase, sp - sbase, tail, file_offset + body as u64)?
         };
         if t > 0 {
-            let (sp, _record) = scratch.device_ptr(stream);
             // SAFETY: `ptr + body .. + t` lies inside the caller's range (t <= tail); `sp .. + t`
             // inside the scratch buffer; both in the stream's context, which is current; the
             // stream is synchronised below, before the scratch buffer is freed or we return.
@@ -496,26 +493,44 @@ pub(super) fn protected_tail(file_offset: u64, len: usize) -> usize {
 }
 
 /// Device memory that the protected last bytes of a read go through (see
-/// `CuFileHandle::read_inside`), from a stream's allocator, with [`READ_OVERRUN`] bytes to
-/// spare after what cuFile is asked to write. Freed with its context bound: cudarc's
-/// `CudaSlice` frees without binding, which fails (and leaks) on a thread whose current
-/// context is another device's or none.
+/// `CuFileHandle::read_inside`), with [`READ_OVERRUN`] bytes to spare after what cuFile is asked
+/// to write: allocated and freed in the order of a stream (`cuMemAllocAsync` /
+/// `cuMemFreeAsync`; `cuMemAlloc` / `cuMemFree` where the device has no memory pools) through
+/// gpudirect's result layer with the stream's context bound by `crate::cuda::bind`, never
+/// through cudarc's `CudaStream::alloc` or `CudaSlice` drop: their `bind_to_thread` runs the
+/// object's `check_err`, which takes an error stored in the caller's cudarc object (an error an
+/// earlier call of the caller's could not return) and fails the read with it, and a
+/// `CudaSlice` frees without binding, which fails (and leaks) on a thread whose current context
+/// is another device's or none. The calling thread's current context is the caller's business:
+/// every caller holds a `CurrentContext` guard that puts it back.
 pub(super) struct Scratch {
-    buf: Option<cudarc::driver::CudaSlice<u8>>,
+    stream: Arc<CudaStream>,
     ptr: cudarc::driver::sys::CUdeviceptr,
+    pooled: bool,
 }
 
 impl Scratch {
     /// `len` bytes on `stream` (stream-ordered: `stream` must be synchronised before cuFile,
-    /// which is ordered with no stream, uses them).
+    /// which is ordered with no stream, uses them). Leaves the stream's context current.
     pub(super) fn alloc(stream: &Arc<CudaStream>, len: usize) -> Result<Scratch> {
-        // SAFETY: u8 needs no initialisation; only the bytes cuFile reports are copied out.
-        let mut buf =
-            unsafe { stream.alloc::<u8>(len) }.map_err(|e| Error::cuda("cuMemAlloc", e))?;
-        let ptr = buf.device_ptr_mut(stream).0;
+        use crate::cuda::result as r;
+        use cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MEMORY_POOLS_SUPPORTED;
+        let ctx = stream.context();
+        crate::cuda::bind(ctx).map_err(|e| Error::cuda("cuCtxSetCurrent", e))?;
+        let pooled =
+            r::device::attribute(ctx.cu_device(), CU_DEVICE_ATTRIBUTE_MEMORY_POOLS_SUPPORTED)? > 0;
+        let ptr = if pooled {
+            // SAFETY: the stream is alive (borrowed) in its context, current since the bind
+            // above; its device has memory pools (asked above).
+            unsafe { r::mem::alloc_async(len, stream.cu_stream()) }?
+        } else {
+            // SAFETY: the stream's context is current (bound above).
+            unsafe { r::mem::alloc(len) }?
+        };
         Ok(Scratch {
-            buf: Some(buf),
+            stream: Arc::clone(stream),
             ptr,
+            pooled,
         })
     }
 
@@ -527,11 +542,24 @@ impl Scratch {
 
 impl Drop for Scratch {
     fn drop(&mut self) {
-        if let Some(buf) = self.buf.take() {
-            // The caller's current context is its business: every caller holds a
-            // `CurrentContext` guard that puts it back.
-            let _ = crate::cuda::bind(buf.context());
-            drop(buf);
+        use crate::cuda::result as r;
+        if let Err(e) = crate::cuda::bind(self.stream.context()) {
+            tracing::warn!(error = %e, "gpudirect: binding a scratch buffer's context failed; the buffer leaks");
+            return;
+        }
+        let freed = if self.pooled {
+            // SAFETY: `ptr` is this scratch buffer's live allocation in the stream's context,
+            // current since the bind above; every use of it (cuFile's read, which its caller
+            // waited for, and the copy out of it, queued on `stream`) is ordered before the free
+            // on `stream` or finished.
+            unsafe { r::mem::free_async(self.ptr, self.stream.cu_stream()) }
+        } else {
+            // SAFETY: as above; `cuMemFree` of `cuMemAlloc` memory waits for the work that may
+            // use it.
+            unsafe { r::mem::free(self.ptr) }
+        };
+        if let Err(e) = freed {
+            tracing::warn!(error = %e, "gpudirect: freeing a scratch buffer failed");
         }
     }
 }

@@ -271,9 +271,12 @@ impl StreamIo {
     /// succeeds, else leaks it. `?` turns either into an [`Error`].
     pub fn wait(mut self) -> Result<(usize, CudaSlice<u8>), WaitError> {
         let _restore = crate::cuda::CurrentContext::save();
-        if let Err(e) = self.stream.synchronize() {
+        // Through the result layer: cudarc's synchronize returns (and takes) an error stored in
+        // the caller's object without synchronizing, and the IO would be reported done while
+        // cuFile may still write the buffer.
+        if let Err(e) = crate::cuda::settle::synchronize(&self.stream) {
             // `buf` stays in the guard, for Drop to free or leak.
-            return Err(WaitError::Sync(Error::cuda("cuStreamSynchronize", e)));
+            return Err(WaitError::Sync(e));
         }
         let bytes = self.params.as_ref().map_or(0, |p| p.bytes);
         let buf = self.buf.take().expect("buffer present until wait or drop");
@@ -391,7 +394,8 @@ impl Drop for StreamIo {
             return; // `wait` synchronised already.
         }
         let _restore = crate::cuda::CurrentContext::save();
-        if let Err(e) = self.stream.synchronize() {
+        // Through the result layer (as in `wait`).
+        if let Err(e) = crate::cuda::settle::synchronize(&self.stream) {
             // The stream is broken: cuFile may still touch the block and the buffer, so leak
             // them rather than free memory the device might write.
             tracing::warn!(error = %e, "stream sync failed in StreamIo::drop; leaking its buffer");
@@ -448,8 +452,9 @@ impl Drop for StreamRegistration {
     fn drop(&mut self) {
         let _restore = crate::cuda::CurrentContext::save();
         let _ = crate::cuda::bind(self.stream.context());
-        // Stream-ordered IO still queued on the stream uses the registration: let it finish.
-        if let Err(e) = self.stream.synchronize() {
+        // Stream-ordered IO still queued on the stream uses the registration: let it finish
+        // (through the result layer, as in `StreamIo::wait`).
+        if let Err(e) = crate::cuda::settle::synchronize(&self.stream) {
             tracing::warn!(error = %e, "stream sync failed before cuFileStreamDeregister; the registration and the stream leak");
             return; // `stream` stays undropped: a registered stream is never destroyed.
         }

@@ -140,8 +140,10 @@ impl CuFileHandle {
         }
         for (stream, s) in groups.iter().zip(&scratch) {
             if s.is_some() {
-                if let Err(e) = stream.synchronize() {
-                    failed.get_or_insert(Error::cuda("cuStreamSynchronize", e));
+                // Through the result layer: cudarc's synchronize returns (and takes) an error
+                // stored in the caller's object without synchronizing.
+                if let Err(e) = crate::cuda::settle::synchronize(stream) {
+                    failed.get_or_insert(e);
                 }
             }
         }
