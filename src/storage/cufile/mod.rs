@@ -760,4 +760,219 @@ mod tests {
         }
         assert!(bad.is_empty(), "{}", bad.join("\n"));
     }
+
+    /// Review 13, finding 1, at cuFile's handles (the last of its skipped-wait sites; the
+    /// engine's transfers were fixed by 7e08589 and its read batches by 59c5c79): cudarc's
+    /// access to a caller's buffer (`device_ptr(_mut)` on the buffer's stream) is what orders
+    /// a cuFile call after the buffer's users on other streams (its `cuStreamWaitEvent`s, then
+    /// `Driver::enter`'s synchronize of that stream); with an error stored in the buffer's
+    /// cudarc object (multi-stream mode) cudarc skips the wait silently (its bind's `check_err`
+    /// fails and `record_err` stores the error again), and since 04b415c nothing else fails the
+    /// call. The buffer (on `mine`) has a copy into it queued on `other` behind a held host
+    /// function, released 300 ms into the call: a read must land after that copy (the file's
+    /// bytes in the buffer at the end), a write must write the copy's bytes. A call that fails
+    /// is accepted (not silent); one that succeeds with other bytes is the finding. Through
+    /// `CuFileHandle::read`, `read_exact`, `write`, `GpuFile::read_to_device` and
+    /// `write_from_device` (`Backend::CuFile`), `BatchIo::run` (two reads, the halves) and
+    /// `CuFileHandle::readv` / `writev` (two halves; refused before cuFile 1.19, printed), 4 KiB
+    /// and 8 MiB. On the code before the fix every case is expected to fail with "..: succeeded
+    /// unordered after the buffer's copy on another stream: N of M bytes as they should be".
+    /// Needs the cuFile driver to register files (`GPUDIRECT_TEST_UDEV_FIX=1` where
+    /// `/run/udev` is missing, as the other cuFile tests).
+    #[test]
+    #[ignore = "needs a CUDA GPU"]
+    fn gpu_cufile_a_stored_error_never_skips_the_buffers_ordering() {
+        use crate::storage::Backend;
+        use cudarc::driver::sys::CUresult;
+        use cudarc::driver::{CudaContext, DriverError};
+        unsafe extern "C" fn hold(data: *mut std::ffi::c_void) {
+            // SAFETY: `data` is the Box<Receiver> leaked below, handed over once; no CUDA call.
+            let rx = unsafe { Box::from_raw(data.cast::<std::sync::mpsc::Receiver<()>>()) };
+            let _ = rx.recv_timeout(Duration::from_secs(30));
+        }
+        let _gates = crate::cuda::HOST_FUNCTION_GATES
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        let _ = testkit::gpu();
+        let driver = Driver::open().unwrap_or_else(|e| {
+            panic!(
+                "the cuFile driver did not open: {e} (set GPUDIRECT_CUFILE_LIB to libcufile.so.0)"
+            )
+        });
+        let (probe, _) = testkit::random_file("stored-order-cufile-probe", 4096, 140);
+        testkit::udev_fix(&probe);
+        let open = |p: &Path| CuFileHandle::open(Arc::clone(&driver), p, OpenMode::ReadWrite);
+        if let Err(e) = open(&probe) {
+            let cause = classify_registration_failure(&e, &probe);
+            std::fs::remove_file(&probe).unwrap();
+            let fixed = std::env::var("GPUDIRECT_TEST_UDEV_FIX").is_ok_and(|v| v == "1");
+            if !fixed && matches!(cause, crate::Cause::UdevDataMissing { .. }) {
+                eprintln!("registration refused as this machine's state predicts ({cause}); set GPUDIRECT_TEST_UDEV_FIX=1 (as root) to run this check");
+                return;
+            }
+            panic!("cuFile registration failed: {e} (cause: {cause})");
+        }
+        std::fs::remove_file(&probe).unwrap();
+
+        let ctx = CudaContext::new(0).unwrap();
+        let mine = ctx.new_stream().unwrap();
+        let other = ctx.new_stream().unwrap();
+        let mut batch = BatchIo::new(Arc::clone(&driver), 4)
+            .unwrap_or_else(|e| panic!("cuFileBatchIOSetUp refused: {e}"));
+        let calls = [
+            ("CuFileHandle::read", false),
+            ("CuFileHandle::read_exact", false),
+            ("CuFileHandle::write", true),
+            ("GpuFile::read_to_device (cuFile)", false),
+            ("GpuFile::write_from_device (cuFile)", true),
+            ("BatchIo::run", false),
+            ("CuFileHandle::readv", false),
+            ("CuFileHandle::writev", true),
+        ];
+        let (mut bad, mut notes) = (Vec::new(), Vec::new());
+        let mut n = 0u64;
+        for (call, write) in calls {
+            for len in [4096 + 13, (8 << 20) + 13] {
+                n += 1;
+                let case = format!("{call}, {} KiB", len >> 10);
+                let (p, data) =
+                    testkit::random_file(&format!("stored-order-cufile-{n}"), len, 140 + n);
+                // What the held copy puts into the buffer: for a write, the bytes the file must
+                // get; for a read, bytes the file's must replace.
+                let pattern: Vec<u8> = data.iter().map(|b| b ^ 0xa5).collect();
+                let src = other.clone_htod(&pattern).unwrap();
+                let mut buf = mine.alloc_zeros::<u8>(len).unwrap();
+                mine.synchronize().unwrap();
+                other.synchronize().unwrap();
+                let (handle, file) = if call.starts_with("GpuFile") {
+                    let f = GpuFile::options()
+                        .backend(Backend::CuFile)
+                        .write(write)
+                        .open(&p)
+                        .unwrap_or_else(|e| panic!("{case}: opening through cuFile: {e}"));
+                    (None, Some(f))
+                } else {
+                    let h = open(&p).unwrap_or_else(|e| panic!("registering {}: {e}", p.display()));
+                    (Some(h), None)
+                };
+                let (tx, rx) = std::sync::mpsc::channel::<()>();
+                let rx = Box::into_raw(Box::new(rx));
+                {
+                    let _current = crate::cuda::CurrentContext::bind(&ctx).unwrap();
+                    // SAFETY: `other` is a live stream of the current context; `hold` makes no
+                    // CUDA call and owns `rx` once it runs.
+                    if let Err(e) = unsafe {
+                        crate::cuda::result::stream::launch_host_func(
+                            other.cu_stream(),
+                            hold,
+                            rx.cast(),
+                        )
+                    } {
+                        // SAFETY: a failed launch did not hand `rx` over.
+                        drop(unsafe { Box::from_raw(rx) });
+                        panic!("cuLaunchHostFunc: {e}");
+                    }
+                }
+                // cudarc records the buffer's write on `other` (behind the held host function).
+                other.memcpy_dtod(&src, &mut buf).unwrap();
+                let _ = ctx.check_err();
+                ctx.record_err::<()>(Err(DriverError(CUresult::CUDA_ERROR_UNKNOWN)));
+                let release = std::thread::spawn(move || {
+                    std::thread::sleep(Duration::from_millis(300));
+                    drop(tx);
+                });
+                let half = len / 2;
+                let h = handle.as_ref();
+                let r: Result<Option<usize>> = match call {
+                    "CuFileHandle::read" => h.unwrap().read(&mut buf, 0).map(Some),
+                    "CuFileHandle::read_exact" => {
+                        h.unwrap().read_exact(&mut buf, 0).map(|()| Some(len))
+                    }
+                    "CuFileHandle::write" => h.unwrap().write(&buf, 0).map(Some),
+                    "GpuFile::read_to_device (cuFile)" => file
+                        .as_ref()
+                        .unwrap()
+                        .read_to_device(&mut buf, 0)
+                        .map(|rep| Some(rep.bytes)),
+                    "GpuFile::write_from_device (cuFile)" => file
+                        .as_ref()
+                        .unwrap()
+                        .write_from_device(&buf, 0)
+                        .map(|rep| Some(rep.bytes)),
+                    "BatchIo::run" => {
+                        let h = h.unwrap();
+                        let mut v = buf.as_view_mut();
+                        let (x, y) = v.split_at_mut(half);
+                        let mut ops = [
+                            BatchOp::Read {
+                                handle: h,
+                                dst: x,
+                                file_offset: 0,
+                            },
+                            BatchOp::Read {
+                                handle: h,
+                                dst: y,
+                                file_offset: half as u64,
+                            },
+                        ];
+                        batch
+                            .run(&mut ops, Duration::from_secs(30))
+                            .and_then(|done| done.into_iter().map(|c| c.result).sum())
+                            .map(Some)
+                    }
+                    "CuFileHandle::readv" | "CuFileHandle::writev" => {
+                        let r = if write {
+                            let v = buf.as_view();
+                            let (a, b) = v.split_at(half);
+                            h.unwrap().writev(&[a, b], 0)
+                        } else {
+                            let (a, b) = buf.split_at_mut(half);
+                            h.unwrap().readv(&mut [a, b], 0)
+                        };
+                        match r {
+                            Err(e @ Error::SymbolUnavailable { .. }) if driver.version() < 1190 => {
+                                notes.push(format!(
+                                    "{case}: refused before cuFile 1.19 ({}): {e}",
+                                    driver.version()
+                                ));
+                                Ok(None)
+                            }
+                            r => r.map(Some),
+                        }
+                    }
+                    _ => unreachable!("a call of the list"),
+                };
+                release.join().unwrap();
+                // cudarc's calls below take a stored error first (bind_to_thread).
+                let _ = ctx.check_err();
+                other.synchronize().unwrap();
+                mine.synchronize().unwrap();
+                drop((handle, file));
+                match r {
+                    Ok(Some(got)) => {
+                        let (back, want) = if write {
+                            (std::fs::read(&p).unwrap(), &pattern)
+                        } else {
+                            (mine.clone_dtoh(&buf).unwrap(), &data)
+                        };
+                        if got != len || back != *want {
+                            let same = back.iter().zip(want).filter(|(a, b)| a == b).count();
+                            bad.push(format!(
+                                "{case}: succeeded ({got} bytes) unordered after the buffer's copy on another stream: {same} of {len} bytes as they should be"
+                            ));
+                        }
+                    }
+                    Ok(None) => {}
+                    Err(e) => notes.push(format!("{case}: failed (not silent): {e}")),
+                }
+                drop((buf, src));
+                std::fs::remove_file(&p).unwrap();
+            }
+        }
+        drop(batch);
+        for n in &notes {
+            eprintln!("not checked: {n}");
+        }
+        assert!(bad.is_empty(), "{}", bad.join("\n"));
+    }
 }
