@@ -339,7 +339,12 @@ impl BatchIo {
                 } => {
                     let stream: Arc<CudaStream> = Arc::clone(dst.stream());
                     let len = dst.len();
-                    let p = dst.device_ptr_mut(&stream).0;
+                    // Its waits for the view's users elsewhere made, or the batch fails before
+                    // anything is submitted (`ordered_access`).
+                    let p = crate::cuda::ordered::ordered_access(&stream, || {
+                        dst.device_ptr_mut(&stream)
+                    })?
+                    .0;
                     (*handle, p, len, *file_offset, sys::CUFILE_READ, stream)
                 }
                 BatchOp::Write {
@@ -349,7 +354,10 @@ impl BatchIo {
                 } => {
                     let stream: Arc<CudaStream> = Arc::clone(src.stream());
                     let len = src.len();
-                    let p = src.device_ptr(&stream).0;
+                    // As for a read.
+                    let p =
+                        crate::cuda::ordered::ordered_access(&stream, || src.device_ptr(&stream))?
+                            .0;
                     (*handle, p, len, *file_offset, sys::CUFILE_WRITE, stream)
                 }
             };

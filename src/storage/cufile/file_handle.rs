@@ -264,7 +264,9 @@ impl CuFileHandle {
         // Taken before cudarc's pointer and dropped after its record (both bind the buffer's
         // context): the caller's current context is put back as it was, also when none was.
         let _restore = crate::cuda::CurrentContext::save();
-        let (ptr, sync) = dst.device_ptr_mut(on);
+        // Its waits for `dst`'s users elsewhere made, or the call fails (`ordered_access`: an
+        // error stored in the caller's object would skip them silently).
+        let (ptr, sync) = crate::cuda::ordered::ordered_access(on, || dst.device_ptr_mut(on))?;
         let done = self.sync_io(false, on, ptr, len, file_offset, false);
         drop(sync);
         done
@@ -283,7 +285,9 @@ impl CuFileHandle {
         // Taken before cudarc's pointer and dropped after its record (both bind the buffer's
         // context): the caller's current context is put back as it was, also when none was.
         let _restore = crate::cuda::CurrentContext::save();
-        let (ptr, sync) = dst.device_ptr_mut(&stream);
+        // As in `read_after_capture_check`.
+        let (ptr, sync) =
+            crate::cuda::ordered::ordered_access(&stream, || dst.device_ptr_mut(&stream))?;
         let done = self.sync_io(false, &stream, ptr, len, file_offset, true);
         drop(sync);
         done.map(|_| ())
@@ -319,7 +323,8 @@ impl CuFileHandle {
         // Taken before cudarc's pointer and dropped after its record (both bind the buffer's
         // context): the caller's current context is put back as it was, also when none was.
         let _restore = crate::cuda::CurrentContext::save();
-        let (ptr, sync) = src.device_ptr(on);
+        // As in `read_after_capture_check`.
+        let (ptr, sync) = crate::cuda::ordered::ordered_access(on, || src.device_ptr(on))?;
         let done = self.sync_io(true, on, ptr, len, file_offset, true);
         drop(sync);
         done

@@ -136,20 +136,24 @@ fn check_alignment(
 /// with the IO's real intent: a write reads the buffer (`device_ptr`: the stream waits for
 /// pending writes of it), a read writes it (`device_ptr_mut`: the stream also waits for pending
 /// reads on other streams). Drop the guard only after the IO is enqueued, so the event cudarc
-/// records then covers the IO.
+/// records then covers the IO. Through `crate::cuda::ordered::ordered_access`: with an error
+/// stored in the buffer's cudarc object cudarc would skip those waits silently; the call fails
+/// instead, before anything is enqueued.
 fn io_pointer<'a>(
     buf: &'a mut CudaSlice<u8>,
     stream: &'a CudaStream,
     write: bool,
-) -> (
+) -> Result<(
     cudarc::driver::sys::CUdeviceptr,
     cudarc::driver::SyncOnDrop<'a>,
-) {
-    if write {
-        buf.device_ptr(stream)
-    } else {
-        buf.device_ptr_mut(stream)
-    }
+)> {
+    crate::cuda::ordered::ordered_access(stream, || {
+        if write {
+            buf.device_ptr(stream)
+        } else {
+            buf.device_ptr_mut(stream)
+        }
+    })
 }
 
 impl StreamIo {
@@ -214,7 +218,7 @@ impl StreamIo {
             status,
         )?;
         // `record` lives until the IO is enqueued (see io_pointer).
-        let (ptr, record) = io_pointer(buf, &stream, write);
+        let (ptr, record) = io_pointer(buf, &stream, write)?;
         let (base, _) = allocation_range(ptr)?;
         let dev_offset = ptr - base + buf_offset as u64;
         check_alignment(h, write, len, file_offset, ptr + buf_offset as u64)?;
@@ -711,7 +715,7 @@ mod tests {
         reader.memcpy_dtod(&buf, &mut copy).unwrap();
         let marker = ctx.new_event(None).unwrap();
         {
-            let (_ptr, _record) = io_pointer(&mut buf, &io_stream, false);
+            let (_ptr, _record) = io_pointer(&mut buf, &io_stream, false).unwrap();
             // Where the IO would be enqueued.
             marker.record(&io_stream).unwrap();
         }
@@ -736,7 +740,7 @@ mod tests {
         let io_done = ctx.new_event(None).unwrap();
         let mut gate = Gate::block(&io_stream);
         {
-            let (_ptr, _record) = io_pointer(&mut buf, &io_stream, false);
+            let (_ptr, _record) = io_pointer(&mut buf, &io_stream, false).unwrap();
             // Where the IO would be enqueued, behind the gate.
             io_done.record(&io_stream).unwrap();
         }

@@ -40,7 +40,10 @@ impl CuFileHandle {
         let mut groups: Vec<Arc<CudaStream>> = Vec::new();
         for (b, stream) in bufs.iter_mut().zip(&streams) {
             let len = b.len();
-            let (ptr, rec) = b.device_ptr_mut(stream);
+            // Its waits for the view's users elsewhere made, or the call fails before cuFile is
+            // called (`ordered_access`).
+            let (ptr, rec) =
+                crate::cuda::ordered::ordered_access(stream, || b.device_ptr_mut(stream))?;
             records.push(rec);
             let ctx = stream.context().cu_ctx();
             let group = match groups.iter().position(|s| s.context().cu_ctx() == ctx) {
@@ -170,7 +173,8 @@ impl CuFileHandle {
         let mut records = Vec::with_capacity(bufs.len());
         for (b, stream) in bufs.iter().zip(&streams) {
             let len = b.len();
-            let (p, rec) = b.device_ptr(stream);
+            // As in `readv`.
+            let (p, rec) = crate::cuda::ordered::ordered_access(stream, || b.device_ptr(stream))?;
             iov.push(sys::CUfileIOVec_t {
                 base: p as *mut c_void,
                 len,
