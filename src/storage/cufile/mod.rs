@@ -831,10 +831,22 @@ mod tests {
         ];
         let (mut bad, mut notes) = (Vec::new(), Vec::new());
         let mut n = 0u64;
-        for (call, write) in calls {
+        // Control first (no error stored: the ordering itself), then with the caller's error.
+        for (call, write, stored) in [false, true]
+            .into_iter()
+            .flat_map(|stored| calls.map(|(c, w)| (c, w, stored)))
+        {
             for len in [4096 + 13, (8 << 20) + 13] {
                 n += 1;
-                let case = format!("{call}, {} KiB", len >> 10);
+                let case = format!(
+                    "{call}, {} KiB, {}",
+                    len >> 10,
+                    if stored {
+                        "an error stored"
+                    } else {
+                        "control: no error stored"
+                    }
+                );
                 let (p, data) =
                     testkit::random_file(&format!("stored-order-cufile-{n}"), len, 140 + n);
                 // What the held copy puts into the buffer: for a write, the bytes the file must
@@ -876,7 +888,10 @@ mod tests {
                 // cudarc records the buffer's write on `other` (behind the held host function).
                 other.memcpy_dtod(&src, &mut buf).unwrap();
                 let _ = ctx.check_err();
-                ctx.record_err::<()>(Err(DriverError(CUresult::CUDA_ERROR_UNKNOWN)));
+                if stored {
+                    ctx.record_err::<()>(Err(DriverError(CUresult::CUDA_ERROR_UNKNOWN)));
+                }
+                let t0 = std::time::Instant::now();
                 let release = std::thread::spawn(move || {
                     std::thread::sleep(Duration::from_millis(300));
                     drop(tx);
@@ -942,7 +957,9 @@ mod tests {
                     }
                     _ => unreachable!("a call of the list"),
                 };
+                let took = t0.elapsed();
                 release.join().unwrap();
+                eprintln!("{case}: the call returned after {took:?} (the copy released at 300 ms)");
                 // cudarc's calls below take a stored error first (bind_to_thread).
                 let _ = ctx.check_err();
                 other.synchronize().unwrap();
